@@ -1,0 +1,130 @@
+"""Python source for graph nodes: the body of a generated stage's ``forward``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from ..graph import Graph, Node, Ref, decode_tensor, dtype_name
+
+_TORCH_CONSTANTS: dict[Any, str] = {
+    torch.strided: "torch.strided",
+    torch.contiguous_format: "torch.contiguous_format",
+    torch.channels_last: "torch.channels_last",
+    torch.channels_last_3d: "torch.channels_last_3d",
+    torch.preserve_format: "torch.preserve_format",
+}
+
+
+def literal(value: Any, ref: Callable[[Ref], str]) -> str:
+    """Source text for an argument value."""
+    if isinstance(value, Ref):
+        return ref(value)
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return repr(value)
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else f'float("{value}")'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(literal(v, ref) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {literal(v, ref)}" for k, v in value.items()) + "}"
+    if isinstance(value, torch.dtype):
+        return f"torch.{dtype_name(value)}"
+    if isinstance(value, torch.device):
+        return "device"
+    if value in _TORCH_CONSTANTS:
+        return _TORCH_CONSTANTS[value]
+    raise TypeError(f"cannot write {value!r} as source")
+
+
+def operator_call(node: Node, ref: Callable[[Ref], str]) -> str:
+    """``aten.addmm.default(bias, x, weight)`` for one call node."""
+    if node.target == "getitem":
+        source, index = node.args
+        return f"{ref(source)}[{index}]"
+    namespace, name, overload = node.target.split(".")
+    fn = f"aten.{name}.{overload}" if namespace == "aten" else f"torch.ops.{namespace}.{name}.{overload}"
+    parts = [literal(a, ref) for a in node.args]
+    parts += [f"{k}={literal(v, ref)}" for k, v in node.kwargs.items()]
+    return f"{fn}({', '.join(parts)})"
+
+
+def attribute_path(fqn: str, root: str = "self") -> str:
+    """``transformer.h.0.attn.weight`` -> ``self.transformer.h[0].attn.weight``."""
+    out = root
+    for part in fqn.split("."):
+        if part.isdigit():
+            out += f"[{part}]"
+        elif part.isidentifier():
+            out += f".{part}"
+        else:
+            out += f"[{part!r}]"
+    return out
+
+
+def context_managers(context: tuple) -> str:
+    """``torch.no_grad()`` / ``torch.autocast(...)`` for a node's grad and autocast modes."""
+    managers = []
+    for entry in context:
+        if entry[0] == "grad":
+            managers.append("torch.enable_grad()" if entry[1] else "torch.no_grad()")
+        else:
+            _, _, dtype_, enabled = entry
+            dtype_src = "None" if dtype_ is None else f"torch.{dtype_name(dtype_)}"
+            managers.append(f"torch.autocast(device.type, dtype={dtype_src}, enabled={enabled})")
+    return ", ".join(managers)
+
+
+def uses_device(nodes: list[Node]) -> bool:
+    def has_device(value: Any) -> bool:
+        if isinstance(value, torch.device):
+            return True
+        if isinstance(value, (list, tuple)):
+            return any(has_device(v) for v in value)
+        if isinstance(value, dict):
+            return any(has_device(v) for v in value.values())
+        return False
+
+    return any(has_device(n.args) or has_device(n.kwargs) or any(c[0] == "autocast" for c in n.context) for n in nodes)
+
+
+def tensor_expression(data: dict) -> str:
+    """Compact source that rebuilds a tensor literal: ``torch.full``/``torch.arange`` when the
+    values allow it, the values themselves otherwise."""
+    tensor = decode_tensor(data)
+    dtype_src = f"torch.{dtype_name(tensor.dtype)}"
+    shape = list(tensor.shape)
+    flat = tensor.reshape(-1)
+    if flat.numel() and bool((flat == flat[0]).all()):
+        value = literal(flat[0].item(), str)
+        return f"torch.full({shape}, {value}, dtype={dtype_src})"
+    if not tensor.dtype.is_floating_point and flat.numel() > 1:
+        start = int(flat[0])
+        if torch.equal(flat, torch.arange(start, start + flat.numel(), dtype=flat.dtype)):
+            return f"torch.arange({start}, {start + flat.numel()}, dtype={dtype_src}).reshape({shape})"
+    values = literal([v for v in flat.tolist()], str)
+    return f"torch.tensor({values}, dtype={dtype_src}).reshape({shape})"
+
+
+def forward_body(graph: Graph, nodes: list[Node], ref: Callable[[Ref], str], model_class: str) -> list[str]:
+    """Source lines of a forward pass over ``nodes``, commented with their module scopes and
+    wrapped in the grad / autocast modes they were traced under."""
+    lines: list[str] = []
+    label = None
+    context: tuple = ()
+    indent = ""
+    for node in nodes:
+        node_label = node.scope_label or f"{model_class} (model)"
+        if node.context != context:
+            context = node.context
+            indent = "    " if context else ""
+            if context:
+                lines.append(f"with {context_managers(context)}:")
+            label = None
+        if node_label != label:
+            lines.append(f"{indent}# {node_label}")
+            label = node_label
+        lines.append(f"{indent}{node.name} = {operator_call(node, ref)}")
+    return lines

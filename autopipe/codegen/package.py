@@ -1,0 +1,248 @@
+"""Render the generated pipeline package: stage modules, pipeline description, train.py."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import black
+import jinja2
+
+from ..artifacts import ARTIFACT_VERSION, dumps
+from ..errors import OutputExistsError
+from ..graph import Graph, ParamInfo, Ref, TensorMeta, dtype_name
+from . import emit
+from .plan import StagePlan, plan_stages
+
+TEMPLATES = Path(str(importlib.resources.files("autopipe.templates")))
+RUNTIME = Path(__file__).resolve().parent.parent / "runtime"
+BLACK_MODE = black.Mode(line_length=100)
+
+
+@dataclass
+class LossSpec:
+    """How the last stage's outputs become the training loss."""
+
+    output: str | None = None  # a model output that is the loss (Hugging Face style)
+    module: str | None = None  # generated source of a traced user loss function
+    target: TensorMeta | None = None  # example target of the user loss
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters["pytuple"] = python_tuple
+    env.filters["tojson"] = json.dumps
+    return env
+
+
+def python_tuple(items: list[str], quote: bool = True) -> str:
+    """``("a", "b")`` / ``("a",)``: a tuple without a trailing comma, so black keeps it on one line."""
+    parts = [json.dumps(i) if quote else i for i in items]
+    return f"({parts[0]},)" if len(parts) == 1 else f"({', '.join(parts)})"
+
+
+def render(template: str, **context: Any) -> str:
+    source = _environment().get_template(template).render(**context)
+    return black.format_str(source, mode=BLACK_MODE)
+
+
+def package_files(graph: Graph, stage_of_unit: list[int], device_of_stage: list[int], loss: LossSpec) -> dict[str, str]:
+    """The files of a generated pipeline package, by relative path."""
+    plans = plan_stages(graph, stage_of_unit, device_of_stage)
+    model_class = graph.model["class"].rsplit(".", 1)[-1]
+    common = {
+        "model_class": model_class,
+        "num_stages": len(plans),
+        "num_devices": len(set(device_of_stage)),
+        "stage_classes": [f"Stage{plan.index}" for plan in plans],
+    }
+    files = {
+        f"stage{plan.index}.py": render("stage.py.j2", **common, **_stage_context(graph, plan, model_class))
+        for plan in plans
+    }
+    files["__init__.py"] = render("__init__.py.j2", **common)
+    files["train.py"] = render("train.py.j2", **common)
+    files["pipeline.json"] = dumps(pipeline_description(graph, plans, loss))
+    files["_support.py"] = (RUNTIME / "support.py").read_text(encoding="utf-8")
+    files["_runtime.py"] = (RUNTIME / "driver.py").read_text(encoding="utf-8")
+    if loss.module is not None:
+        files["loss.py"] = loss.module
+    return files
+
+
+def _stage_context(graph: Graph, plan: StagePlan, model_class: str) -> dict[str, Any]:
+    state_refs = {name: emit.attribute_path(held) for name, held in plan.state_names.items()}
+
+    def ref(r: Ref) -> str:
+        return state_refs.get(r.name, r.name)
+
+    used_constants = dict.fromkeys(
+        src for node in plan.nodes for src in node.inputs if graph[src].kind == "constant"
+    )
+    constant_lines = [
+        f"{name} = {emit.tensor_expression(graph.constants[name])}.to(device)" for name in used_constants
+    ]
+    body = constant_lines + emit.forward_body(graph, plan.nodes, ref, model_class)
+    produced = {n.name for n in plan.nodes}
+    first, final = plan.nodes[0], plan.nodes[-1]
+    summary = (
+        f"{len(plan.nodes)} operators, from {first.scope_label or model_class} "
+        f"to {final.scope_label or model_class}"
+    )
+    return {
+        "stage": plan,
+        "summary": summary,
+        "parameters": _parameter_rows(graph, plan),
+        "buffers": _buffer_rows(graph, plan),
+        "body": body,
+        "returns": [f"{n}.contiguous()" if n in produced else n for n in plan.outputs],
+        "uses_device": emit.uses_device(plan.nodes) or bool(constant_lines),
+    }
+
+
+def _parameter_rows(graph: Graph, plan: StagePlan) -> list[dict[str, Any]]:
+    held = {graph[p].target: name for p, name in plan.state_names.items() if graph[p].kind == "param"}
+    names = sorted(set(held.values()) | set(plan.extra_params))
+    rows = []
+    for name in names:
+        info = graph.param_of(name)
+        rows.append(
+            {
+                "name": name,
+                "shape": tuple(info.shape),
+                "dtype": f"torch.{dtype_name(info.dtype)}",
+                "requires_grad": info.requires_grad,
+                "init": _init_rule(name, info),
+            }
+        )
+    return rows
+
+
+def _buffer_rows(graph: Graph, plan: StagePlan) -> list[dict[str, Any]]:
+    held = {name for p, name in plan.state_names.items() if graph[p].kind == "buffer"}
+    rows = []
+    for name in sorted(held | set(plan.extra_buffers)):
+        info = next(b for b in graph.buffers.values() if name in b.names)
+        if info.persistent:
+            init = json.dumps("ones" if name.endswith("running_var") else "zeros")
+        else:
+            init = emit.tensor_expression(info.value)
+        rows.append(
+            {
+                "name": name,
+                "shape": tuple(info.shape),
+                "dtype": f"torch.{dtype_name(info.dtype)}",
+                "persistent": info.persistent,
+                "init": init,
+            }
+        )
+    return rows
+
+
+def _init_rule(name: str, info: ParamInfo) -> str:
+    """autopipe's generic initialisation; random draws are seeded by the canonical name, so tied
+    copies of a parameter start equal."""
+    local = name.rpartition(".")[2]
+    if "bias" in local:
+        return "zeros"
+    if len(info.shape) <= 1 or "norm" in info.owner.rsplit(".", 1)[-1].lower():
+        return "ones"
+    return f"normal:0.02:{info.names[0]}"
+
+
+def pipeline_description(graph: Graph, plans: list[StagePlan], loss: LossSpec) -> dict[str, Any]:
+    """The JSON-compatible ``PIPELINE`` dict of a generated package."""
+    names = dict.fromkeys(graph.inputs + [n for p in plans for n in p.inputs + p.outputs] + graph.outputs)
+    values = {}
+    for name in names:
+        meta = graph[name].tensor_meta
+        values[name] = {"shape": list(meta.shape), "dtype": dtype_name(meta.dtype), "requires_grad": meta.requires_grad}
+    holders: dict[str, dict[str, str]] = {}
+    for plan in plans:
+        for name in plan.held_names:
+            canonical = _canonical(graph, name)
+            holders.setdefault(canonical, {})[str(plan.index)] = name
+    tied = [
+        {"names": list(graph.params[c].names), "holders": h}
+        for c, h in holders.items()
+        if c in graph.params and len(h) > 1
+    ]
+    aliases = [list(info.names) for info in [*graph.params.values(), *graph.buffers.values()] if len(info.names) > 1]
+    description: dict[str, Any] = {
+        "format": "autopipe.pipeline",
+        "version": ARTIFACT_VERSION,
+        "model": graph.model["class"],
+        "signature": graph.signature,
+        "inputs": graph.inputs,
+        "outputs": graph.outputs,
+        "stages": [
+            {"inputs": p.inputs, "outputs": p.outputs, "device": p.device, "module": f"stage{p.index}"}
+            for p in plans
+        ],
+        "values": values,
+        "loss": {"output": loss.output}
+        if loss.module is None
+        else {"module": "loss", "target": _target_json(loss.target)},
+        "tied": tied,
+        "aliases": aliases,
+        "input_ranges": graph.model.get("input_ranges", {}),
+    }
+    return description
+
+
+def _target_json(meta: TensorMeta | None) -> dict | None:
+    if meta is None:
+        return None
+    return {"shape": list(meta.shape), "dtype": dtype_name(meta.dtype), "requires_grad": False}
+
+
+def _canonical(graph: Graph, name: str) -> str:
+    for table in (graph.params, graph.buffers):
+        for canonical, info in table.items():
+            if name in info.names:
+                return canonical
+    raise KeyError(name)
+
+
+def write_package(out: str | os.PathLike, files: dict[str, str], force: bool = False) -> Path:
+    """Write ``files`` as directory ``out`` all at once: into a temporary sibling first, then
+    moved into place, so a failure never leaves a half-written pipeline behind."""
+    out = Path(out)
+    check_output_dir(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for rel, text in sorted(files.items()):
+            path = tmp / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def check_output_dir(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise OutputExistsError(f"{out} already exists; pass --force to replace it (it is replaced only once the new pipeline is complete)")
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError(f"{out} exists and is not a directory")

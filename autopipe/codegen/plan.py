@@ -1,0 +1,185 @@
+"""From a graph and a unit -> stage assignment to what each generated stage holds and exchanges.
+
+Values are *relayed*: a value produced in stage ``p`` and read in stage ``c > p + 1`` passes through
+every stage between, so stage ``i`` receives only from stage ``i - 1``. That is the shape every
+``torch.distributed.pipelining`` schedule accepts. The last stage returns the model's outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import PartitionError
+from ..graph import Graph, Node, TensorMeta
+from ..interpreter import resolve_target
+
+
+@dataclass
+class StagePlan:
+    """Everything the code generator needs for one stage."""
+
+    index: int
+    device: int
+    nodes: list[Node]
+    inputs: list[str]
+    outputs: list[str]
+    #: placeholder node name -> the original name the stage holds it under
+    state_names: dict[str, str] = field(default_factory=dict)
+    #: original names of parameters / buffers held although no node of the stage reads them
+    extra_params: list[str] = field(default_factory=list)
+    extra_buffers: list[str] = field(default_factory=list)
+    #: stage inputs that the stage mutates in place, cloned on entry
+    cloned_inputs: list[str] = field(default_factory=list)
+
+    @property
+    def held_names(self) -> list[str]:
+        return sorted(set(self.state_names.values()) | set(self.extra_params) | set(self.extra_buffers))
+
+
+def plan_stages(graph: Graph, stage_of_unit: list[int], device_of_stage: list[int]) -> list[StagePlan]:
+    """Split ``graph`` into stages; ``stage_of_unit[u]`` must never decrease along data edges."""
+    num_stages = len(device_of_stage)
+    stage_of: dict[str, int] = {}
+    for node in graph.calls:
+        stage_of[node.name] = stage_of_unit[node.unit]
+    for name in graph.inputs:
+        stage_of[name] = -1
+    last_use: dict[str, int] = {}
+    for node in graph.calls:
+        for src in node.inputs:
+            if graph[src].kind == "call" and stage_of[src] > stage_of[node.name]:
+                raise PartitionError(
+                    f"node {node.name} (stage {stage_of[node.name]}) reads {src} from the later "
+                    f"stage {stage_of[src]}: the stage order is not topological"
+                )
+            last_use[src] = max(last_use.get(src, -1), stage_of[node.name])
+    for name in graph.outputs:
+        if graph[name].kind not in ("call", "input"):
+            raise PartitionError(f"model output {name} is a {graph[name].kind}, not a computed value")
+        last_use[name] = num_stages  # returned by the last stage
+    order = {name: i for i, name in enumerate(graph.dag.nodes)}
+    boundary: list[list[str]] = [[] for _ in range(num_stages)]  # boundary[s]: values entering s
+    for name, last in last_use.items():
+        if name not in stage_of:
+            continue  # parameters, buffers, constants: held, not communicated
+        for s in range(stage_of[name] + 1, min(last, num_stages - 1) + 1):
+            boundary[s].append(name)
+    plans = []
+    for s in range(num_stages):
+        nodes = [n for n in graph.calls if stage_of[n.name] == s]
+        if not nodes:
+            raise PartitionError(f"stage {s} is empty")
+        inputs = sorted(boundary[s], key=order.__getitem__)
+        outputs = list(graph.outputs) if s == num_stages - 1 else sorted(boundary[s + 1], key=order.__getitem__)
+        if not inputs:
+            raise PartitionError(
+                f"stage {s} receives no values from the stages before it; a pipeline stage needs "
+                "at least one input. Use fewer stages."
+            )
+        plans.append(StagePlan(s, device_of_stage[s], nodes, inputs, outputs))
+    for name in (n for p in plans for n in p.inputs + p.outputs):
+        if not isinstance(graph[name].meta, TensorMeta):
+            raise PartitionError(f"value {name} crosses a stage boundary but is not a tensor")
+    _assign_state(graph, plans)
+    for plan in plans:
+        plan.cloned_inputs = _mutated_inputs(graph, plan)
+    return plans
+
+
+def _assign_state(graph: Graph, plans: list[StagePlan]) -> None:
+    """Name each parameter / buffer a stage reads, and give unread ones a home stage.
+
+    A tied parameter read in several stages is held by each of them, under the alias that belongs
+    to the module reading it there (``lm_head.weight`` in the last stage of GPT-2, for example).
+    """
+    held: set[str] = set()  # canonical names held by some stage
+    for plan in plans:
+        chosen_by_canonical: dict[str, str] = {}
+        for node in plan.nodes:
+            for src in node.inputs:
+                placeholder = graph[src]
+                if placeholder.kind not in ("param", "buffer") or src in plan.state_names:
+                    continue
+                names = _state_names(graph, placeholder)
+                consumer = node.scope[-1].fqn if node.scope else ""
+                preferred = next((n for n in names if n.rpartition(".")[0] == consumer), names[0])
+                plan.state_names[src] = chosen_by_canonical.setdefault(names[0], preferred)
+                held.add(names[0])
+    for canonical in graph.params:
+        if canonical not in held:
+            _home(plans, canonical).extra_params.append(canonical)
+    for canonical, info in graph.buffers.items():
+        if canonical not in held and info.persistent:
+            _home(plans, canonical).extra_buffers.append(canonical)
+
+
+def _state_names(graph: Graph, placeholder: Node) -> tuple[str, ...]:
+    if placeholder.kind == "param":
+        return graph.param_of(placeholder.target).names
+    return next(b.names for b in graph.buffers.values() if placeholder.target in b.names)
+
+
+def _home(plans: list[StagePlan], name: str) -> StagePlan:
+    """The stage holding the most closely related state (longest common name prefix)."""
+
+    def shared(plan: StagePlan) -> int:
+        best = 0
+        for other in plan.held_names:
+            common = 0
+            for a, b in zip(name.split("."), other.split(".")):
+                if a != b:
+                    break
+                common += 1
+            best = max(best, common)
+        return best
+
+    return max(plans, key=lambda p: (shared(p), -p.index))
+
+
+def alias_base(graph: Graph, name: str) -> str:
+    """The value whose storage ``name`` shares (following views and in-place ops)."""
+    node = graph[name]
+    while node.kind == "call":
+        if node.target == "getitem":
+            source = graph[node.args[0].name]
+            if source.kind != "call" or not _returns_alias(source.target):
+                break
+            node = source
+            continue
+        arg = _aliased_argument(node)
+        if arg is None:
+            break
+        node = graph[arg]
+    return node.name
+
+
+def _returns_alias(target: str) -> bool:
+    schema = resolve_target(target)._schema
+    return bool(schema.returns) and schema.returns[0].alias_info is not None
+
+
+def _aliased_argument(node: Node) -> str | None:
+    schema = resolve_target(node.target)._schema
+    if not schema.returns or schema.returns[0].alias_info is None:
+        return None
+    sets = schema.returns[0].alias_info.before_set
+    for arg, value in zip(schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.before_set & sets and hasattr(value, "name"):
+            return value.name
+    return None
+
+
+def _mutated_inputs(graph: Graph, plan: StagePlan) -> list[str]:
+    """Stage inputs an in-place operator of the stage writes to (directly or through a view)."""
+    inputs = set(plan.inputs)
+    mutated: list[str] = []
+    for node in plan.nodes:
+        if node.target == "getitem":
+            continue
+        schema = resolve_target(node.target)._schema
+        for arg, value in zip(schema.arguments, node.args):
+            if arg.alias_info is not None and arg.alias_info.is_write and hasattr(value, "name"):
+                base = alias_base(graph, value.name)
+                if base in inputs and base not in mutated:
+                    mutated.append(base)
+    return mutated

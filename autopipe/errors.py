@@ -1,0 +1,36 @@
+"""The errors autopipe reports to its users.
+
+Every error says what is wrong and what to do about it; the CLI prints the message without a
+traceback. Errors raised from deep inside torch are translated into one of these at the boundary
+of the step that hit them.
+"""
+
+from __future__ import annotations
+
+
+class AutopipeError(Exception):
+    """Base class: a problem with the user's input that the user can fix."""
+
+
+class SpecError(AutopipeError):
+    """A model spec (``FILE.py:FUNCTION`` or ``package.module:FUNCTION``) is unusable."""
+
+
+class TraceError(AutopipeError):
+    """The model cannot be captured by ``torch.export``."""
+
+
+class ArtifactError(AutopipeError):
+    """A JSON artefact is missing, corrupted, or from another version of autopipe."""
+
+
+class PartitionError(AutopipeError):
+    """No valid partition exists for the requested stages and devices."""
+
+
+class OutputExistsError(AutopipeError):
+    """The output directory already exists and ``--force`` was not given."""
+
+
+class VerificationError(AutopipeError):
+    """A generated pipeline does not match the original model."""

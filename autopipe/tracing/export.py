@@ -1,0 +1,515 @@
+"""Capture a model with ``torch.export`` (non-strict) and convert it into the graph IR."""
+
+from __future__ import annotations
+
+import inspect
+import keyword
+import os
+import traceback
+from typing import Any
+
+import torch
+from torch import fx
+from torch._subclasses import FakeTensorMode
+from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+from torch.utils import _pytree as pytree
+
+from ..errors import TraceError
+from ..graph import (
+    BufferInfo,
+    Graph,
+    Node,
+    ParamInfo,
+    Ref,
+    Scope,
+    TensorMeta,
+    UnsupportedValue,
+    encode,
+    encode_tensor,
+)
+from ..interpreter import empty_placeholder, resolve_target, run_node
+from ..spec import Example
+from .units import group_units
+
+#: Operators dropped from the graph: they only check metadata recorded at trace time (and would
+#: pin the traced device into the generated code).
+_DROPPED_OPS = {
+    "aten._assert_tensor_metadata.default",
+    "aten._assert_scalar.default",
+    "aten._assert_async.msg",
+    "aten.sym_constrain_range_for_size.default",
+    "aten.sym_constrain_range.default",
+}
+#: Names the generated code uses itself; graph values are renamed away from them.
+_RESERVED = set(keyword.kwlist) | {"torch", "aten", "nn", "self", "device", "float", "math", "Scope"}
+#: Constants larger than this are not embedded in the graph (they would bloat the generated code).
+_MAX_CONSTANT_ELEMENTS = 1 << 16
+
+
+def trace(
+    example: Example,
+    *,
+    depth: int | None = None,
+    basic_blocks: tuple[str, ...] = (),
+    source: str | None = None,
+) -> Graph:
+    """Trace ``example.model`` on its example microbatch into a :class:`Graph`.
+
+    The model is traced in training mode (that is the graph a pipeline trains); ``depth`` and
+    ``basic_blocks`` decide how nodes are grouped into units.
+    """
+    model = example.model
+    on_meta = any(t.is_meta for t in _state_tensors(model))
+    input_ranges = _integer_input_ranges(example)
+    args, kwargs = example.args, example.kwargs
+    if on_meta:  # weights are not needed to trace; keep every tensor on one device
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    was_training = model.training
+    model.train()
+    try:
+        exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    except Exception as exc:  # torch raises many types here; all become one clear error
+        raise _trace_error(exc, model) from exc
+    finally:
+        model.train(was_training)
+
+    converter = _Converter(exported)
+    nodes = converter.convert()
+    graph = Graph(
+        nodes,
+        inputs=converter.inputs,
+        outputs=converter.outputs,
+        signature=_forward_signature(model),
+        params=_parameter_table(model),
+        buffers=_buffer_table(model, exported),
+        constants=converter.constants,
+        model={
+            "class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "source": source,
+            "on_meta": on_meta,
+            "input_ranges": {k: v for k, v in input_ranges.items() if k in converter.inputs},
+            "depth": depth,
+            "basic_blocks": list(basic_blocks),
+        },
+    )
+    _check_parameters_known(graph)
+    _propagate_requires_grad(graph)
+    graph.units = group_units(graph, depth=depth, basic_blocks=basic_blocks)
+    return graph
+
+
+# -- export errors ----------------------------------------------------------------------------
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (torch, inspect, pytree)  # torch, the standard library
+) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+
+
+def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost traceback frame in user code (not torch, autopipe or the standard library)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_LIBRARY_DIRS) and not frame.filename.startswith("<"):
+            return frame
+    return None
+
+
+def _trace_error(exc: Exception, model: torch.nn.Module) -> TraceError:
+    frame = user_frame(exc)
+    where = f"{frame.filename}:{frame.lineno}" if frame else f"the forward of {type(model).__name__}"
+    code = f"\n    {frame.line.strip()}" if frame and frame.line else ""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    name = type(exc).__name__
+    if "data-dependent" in str(exc) or "GuardOnDataDependent" in name or "DataDependent" in name:
+        return TraceError(
+            f"the model has data-dependent control flow at {where}:{code}\n"
+            "autopipe captures one graph for all inputs, so a Python branch or size cannot depend "
+            "on tensor values. Options: rewrite the branch with torch.where or torch.cond; pass the "
+            "value as a fixed (non-tensor) input of the example; or move the code out of the "
+            f"model's forward. (torch.export: {message})"
+        )
+    return TraceError(
+        f"torch.export cannot trace the model at {where}:{code}\n{name}: {message}\n"
+        "Make this code traceable (see https://pytorch.org/docs/stable/export.html), or build the "
+        "model so that it does not run it."
+    )
+
+
+# -- conversion -------------------------------------------------------------------------------
+class _Converter:
+    """Turns an ``ExportedProgram`` into IR nodes: placeholders first, then calls in program
+    order, with higher-order wrappers (no_grad, autocast regions) inlined."""
+
+    def __init__(self, exported: torch.export.ExportedProgram):
+        self.exported = exported
+        self.nodes: list[Node] = []
+        self.names: dict[fx.Node, Any] = {}  # fx node -> Ref (or a Python value)
+        self.taken: set[str] = set()
+        self.inputs: list[str] = []
+        self.outputs: list[str] = []
+        self.constants: dict[str, Any] = {}
+
+    def fresh(self, name: str) -> str:
+        base = name if name.isidentifier() and name not in _RESERVED else f"v_{name}"
+        base = "".join(c if c.isalnum() or c == "_" else "_" for c in base)
+        candidate, i = base, 0
+        while candidate in self.taken:
+            i += 1
+            candidate = f"{base}_{i}"
+        self.taken.add(candidate)
+        return candidate
+
+    def convert(self) -> list[Node]:
+        sig = self.exported.graph_signature
+        for spec in sig.output_specs:
+            if spec.kind != OutputKind.USER_OUTPUT:
+                raise TraceError(
+                    f"the exported graph has a {spec.kind.name.lower().replace('_', ' ')} output "
+                    f"({spec.arg}); autopipe supports in-place buffer updates only as they appear "
+                    "in training graphs. Please report this model."
+                )
+        specs = {spec.arg.name: spec for spec in sig.input_specs if isinstance(spec.arg, TensorArgument)}
+        fx_nodes = list(self.exported.graph.nodes)
+        out_values = [
+            v for v in fx_nodes[-1].args[0] if isinstance(v, fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)
+        ]
+        # output values are named after their pytree keys: reserve those names first
+        preferred: dict[fx.Node, str] = {}
+        for value, leaf_name in zip(out_values, self._output_names()):
+            if value.op != "placeholder" and value not in preferred:
+                preferred[value] = self.fresh(leaf_name)
+        for node in fx_nodes:
+            if node.op == "placeholder":
+                self._placeholder(node, specs.get(node.name))
+            elif node.op == "call_function":
+                self._call(node, self.exported.graph_module, (), preferred.get(node))
+            elif node.op == "output":
+                self.outputs = [self.names[v].name for v in out_values]
+            elif node.op != "get_attr":  # get_attr: submodules of higher-order ops, read when inlined
+                raise TraceError(f"unsupported node {node.op} {node.target} in the exported graph")
+        _move_getitems_after_sources(self.nodes)
+        return _drop_dead(self.nodes, set(self.outputs))
+
+    def _output_names(self) -> list[str]:
+        """One name per tensor leaf of the model output, from its pytree keys."""
+        out_spec = self.exported.module_call_graph[0].signature.out_spec
+        tree = pytree.tree_unflatten(list(range(out_spec.num_leaves)), out_spec)
+        try:
+            paths = [path for path, _ in pytree.tree_flatten_with_path(tree)[0]]
+            names = ["_".join(_key_name(k) for k in path) or "output" for path in paths]
+        except (ValueError, TypeError, NotImplementedError):
+            names = [f"output_{i}" for i in range(out_spec.num_leaves)]
+        names = [n if n[:1].isalpha() else f"output_{n}" for n in names]
+        user = [s for s in self.exported.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
+        return [name for name, spec in zip(names, user) if isinstance(spec.arg, TensorArgument)]
+
+    def _placeholder(self, node: fx.Node, spec) -> None:
+        if spec is None:
+            return  # a non-tensor input: torch.export specialised it to its example value
+        meta = _tensor_meta(node)
+        if spec.kind == InputKind.USER_INPUT:
+            name = self.fresh(node.name)
+            self.inputs.append(name)
+            ir = Node(name, "input", meta=meta)
+        elif spec.kind == InputKind.PARAMETER:
+            ir = Node(self.fresh(node.name), "param", target=spec.target, meta=meta)
+        elif spec.kind == InputKind.BUFFER:
+            ir = Node(self.fresh(node.name), "buffer", target=spec.target, meta=meta)
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            value = self.exported.constants[spec.target]
+            name = self.fresh(node.name)
+            self.constants[name] = _constant_literal(spec.target, value)
+            ir = Node(name, "constant", target=name, meta=meta)
+        else:
+            raise TraceError(f"unsupported input {node.name} of kind {spec.kind.name}")
+        self.names[node] = Ref(ir.name)
+        self.nodes.append(ir)
+
+    def _call(self, node: fx.Node, owner: torch.nn.Module, context: tuple, preferred: str | None) -> None:
+        target = node.target
+        name = str(target)
+        if name in _DROPPED_OPS:
+            return
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            self._inline(node, owner, context)
+            return
+        if target is _getitem and isinstance(self.names.get(node.args[0]), tuple):
+            self.names[node] = self.names[node.args[0]][node.args[1]]  # output of an inlined region
+            return
+        if target is _getitem:
+            name = "getitem"
+        elif not isinstance(target, torch._ops.OpOverload):
+            raise TraceError(
+                f"the model calls {getattr(target, '__name__', target)!r} (node {node.name}), which "
+                "autopipe cannot put in generated code; only torch operators are supported"
+            )
+        try:
+            args = encode_args(node.args, self.names)
+            kwargs = encode_args(node.kwargs, self.names)
+        except UnsupportedValue as exc:
+            raise TraceError(f"operator {name} (node {node.name}) has an unsupported argument: {exc}") from None
+        ir = Node(
+            preferred or self.fresh(node.name),
+            "call",
+            target=name,
+            args=tuple(args),
+            kwargs=kwargs,
+            meta=_value_meta(node),
+            scope=_scope(node),
+            context=context,
+        )
+        self.names[node] = Ref(ir.name)
+        self.nodes.append(ir)
+
+    def _inline(self, node: fx.Node, owner: torch.nn.Module, context: tuple) -> None:
+        """Inline a ``wrap_with_set_grad_enabled`` / ``wrap_with_autocast`` region."""
+        op = node.target.name() if callable(getattr(node.target, "name", None)) else str(node.target)
+        if op == "wrap_with_set_grad_enabled":
+            enabled, submod_node, *operands = node.args
+            entry = ("grad", bool(enabled))
+        elif op == "wrap_with_autocast":
+            device_type, dtype_, enabled, _cache, submod_node, *operands = node.args
+            entry = ("autocast", device_type, dtype_, bool(enabled))
+        else:
+            raise TraceError(
+                f"the model uses the higher-order operator {op} (node {node.name}); autopipe "
+                "supports torch.no_grad / set_grad_enabled and autocast regions only"
+            )
+        submodule = getattr(owner, submod_node.target)
+        inner_nodes = list(submodule.graph.nodes)
+        placeholders = [n for n in inner_nodes if n.op == "placeholder"]
+        for inner, outer in zip(placeholders, operands):
+            self.names[inner] = self.names[outer] if isinstance(outer, fx.Node) else outer
+        for inner in inner_nodes:
+            if inner.op == "call_function":
+                if "nn_module_stack" not in inner.meta and "nn_module_stack" in node.meta:
+                    inner.meta["nn_module_stack"] = node.meta["nn_module_stack"]
+                self._call(inner, submodule, context + (entry,), None)
+            elif inner.op == "output":
+                results = inner.args[0]
+                self.names[node] = tuple(
+                    self.names[r] if isinstance(r, fx.Node) else r for r in results
+                )
+
+
+_getitem = __import__("operator").getitem
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def encode_args(value: Any, names: dict) -> Any:
+    """FX arguments -> IR arguments (:class:`Ref` for nodes), checked to be JSON-encodable."""
+    if isinstance(value, fx.Node):
+        return names[value]
+    if isinstance(value, (list, tuple)):
+        return [encode_args(v, names) for v in value]
+    if isinstance(value, dict):
+        return {k: encode_args(v, names) for k, v in value.items()}
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise UnsupportedValue(f"symbolic value {value} (dynamic shapes are not supported)")
+    encode(value)  # raises UnsupportedValue for anything the IR cannot hold
+    return value
+
+
+def _tensor_meta(node: fx.Node) -> TensorMeta | None:
+    value = node.meta.get("val")
+    return TensorMeta.of(value, requires_grad=False) if isinstance(value, torch.Tensor) else None
+
+
+def _value_meta(node: fx.Node) -> Any:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return TensorMeta.of(value, requires_grad=False)
+    if isinstance(value, (list, tuple)):
+        return tuple(TensorMeta.of(v, requires_grad=False) if isinstance(v, torch.Tensor) else None for v in value)
+    return None
+
+
+def _scope(node: fx.Node) -> tuple[Scope, ...]:
+    stack = node.meta.get("nn_module_stack") or {}
+    scopes = []
+    for key, (fqn, cls) in stack.items():
+        if not fqn:
+            continue  # the model itself
+        cls_name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+        suffix = key.rpartition("@")[2] if "@" in key else ""
+        scopes.append(Scope(f"{fqn}@{suffix}" if suffix else fqn, fqn, cls_name))
+    return tuple(scopes)
+
+
+def _constant_literal(name: str, value: Any) -> dict:
+    if not isinstance(value, torch.Tensor):
+        raise TraceError(f"constant {name} is a {type(value).__name__}; only tensor constants are supported")
+    if value.is_meta:
+        raise TraceError(
+            f"the value of {name} is unknown because the model was built on the meta device; "
+            "create this tensor on a real device (it is not a parameter, so it is not loaded from "
+            "a checkpoint), or build the model on CPU"
+        )
+    if value.numel() > _MAX_CONSTANT_ELEMENTS:
+        raise TraceError(
+            f"constant {name} has {value.numel()} elements; autopipe embeds constants in the "
+            f"generated code and allows at most {_MAX_CONSTANT_ELEMENTS}. Make it a buffer of the model."
+        )
+    return encode_tensor(value)
+
+
+def _move_getitems_after_sources(nodes: list[Node]) -> None:
+    """Place each ``getitem`` right after its source (and earlier getitems of it), so that an
+    operator returning several tensors is never split from its outputs."""
+    position = {n.name: i for i, n in enumerate(nodes)}
+    getitems = [n for n in nodes if n.target == "getitem"]
+    if all(position[n.name] == position[n.args[0].name] + 1 + int(n.args[1]) for n in getitems):
+        return
+    by_source: dict[str, list[Node]] = {}
+    for n in getitems:
+        by_source.setdefault(n.args[0].name, []).append(n)
+    ordered: list[Node] = []
+    for n in nodes:
+        if n.target == "getitem":
+            continue
+        ordered.append(n)
+        ordered.extend(by_source.get(n.name, []))
+    nodes[:] = ordered
+
+
+def _drop_dead(nodes: list[Node], outputs: set[str]) -> list[Node]:
+    """Remove calls whose values nobody reads, unless they mutate something."""
+    used = set(outputs)
+    keep: list[Node] = []
+    for node in reversed(nodes):
+        mutates = node.kind == "call" and node.target != "getitem" and _is_mutating(node.target)
+        if node.kind != "call" or node.name in used or mutates:
+            keep.append(node)
+            used.update(node.inputs)
+    return list(reversed(keep))
+
+
+def _is_mutating(target: str) -> bool:
+    schema = resolve_target(target)._schema
+    return schema.is_mutable or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+# -- tables of the model's state --------------------------------------------------------------
+def _state_tensors(model: torch.nn.Module):
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def _owner_class(model: torch.nn.Module, fqn: str) -> str:
+    owner = model.get_submodule(fqn.rpartition(".")[0])
+    return f"{type(owner).__module__}.{type(owner).__qualname__}"
+
+
+def _parameter_table(model: torch.nn.Module) -> dict[str, ParamInfo]:
+    groups: dict[int, list[str]] = {}
+    tensors: dict[int, torch.nn.Parameter] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+        tensors[id(param)] = param
+    table = {}
+    for key, names in groups.items():
+        p = tensors[key]
+        table[names[0]] = ParamInfo(
+            tuple(names), tuple(p.shape), p.dtype, p.requires_grad, _owner_class(model, names[0])
+        )
+    return table
+
+
+def _buffer_table(model: torch.nn.Module, exported: torch.export.ExportedProgram) -> dict[str, BufferInfo]:
+    persistent = set(model.state_dict().keys())
+    groups: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, buf in model.named_buffers(remove_duplicate=False):
+        groups.setdefault(id(buf), []).append(name)
+        tensors[id(buf)] = buf
+    table = {}
+    for key, names in groups.items():
+        buf = tensors[key]
+        is_persistent = names[0] in persistent
+        value = None
+        if not is_persistent:
+            source = exported.constants.get(names[0], buf)
+            if not source.is_meta:
+                value = encode_tensor(source)
+        table[names[0]] = BufferInfo(
+            tuple(names), tuple(buf.shape), buf.dtype, is_persistent, _owner_class(model, names[0]), value
+        )
+    return table
+
+
+def _check_parameters_known(graph: Graph) -> None:
+    for node in graph.nodes:
+        if node.kind == "param":
+            graph.param_of(node.target)
+        elif node.kind == "buffer":
+            info = next((b for b in graph.buffers.values() if node.target in b.names), None)
+            if info is None:
+                raise TraceError(f"buffer {node.target} is used by the graph but not found in the model")
+            if not info.persistent and info.value is None:
+                raise TraceError(
+                    f"non-persistent buffer {node.target} has no value because the model was built "
+                    "on the meta device, and it is not saved in checkpoints, so the generated "
+                    f"pipeline could not rebuild it. Give {node.target} a real value after building "
+                    "the model on meta (it is small), or build the model on CPU."
+                )
+
+
+def _forward_signature(model: torch.nn.Module) -> list[str]:
+    params = inspect.signature(model.forward).parameters.values()
+    return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _integer_input_ranges(example: Example) -> dict[str, int]:
+    """Largest value of each integer example input, for synthetic data of the same range."""
+    sig = inspect.signature(example.model.forward)
+    try:
+        bound = sig.bind(*example.args, **example.kwargs).arguments
+    except TypeError as exc:
+        raise TraceError(f"the example inputs do not match {type(example.model).__name__}.forward: {exc}") from None
+    ranges = {}
+    for name, value in bound.items():
+        if isinstance(value, torch.Tensor) and not value.is_meta and not value.is_floating_point() and value.numel():
+            ranges[name] = int(value.max())
+    return ranges
+
+
+def _propagate_requires_grad(graph: Graph) -> None:
+    """Find which values need gradients by running the graph on fake tensors with autograd.
+
+    Doubles as a check that every node of the IR can run outside ``torch.export``.
+    """
+    device = torch.device("cpu")
+    env: dict[str, Any] = {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for node in graph.nodes:
+            if node.is_placeholder:
+                env[node.name] = empty_placeholder(graph, node, device)
+            elif node.kind == "call":
+                try:
+                    env[node.name] = run_node(node, env, device)
+                except Exception as exc:
+                    raise TraceError(
+                        f"operator {node.target} (node {node.name}, in {node.scope_label or 'forward'}) "
+                        f"cannot be re-run from the captured graph: {type(exc).__name__}: {exc}"
+                    ) from exc
+    for node in graph.nodes:
+        value = env.get(node.name)
+        if isinstance(node.meta, TensorMeta) and isinstance(value, torch.Tensor):
+            node.meta = _with_grad(node.meta, value.requires_grad)
+        elif isinstance(node.meta, tuple) and isinstance(value, (list, tuple)):
+            node.meta = tuple(
+                _with_grad(m, v.requires_grad) if isinstance(m, TensorMeta) and isinstance(v, torch.Tensor) else m
+                for m, v in zip(node.meta, value)
+            )
+
+
+def _with_grad(meta: TensorMeta, requires_grad: bool) -> TensorMeta:
+    return TensorMeta(meta.shape, meta.dtype, meta.stride, requires_grad)
+

@@ -1,0 +1,1 @@
+"""Jinja templates of the generated pipeline package (installed as ``autopipe.templates``)."""
