@@ -40,9 +40,13 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+def artifact_text(kind: str, payload: dict) -> str:
+    """The JSON text of an artefact of ``kind``."""
+    return dumps({"format": f"autopipe.{kind}", "version": ARTIFACT_VERSION, **payload})
+
+
 def write_artifact(path: str | os.PathLike, kind: str, payload: dict) -> None:
-    data = {"format": f"autopipe.{kind}", "version": ARTIFACT_VERSION, **payload}
-    atomic_write_text(path, dumps(data))
+    atomic_write_text(path, artifact_text(kind, payload))
 
 
 def read_artifact(path: str | os.PathLike, kind: str) -> dict:

@@ -200,6 +200,7 @@ class Graph:
         constants: dict[str, Any],
         model: dict[str, Any],
         units: list[Unit] | None = None,
+        loss: "Graph | None" = None,
     ):
         self.dag = nx.DiGraph()
         for node in nodes:
@@ -217,6 +218,8 @@ class Graph:
         self.constants = constants
         self.model = model
         self.units = units or []
+        #: the traced user loss function (output leaves and target -> scalar), if one was given
+        self.loss = loss
 
     # -- access -------------------------------------------------------------------------------
     @property
@@ -302,6 +305,7 @@ class Graph:
             "scopes": [[[s.key, s.fqn, s.cls] for s in scope] for scope in scopes],
             "units": [{"label": u.label, "nodes": u.nodes} for u in self.units],
             "nodes": nodes,
+            **({"loss": self.loss.to_json()} if self.loss is not None else {}),
         }
 
     @classmethod
@@ -354,6 +358,7 @@ class Graph:
                 constants=data["constants"],
                 model=data["model"],
                 units=units,
+                loss=cls.from_json(data["loss"]) if "loss" in data else None,
             )
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ArtifactError(f"graph artefact is malformed ({exc!r}); run `autopipe trace` again") from exc

@@ -16,22 +16,13 @@ import jinja2
 
 from ..artifacts import ARTIFACT_VERSION, dumps
 from ..errors import OutputExistsError
-from ..graph import Graph, ParamInfo, Ref, TensorMeta, dtype_name
+from ..graph import Graph, ParamInfo, Ref, dtype_name
 from . import emit
 from .plan import StagePlan, plan_stages
 
 TEMPLATES = Path(str(importlib.resources.files("autopipe.templates")))
 RUNTIME = Path(__file__).resolve().parent.parent / "runtime"
 BLACK_MODE = black.Mode(line_length=100)
-
-
-@dataclass
-class LossSpec:
-    """How the last stage's outputs become the training loss."""
-
-    output: str | None = None  # a model output that is the loss (Hugging Face style)
-    module: str | None = None  # generated source of a traced user loss function
-    target: TensorMeta | None = None  # example target of the user loss
 
 
 def _environment() -> jinja2.Environment:
@@ -58,7 +49,7 @@ def render(template: str, **context: Any) -> str:
     return black.format_str(source, mode=BLACK_MODE)
 
 
-def package_files(graph: Graph, stage_of_unit: list[int], device_of_stage: list[int], loss: LossSpec) -> dict[str, str]:
+def package_files(graph: Graph, stage_of_unit: list[int], device_of_stage: list[int]) -> dict[str, str]:
     """The files of a generated pipeline package, by relative path."""
     plans = plan_stages(graph, stage_of_unit, device_of_stage)
     model_class = graph.model["class"].rsplit(".", 1)[-1]
@@ -74,12 +65,25 @@ def package_files(graph: Graph, stage_of_unit: list[int], device_of_stage: list[
     }
     files["__init__.py"] = render("__init__.py.j2", **common)
     files["train.py"] = render("train.py.j2", **common)
-    files["pipeline.json"] = dumps(pipeline_description(graph, plans, loss))
+    files["pipeline.json"] = dumps(pipeline_description(graph, plans))
     files["_support.py"] = (RUNTIME / "support.py").read_text(encoding="utf-8")
     files["_runtime.py"] = (RUNTIME / "driver.py").read_text(encoding="utf-8")
-    if loss.module is not None:
-        files["loss.py"] = loss.module
+    if graph.loss is not None:
+        files["loss.py"] = render("loss.py.j2", **common, **_loss_context(graph.loss, model_class))
     return files
+
+
+def _loss_context(loss: Graph, model_class: str) -> dict[str, Any]:
+    calls = loss.calls
+    constant_lines = [
+        f"{name} = {emit.tensor_expression(value)}.to(device)" for name, value in loss.constants.items()
+    ]
+    return {
+        "inputs": loss.inputs,
+        "body": constant_lines + emit.forward_body(loss, calls, lambda r: r.name, "loss function"),
+        "output": loss.outputs[0],
+        "uses_device": emit.uses_device(calls) or bool(constant_lines),
+    }
 
 
 def _stage_context(graph: Graph, plan: StagePlan, model_class: str) -> dict[str, Any]:
@@ -162,7 +166,7 @@ def _init_rule(name: str, info: ParamInfo) -> str:
     return f"normal:0.02:{info.names[0]}"
 
 
-def pipeline_description(graph: Graph, plans: list[StagePlan], loss: LossSpec) -> dict[str, Any]:
+def pipeline_description(graph: Graph, plans: list[StagePlan]) -> dict[str, Any]:
     """The JSON-compatible ``PIPELINE`` dict of a generated package."""
     names = dict.fromkeys(graph.inputs + [n for p in plans for n in p.inputs + p.outputs] + graph.outputs)
     values = {}
@@ -192,20 +196,24 @@ def pipeline_description(graph: Graph, plans: list[StagePlan], loss: LossSpec) -
             for p in plans
         ],
         "values": values,
-        "loss": {"output": loss.output}
-        if loss.module is None
-        else {"module": "loss", "target": _target_json(loss.target)},
+        "loss": _loss_description(graph),
         "tied": tied,
         "aliases": aliases,
-        "input_ranges": graph.model.get("input_ranges", {}),
+        "input_ranges": graph.model.get("input_ranges", {})
+        | (graph.loss.model.get("input_ranges", {}) if graph.loss is not None else {}),
     }
     return description
 
 
-def _target_json(meta: TensorMeta | None) -> dict | None:
-    if meta is None:
-        return None
-    return {"shape": list(meta.shape), "dtype": dtype_name(meta.dtype), "requires_grad": False}
+def _loss_description(graph: Graph) -> dict[str, Any]:
+    """How train.py gets the loss: a model output (Hugging Face style) or the generated loss.py."""
+    if graph.loss is not None:
+        target = graph.loss[graph.loss.inputs[-1]].tensor_meta
+        return {
+            "module": "loss",
+            "target": {"shape": list(target.shape), "dtype": dtype_name(target.dtype), "requires_grad": False},
+        }
+    return {"output": "loss" if "loss" in graph.outputs else None}
 
 
 def _canonical(graph: Graph, name: str) -> str:

@@ -1,0 +1,146 @@
+"""The compiler pipeline: trace -> profile -> partition -> generate, and the public API over it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from torch import nn
+
+from .artifacts import artifact_text
+from .codegen import check_output_dir, package_files, write_package
+from .graph import GRAPH_KIND, Graph
+from .partitioning import DEFAULT_METHOD, Partition, partition
+from .partitioning.partition import PARTITION_KIND
+from .profiling import Profile, device_spec, profile, with_link
+from .profiling.profile import PROFILE_KIND
+from .spec import Example, load_example, load_function
+from .tracing import trace
+from .tracing.loss import trace_loss
+
+ARTIFACTS = "artifacts"
+
+
+@dataclass
+class CompileOptions:
+    """Everything that decides the compiled pipeline besides the model."""
+
+    stages: int
+    profile: str = "analytic"
+    method: str = DEFAULT_METHOD
+    depth: int | None = None
+    basic_blocks: tuple[str, ...] = ()
+    device: str | None = None  # device spec: table name or JSON file
+    link: str | None = None
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    optimizer: str = "adamw"
+
+
+@dataclass
+class CompileResult:
+    out: Path
+    graph: Graph
+    profile: Profile
+    partition: Partition
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def trace_step(example: Example, options: CompileOptions, source: str | None = None, loss: str | Callable | None = None) -> Graph:
+    graph = trace(example, depth=options.depth, basic_blocks=tuple(options.basic_blocks), source=source)
+    if loss is not None:
+        loss_fn = load_function(loss, "loss spec") if isinstance(loss, str) else loss
+        graph.loss = trace_loss(example, loss_fn)
+    return graph
+
+
+def profile_step(graph: Graph, options: CompileOptions, example: Example | None = None) -> Profile:
+    spec = with_link(device_spec(options.device), options.link)
+    return profile(graph, options.profile, spec, example)
+
+
+def partition_step(graph: Graph, prof: Profile, options: CompileOptions) -> Partition:
+    return partition(
+        graph,
+        prof,
+        options.stages,
+        method=options.method,
+        schedule=options.schedule,
+        microbatches=options.microbatches,
+        optimizer=options.optimizer,
+    )
+
+
+def generate_step(graph: Graph, part: Partition, out: str | Path, *, prof: Profile | None = None, force: bool = False) -> Path:
+    """Write the pipeline package (with the artefacts that produced it under ``artifacts/``)."""
+    part.check_graph(graph)
+    files = package_files(graph, part.stage_of_unit, part.device_of_stage)
+    files[f"{ARTIFACTS}/graph.json"] = artifact_text(GRAPH_KIND, graph.to_json())
+    files[f"{ARTIFACTS}/partition.json"] = artifact_text(PARTITION_KIND, part.to_json())
+    if prof is not None:
+        files[f"{ARTIFACTS}/profile.json"] = artifact_text(PROFILE_KIND, prof.to_json())
+    return write_package(out, files, force=force)
+
+
+def compile_example(
+    example: Example,
+    out: str | Path,
+    options: CompileOptions,
+    *,
+    source: str | None = None,
+    loss: str | Callable | None = None,
+    force: bool = False,
+    log: Callable[[str], None] = lambda message: None,
+) -> CompileResult:
+    """Trace, profile, partition and generate in one go."""
+    out = Path(out)
+    check_output_dir(out, force)  # fail before the expensive steps
+    timings: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        result = fn()
+        timings[name] = time.perf_counter() - start
+        log(f"{name:<9} {timings[name]:7.2f} s")
+        return result
+
+    graph = timed("trace", lambda: trace_step(example, options, source, loss))
+    prof = timed("profile", lambda: profile_step(graph, options, example))
+    part = timed("partition", lambda: partition_step(graph, prof, options))
+    timed("generate", lambda: generate_step(graph, part, out, prof=prof, force=force))
+    return CompileResult(out, graph, prof, part, timings)
+
+
+def compile_spec(spec: str, out: str | Path, options: CompileOptions, **kwargs: Any) -> CompileResult:
+    """:func:`compile_example` for a model spec ``FILE.py:FUNCTION`` / ``package.module:FUNCTION``."""
+    check_output_dir(Path(out), kwargs.get("force", False))
+    return compile_example(load_example(spec), out, options, source=spec, **kwargs)
+
+
+def pipe_model(
+    model: nn.Module,
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    stages: int,
+    out: str | Path,
+    target: Any = None,
+    loss: str | Callable | None = None,
+    force: bool = False,
+    **options: Any,
+) -> Path:
+    """Compile ``model`` into a ``stages``-stage pipeline package written to ``out``.
+
+    ``args`` / ``kwargs`` are one example microbatch. ``loss`` is an optional ``FN(output, target)``
+    (with an example ``target``); without it the model's own ``loss`` output is trained. Other
+    options are the fields of :class:`CompileOptions` (``profile``, ``method``, ``depth``, ...).
+    Returns the package directory.
+    """
+    example = Example(model, tuple(args), dict(kwargs or {}), target)
+    result = compile_example(example, out, CompileOptions(stages=stages, **options), loss=loss, force=force)
+    return result.out
+
+
+__all__ = ["pipe_model", "compile_example", "compile_spec", "CompileOptions", "CompileResult"]

@@ -1,0 +1,95 @@
+"""The exact optimum over contiguous splits of the units' program order (``--method dp``).
+
+Stages are contiguous ranges of units. Dynamic programming over (stages used, units covered)
+minimises the slowest stage, communication included; among the partitions reaching that optimum
+it then minimises the total of the stage times. Stages whose memory exceeds the device are not
+allowed. ``O(stages x units^2)`` work, vectorised over the start of the last stage.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import PartitionError
+from .cost import CostModel, in_flight
+
+
+def solve_contiguous(model: CostModel, num_stages: int) -> list[int]:
+    """``stage_of_unit`` of the best contiguous partition into ``num_stages`` non-empty stages."""
+    n = model.num_units
+    if num_stages > n:
+        raise PartitionError(
+            f"{num_stages} stages need at least {num_stages} units, but the graph has {n}; use fewer "
+            "stages, or a larger --depth / fewer --basic-blocks so the model splits into more units"
+        )
+    dtype = torch.float64
+    prefix = torch.zeros(n + 1, dtype=dtype)
+    prefix[1:] = torch.cumsum(torch.tensor(model.compute, dtype=dtype), 0)
+    act = torch.zeros(n + 1, dtype=dtype)
+    act[1:] = torch.cumsum(torch.tensor(model.activations, dtype=dtype), 0)
+    par = torch.zeros(n + 1, dtype=dtype)
+    par[1:] = torch.cumsum(torch.tensor(model.param_bytes, dtype=dtype), 0)
+    cut = torch.tensor(model.boundary_bytes(), dtype=dtype) / model.device.link_bandwidth
+    comm_in = torch.zeros(n + 1, dtype=dtype)  # stage starting at unit i receives cut[i - 1]
+    comm_in[1:n] = cut
+    comm_out = torch.zeros(n + 1, dtype=dtype)  # stage ending before unit j sends cut[j - 1]
+    comm_out[1:n] = cut
+    capacity = model.device.memory
+    microbatches = model.microbatches or 2 * num_stages
+
+    def stage_costs(j: int, k: int, starts: torch.Tensor) -> torch.Tensor:
+        """Cost of stage ``k`` covering units ``starts .. j - 1`` for each start."""
+        cost = prefix[j] - prefix[starts] + comm_in[starts] + comm_out[j]
+        memory = (par[j] - par[starts]) * model.state_factor() + (act[j] - act[starts]) * in_flight(
+            k, num_stages, model.schedule, microbatches
+        )
+        return torch.where(memory <= capacity, cost, torch.full_like(cost, math.inf))
+
+    inf = math.inf
+    # best[k][j]: least bottleneck covering units 0..j-1 with stages 0..k-1
+    best = torch.full((num_stages + 1, n + 1), inf, dtype=dtype)
+    best[0, 0] = 0.0
+    for k in range(1, num_stages + 1):
+        for j in range(k, n - (num_stages - k) + 1):
+            starts = torch.arange(k - 1, j)
+            candidates = torch.maximum(best[k - 1, starts], stage_costs(j, k - 1, starts))
+            best[k, j] = candidates.min()
+    optimum = float(best[num_stages, n])
+    if not math.isfinite(optimum):
+        raise PartitionError(_memory_message(model, num_stages, microbatches))
+    # among partitions with that bottleneck, the least total time; ties -> earliest cut
+    limit = optimum * (1 + 1e-9)
+    total = torch.full((num_stages + 1, n + 1), inf, dtype=dtype)
+    choice = torch.zeros((num_stages + 1, n + 1), dtype=torch.long)
+    total[0, 0] = 0.0
+    for k in range(1, num_stages + 1):
+        for j in range(k, n - (num_stages - k) + 1):
+            starts = torch.arange(k - 1, j)
+            cost = stage_costs(j, k - 1, starts)
+            value = torch.where(cost <= limit, total[k - 1, starts] + cost, torch.full_like(cost, inf))
+            i = int(torch.argmin(value))
+            total[k, j] = value[i]
+            choice[k, j] = starts[i]
+    stage_of_unit = [0] * n
+    j = n
+    for k in range(num_stages, 0, -1):
+        i = int(choice[k, j])
+        for u in range(i, j):
+            stage_of_unit[u] = k - 1
+        j = i
+    return stage_of_unit
+
+
+def _memory_message(model: CostModel, num_stages: int, microbatches: int) -> str:
+    state = sum(model.param_bytes) * model.state_factor()
+    activations = sum(model.activations) * microbatches
+    need = (state + activations) / num_stages / 1024**3
+    return (
+        f"no split into {num_stages} stages fits the memory of {model.device.name} "
+        f"({model.device.memory / 1024**3:.1f} GiB per device): parameters, gradients and optimizer "
+        f"state take {state / 1024**3:.1f} GiB and activations up to {activations / 1024**3:.1f} GiB, about "
+        f"{need:.1f} GiB per stage. Use at least {math.ceil((state + activations) / model.device.memory)} "
+        "stages, fewer microbatches in flight, or a device with more memory (--device-spec)."
+    )

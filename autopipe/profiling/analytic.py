@@ -1,0 +1,101 @@
+"""Analytic profiling: FLOPs and bytes on fake tensors, turned into time by a roofline.
+
+Nothing is allocated and no weights are needed, so a model of any size profiles on a laptop.
+Each operator costs ``max(flops / achievable FLOP/s, bytes / achievable bandwidth)`` plus a launch
+overhead; views cost nothing. FLOPs follow ``torch.utils.flop_counter.FlopCounterMode`` (two per
+multiply-add), forward and backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch._subclasses import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..graph import Graph
+from ..interpreter import empty_placeholder
+from .devices import DeviceSpec
+from .profile import Profile, UnitCost, graph_digest
+from .workload import output_bytes, run_forward_backward, unit_workloads
+
+#: Operators that read only the rows they gather, not their whole (table) input.
+_GATHERS = {"embedding", "index", "gather", "index_select", "take", "_unsafe_index"}
+
+
+class RooflineMode(TorchDispatchMode):
+    """Accumulates the roofline time, FLOPs and bytes of the operators dispatched inside it."""
+
+    def __init__(self, spec: DeviceSpec, flop_counter: FlopCounterMode):
+        super().__init__()
+        self.spec = spec
+        self.flop_counter = flop_counter
+        self.time = 0.0
+        self.flops = 0.0
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.flop_counter.get_total_flops()
+        out = func(*args, **(kwargs or {}))
+        flops = self.flop_counter.get_total_flops() - before
+        schema = func._schema
+        if schema.returns and schema.returns[0].alias_info is not None and not schema.is_mutable:
+            return out  # a view: no kernel, no traffic
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        written = sum(_nbytes(t) for t in outputs)
+        read = sum(_nbytes(t) for t in inputs)
+        if func._opname in _GATHERS:
+            read = min(read, 2 * written)
+        dtype = next((t.dtype for t in inputs if t.is_floating_point()), None)
+        compute = flops / (self.spec.peak_flops(dtype) * self.spec.compute_efficiency)
+        memory = (read + written) / (self.spec.memory_bandwidth * self.spec.memory_efficiency)
+        self.time += max(compute, memory) + self.spec.kernel_overhead
+        self.flops += flops
+        self.bytes += read + written
+        return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@contextlib.contextmanager
+def _counting(spec: DeviceSpec, sink: list[RooflineMode]):
+    with FlopCounterMode(display=False) as counter, RooflineMode(spec, counter) as roofline:
+        yield
+    sink.append(roofline)
+
+
+def profile_analytic(graph: Graph, spec: DeviceSpec) -> Profile:
+    """Profile every unit of ``graph`` on fake tensors for the device ``spec``."""
+    device = torch.device("cpu")
+    costs = []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for work in unit_workloads(graph):
+            forward: list[RooflineMode] = []
+            backward: list[RooflineMode] = []
+            saved = run_forward_backward(
+                graph,
+                work,
+                lambda name: empty_placeholder(graph, graph[name], device),
+                device,
+                lambda: _counting(spec, forward),
+                lambda: _counting(spec, backward),
+            )
+            fwd = forward[0]
+            bwd = backward[0] if backward else None
+            costs.append(
+                UnitCost(
+                    forward=fwd.time,
+                    backward=bwd.time if bwd else 0.0,
+                    flops_forward=fwd.flops,
+                    flops_backward=bwd.flops if bwd else 0.0,
+                    activations=saved,
+                    outputs=output_bytes(graph, work),
+                )
+            )
+    return Profile("analytic", spec, costs, graph_digest(graph))

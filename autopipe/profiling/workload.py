@@ -1,0 +1,90 @@
+"""One unit as a runnable workload: its inputs, the state it reads, and its outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..graph import Graph, Node, TensorMeta
+from ..interpreter import run_nodes
+
+
+@dataclass
+class UnitWorkload:
+    nodes: list[Node]
+    inputs: list[str]  # values computed outside the unit (or model inputs)
+    state: list[str]  # parameter / buffer / constant placeholders the unit reads
+    outputs: list[str]  # values other units (or the model's output) read
+
+
+def unit_workloads(graph: Graph) -> list[UnitWorkload]:
+    unit_of = {n.name: n.unit for n in graph.calls}
+    model_outputs = set(graph.outputs)
+    workloads = []
+    for unit in graph.units:
+        nodes = graph.unit_nodes(unit.index)
+        inputs: dict[str, None] = {}
+        state: dict[str, None] = {}
+        for node in nodes:
+            for src in node.inputs:
+                kind = graph[src].kind
+                if kind in ("param", "buffer", "constant"):
+                    state[src] = None
+                elif unit_of.get(src) != unit.index:
+                    inputs[src] = None
+        outputs = [
+            n.name
+            for n in nodes
+            if isinstance(n.meta, TensorMeta)
+            and (n.name in model_outputs or any(unit_of.get(u) != unit.index for u in graph.users(n.name)))
+        ]
+        workloads.append(UnitWorkload(nodes, list(inputs), list(state), outputs))
+    return workloads
+
+
+def run_forward_backward(
+    graph: Graph,
+    work: UnitWorkload,
+    make_value: Callable[[str], torch.Tensor],
+    device: torch.device,
+    forward_mode: Callable[[], Any],
+    backward_mode: Callable[[], Any],
+) -> int:
+    """Run a unit forward (inside ``forward_mode()``) and backward (inside ``backward_mode()``).
+
+    ``make_value(name)`` gives a fresh tensor for each input and state placeholder. Returns the
+    bytes autograd saved for backward, storages counted once, parameters not counted.
+    """
+    env: dict[str, Any] = {}
+    leaves: list[torch.Tensor] = []
+    for name in work.inputs + work.state:
+        value = make_value(name)
+        if value.requires_grad:
+            leaves.append(value)
+            value = value.clone() if graph[name].kind != "param" else value  # in-place ops stay legal
+        env[name] = value
+    params = {StorageWeakRef(env[n].untyped_storage()) for n in work.state if graph[n].kind == "param"}
+    saved: dict[StorageWeakRef, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        ref = StorageWeakRef(tensor.untyped_storage())
+        if ref not in params:
+            saved[ref] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with forward_mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_nodes(work.nodes, env, device)
+    outputs = [env[n] for n in work.outputs if isinstance(env[n], torch.Tensor) and env[n].requires_grad]
+    wrt = [leaf for leaf in leaves if leaf.requires_grad]
+    if outputs and wrt:
+        grads = [torch.ones_like(o) for o in outputs]
+        with backward_mode():
+            torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
+    return sum(saved.values())
+
+
+def output_bytes(graph: Graph, work: UnitWorkload) -> int:
+    return sum(graph.value_bytes(n) for n in work.outputs)

@@ -1,0 +1,161 @@
+"""``autopipe verify``: run a generated pipeline's stages in one process against the original model.
+
+Both start from the same weights and RNG state; the stages are chained in order (autograd flows
+through them as through the original), then forward outputs, parameter gradients (summed over the
+copies of tied parameters) and buffers after the step are compared.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import AutopipeError, VerificationError
+from .spec import Example
+
+
+def load_pipeline(path: str | Path) -> ModuleType:
+    """Import a generated pipeline package from its directory (any name, any location)."""
+    path = Path(path).resolve()
+    if not (path / "__init__.py").is_file() or not (path / "pipeline.json").is_file():
+        raise AutopipeError(f"{path} is not a generated pipeline (no __init__.py and pipeline.json)")
+    name = f"_autopipe_pipeline_{zlib.crc32(str(path).encode()):08x}"
+    for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[module]
+    spec = importlib.util.spec_from_file_location(name, path / "__init__.py", submodule_search_locations=[str(path)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
+    return package
+
+
+@dataclass
+class Comparison:
+    kind: str  # "output" | "grad" | "buffer"
+    name: str
+    max_abs: float
+    ok: bool
+
+
+@dataclass
+class VerifyReport:
+    comparisons: list[Comparison] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.comparisons)
+
+    def worst(self, kind: str) -> float:
+        return max((c.max_abs for c in self.comparisons if c.kind == kind), default=0.0)
+
+    def summary(self) -> str:
+        lines = []
+        for kind in ("output", "grad", "buffer"):
+            items = [c for c in self.comparisons if c.kind == kind]
+            bad = [c for c in items if not c.ok]
+            lines.append(f"{kind + 's':<8} {len(items):5d} compared, max |diff| {self.worst(kind):.3g}, {len(bad)} mismatched")
+            lines += [f"  mismatch: {c.name} (max |diff| {c.max_abs:.3g})" for c in bad[:10]]
+        return "\n".join(lines)
+
+
+def state_for_stage(stage: torch.nn.Module, state: dict[str, torch.Tensor], aliases: list[list[str]]) -> dict[str, torch.Tensor]:
+    """The entries of an original-model ``state_dict`` a stage holds (tied aliases resolved)."""
+    alias_of = {name: group for group in aliases for name in group}
+    own = {}
+    for key in stage.state_dict():
+        found = next((k for k in alias_of.get(key, [key]) if k in state), None)
+        if found is None:
+            raise AutopipeError(f"the model's state_dict has no entry {key!r}; is this the model the pipeline was compiled from?")
+        own[key] = state[found]
+    return own
+
+
+def verify(path: str | Path, example: Example, *, rtol: float = 1e-4, atol: float = 1e-5, seed: int = 0) -> VerifyReport:
+    """Compare the pipeline in ``path`` with ``example.model`` on the example microbatch."""
+    package = load_pipeline(path)
+    pipeline = package.PIPELINE
+    model = example.model
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise AutopipeError("verify needs the model's real weights, but the model spec builds it on the meta device")
+    model.train()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    stages = []
+    for i in range(len(pipeline["stages"])):
+        stage = package.build_stage(i, device="cpu", init=False)
+        stage.load_state_dict(state_for_stage(stage, state, pipeline["aliases"]))
+        stage.train()
+        stages.append(stage)
+
+    torch.manual_seed(seed)
+    expected = [leaf for leaf in pytree.tree_leaves(model(*example.args, **example.kwargs)) if isinstance(leaf, torch.Tensor)]
+    env = dict(zip(pipeline["signature"], example.args)) | dict(example.kwargs)
+    torch.manual_seed(seed)
+    for spec, stage in zip(pipeline["stages"], stages):
+        values = stage(*[env[name] for name in spec["inputs"]])
+        env.update(zip(spec["outputs"], values))
+    actual = [env[name] for name in pipeline["outputs"]]
+    if len(actual) != len(expected):
+        raise VerificationError(f"the pipeline returns {len(actual)} outputs, the model {len(expected)}")
+
+    report = VerifyReport()
+    for name, a, e in zip(pipeline["outputs"], actual, expected):
+        report.comparisons.append(_compare("output", name, a, e, rtol, atol))
+    _backward(expected, actual, seed)
+    reference_grads = {name: p.grad for name, p in model.named_parameters(remove_duplicate=False)}
+    aliases = {name: group for group in pipeline["aliases"] for name in group}
+    pipeline_grads: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        for name, param in stage.named_parameters():
+            if param.grad is not None:
+                canonical = aliases.get(name, [name])[0]
+                pipeline_grads[canonical] = pipeline_grads.get(canonical, 0) + param.grad
+    for name, param in model.named_parameters():
+        got = pipeline_grads.get(name)
+        want = reference_grads[name]
+        if want is None and got is None:
+            continue
+        want = torch.zeros_like(param) if want is None else want
+        got = torch.zeros_like(param) if got is None else got
+        report.comparisons.append(_compare("grad", name, got, want, rtol, atol))
+    reference_buffers = dict(model.named_buffers())
+    for stage in stages:
+        for name, buffer in stage.named_buffers():
+            if name in reference_buffers:
+                report.comparisons.append(_compare("buffer", name, buffer, reference_buffers[name], rtol, atol))
+    return report
+
+
+def _backward(expected: list[torch.Tensor], actual: list[torch.Tensor], seed: int) -> None:
+    """Back-propagate the same random projection of the outputs through model and pipeline."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    ref_terms, pipe_terms = [], []
+    for e, a in zip(expected, actual):
+        if e.requires_grad and e.is_floating_point():
+            weight = torch.randn(e.shape, generator=generator, dtype=torch.float32).to(e.dtype)
+            ref_terms.append((e * weight).sum())
+            if a.requires_grad:
+                pipe_terms.append((a * weight).sum())
+    if ref_terms:
+        torch.stack(ref_terms).sum().backward()
+    if pipe_terms:
+        torch.stack(pipe_terms).sum().backward()
+
+
+def _compare(kind: str, name: str, actual: Any, expected: torch.Tensor, rtol: float, atol: float) -> Comparison:
+    if not isinstance(actual, torch.Tensor) or actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return Comparison(kind, f"{name} (shape/dtype {getattr(actual, 'shape', None)} vs {tuple(expected.shape)})", float("inf"), False)
+    a, e = actual.detach(), expected.detach()
+    if not a.is_floating_point():
+        diff = float((a != e).sum())
+        return Comparison(kind, name, diff, diff == 0)
+    diff = float((a.double() - e.double()).abs().max()) if a.numel() else 0.0
+    ok = bool(torch.allclose(a.double(), e.double(), rtol=rtol, atol=atol, equal_nan=True))
+    return Comparison(kind, name, diff, ok)
