@@ -96,19 +96,25 @@ def verify(path: str | Path, example: Example, *, rtol: float = 1e-4, atol: floa
 
     torch.manual_seed(seed)
     expected = [leaf for leaf in pytree.tree_leaves(model(*example.args, **example.kwargs)) if isinstance(leaf, torch.Tensor)]
-    env = dict(zip(pipeline["signature"], example.args)) | dict(example.kwargs)
     torch.manual_seed(seed)
-    for spec, stage in zip(pipeline["stages"], stages):
-        values = stage(*[env[name] for name in spec["inputs"]])
-        env.update(zip(spec["outputs"], values))
+    env = dict(zip(pipeline["signature"], example.args)) | dict(example.kwargs)
+    records = _forward_stages(pipeline, stages, env)
     actual = [env[name] for name in pipeline["outputs"]]
     if len(actual) != len(expected):
         raise VerificationError(f"the pipeline returns {len(actual)} outputs, the model {len(expected)}")
-
     report = VerifyReport()
     for name, a, e in zip(pipeline["outputs"], actual, expected):
         report.comparisons.append(_compare("output", name, a, e, rtol, atol))
-    _backward(expected, actual, seed)
+    # back-propagate the same random projection of the outputs through both
+    weights = _projection_weights(expected, seed)
+    terms = [(e * w).sum() for e, w in zip(expected, weights) if w is not None]
+    if terms:
+        torch.stack(terms).sum().backward()
+    output_grads: dict[str, torch.Tensor] = {}
+    for name, w in zip(pipeline["outputs"], weights):
+        if w is not None:
+            output_grads[name] = output_grads.get(name, 0) + w
+    _backward_stages(records, output_grads)
     reference_grads = {name: p.grad for name, p in model.named_parameters(remove_duplicate=False)}
     aliases = {name: group for group in pipeline["aliases"] for name in group}
     pipeline_grads: dict[str, torch.Tensor] = {}
@@ -133,20 +139,43 @@ def verify(path: str | Path, example: Example, *, rtol: float = 1e-4, atol: floa
     return report
 
 
-def _backward(expected: list[torch.Tensor], actual: list[torch.Tensor], seed: int) -> None:
-    """Back-propagate the same random projection of the outputs through model and pipeline."""
+def _projection_weights(outputs: list[torch.Tensor], seed: int) -> list[torch.Tensor | None]:
+    """Fixed random weights: the outputs are back-propagated as ``sum((output * weight).sum())``."""
     generator = torch.Generator().manual_seed(seed + 1)
-    ref_terms, pipe_terms = [], []
-    for e, a in zip(expected, actual):
-        if e.requires_grad and e.is_floating_point():
-            weight = torch.randn(e.shape, generator=generator, dtype=torch.float32).to(e.dtype)
-            ref_terms.append((e * weight).sum())
-            if a.requires_grad:
-                pipe_terms.append((a * weight).sum())
-    if ref_terms:
-        torch.stack(ref_terms).sum().backward()
-    if pipe_terms:
-        torch.stack(pipe_terms).sum().backward()
+    weights = []
+    for out in outputs:
+        if out.requires_grad and out.is_floating_point():
+            weights.append(torch.randn(out.shape, generator=generator, dtype=torch.float32).to(out.dtype))
+        else:
+            weights.append(None)
+    return weights
+
+
+def _forward_stages(pipeline: dict, stages: list, env: dict[str, Any]) -> list[tuple[dict, list, tuple]]:
+    """Run the stages as the pipeline runtime does: each on fresh leaf tensors carrying the
+    autograd flags of the pipeline description. Adds the outputs to ``env``."""
+    values = pipeline["values"]
+    records = []
+    for spec, stage in zip(pipeline["stages"], stages):
+        inputs = []
+        for name in spec["inputs"]:
+            tensor = env[name].detach()
+            inputs.append(tensor.requires_grad_(values[name]["requires_grad"] and tensor.is_floating_point()))
+        outputs = stage(*inputs)
+        if not isinstance(outputs, tuple) or len(outputs) != len(spec["outputs"]):
+            raise VerificationError(f"a stage returned {type(outputs).__name__}; expected a tuple of {len(spec['outputs'])} tensors")
+        env.update(zip(spec["outputs"], outputs))
+        records.append((spec, inputs, outputs))
+    return records
+
+
+def _backward_stages(records: list[tuple[dict, list, tuple]], grads: dict[str, torch.Tensor]) -> None:
+    """Backward from the last stage to the first, handing input gradients to the stage before."""
+    for spec, inputs, outputs in reversed(records):
+        pairs = [(o, grads[n]) for n, o in zip(spec["outputs"], outputs) if n in grads and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads = {n: i.grad for n, i in zip(spec["inputs"], inputs) if i.grad is not None}
 
 
 def _compare(kind: str, name: str, actual: Any, expected: torch.Tensor, rtol: float, atol: float) -> Comparison:

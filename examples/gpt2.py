@@ -5,6 +5,9 @@
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging
+
+logging.set_verbosity_error()  # keep the example's output to autopipe's own lines
 
 BATCH, SEQ = 2, 64
 
@@ -25,3 +28,14 @@ def build():
     model = GPT2LMHeadModel(config)
     input_ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
     return model, (input_ids,), {"labels": input_ids.clone()}
+
+
+def batches(step: int, microbatches: int = 8):
+    """A learnable toy corpus for `train.py --data examples/gpt2.py:batches`: each sequence counts
+    up from a random start with a random stride, so the loss falls within a few dozen steps."""
+    generator = torch.Generator().manual_seed(step)
+    rows = BATCH * microbatches
+    start = torch.randint(0, 1024, (rows, 1), generator=generator)
+    stride = torch.randint(1, 4, (rows, 1), generator=generator)
+    input_ids = (start + stride * torch.arange(SEQ)) % 1024
+    return (input_ids,), {"labels": input_ids.clone()}

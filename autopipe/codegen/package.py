@@ -163,7 +163,8 @@ def _init_rule(name: str, info: ParamInfo) -> str:
         return "zeros"
     if len(info.shape) <= 1 or "norm" in info.owner.rsplit(".", 1)[-1].lower():
         return "ones"
-    return f"normal:0.02:{info.names[0]}"
+    canonical = info.names[0]
+    return "normal:0.02" if name == canonical else f"normal:0.02:{canonical}"
 
 
 def pipeline_description(graph: Graph, plans: list[StagePlan]) -> dict[str, Any]:
@@ -231,6 +232,9 @@ def write_package(out: str | os.PathLike, files: dict[str, str], force: bool = F
     check_output_dir(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the package is meant to be shared
     try:
         for rel, text in sorted(files.items()):
             path = tmp / rel

@@ -1,0 +1,57 @@
+"""The committed pipelines under generated/: how each was compiled.
+
+    python examples/gallery.py            # regenerate them all
+    python examples/gallery.py --check    # regenerate into a temporary directory and compare bytes
+
+Run from the repository root; specs are relative to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import sys
+import tempfile
+from pathlib import Path
+
+from autopipe.cli import main as autopipe
+
+#: directory under generated/ -> arguments of `autopipe compile`
+GALLERY = {
+    "gpt2_4": ["examples/gpt2.py:build", "--stages", "4"],
+}
+
+
+def regenerate(root: Path) -> None:
+    for name, arguments in GALLERY.items():
+        code = autopipe(["compile", *arguments, "--out", str(root / name), "--force", "--quiet"])
+        if code:
+            raise SystemExit(f"compiling {name} failed")
+
+
+def differences(left: Path, right: Path) -> list[str]:
+    """Relative paths whose bytes differ (or that exist on one side only)."""
+    left_files = {p.relative_to(left) for p in left.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    right_files = {p.relative_to(right) for p in right.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    changed = [str(p) for p in sorted(left_files & right_files) if not filecmp.cmp(left / p, right / p, shallow=False)]
+    return changed + [f"{p} (only on one side)" for p in sorted(left_files ^ right_files)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="compare a fresh build with generated/")
+    args = parser.parse_args()
+    committed = Path("generated")
+    if not args.check:
+        regenerate(committed)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        regenerate(Path(tmp))
+        bad = [f"{name}/{d}" for name in GALLERY for d in differences(committed / name, Path(tmp) / name)]
+    for line in bad:
+        print(f"differs: {line}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

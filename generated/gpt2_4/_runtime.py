@@ -1,0 +1,401 @@
+"""Training driver of generated pipelines, started by ``torchrun ... train.py``.
+
+This file is copied into every generated pipeline as ``_runtime.py`` and needs only torch. Each
+rank builds the stages the pipeline places on it, wraps them in
+``torch.distributed.pipelining.PipelineStage`` and runs one of torch's schedules; gradients of
+parameters tied across stages are all-reduced before each optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+#: --schedule names -> torch.distributed.pipelining schedule classes (one stage per rank).
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+
+_DTYPES = {
+    name: getattr(torch, name)
+    for name in [
+        "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"
+    ]
+}
+
+
+class PipelineRunError(RuntimeError):
+    """A problem with how the pipeline was started or fed; printed without a traceback."""
+
+
+# -- command line -----------------------------------------------------------------------------
+def parse_args(argv: list[str], pipeline: dict) -> argparse.Namespace:
+    num_stages = len(pipeline["stages"])
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description=f"Train {pipeline['model'].rsplit('.', 1)[-1]} as a {num_stages}-stage pipeline "
+        f"(run with torchrun --nproc-per-node={num_devices(pipeline)}).",
+    )
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps to run (default 10)")
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=2 * num_stages,
+        help=f"microbatches per step; a step's batch is this many example microbatches (default {2 * num_stages})",
+    )
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b", help="pipeline schedule (default 1f1b)")
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw", help="optimizer (default adamw)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    parser.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
+    parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
+    parser.add_argument(
+        "--data",
+        metavar="FILE.py:FN",
+        help="FN(step) returns (args, kwargs) or (args, kwargs, target): the step's whole batch, "
+        "batch dimension 0 (default: synthetic batches of the example's shapes)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda runs NCCL with one GPU per rank, cpu runs gloo (default: cuda when available)",
+    )
+    parser.add_argument("--load", metavar="PATH", help="original-model state_dict saved with torch.save")
+    parser.add_argument("--save", metavar="PATH", help="write the trained original-model state_dict here")
+    parser.add_argument("--log-json", metavar="PATH", help="append one JSON object per step (step, loss, time)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of initialisation and synthetic data")
+    args = parser.parse_args(argv)
+    if args.steps < 0 or args.microbatches < 1:
+        parser.error("--steps must be >= 0 and --microbatches >= 1")
+    if args.schedule == "1f1b" and args.microbatches < num_stages:
+        parser.error(
+            f"--schedule 1f1b needs at least as many microbatches as stages ({num_stages}); "
+            f"got --microbatches {args.microbatches}. Use --microbatches {num_stages} or more, or --schedule gpipe."
+        )
+    return args
+
+
+def num_devices(pipeline: dict) -> int:
+    return len({stage["device"] for stage in pipeline["stages"]})
+
+
+# -- data -------------------------------------------------------------------------------------
+def load_function(spec: str) -> Callable:
+    """Import ``FILE.py:FN`` or ``package.module:FN``."""
+    location, _, name = spec.rpartition(":")
+    if not location or not name:
+        raise PipelineRunError(f"--data {spec!r} must have the form FILE.py:FN or package.module:FN")
+    if location.endswith(".py"):
+        path = Path(location).resolve()
+        if not path.is_file():
+            raise PipelineRunError(f"--data: file {location} does not exist")
+        module_spec = importlib.util.spec_from_file_location(f"_autopipe_data_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.path.insert(0, str(path.parent))
+        try:
+            module_spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(path.parent))
+    else:
+        module = importlib.import_module(location)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise PipelineRunError(f"--data: {location} has no function {name!r}")
+    return fn
+
+
+class Batches:
+    """The whole batch of each step: from ``--data`` or synthetic, checked against the pipeline."""
+
+    def __init__(self, pipeline: dict, microbatches: int, data: str | None, seed: int):
+        self.pipeline = pipeline
+        self.microbatches = microbatches
+        self.fn = load_function(data) if data else None
+        self.seed = seed
+
+    def __call__(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """``(inputs in PIPELINE["inputs"] order, target or None)``."""
+        if self.fn is None:
+            return self._synthetic(step)
+        result = self.fn(step)
+        if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
+            raise PipelineRunError(f"--data function returned {type(result).__name__}; expected (args, kwargs) or (args, kwargs, target)")
+        args, kwargs, *rest = result
+        bound = self._bind(tuple(args), dict(kwargs))
+        inputs = []
+        for name in self.pipeline["inputs"]:
+            if name not in bound or not isinstance(bound[name], torch.Tensor):
+                raise PipelineRunError(f"--data batch of step {step} has no tensor for input {name!r}")
+            inputs.append(self._check(name, bound[name], self.pipeline["values"][name]))
+        target = rest[0] if rest else None
+        loss = self.pipeline["loss"]
+        if "module" in loss:
+            if not isinstance(target, torch.Tensor):
+                raise PipelineRunError("this pipeline's loss needs a target: the --data function must return (args, kwargs, target)")
+            target = self._check("target", target, loss["target"])
+        return inputs, target
+
+    def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        signature = self.pipeline["signature"]
+        if len(args) > len(signature):
+            raise PipelineRunError(f"--data gave {len(args)} positional inputs; forward takes {len(signature)}")
+        bound = dict(zip(signature, args))
+        bound.update(kwargs)
+        return bound
+
+    def _check(self, name: str, tensor: torch.Tensor, meta: dict) -> torch.Tensor:
+        micro = meta["shape"]
+        expected = [micro[0] * self.microbatches, *micro[1:]] if micro else []
+        if list(tensor.shape) != expected or tensor.dtype != _DTYPES[meta["dtype"]]:
+            raise PipelineRunError(
+                f"input {name!r} has shape {list(tensor.shape)} and dtype {str(tensor.dtype).removeprefix('torch.')}; "
+                f"this pipeline expects shape {expected} and dtype {meta['dtype']} "
+                f"({self.microbatches} microbatches of shape {micro}). The pipeline was compiled for "
+                "that example microbatch: pass --microbatches to match your batch, or compile again."
+            )
+        return tensor
+
+    def _synthetic(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        ranges = self.pipeline.get("input_ranges", {})
+        inputs = [self._random(self.pipeline["values"][n], ranges.get(n, 1), generator) for n in self.pipeline["inputs"]]
+        loss = self.pipeline["loss"]
+        target = self._random(loss["target"], ranges.get("target", 1), generator) if "module" in loss else None
+        return inputs, target
+
+    def _random(self, meta: dict, high: int, generator: torch.Generator) -> torch.Tensor:
+        micro = meta["shape"]
+        shape = [micro[0] * self.microbatches, *micro[1:]]
+        dtype = _DTYPES[meta["dtype"]]
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=generator).to(dtype)
+        if dtype == torch.bool:
+            return torch.rand(shape, generator=generator) < 0.5
+        return torch.randint(0, max(high, 0) + 1, shape, generator=generator, dtype=dtype)
+
+
+# -- state ------------------------------------------------------------------------------------
+def load_state(stages: dict[int, nn.Module], path: str, pipeline: dict) -> None:
+    """Give each local stage its tensors from an original-model ``state_dict`` file."""
+    if not Path(path).is_file():
+        raise PipelineRunError(f"--load: {path} does not exist")
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if not isinstance(state, dict):
+        raise PipelineRunError(f"--load: {path} does not hold a state_dict (found {type(state).__name__})")
+    aliases = {name: group for group in pipeline["aliases"] for name in group}
+    for index, stage in stages.items():
+        wanted = stage.state_dict().keys()
+        own = {}
+        for key in wanted:
+            found = next((k for k in aliases.get(key, [key]) if k in state), None)
+            if found is None:
+                raise PipelineRunError(f"--load: {path} has no entry {key!r} (needed by stage {index}); is it a checkpoint of {pipeline['model']}?")
+            own[key] = state[found]
+        try:
+            stage.load_state_dict(own)
+        except RuntimeError as exc:
+            raise PipelineRunError(f"--load: {path} does not fit stage {index}: {exc}") from None
+
+
+def gather_state(stages: dict[int, nn.Module], pipeline: dict) -> dict[str, torch.Tensor] | None:
+    """The whole original-model ``state_dict`` on rank 0 (``None`` elsewhere)."""
+    local = {k: v.detach().cpu() for stage in stages.values() for k, v in stage.state_dict().items()}
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    for group in pipeline["aliases"]:
+        held = next((name for name in group if name in merged), None)
+        if held is not None:
+            for name in group:
+                merged.setdefault(name, merged[held])
+    return merged
+
+
+def save_atomic(state: dict[str, torch.Tensor], path: str) -> None:
+    """``torch.save`` to a temporary file, then rename: an interrupted save never leaves a broken file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# -- the pipeline -----------------------------------------------------------------------------
+def meta_tensors(pipeline: dict, names: list[str]) -> tuple[torch.Tensor, ...]:
+    tensors = []
+    for name in names:
+        value = pipeline["values"][name]
+        tensor = torch.empty(value["shape"], dtype=_DTYPES[value["dtype"]], device="meta")
+        tensors.append(tensor.requires_grad_(value["requires_grad"]))
+    return tuple(tensors)
+
+
+def make_loss_fn(package: ModuleType, pipeline: dict, device: torch.device) -> Callable:
+    loss = pipeline["loss"]
+    if "module" in loss:
+        module = importlib.import_module(f"{package.__name__}.{loss['module']}").Loss().to(device)
+
+        def user_loss(output, target):
+            outputs = output if isinstance(output, tuple) else (output,)
+            return module(*outputs, target)
+
+        return user_loss
+    if loss.get("output") is None:
+        raise PipelineRunError(
+            "the model has no loss output; compile it with --loss FILE.py:FN or give it labels "
+            "so that it returns a loss (Hugging Face style)"
+        )
+    index = pipeline["outputs"].index(loss["output"])
+
+    def output_loss(output, _target):
+        outputs = output if isinstance(output, tuple) else (output,)
+        return outputs[index]
+
+    return output_loss
+
+
+def tied_groups(pipeline: dict, stages: dict[int, nn.Module]) -> list[tuple[Any, list[nn.Parameter]]]:
+    """For each parameter tied across ranks: its process group and this rank's copies."""
+    groups = []
+    for tie in pipeline["tied"]:
+        ranks = sorted({pipeline["stages"][int(s)]["device"] for s in tie["holders"]})
+        group = dist.new_group(ranks) if len(ranks) > 1 else None  # every rank takes part in new_group
+        local = [stages[int(s)].get_parameter(n) for s, n in sorted(tie["holders"].items()) if int(s) in stages]
+        if local:
+            groups.append((group, local))
+    return groups
+
+
+def sync_tied_grads(groups: list[tuple[Any, list[nn.Parameter]]]) -> None:
+    """Sum the gradients of every copy of a tied parameter, so all copies take the same step."""
+    for group, params in groups:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        for p in params:
+            p.grad = total.clone()
+
+
+def make_optimizer(args: argparse.Namespace, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+
+
+def init_distributed(pipeline: dict, device_kind: str) -> torch.device:
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    expected = num_devices(pipeline)
+    if world == 0:
+        raise PipelineRunError(f"start train.py with torchrun: torchrun --nproc-per-node={expected} train.py ...")
+    if world != expected:
+        raise PipelineRunError(
+            f"this pipeline runs on {expected} ranks (one per device), but torchrun started {world}; "
+            f"use torchrun --nproc-per-node={expected}"
+        )
+    if device_kind == "cuda":
+        if not torch.cuda.is_available():
+            raise PipelineRunError("--device cuda: no CUDA device is available; use --device cpu")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device
+
+
+def train(package: ModuleType, args: argparse.Namespace) -> None:
+    pipeline = package.PIPELINE
+    device = init_distributed(pipeline, args.device)
+    rank = dist.get_rank()
+    torch.manual_seed(args.seed)
+    specs = pipeline["stages"]
+    num_stages = len(specs)
+    local = [i for i, spec in enumerate(specs) if spec["device"] == rank]
+    if len(local) != 1:
+        raise PipelineRunError(f"rank {rank} holds {len(local)} stages; this driver runs exactly one stage per rank")
+    index = local[0]
+    module = package.build_stage(index, device=device, init=args.load is None, seed=args.seed)
+    stages = {index: module}
+    if args.load:
+        load_state(stages, args.load, pipeline)
+    stage = PipelineStage(
+        module,
+        index,
+        num_stages,
+        device,
+        input_args=meta_tensors(pipeline, specs[index]["inputs"]),
+        output_args=meta_tensors(pipeline, specs[index]["outputs"]),
+    )
+    is_first, is_last = index == 0, index == num_stages - 1
+    loss_fn = make_loss_fn(package, pipeline, device) if is_last else None
+    schedule = get_schedule_class(SCHEDULES[args.schedule])(
+        stage, n_microbatches=args.microbatches, loss_fn=loss_fn or (lambda output, target: output), scale_grads=True
+    )
+    ties = tied_groups(pipeline, stages)
+    optimizer = make_optimizer(args, [p for p in module.parameters() if p.requires_grad])
+    batches = Batches(pipeline, args.microbatches, args.data, args.seed)
+    log = open(args.log_json, "w", encoding="utf-8") if (args.log_json and is_last) else contextlib.nullcontext()
+    with log:
+        for step in range(args.steps):
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            losses: list[torch.Tensor] = []
+            inputs, target = batches(step) if (is_first or is_last) else ([], None)
+            kwargs: dict[str, Any] = {}
+            if is_last:
+                if target is None:
+                    target = torch.zeros(args.microbatches)  # the loss is a model output
+                kwargs = {"target": target.to(device), "losses": losses, "return_outputs": False}
+            step_inputs = [t.to(device) for t in inputs] if is_first else []
+            schedule.step(*step_inputs, **kwargs)
+            sync_tied_grads(ties)
+            optimizer.step()
+            if is_last:
+                loss = torch.stack([l.detach().float() for l in losses]).mean().item()
+                elapsed = time.perf_counter() - start
+                print(f"step {step} loss {loss:.6f} ({elapsed:.3f} s)", flush=True)
+                if args.log_json:
+                    log.write(json.dumps({"step": step, "loss": loss, "time": elapsed}) + "\n")
+                    log.flush()
+    if args.save:
+        state = gather_state(stages, pipeline)
+        if state is not None:
+            save_atomic(state, args.save)
+            print(f"saved the trained model state_dict to {args.save}", flush=True)
+
+
+def main(package: ModuleType, argv: list[str]) -> int:
+    args = parse_args(argv, package.PIPELINE)
+    try:
+        train(package, args)
+    except PipelineRunError as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+

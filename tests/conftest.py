@@ -1,0 +1,44 @@
+"""Shared helpers: compile test models from their specs, run generated train.py under torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopipe.compiler import CompileOptions, compile_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = "tests/models.py"
+
+
+@pytest.fixture(autouse=True)
+def _repo_root(monkeypatch):
+    """Specs are given relative to the repository root, as a user would type them."""
+    monkeypatch.chdir(ROOT)
+
+
+def spec(name: str) -> str:
+    return f"{MODELS}:{name}"
+
+
+def compile_model(name: str, out: Path, stages: int, **options):
+    loss = options.pop("loss", None)
+    force = options.pop("force", False)
+    return compile_spec(spec(name), out, CompileOptions(stages=stages, **options), loss=loss, force=force)
+
+
+def torchrun(script: Path, nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run a generated train.py on ``nproc`` local gloo ranks."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        str(script), "--device", "cpu", *args,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if result.returncode != 0:
+        raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
+    return result

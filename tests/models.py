@@ -1,0 +1,175 @@
+"""Models the tests compile, each a spec function returning (model, args[, kwargs[, target]]).
+
+Hugging Face models are built from tiny configs (no downloads) with dropout off, so the pipeline and
+the original can be compared exactly. Data functions (``*_batch``) feed train.py with ``--data``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+BATCH = 2
+
+
+def gpt2():
+    """GPT-2 with tied input embedding and LM head, trained on its own loss (labels)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=3, n_embd=32, n_head=4, vocab_size=97, n_positions=32, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.randint(0, 97, (BATCH, 16))
+    return model, (ids,), {"labels": ids.clone()}
+
+
+def gpt2_batch(step: int, microbatches: int = 4):
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, 97, (BATCH * microbatches, 16), generator=g)
+    return (ids,), {"labels": ids.clone()}
+
+
+def bert():
+    """BERT masked LM with an attention mask (padding in the second sequence)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        vocab_size=101, max_position_embeddings=32, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    model = BertForMaskedLM(config)
+    ids = torch.randint(0, 101, (BATCH, 12))
+    mask = torch.ones(BATCH, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    labels = torch.full((BATCH, 12), -100)
+    labels[:, ::3] = ids[:, ::3]
+    return model, (ids,), {"attention_mask": mask, "labels": labels}
+
+
+def t5():
+    """T5: the encoder's output is read by every decoder layer (cross-attention fan-out)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=64,
+        vocab_size=103, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0,
+    )
+    model = T5ForConditionalGeneration(config)
+    ids = torch.randint(1, 103, (BATCH, 10))
+    labels = torch.randint(1, 103, (BATCH, 7))
+    return model, (ids,), {"labels": labels}
+
+
+class ConvNet(nn.Module):
+    """Convolutions with BatchNorm (running statistics) and in-place ReLU."""
+
+    def __init__(self, classes: int = 5):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+            nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+            nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+        )
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((2, 3)))
+
+
+def cnn():
+    torch.manual_seed(0)
+    return ConvNet(), (torch.randn(BATCH, 3, 8, 8),)
+
+
+def cnn_with_target():
+    model, args = cnn()
+    return model, args, {}, torch.tensor([1, 3])
+
+
+def cross_entropy(output, target):
+    return F.cross_entropy(output, target)
+
+
+def cnn_batch(step: int, microbatches: int = 4):
+    g = torch.Generator().manual_seed(2000 + step)
+    x = torch.randn(BATCH * microbatches, 3, 8, 8, generator=g)
+    return (x,), {}, torch.randint(0, 5, (BATCH * microbatches,), generator=g)
+
+
+class SkipMLP(nn.Module):
+    """An MLP whose early activations are read by much later layers (long skip connections)."""
+
+    def __init__(self, width: int = 16, depth: int = 6):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x):
+        first = h = torch.tanh(self.layers[0](x))
+        skips = [h]
+        for i, layer in enumerate(self.layers[1:], 1):
+            h = torch.tanh(layer(h))
+            if i % 2 == 0:
+                h = h + skips[-2 if len(skips) > 1 else -1]
+            skips.append(h)
+        return self.out(h + first).squeeze(-1)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return SkipMLP(), (torch.randn(BATCH * 2, 16),)
+
+
+class MultiIO(nn.Module):
+    """Several inputs, a keyword argument, and a dict of outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(4, 8)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, y, scale=None, flag: bool = True):
+        h = torch.relu(self.a(x)) + self.b(y)
+        if scale is not None:
+            h = h * scale.unsqueeze(-1)
+        h = self.mix(h)
+        logits = self.head(h)
+        return {"logits": logits, "hidden": h, "score": logits.logsumexp(-1).mean()}
+
+
+def multi_io():
+    torch.manual_seed(0)
+    x, y = torch.randn(BATCH, 8), torch.randn(BATCH, 4)
+    return MultiIO(), (x, y), {"scale": torch.rand(BATCH) + 0.5}
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow: cannot be traced into one graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > 0:
+            return h * 2
+        return h
+
+
+def branchy():
+    return Branchy(), (torch.randn(2, 4),)
+
+
+def not_a_model():
+    return "model", (torch.randn(2),)

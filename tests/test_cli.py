@@ -1,0 +1,45 @@
+"""The command line: --help everywhere, the console script, the python -m entry point."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopipe.cli import build_parser, main
+
+COMMANDS = ["compile", "trace", "profile", "partition", "generate", "verify"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: autopipe " + command in capsys.readouterr().out
+
+
+def test_top_level_help_lists_every_command():
+    text = build_parser().format_help()
+    for command in COMMANDS:
+        assert command in text
+
+
+def test_console_script_and_module():
+    script = str(Path(sys.executable).with_name("autopipe"))  # installed beside this interpreter
+    for command in ([script, "--version"], [sys.executable, "-m", "autopipe", "--version"]):
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("autopipe ")
+
+
+def test_generated_train_help(tmp_path):
+    from conftest import compile_model
+
+    compile_model("mlp", tmp_path / "pipe", 2)
+    result = subprocess.run([sys.executable, str(tmp_path / "pipe" / "train.py"), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    for flag in ["--steps", "--microbatches", "--schedule", "--optimizer", "--lr", "--data", "--device", "--load", "--save", "--log-json"]:
+        assert flag in result.stdout

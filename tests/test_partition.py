@@ -1,0 +1,107 @@
+"""The contiguous DP partitioner against brute force, and the cost model against hand computation."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopipe.compiler import CompileOptions, trace_step
+from autopipe.errors import PartitionError
+from autopipe.partitioning import CostModel, partition
+from autopipe.partitioning.dp import solve_contiguous
+from autopipe.profiling import Profile, UnitCost, device_spec, with_link
+from autopipe.profiling.profile import graph_digest
+from autopipe.spec import load_example
+
+from conftest import spec
+
+GRAPH = trace_step(load_example(spec("mlp")), CompileOptions(stages=1))  # 14 units, long skips
+UNITS = len(GRAPH.units)
+
+
+def random_profile(costs, activations, link_gbps, memory_gib=80.0) -> Profile:
+    device = with_link(device_spec("h100"), str(link_gbps))
+    device = type(device)(**(device.to_json() | {"memory": memory_gib * 1024**3}))
+    units = [UnitCost(forward=c * 0.4, backward=c * 0.6, activations=a) for c, a in zip(costs, activations)]
+    return Profile("analytic", device, units, graph_digest(GRAPH))
+
+
+def brute_force(model: CostModel, stages: int):
+    best = None
+    for cuts in itertools.combinations(range(1, model.num_units), stages - 1):
+        bounds = (0, *cuts, model.num_units)
+        assignment = [s for s in range(stages) for _ in range(bounds[s], bounds[s + 1])]
+        prediction = model.evaluate(assignment, stages)
+        if any(c.memory > model.device.memory for c in prediction.stages):
+            continue
+        key = (prediction.bottleneck, sum(c.time for c in prediction.stages))
+        if best is None or key[0] < best[0] - 1e-12 or (abs(key[0] - best[0]) <= 1e-12 * max(1, key[0]) and key[1] < best[1]):
+            best = key
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    costs=st.lists(st.floats(0.0, 10.0), min_size=UNITS, max_size=UNITS),
+    activations=st.lists(st.integers(0, 4), min_size=UNITS, max_size=UNITS),
+    link=st.sampled_from([1e-7, 1e-6, 1e3]),
+    stages=st.integers(1, 4),
+)
+def test_dp_matches_brute_force(costs, activations, link, stages):
+    model = CostModel(GRAPH, random_profile(costs, [a * 1024**3 for a in activations], link, memory_gib=40))
+    expected = brute_force(model, stages)
+    if expected is None:
+        with pytest.raises(PartitionError, match="fits the memory"):
+            solve_contiguous(model, stages)
+        return
+    assignment = solve_contiguous(model, stages)
+    assert sorted(set(assignment)) == list(range(stages))
+    assert assignment == sorted(assignment)  # contiguous, in program order
+    prediction = model.evaluate(assignment, stages)
+    assert prediction.bottleneck == pytest.approx(expected[0], rel=1e-9, abs=1e-12)
+    assert sum(c.time for c in prediction.stages) == pytest.approx(expected[1], rel=1e-6, abs=1e-9)
+
+
+def test_dp_is_deterministic():
+    profile = random_profile([1.0] * UNITS, [0] * UNITS, 1e3)
+    runs = {tuple(solve_contiguous(CostModel(GRAPH, profile), 3)) for _ in range(3)}
+    assert len(runs) == 1
+
+
+def test_lower_bound_and_hand_computed_costs():
+    costs = [0.0] * UNITS
+    costs[3], costs[10] = 6.0, 2.0
+    model = CostModel(GRAPH, random_profile(costs, [0] * UNITS, 1e9))
+    assert model.lower_bound(2) == 6.0  # the heaviest unit, not total / 2 = 4
+    assert model.lower_bound(1) == 8.0
+    prediction = model.evaluate([0] * 5 + [1] * (UNITS - 5), 2)
+    assert [round(s.forward + s.backward, 9) for s in prediction.stages] == [6.0, 2.0]
+    # communication: the bytes crossing the cut, both directions, over the link
+    crossing = model.boundary_bytes()[4]
+    assert prediction.stages[0].communication == pytest.approx(crossing / model.device.link_bandwidth)
+    assert prediction.step_time == pytest.approx(sum(s.time for s in prediction.stages) + (4 - 1) * prediction.bottleneck)
+
+
+def test_relayed_skip_connection_crosses_every_boundary():
+    model = CostModel(GRAPH, random_profile([1.0] * UNITS, [0] * UNITS, 1e3))
+    value_bytes = 4 * 16 * 4  # one activation of the MLP: batch 4 x width 16 x float32
+    cuts = model.boundary_bytes()
+    # the first layer's output is read by the last addition, so it is live across every cut
+    # before that addition's unit, next to the running activation
+    first = GRAPH.units[1].nodes[0]  # the first tanh
+    last_reader = max(GRAPH[u].unit for u in GRAPH.users(first))
+    assert last_reader > UNITS // 2
+    assert all(c >= 2 * 2 * value_bytes for c in cuts[2:last_reader])  # (activation + gradient) x 2
+
+
+def test_partition_reports_prediction():
+    part = partition(GRAPH, random_profile([1.0] * UNITS, [0] * UNITS, 1e3), 3)
+    assert part.num_stages == 3 and part.method == "dp"
+    predicted = part.predicted
+    assert predicted["bottleneck"] >= predicted["lower_bound"]
+    assert len(predicted["stages"]) == 3
+    assert math.isclose(predicted["bottleneck"], max(s["time"] for s in predicted["stages"]))

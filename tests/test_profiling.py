@@ -1,0 +1,105 @@
+"""Profilers: FLOP and memory counts on fake tensors, timings on the local device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autopipe.compiler import CompileOptions, trace_step
+from autopipe.errors import AutopipeError
+from autopipe.profiling import device_spec, profile
+from autopipe.profiling.devices import DeviceSpec
+from autopipe.spec import Example, load_example
+
+from conftest import spec
+
+
+class TwoLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 128)
+        self.b = nn.Linear(128, 32)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def linear_graph(on_meta=False):
+    if on_meta:
+        with torch.device("meta"):
+            model = TwoLinear()
+    else:
+        model = TwoLinear()
+    example = Example(model, (torch.randn(16, 64),))
+    return example, trace_step(example, CompileOptions(stages=1))
+
+
+def test_analytic_flops_follow_flop_counter():
+    _, graph = linear_graph()
+    prof = profile(graph, "analytic", device_spec("a100"))
+    by_label = {u.label: c for u, c in zip(graph.units, prof.units)}
+    a, b = by_label["a (Linear)"], by_label["b (Linear)"]
+    assert a.flops_forward == 2 * 16 * 64 * 128  # two FLOPs per multiply-add
+    assert b.flops_forward == 2 * 16 * 128 * 32
+    # backward: grad of the input and of the weight (the first layer's input needs no grad)
+    assert b.flops_backward == 2 * b.flops_forward
+    assert a.flops_backward == a.flops_forward
+    assert all(c.forward > 0 and c.backward >= 0 for c in prof.units)
+
+
+def test_analytic_memory_counts_saved_activations():
+    _, graph = linear_graph()
+    prof = profile(graph, "analytic")
+    by_label = {u.label: c for u, c in zip(graph.units, prof.units)}
+    assert by_label["a (Linear)"].activations == 16 * 64 * 4  # its input x
+    assert by_label["<relu>"].activations == 16 * 128 * 4  # relu saves its output
+    assert by_label["b (Linear)"].outputs == 16 * 32 * 4
+
+
+def test_analytic_needs_no_weights():
+    _, real = linear_graph()
+    _, meta = linear_graph(on_meta=True)
+    assert profile(real, "analytic").units == profile(meta, "analytic").units
+
+
+def test_roofline_uses_device_spec():
+    _, graph = linear_graph()
+    slow = DeviceSpec("slow", {"default": 1e9}, 1e9, 1e9, 1e9, kernel_overhead=0.0)
+    fast = DeviceSpec("fast", {"default": 1e12}, 1e12, 1e9, 1e9, kernel_overhead=0.0)
+    assert sum(u.time for u in profile(graph, "analytic", slow).units) == pytest.approx(1000 * sum(u.time for u in profile(graph, "analytic", fast).units))
+
+
+def test_measured_profile_times_every_unit():
+    example = load_example(spec("cnn"))
+    graph = trace_step(example, CompileOptions(stages=1))
+    prof = profile(graph, "measured", device_spec(), example)
+    assert prof.mode == "measured" and prof.measured_on == "cpu"
+    assert len(prof.units) == len(graph.units)
+    assert all(u.forward > 0 for u in prof.units)
+    conv = next(c for u, c in zip(graph.units, prof.units) if "Conv2d" in u.label)
+    assert conv.backward > 0 and conv.activations > 0
+
+
+def test_measured_and_analytic_agree_on_memory():
+    example = load_example(spec("gpt2"))
+    graph = trace_step(example, CompileOptions(stages=1))
+    measured = profile(graph, "measured", device_spec(), example)
+    analytic = profile(graph, "analytic", device_spec())
+    assert [u.activations for u in measured.units] == [u.activations for u in analytic.units]
+
+
+def test_device_specs():
+    assert device_spec("H100").memory == 80 * 1024**3
+    assert device_spec("a100").peak_flops(torch.bfloat16) == 312e12
+    with pytest.raises(AutopipeError, match="unknown device 'tpu'.*H100"):
+        device_spec("tpu")
+
+
+def test_device_spec_file(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text('{"name": "mine", "flops": {"default": 1e13}, "memory_bandwidth": 1e11, "memory": 1e10, "link_bandwidth": 1e9}')
+    assert device_spec(str(path)).name == "mine"
+    path.write_text('{"name": "mine"}')
+    with pytest.raises(AutopipeError, match="missing flops, link_bandwidth, memory, memory_bandwidth"):
+        device_spec(str(path))
