@@ -19,6 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import AutopipeError, VerificationError
+from .runtime.driver import stage_state
 from .spec import Example
 
 
@@ -66,18 +67,6 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def state_for_stage(stage: torch.nn.Module, state: dict[str, torch.Tensor], aliases: list[list[str]]) -> dict[str, torch.Tensor]:
-    """The entries of an original-model ``state_dict`` a stage holds (tied aliases resolved)."""
-    alias_of = {name: group for group in aliases for name in group}
-    own = {}
-    for key in stage.state_dict():
-        found = next((k for k in alias_of.get(key, [key]) if k in state), None)
-        if found is None:
-            raise AutopipeError(f"the model's state_dict has no entry {key!r}; is this the model the pipeline was compiled from?")
-        own[key] = state[found]
-    return own
-
-
 def verify(path: str | Path, example: Example, *, rtol: float = 1e-4, atol: float = 1e-5, seed: int = 0) -> VerifyReport:
     """Compare the pipeline in ``path`` with ``example.model`` on the example microbatch."""
     package = load_pipeline(path)
@@ -90,7 +79,10 @@ def verify(path: str | Path, example: Example, *, rtol: float = 1e-4, atol: floa
     stages = []
     for i in range(len(pipeline["stages"])):
         stage = package.build_stage(i, device="cpu", init=False)
-        stage.load_state_dict(state_for_stage(stage, state, pipeline["aliases"]))
+        try:
+            stage.load_state_dict(stage_state(stage, state, pipeline["aliases"]))
+        except KeyError as exc:
+            raise AutopipeError(f"the model's state_dict has no entry {exc}; is this the model the pipeline was compiled from?") from None
         stage.train()
         stages.append(stage)
 

@@ -28,6 +28,13 @@ def gpt2():
     return model, (ids,), {"labels": ids.clone()}
 
 
+def gpt2_meta():
+    """The same GPT-2, built on the meta device: no weights exist at compile time."""
+    with torch.device("meta"):
+        model, args, kwargs = gpt2()
+    return model, args, kwargs
+
+
 def gpt2_batch(step: int, microbatches: int = 4):
     g = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, 97, (BATCH * microbatches, 16), generator=g)

@@ -39,9 +39,9 @@ def reference_training(example, data, steps, optimizer, lr, loss_fn=None):
     return losses, model.state_dict()
 
 
-def run_pipeline(tmp_path, name, stages, data, *extra, loss=None, train_spec=None):
+def run_pipeline(tmp_path, name, stages, data, *extra, loss=None, train_spec=None, compile_spec=None):
     out = tmp_path / "pipe"
-    compile_model(train_spec or name, out, stages, loss=loss)
+    compile_model(compile_spec or train_spec or name, out, stages, loss=loss)
     example = load_example(spec(train_spec or name))
     torch.save(example.model.state_dict(), tmp_path / "init.pt")
     log, saved = tmp_path / "log.jsonl", tmp_path / "trained.pt"
@@ -74,6 +74,14 @@ def test_gpt2_tied_weights(tmp_path, stages, schedule, optimizer):
     # the tied copies stayed equal, and the saved state_dict loads into the original model
     assert torch.equal(pipe[1]["lm_head.weight"], pipe[1]["transformer.wte.weight"])
     load_example(spec("gpt2")).model.load_state_dict(pipe[1])
+
+
+@pytest.mark.slow
+def test_compiled_on_meta_trains_loaded_weights(tmp_path):
+    """Compile a model built on the meta device, then train it from real weights with --load."""
+    pipe = run_pipeline(tmp_path, "gpt2", 2, "gpt2_batch", compile_spec="gpt2_meta")
+    ref = reference_training(load_example(spec("gpt2")), models.gpt2_batch, STEPS, "adamw", 1e-3)
+    assert_same_training(pipe, ref)
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ multiply-add), forward and backward.
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 from torch._subclasses import FakeTensorMode
@@ -83,8 +84,8 @@ def profile_analytic(graph: Graph, spec: DeviceSpec) -> Profile:
                 work,
                 lambda name: empty_placeholder(graph, graph[name], device),
                 device,
-                lambda: _counting(spec, forward),
-                lambda: _counting(spec, backward),
+                partial(_counting, spec, forward),
+                partial(_counting, spec, backward),
             )
             fwd = forward[0]
             bwd = backward[0] if backward else None

@@ -9,7 +9,7 @@ device in the same fields.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -35,8 +35,6 @@ class DeviceSpec:
     compute_efficiency: float = 0.6  # fraction of peak FLOP/s large kernels reach
     memory_efficiency: float = 0.8  # fraction of peak bandwidth streaming kernels reach
     kernel_overhead: float = 4e-6  # seconds per launched operator
-    notes: str = ""
-    extra: dict = field(default_factory=dict)
 
     def peak_flops(self, dtype: torch.dtype | None) -> float:
         name = str(dtype).removeprefix("torch.") if dtype is not None else "default"

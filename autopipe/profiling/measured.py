@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import nullcontext
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -42,8 +43,8 @@ def profile_measured(
         run_nodes(graph.calls, values, device)
     costs = []
     for work in unit_workloads(graph):
-        forward = _median_time(lambda: _run(graph, work, values, device, timed="forward"), warmup, repeats, device)
-        backward = _median_time(lambda: _run(graph, work, values, device, timed="backward"), warmup, repeats, device)
+        forward = _median_time(partial(_run, graph, work, values, device, "forward"), warmup, repeats)
+        backward = _median_time(partial(_run, graph, work, values, device, "backward"), warmup, repeats)
         saved = _run(graph, work, values, device, timed=None)
         costs.append(UnitCost(forward, backward, activations=saved, outputs=output_bytes(graph, work)))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -84,7 +85,7 @@ def _run(graph: Graph, work: UnitWorkload, values: dict[str, Any], device: torch
     return timer.elapsed if timed else saved
 
 
-def _median_time(run: Callable[[], float], warmup: int, repeats: int, device: torch.device) -> float:
+def _median_time(run: Callable[[], float], warmup: int, repeats: int) -> float:
     for _ in range(warmup):
         run()
     return statistics.median(run() for _ in range(repeats))

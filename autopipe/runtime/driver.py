@@ -187,6 +187,19 @@ class Batches:
 
 
 # -- state ------------------------------------------------------------------------------------
+def stage_state(stage: nn.Module, state: dict[str, torch.Tensor], aliases: list[list[str]]) -> dict[str, torch.Tensor]:
+    """The entries of an original-model ``state_dict`` a stage holds, tied aliases resolved.
+    Raises ``KeyError`` naming the first missing entry."""
+    alias_of = {name: group for group in aliases for name in group}
+    own = {}
+    for key in stage.state_dict():
+        found = next((k for k in alias_of.get(key, [key]) if k in state), None)
+        if found is None:
+            raise KeyError(key)
+        own[key] = state[found]
+    return own
+
+
 def load_state(stages: dict[int, nn.Module], path: str, pipeline: dict) -> None:
     """Give each local stage its tensors from an original-model ``state_dict`` file."""
     if not Path(path).is_file():
@@ -194,17 +207,11 @@ def load_state(stages: dict[int, nn.Module], path: str, pipeline: dict) -> None:
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     if not isinstance(state, dict):
         raise PipelineRunError(f"--load: {path} does not hold a state_dict (found {type(state).__name__})")
-    aliases = {name: group for group in pipeline["aliases"] for name in group}
     for index, stage in stages.items():
-        wanted = stage.state_dict().keys()
-        own = {}
-        for key in wanted:
-            found = next((k for k in aliases.get(key, [key]) if k in state), None)
-            if found is None:
-                raise PipelineRunError(f"--load: {path} has no entry {key!r} (needed by stage {index}); is it a checkpoint of {pipeline['model']}?")
-            own[key] = state[found]
         try:
-            stage.load_state_dict(own)
+            stage.load_state_dict(stage_state(stage, state, pipeline["aliases"]))
+        except KeyError as exc:
+            raise PipelineRunError(f"--load: {path} has no entry {exc} (needed by stage {index}); is it a checkpoint of {pipeline['model']}?") from None
         except RuntimeError as exc:
             raise PipelineRunError(f"--load: {path} does not fit stage {index}: {exc}") from None
 
