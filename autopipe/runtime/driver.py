@@ -133,7 +133,8 @@ class Batches:
         if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
             raise PipelineRunError(f"--data function returned {type(result).__name__}; expected (args, kwargs) or (args, kwargs, target)")
         args, kwargs, *rest = result
-        bound = self._bind(tuple(args), dict(kwargs))
+        args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+        bound = self._bind(args, dict(kwargs or {}))
         inputs = []
         for name in self.pipeline["inputs"]:
             if name not in bound or not isinstance(bound[name], torch.Tensor):
