@@ -11,6 +11,7 @@ from .compiler import CompileOptions, compile_spec, generate_step, partition_ste
 from .errors import AutopipeError
 from .graph import Graph
 from .partitioning import DEFAULT_METHOD, METHODS, Partition
+from .partitioning.simulator import SCHEDULES
 from .profiling import PROFILE_MODES, Profile
 from .spec import load_example
 from .summary import format_partition
@@ -39,9 +40,14 @@ def _profile_options(parser: argparse.ArgumentParser) -> None:
 
 def _partition_options(parser: argparse.ArgumentParser, *, stages_required: bool = True) -> None:
     group = parser.add_argument_group("partitioning")
-    group.add_argument("--stages", type=int, required=stages_required, help="number of pipeline stages (one per device)")
+    group.add_argument("--stages", type=int, required=stages_required, help="number of pipeline stages")
+    group.add_argument("--devices", type=int, help="number of devices (ranks); fewer than --stages puts several stages on a device (default: one stage per device)")
     group.add_argument("--method", choices=sorted(METHODS), default=DEFAULT_METHOD, help=f"partitioning method (default {DEFAULT_METHOD})")
-    group.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b", help="schedule the cost model assumes (default 1f1b)")
+    group.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        help="schedule the partition is made for and train.py runs by default (default: 1f1b for one stage per device, auto otherwise)",
+    )
     group.add_argument("--microbatches", type=int, help="microbatches per step the cost model assumes (default 2 x stages)")
     group.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw", help="optimizer whose state the memory model counts (default adamw)")
 

@@ -28,13 +28,14 @@ class CompileOptions:
     """Everything that decides the compiled pipeline besides the model."""
 
     stages: int
+    devices: int | None = None  # default: one stage per device
     profile: str = "analytic"
     method: str = DEFAULT_METHOD
     depth: int | None = None
     basic_blocks: tuple[str, ...] = ()
     device: str | None = None  # device spec: table name or JSON file
     link: str | None = None
-    schedule: str = "1f1b"
+    schedule: str | None = None  # default: 1f1b for one stage per device, auto otherwise
     microbatches: int | None = None
     optimizer: str = "adamw"
 
@@ -66,6 +67,7 @@ def partition_step(graph: Graph, prof: Profile, options: CompileOptions) -> Part
         graph,
         prof,
         options.stages,
+        num_devices=options.devices,
         method=options.method,
         schedule=options.schedule,
         microbatches=options.microbatches,
@@ -76,7 +78,7 @@ def partition_step(graph: Graph, prof: Profile, options: CompileOptions) -> Part
 def generate_step(graph: Graph, part: Partition, out: str | Path, *, prof: Profile | None = None, force: bool = False) -> Path:
     """Write the pipeline package (with the artefacts that produced it under ``artifacts/``)."""
     part.check_graph(graph)
-    files = package_files(graph, part.stage_of_unit, part.device_of_stage)
+    files = package_files(graph, part)
     files[f"{ARTIFACTS}/graph.json"] = artifact_text(GRAPH_KIND, graph.to_json())
     files[f"{ARTIFACTS}/partition.json"] = artifact_text(PARTITION_KIND, part.to_json())
     if prof is not None:

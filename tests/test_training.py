@@ -9,6 +9,7 @@ import torch
 
 import models
 from autopipe.spec import load_example
+from autopipe.verify import load_pipeline
 
 from conftest import compile_model, spec, torchrun
 
@@ -39,14 +40,14 @@ def reference_training(example, data, steps, optimizer, lr, loss_fn=None):
     return losses, model.state_dict()
 
 
-def run_pipeline(tmp_path, name, stages, data, *extra, loss=None, train_spec=None, compile_spec=None):
+def run_pipeline(tmp_path, name, stages, data, *extra, loss=None, train_spec=None, compile_spec=None, devices=None, **options):
     out = tmp_path / "pipe"
-    compile_model(compile_spec or train_spec or name, out, stages, loss=loss)
+    compile_model(compile_spec or train_spec or name, out, stages, loss=loss, devices=devices, **options)
     example = load_example(spec(train_spec or name))
     torch.save(example.model.state_dict(), tmp_path / "init.pt")
     log, saved = tmp_path / "log.jsonl", tmp_path / "trained.pt"
     torchrun(
-        out / "train.py", stages,
+        out / "train.py", devices or stages,
         "--steps", str(STEPS), "--microbatches", str(MICROBATCHES), "--data", f"tests/models.py:{data}",
         "--load", str(tmp_path / "init.pt"), "--save", str(saved), "--log-json", str(log), *extra,
     )
@@ -108,3 +109,33 @@ def test_synthetic_data_and_defaults(tmp_path):
         logs.append([json.loads(line)["loss"] for line in log.read_text().splitlines()])
     assert len(logs[0]) == 3 and all(l == l and l > 0 for l in logs[0])  # finite, positive
     assert logs[0] == logs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["metis", "acyclic", "mpipe"])
+def test_every_method_trains_like_pytorch(tmp_path, method):
+    pipe = run_pipeline(tmp_path, "gpt2", 3, "gpt2_batch", method=method)
+    ref = reference_training(load_example(spec("gpt2")), models.gpt2_batch, STEPS, "adamw", 1e-3)
+    assert_same_training(pipe, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name,method,schedule",
+    [("gpt2", "mpipe", None), ("cnn", "mpipe", None), ("gpt2", "dp", "interleaved-1f1b"), ("gpt2", "dp", "looped-bfs")],
+)
+def test_more_stages_than_devices(tmp_path, name, method, schedule):
+    """4 stages on 2 ranks: several stages per rank, run by torch's multi-stage schedules or by
+    autopipe's order through torch's schedule runtime (Mixed-Pipe placements)."""
+    extra = ("--schedule", schedule) if schedule else ()
+    if name == "gpt2":
+        pipe = run_pipeline(tmp_path, "gpt2", 4, "gpt2_batch", *extra, devices=2, method=method)
+        ref = reference_training(load_example(spec("gpt2")), models.gpt2_batch, STEPS, "adamw", 1e-3)
+    else:
+        pipe = run_pipeline(
+            tmp_path, "cnn", 4, "cnn_batch", *extra, "--optimizer", "sgd", "--lr", "0.05", devices=2, method=method,
+            loss="tests/models.py:cross_entropy", train_spec="cnn_with_target",
+        )
+        ref = reference_training(load_example(spec("cnn_with_target")), models.cnn_batch, STEPS, "sgd", 0.05, models.cross_entropy)
+    assert_same_training(pipe, ref)
+    assert len(load_pipeline(tmp_path / "pipe").PIPELINE["stages"]) == 4

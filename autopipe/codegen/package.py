@@ -16,11 +16,14 @@ import jinja2
 from ..artifacts import ARTIFACT_VERSION, dumps
 from ..errors import OutputExistsError
 from ..graph import Graph, ParamInfo, Ref, dtype_name
+from ..partitioning import Partition, default_schedule
 from . import emit
 from .plan import StagePlan, plan_stages
 
 TEMPLATES = Path(str(importlib.resources.files("autopipe.templates")))
 RUNTIME = Path(__file__).resolve().parent.parent / "runtime"
+#: autopipe.runtime, copied verbatim into each package as its runtime/ subpackage
+RUNTIME_MODULES = ("__init__.py", "support.py", "schedule.py", "driver.py")
 BLACK_MODE = black.Mode(line_length=100)
 
 
@@ -48,9 +51,10 @@ def render(template: str, **context: Any) -> str:
     return black.format_str(source, mode=BLACK_MODE)
 
 
-def package_files(graph: Graph, stage_of_unit: list[int], device_of_stage: list[int]) -> dict[str, str]:
+def package_files(graph: Graph, part: Partition) -> dict[str, str]:
     """The files of a generated pipeline package, by relative path."""
-    plans = plan_stages(graph, stage_of_unit, device_of_stage)
+    plans = plan_stages(graph, part.stage_of_unit, part.device_of_stage)
+    device_of_stage = part.device_of_stage
     model_class = graph.model["class"].rsplit(".", 1)[-1]
     common = {
         "model_class": model_class,
@@ -64,9 +68,9 @@ def package_files(graph: Graph, stage_of_unit: list[int], device_of_stage: list[
     }
     files["__init__.py"] = render("__init__.py.j2", **common)
     files["train.py"] = render("train.py.j2", **common)
-    files["pipeline.json"] = dumps(pipeline_description(graph, plans))
-    files["_support.py"] = (RUNTIME / "support.py").read_text(encoding="utf-8")
-    files["_runtime.py"] = (RUNTIME / "driver.py").read_text(encoding="utf-8")
+    files["pipeline.json"] = dumps(pipeline_description(graph, plans, part))
+    for module in RUNTIME_MODULES:
+        files[f"runtime/{module}"] = (RUNTIME / module).read_text(encoding="utf-8")
     if graph.loss is not None:
         files["loss.py"] = render("loss.py.j2", **common, **_loss_context(graph.loss, model_class))
     return files
@@ -166,7 +170,7 @@ def _init_rule(name: str, info: ParamInfo) -> str:
     return "normal:0.02" if name == canonical else f"normal:0.02:{canonical}"
 
 
-def pipeline_description(graph: Graph, plans: list[StagePlan]) -> dict[str, Any]:
+def pipeline_description(graph: Graph, plans: list[StagePlan], part: Partition) -> dict[str, Any]:
     """The JSON-compatible ``PIPELINE`` dict of a generated package."""
     names = dict.fromkeys(graph.inputs + [n for p in plans for n in p.inputs + p.outputs] + graph.outputs)
     values = {}
@@ -197,12 +201,26 @@ def pipeline_description(graph: Graph, plans: list[StagePlan]) -> dict[str, Any]
         ],
         "values": values,
         "loss": _loss_description(graph),
+        "schedule": _schedule_description(part),
         "tied": tied,
         "aliases": aliases,
         "input_ranges": graph.model.get("input_ranges", {})
         | (graph.loss.model.get("input_ranges", {}) if graph.loss is not None else {}),
     }
     return description
+
+
+def _schedule_description(part: Partition) -> dict[str, Any]:
+    """The default schedule, and the stage costs the ``auto`` schedule orders actions by."""
+    costs = part.costs or {
+        "forward": [1.0] * part.num_stages,
+        "backward": [2.0] * part.num_stages,
+        "activations": [0.0] * part.num_stages,
+        "static_memory": [0.0] * part.num_stages,
+        "send_forward": [0.0] * (part.num_stages - 1),
+        "send_backward": [0.0] * (part.num_stages - 1),
+    }
+    return {"name": part.settings.get("schedule") or default_schedule(part.device_of_stage), "costs": costs}
 
 
 def _loss_description(graph: Graph) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..errors import PartitionError
 from ..graph import Graph, Node, TensorMeta
-from ..interpreter import resolve_target
+from ..mutation import alias_base, written_values
 
 
 @dataclass
@@ -136,50 +136,13 @@ def _home(plans: list[StagePlan], name: str) -> StagePlan:
     return max(plans, key=lambda p: (shared(p), -p.index))
 
 
-def alias_base(graph: Graph, name: str) -> str:
-    """The value whose storage ``name`` shares (following views and in-place ops)."""
-    node = graph[name]
-    while node.kind == "call":
-        if node.target == "getitem":
-            source = graph[node.args[0].name]
-            if source.kind != "call" or not _returns_alias(source.target):
-                break
-            node = source
-            continue
-        arg = _aliased_argument(node)
-        if arg is None:
-            break
-        node = graph[arg]
-    return node.name
-
-
-def _returns_alias(target: str) -> bool:
-    schema = resolve_target(target)._schema
-    return bool(schema.returns) and schema.returns[0].alias_info is not None
-
-
-def _aliased_argument(node: Node) -> str | None:
-    schema = resolve_target(node.target)._schema
-    if not schema.returns or schema.returns[0].alias_info is None:
-        return None
-    sets = schema.returns[0].alias_info.before_set
-    for arg, value in zip(schema.arguments, node.args):
-        if arg.alias_info is not None and arg.alias_info.before_set & sets and hasattr(value, "name"):
-            return value.name
-    return None
-
-
 def _mutated_inputs(graph: Graph, plan: StagePlan) -> list[str]:
     """Stage inputs an in-place operator of the stage writes to (directly or through a view)."""
     inputs = set(plan.inputs)
     mutated: list[str] = []
     for node in plan.nodes:
-        if node.target == "getitem":
-            continue
-        schema = resolve_target(node.target)._schema
-        for arg, value in zip(schema.arguments, node.args):
-            if arg.alias_info is not None and arg.alias_info.is_write and hasattr(value, "name"):
-                base = alias_base(graph, value.name)
-                if base in inputs and base not in mutated:
-                    mutated.append(base)
+        for written in written_values(node):
+            base = alias_base(graph, written)
+            if base in inputs and base not in mutated:
+                mutated.append(base)
     return mutated

@@ -1,19 +1,25 @@
 """The cost model partitioners optimise and reports quote.
 
 A stage costs its units' forward + backward time plus the time to move what crosses its two
-boundaries (activations forward, gradients backward) over the device link. Values are relayed,
-so a value produced in stage ``p`` and read in stage ``c`` crosses every boundary between them.
-Memory per device: parameters, gradients and optimizer state of the stage, plus activations of the
-microbatches in flight under the schedule.
+boundaries (activations forward, gradients backward) over the device link; boundaries between two
+stages on the same device cost nothing. Values are relayed, so a value produced in stage ``p`` and
+read in stage ``c`` crosses every boundary between them. A whole step is simulated under the
+schedule (:mod:`.simulator`). Memory per device: parameters, gradients and optimizer state of its
+stages, plus the activations the schedule keeps alive.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import networkx as nx
+
+from ..errors import PartitionError
 from ..graph import Graph, TensorMeta
+from ..mutation import order_edges
 from ..profiling.devices import DeviceSpec
 from ..profiling.profile import Profile
+from .simulator import PipelineCosts, Simulation, schedule_orders, simulate
 
 #: Bytes of state per parameter byte: weight + gradient (+ two Adam moments).
 STATE_FACTOR = {"sgd": 2, "adamw": 4}
@@ -23,8 +29,8 @@ STATE_FACTOR = {"sgd": 2, "adamw": 4}
 class StageCost:
     forward: float
     backward: float
-    communication: float  # seconds sending / receiving its boundaries, forward and backward
-    memory: float  # peak bytes on its device
+    communication: float  # seconds moving its boundaries (forward and backward) off-device
+    memory: float  # its static memory plus its activations in flight
     parameters: int  # parameter bytes
 
     @property
@@ -35,24 +41,53 @@ class StageCost:
 @dataclass
 class Prediction:
     stages: list[StageCost]
-    lower_bound: float  # max(total compute / stages, heaviest unit)
-    step_time: float  # sum of stage times + (microbatches - 1) x bottleneck
+    device_of_stage: list[int]
+    lower_bound: float  # max(total compute / devices, heaviest unit)
+    step_time: float  # simulated step under the schedule
+    schedule: str
+    device_memory: list[float]  # peak bytes per device
+    bubble: float  # idle fraction of device time in the simulated step
+
+    @property
+    def device_load(self) -> list[float]:
+        load = [0.0] * (max(self.device_of_stage) + 1)
+        for stage, device in zip(self.stages, self.device_of_stage):
+            load[device] += stage.time
+        return load
 
     @property
     def bottleneck(self) -> float:
-        return max(s.time for s in self.stages)
+        """The busiest device's compute + communication for one microbatch."""
+        return max(self.device_load)
 
     def to_json(self) -> dict:
         return {
             "bottleneck": self.bottleneck,
             "lower_bound": self.lower_bound,
             "step_time": self.step_time,
+            "schedule": self.schedule,
+            "bubble": self.bubble,
+            "device_memory": self.device_memory,
             "stages": [asdict(s) | {"time": s.time} for s in self.stages],
         }
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """A value one unit produces and later units read."""
+
+    producer: int  # unit, or -1 for a model input
+    readers: tuple[int, ...]  # units, plus ``num_units`` when it is a model output
+    activation: int  # bytes forward
+    gradient: int  # bytes backward (0 if it needs no gradient)
+
+    @property
+    def last(self) -> int:
+        return max(self.readers)
+
+
 def in_flight(stage: int, num_stages: int, schedule: str, microbatches: int) -> int:
-    """Microbatches whose activations a stage holds at its peak."""
+    """Microbatches whose activations a stage holds at its peak under a one-stage-per-device schedule."""
     if schedule == "gpipe":
         return microbatches
     return min(num_stages - stage, microbatches)
@@ -61,7 +96,15 @@ def in_flight(stage: int, num_stages: int, schedule: str, microbatches: int) -> 
 class CostModel:
     """Per-unit costs of one graph under one profile, and what any stage assignment costs."""
 
-    def __init__(self, graph: Graph, profile: Profile, *, schedule: str = "1f1b", microbatches: int | None = None, optimizer: str = "adamw"):
+    def __init__(
+        self,
+        graph: Graph,
+        profile: Profile,
+        *,
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        optimizer: str = "adamw",
+    ):
         profile.check_graph(graph)
         self.graph = graph
         self.device: DeviceSpec = profile.device
@@ -73,44 +116,68 @@ class CostModel:
         self.compute = [f + b for f, b in zip(self.forward, self.backward)]
         self.activations = [u.activations for u in profile.units]
         self.num_units = len(graph.units)
-        # parameters: counted in the first unit that reads them
-        self.param_bytes = [0] * self.num_units
+        self.param_bytes = self._parameter_bytes(graph)
+        self.exchanges = self._exchanges(graph)
+        self.dag = self._unit_dag(graph)
+
+    # -- construction -------------------------------------------------------------------------
+    def _parameter_bytes(self, graph: Graph) -> list[int]:
+        """Parameter bytes per unit, each parameter counted in the first unit that reads it."""
+        param_bytes = [0] * self.num_units
         seen: set[str] = set()
         for node in graph.calls:
             for src in node.inputs:
-                placeholder = graph[src]
-                if placeholder.kind == "param":
-                    info = graph.param_of(placeholder.target)
+                if graph[src].kind == "param":
+                    info = graph.param_of(graph[src].target)
                     if info.names[0] not in seen:
                         seen.add(info.names[0])
-                        self.param_bytes[node.unit] += info.nbytes
-        # values exchanged between units: (producer unit or -1, last reader unit or num_units, bytes)
+                        param_bytes[node.unit] += info.nbytes
+        return param_bytes
+
+    def _exchanges(self, graph: Graph) -> list[Exchange]:
         unit_of = {n.name: n.unit for n in graph.calls}
         outputs = set(graph.outputs)
-        self.values: list[tuple[int, int, float]] = []
+        exchanges = []
         for node in graph.nodes:
             if node.kind not in ("call", "input") or not isinstance(node.meta, TensorMeta):
                 continue
             producer = unit_of.get(node.name, -1)
-            readers = [unit_of[u] for u in graph.users(node.name) if u in unit_of]
-            last = max(readers, default=producer)
+            readers = {unit_of[u] for u in graph.users(node.name) if u in unit_of and unit_of[u] != producer}
             if node.name in outputs:
-                last = self.num_units
-            if last > producer:
+                readers.add(self.num_units)
+            if readers:
                 meta = node.meta
-                moved = meta.nbytes * (2 if meta.requires_grad else 1)  # activation + its gradient
-                self.values.append((producer, last, moved))
+                exchanges.append(Exchange(producer, tuple(sorted(readers)), meta.nbytes, meta.nbytes if meta.requires_grad else 0))
+        return exchanges
+
+    def _unit_dag(self, graph: Graph) -> nx.DiGraph:
+        """Units and the edges no partition may point backwards: data (weighted by the bytes
+        moved) and the order of in-place writes."""
+        dag = nx.DiGraph()
+        dag.add_nodes_from(range(self.num_units))
+        for ex in self.exchanges:
+            if ex.producer < 0:
+                continue
+            for reader in ex.readers:
+                if reader < self.num_units:
+                    weight = dag.get_edge_data(ex.producer, reader, {"bytes": 0})["bytes"]
+                    dag.add_edge(ex.producer, reader, bytes=weight + ex.activation + ex.gradient)
+        for before, after in order_edges(graph):
+            u, v = graph[before].unit, graph[after].unit
+            if u != v and not dag.has_edge(u, v):
+                dag.add_edge(u, v, bytes=0)
+        return dag
 
     # -- contiguous partitions ----------------------------------------------------------------
     def boundary_bytes(self) -> list[float]:
         """Bytes crossing the cut after unit position ``p`` (for p in 0 .. N-2), both directions."""
         diff = [0.0] * (self.num_units + 1)
-        for producer, last, moved in self.values:
-            first = max(producer, 0)
-            end = min(last, self.num_units - 1)  # cuts first .. end-1
+        for ex in self.exchanges:
+            first = max(ex.producer, 0)
+            end = min(ex.last, self.num_units - 1)  # cuts first .. end-1
             if end > first:
-                diff[first] += moved
-                diff[end] -= moved
+                diff[first] += ex.activation + ex.gradient
+                diff[end] -= ex.activation + ex.gradient
         out, running = [], 0.0
         for p in range(self.num_units - 1):
             running += diff[p]
@@ -120,31 +187,95 @@ class CostModel:
     def state_factor(self) -> int:
         return STATE_FACTOR[self.optimizer]
 
+    def lower_bound(self, num_devices: int) -> float:
+        return max(sum(self.compute) / num_devices, max(self.compute, default=0.0))
+
     # -- any assignment -----------------------------------------------------------------------
-    def evaluate(self, stage_of_unit: list[int], num_stages: int) -> Prediction:
+    def check_monotone(self, stage_of_unit: list[int]) -> None:
+        """Every data and write-order edge must go to the same or a later stage."""
+        for u, v in self.dag.edges:
+            if stage_of_unit[u] > stage_of_unit[v]:
+                raise PartitionError(
+                    f"unit {self.graph.units[v].label} (stage {stage_of_unit[v]}) depends on unit "
+                    f"{self.graph.units[u].label} in the later stage {stage_of_unit[u]}"
+                )
+
+    def pipeline_costs(self, stage_of_unit: list[int], device_of_stage: list[int]) -> PipelineCosts:
+        num_stages = len(device_of_stage)
         forward = [0.0] * num_stages
         backward = [0.0] * num_stages
         activations = [0.0] * num_stages
-        params = [0] * num_stages
+        params = [0.0] * num_stages
         for unit, stage in enumerate(stage_of_unit):
             forward[stage] += self.forward[unit]
             backward[stage] += self.backward[unit]
             activations[stage] += self.activations[unit]
             params[stage] += self.param_bytes[unit]
-        crossing = [0.0] * max(num_stages - 1, 0)  # bytes over boundary s -> s + 1
-        for producer, last, moved in self.values:
-            first = stage_of_unit[producer] if producer >= 0 else 0
+        act_cross = [0.0] * max(num_stages - 1, 0)
+        grad_cross = [0.0] * max(num_stages - 1, 0)
+        for ex in self.exchanges:
+            first = stage_of_unit[ex.producer] if ex.producer >= 0 else 0
+            last = ex.last
             end = stage_of_unit[last] if last < self.num_units else num_stages - 1
             for s in range(first, end):
-                crossing[s] += moved
+                act_cross[s] += ex.activation
+                grad_cross[s] += ex.gradient
+        bandwidth = self.device.link_bandwidth
+        return PipelineCosts(
+            forward=forward,
+            backward=backward,
+            activations=activations,
+            static_memory=[p * self.state_factor() for p in params],
+            send_forward=[b / bandwidth for b in act_cross],
+            send_backward=[b / bandwidth for b in grad_cross],
+            device_of_stage=list(device_of_stage),
+            memory_capacity=self.device.memory,
+        )
+
+    def evaluate(self, stage_of_unit: list[int], device_of_stage: list[int] | None = None, schedule: str | None = None) -> Prediction:
+        """Stage costs and a simulated step for an assignment of units to stages and devices."""
+        num_stages = max(stage_of_unit) + 1
+        device_of_stage = device_of_stage if device_of_stage is not None else list(range(num_stages))
+        costs = self.pipeline_costs(stage_of_unit, device_of_stage)
         microbatches = self.microbatches or 2 * num_stages
+        schedule = schedule or self.schedule
+        simulation = self.simulate(costs, schedule, microbatches)
         stages = []
         for s in range(num_stages):
-            moved = (crossing[s - 1] if s > 0 else 0.0) + (crossing[s] if s < num_stages - 1 else 0.0)
-            memory = params[s] * self.state_factor() + activations[s] * in_flight(s, num_stages, self.schedule, microbatches)
-            stages.append(StageCost(forward[s], backward[s], moved / self.device.link_bandwidth, memory, params[s]))
-        times = [s.time for s in stages]
-        return Prediction(stages, self.lower_bound(num_stages), sum(times) + (microbatches - 1) * max(times))
+            moved = 0.0
+            if s > 0:
+                moved += costs.link(s - 1, costs.send_forward) + costs.link(s - 1, costs.send_backward)
+            if s < num_stages - 1:
+                moved += costs.link(s, costs.send_forward) + costs.link(s, costs.send_backward)
+            memory = costs.static_memory[s] + costs.activations[s] * _held(s, simulation)
+            stages.append(StageCost(costs.forward[s], costs.backward[s], moved, memory, int(costs.static_memory[s] / self.state_factor())))
+        return Prediction(
+            stages=stages,
+            device_of_stage=list(device_of_stage),
+            lower_bound=self.lower_bound(max(device_of_stage) + 1),
+            step_time=simulation.step_time,
+            schedule=schedule,
+            device_memory=simulation.peak_memory,
+            bubble=simulation.bubble,
+        )
 
-    def lower_bound(self, num_stages: int) -> float:
-        return max(sum(self.compute) / num_stages, max(self.compute, default=0.0))
+    @staticmethod
+    def simulate(costs: PipelineCosts, schedule: str, microbatches: int) -> Simulation:
+        return simulate(schedule_orders(schedule, costs, microbatches), costs)
+
+
+def _held(stage: int, simulation: Simulation) -> int:
+    """Most microbatches of ``stage`` alive at once in the simulated step."""
+    changes = []
+    for _device, action, start, end in simulation.events:
+        if action.stage != stage:
+            continue
+        if action.kind == "F":
+            changes.append((start, 1))
+        elif action.kind in ("B", "W"):
+            changes.append((end, -1))
+    live = peak = 0
+    for _time, delta in sorted(changes, key=lambda c: (c[0], c[1])):
+        live += delta
+        peak = max(peak, live)
+    return peak

@@ -20,6 +20,8 @@ class Partition:
     graph_digest: str
     settings: dict = field(default_factory=dict)  # schedule, microbatches, optimizer, device
     predicted: dict = field(default_factory=dict)  # Prediction.to_json()
+    #: per-stage costs the ``auto`` schedule orders actions by (runtime.schedule.PipelineCosts fields)
+    costs: dict = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -39,6 +41,7 @@ class Partition:
             "device_of_stage": self.device_of_stage,
             "stage_of_unit": self.stage_of_unit,
             "predicted": self.predicted,
+            "costs": self.costs,
         }
 
     @classmethod
@@ -51,6 +54,7 @@ class Partition:
                 graph_digest=data["graph_digest"],
                 settings=data.get("settings", {}),
                 predicted=data.get("predicted", {}),
+                costs=data.get("costs", {}),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ArtifactError(f"partition artefact is malformed ({exc!r}); run `autopipe partition` again") from exc

@@ -1,6 +1,6 @@
 """Training driver of generated pipelines, started by ``torchrun ... train.py``.
 
-This file is copied into every generated pipeline as ``_runtime.py`` and needs only torch. Each
+Copied into every generated pipeline as ``runtime/driver.py``; it needs only torch. Each
 rank builds the stages the pipeline places on it, wraps them in
 ``torch.distributed.pipelining.PipelineStage`` and runs one of torch's schedules; gradients of
 parameters tied across stages are all-reduced before each optimizer step.
@@ -23,10 +23,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _ComputationType,
+    _PipelineSchedule,
+    _PipelineScheduleRuntime,
+    get_schedule_class,
+)
 
-#: --schedule names -> torch.distributed.pipelining schedule classes (one stage per rank).
-SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+from .schedule import PipelineCosts, greedy_orders
+
+#: --schedule names -> torch.distributed.pipelining classes running one stage per rank, in order
+SINGLE_STAGE = {"gpipe": "GPipe", "1f1b": "1F1B"}
+#: ... and running several stages per rank: looped placements (stage s on rank s mod ranks) or V
+MULTI_STAGE = {
+    "interleaved-1f1b": "Interleaved1F1B",
+    "looped-bfs": "LoopedBFS",
+    "interleaved-zero-bubble": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
+#: "auto": autopipe's order for any placement (runtime/schedule.py), run by torch's schedule runtime
+SCHEDULES = (*SINGLE_STAGE, *MULTI_STAGE, "auto")
+_KINDS = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
 
 _DTYPES = {
     name: getattr(torch, name)
@@ -55,7 +74,13 @@ def parse_args(argv: list[str], pipeline: dict) -> argparse.Namespace:
         default=2 * num_stages,
         help=f"microbatches per step; a step's batch is this many example microbatches (default {2 * num_stages})",
     )
-    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b", help="pipeline schedule (default 1f1b)")
+    default_schedule = pipeline["schedule"]["name"]
+    parser.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default=default_schedule,
+        help=f"pipeline schedule (default {default_schedule}, the one the partition was made for)",
+    )
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw", help="optimizer (default adamw)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
@@ -79,12 +104,44 @@ def parse_args(argv: list[str], pipeline: dict) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 0 or args.microbatches < 1:
         parser.error("--steps must be >= 0 and --microbatches >= 1")
-    if args.schedule == "1f1b" and args.microbatches < num_stages:
-        parser.error(
-            f"--schedule 1f1b needs at least as many microbatches as stages ({num_stages}); "
-            f"got --microbatches {args.microbatches}. Use --microbatches {num_stages} or more, or --schedule gpipe."
-        )
+    problem = schedule_problem(args.schedule, pipeline, args.microbatches)
+    if problem:
+        parser.error(problem)
     return args
+
+
+def schedule_problem(name: str, pipeline: dict, microbatches: int) -> str | None:
+    """Why schedule ``name`` cannot run this pipeline, naming what would; None if it can."""
+    devices = [stage["device"] for stage in pipeline["stages"]]
+    num_stages, ranks = len(devices), num_devices(pipeline)
+    if name in SINGLE_STAGE:
+        if devices != list(range(num_stages)):
+            return (
+                f"--schedule {name} runs one stage per rank, in order, but this pipeline places its "
+                f"{num_stages} stages on ranks {devices}; use --schedule auto"
+                + (" or interleaved-1f1b" if devices == _looped(num_stages, ranks) else "")
+            )
+        if name == "1f1b" and microbatches < num_stages:
+            return (
+                f"--schedule 1f1b needs at least as many microbatches as stages ({num_stages}); got "
+                f"--microbatches {microbatches}. Use --microbatches {num_stages} or more, or --schedule gpipe."
+            )
+    elif name in MULTI_STAGE:
+        expected = _v_shape(num_stages, ranks) if name in ("zbv", "dualpipev") else _looped(num_stages, ranks)
+        if num_stages % ranks or devices != expected:
+            return (
+                f"--schedule {name} needs stage s on rank {expected} ({'V-shaped' if name in ('zbv', 'dualpipev') else 'looped'}), "
+                f"but this pipeline places its stages on ranks {devices}; use --schedule auto"
+            )
+    return None
+
+
+def _looped(num_stages: int, ranks: int) -> list[int]:
+    return [s % ranks for s in range(num_stages)]
+
+
+def _v_shape(num_stages: int, ranks: int) -> list[int]:
+    return [s if s < ranks else 2 * ranks - 1 - s for s in range(num_stages)]
 
 
 def num_devices(pipeline: dict) -> int:
@@ -333,6 +390,23 @@ def init_distributed(pipeline: dict, device_kind: str) -> torch.device:
     return device
 
 
+def build_schedule(name: str, stages: list[PipelineStage], pipeline: dict, microbatches: int, loss_fn: Callable) -> _PipelineSchedule:
+    """A torch.distributed.pipelining schedule over this rank's stages."""
+    if name in SINGLE_STAGE:
+        return get_schedule_class(SINGLE_STAGE[name])(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    if name in MULTI_STAGE:
+        try:
+            return get_schedule_class(MULTI_STAGE[name])(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+        except (ValueError, AssertionError) as exc:
+            raise PipelineRunError(f"--schedule {name} does not fit: {exc}") from None
+    costs = PipelineCosts(**pipeline["schedule"]["costs"], device_of_stage=[s["device"] for s in pipeline["stages"]])
+    orders = greedy_orders(costs, microbatches)
+    schedule = _PipelineScheduleRuntime(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    actions = {rank: [_Action(a.stage, _KINDS[a.kind], a.microbatch) for a in order] for rank, order in orders.items()}
+    schedule._prepare_schedule_with_comms(actions)
+    return schedule
+
+
 def train(package: ModuleType, args: argparse.Namespace) -> None:
     pipeline = package.PIPELINE
     device = init_distributed(pipeline, args.device)
@@ -341,28 +415,25 @@ def train(package: ModuleType, args: argparse.Namespace) -> None:
     specs = pipeline["stages"]
     num_stages = len(specs)
     local = [i for i, spec in enumerate(specs) if spec["device"] == rank]
-    if len(local) != 1:
-        raise PipelineRunError(f"rank {rank} holds {len(local)} stages; this driver runs exactly one stage per rank")
-    index = local[0]
-    module = package.build_stage(index, device=device, init=args.load is None, seed=args.seed)
-    stages = {index: module}
+    modules = {i: package.build_stage(i, device=device, init=args.load is None, seed=args.seed) for i in local}
     if args.load:
-        load_state(stages, args.load, pipeline)
-    stage = PipelineStage(
-        module,
-        index,
-        num_stages,
-        device,
-        input_args=meta_tensors(pipeline, specs[index]["inputs"]),
-        output_args=meta_tensors(pipeline, specs[index]["outputs"]),
-    )
-    is_first, is_last = index == 0, index == num_stages - 1
-    loss_fn = make_loss_fn(package, pipeline, device) if is_last else None
-    schedule = get_schedule_class(SCHEDULES[args.schedule])(
-        stage, n_microbatches=args.microbatches, loss_fn=loss_fn or (lambda output, target: output), scale_grads=True
-    )
-    ties = tied_groups(pipeline, stages)
-    optimizer = make_optimizer(args, [p for p in module.parameters() if p.requires_grad])
+        load_state(modules, args.load, pipeline)
+    stages = [
+        PipelineStage(
+            modules[i],
+            i,
+            num_stages,
+            device,
+            input_args=meta_tensors(pipeline, specs[i]["inputs"]),
+            output_args=meta_tensors(pipeline, specs[i]["outputs"]),
+        )
+        for i in local
+    ]
+    is_first, is_last = 0 in modules, num_stages - 1 in modules
+    loss_fn = make_loss_fn(package, pipeline, device)
+    schedule = build_schedule(args.schedule, stages, pipeline, args.microbatches, loss_fn)
+    ties = tied_groups(pipeline, modules)
+    optimizer = make_optimizer(args, [p for m in modules.values() for p in m.parameters() if p.requires_grad])
     batches = Batches(pipeline, args.microbatches, args.data, args.seed)
     log = open(args.log_json, "w", encoding="utf-8") if (args.log_json and is_last) else contextlib.nullcontext()
     with log:
@@ -388,7 +459,7 @@ def train(package: ModuleType, args: argparse.Namespace) -> None:
                     log.write(json.dumps({"step": step, "loss": loss, "time": elapsed}) + "\n")
                     log.flush()
     if args.save:
-        state = gather_state(stages, pipeline)
+        state = gather_state(modules, pipeline)
         if state is not None:
             save_atomic(state, args.save)
             print(f"saved the trained model state_dict to {args.save}", flush=True)

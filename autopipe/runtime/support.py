@@ -1,6 +1,6 @@
 """State of generated stages: parameters and buffers under the original model's names.
 
-This file is copied into every generated pipeline as ``_support.py``; it needs only torch.
+Copied into every generated pipeline as ``runtime/support.py``; it needs only torch.
 """
 
 from __future__ import annotations

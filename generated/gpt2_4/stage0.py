@@ -9,7 +9,7 @@ Generated code: regenerate it rather than editing it (`autopipe verify` reports 
 import torch
 from torch import nn
 
-from ._support import build_state, init_state
+from .runtime.support import build_state, init_state
 
 aten = torch.ops.aten
 

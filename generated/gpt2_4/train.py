@@ -25,6 +25,6 @@ def load_pipeline_package(name: str = "autopipe_pipeline"):
 
 if __name__ == "__main__":
     pipeline = load_pipeline_package()
-    from autopipe_pipeline._runtime import main
+    from autopipe_pipeline.runtime.driver import main
 
     sys.exit(main(pipeline, sys.argv[1:]))

@@ -1,0 +1,83 @@
+"""In-place operators: which values they write, and the order they impose on other operators.
+
+``torch.export`` training graphs keep in-place operators (``relu_``, ``add_``, ``copy_``, ...).
+Readers of a tensor must stay on the same side of a write to it as in the original program, even
+when no data edge says so; partitioners that reorder units honour these *order edges*.
+"""
+
+from __future__ import annotations
+
+from .graph import Graph, Node
+from .interpreter import resolve_target
+
+
+def alias_base(graph: Graph, name: str) -> str:
+    """The value whose storage ``name`` shares, following views and in-place operators."""
+    node = graph[name]
+    while node.kind == "call":
+        if node.target == "getitem":
+            source = graph[node.args[0].name]
+            if source.kind != "call" or not _returns_alias(source.target):
+                break
+            node = source
+            continue
+        arg = _aliased_argument(node)
+        if arg is None:
+            break
+        node = graph[arg]
+    return node.name
+
+
+def written_values(node: Node) -> list[str]:
+    """Names of the values an operator writes in place (as it names them in its arguments)."""
+    if node.kind != "call" or node.target == "getitem":
+        return []
+    schema = resolve_target(node.target)._schema
+    return [
+        value.name
+        for arg, value in zip(schema.arguments, node.args)
+        if arg.alias_info is not None and arg.alias_info.is_write and hasattr(value, "name")
+    ]
+
+
+def order_edges(graph: Graph) -> list[tuple[str, str]]:
+    """``(before, after)`` pairs of call nodes: every read of a tensor written in place stays
+    on its side of the write. All pairs point forward in program order."""
+    base_of: dict[str, str] = {}
+
+    def base(name: str) -> str:
+        if name not in base_of:
+            base_of[name] = alias_base(graph, name)
+        return base_of[name]
+
+    readers: dict[str, list[str]] = {}
+    for node in graph.calls:
+        for src in node.inputs:
+            readers.setdefault(base(src), []).append(node.name)
+    position = {name: i for i, name in enumerate(graph.dag.nodes)}
+    edges: set[tuple[str, str]] = set()
+    for node in graph.calls:
+        for written in written_values(node):
+            for reader in readers.get(base(written), []):
+                if reader == node.name:
+                    continue
+                pair = (reader, node.name) if position[reader] < position[node.name] else (node.name, reader)
+                if not graph.dag.has_edge(*pair):
+                    edges.add(pair)
+    return sorted(edges, key=lambda e: (position[e[0]], position[e[1]]))
+
+
+def _returns_alias(target: str) -> bool:
+    schema = resolve_target(target)._schema
+    return bool(schema.returns) and schema.returns[0].alias_info is not None
+
+
+def _aliased_argument(node: Node) -> str | None:
+    schema = resolve_target(node.target)._schema
+    if not schema.returns or schema.returns[0].alias_info is None:
+        return None
+    sets = schema.returns[0].alias_info.before_set
+    for arg, value in zip(schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.before_set & sets and hasattr(value, "name"):
+            return value.name
+    return None

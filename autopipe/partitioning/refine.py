@@ -1,0 +1,249 @@
+"""Assignments of units to stages that stay acyclic, and local moves that improve them.
+
+Every partitioner here produces a *monotone* assignment: along every edge of the unit DAG (data,
+and the order of in-place writes) the stage index never decreases, so the stages form a chain and
+values can be relayed from each stage to the next. :class:`Assignment` keeps the per-stage compute
+and the bytes crossing each boundary up to date as single units move, so refinement costs
+``O(exchanges of the unit x stages)`` per move.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import PartitionError
+from .cost import CostModel, in_flight
+
+_EPS = 1e-12
+
+
+class Assignment:
+    """A monotone unit -> stage assignment with a stage -> device map, updated incrementally."""
+
+    def __init__(self, model: CostModel, stage_of_unit: list[int], device_of_stage: list[int]):
+        self.model = model
+        self.stage = list(stage_of_unit)
+        self.device_of_stage = list(device_of_stage)
+        self.num_stages = len(device_of_stage)
+        self.compute = [0.0] * self.num_stages
+        self.static = [0.0] * self.num_stages  # parameter, gradient and optimizer bytes
+        self.activations = [0.0] * self.num_stages  # bytes one microbatch keeps for backward
+        self.size = [0] * self.num_stages
+        for unit, s in enumerate(self.stage):
+            self._add(unit, s, +1)
+        microbatches = model.microbatches or 2 * self.num_stages
+        self.in_flight = [in_flight(s, self.num_stages, model.schedule, microbatches) for s in range(self.num_stages)]
+        self.crossing = [0.0] * max(self.num_stages - 1, 0)  # bytes over boundary s -> s+1, both ways
+        self.exchanges_of: list[list[int]] = [[] for _ in range(model.num_units)]
+        for index, ex in enumerate(model.exchanges):
+            if ex.producer >= 0:
+                self.exchanges_of[ex.producer].append(index)
+            for reader in ex.readers:
+                if reader < model.num_units:
+                    self.exchanges_of[reader].append(index)
+            self._span(index, +1)
+        self.preds = [list(model.dag.predecessors(u)) for u in range(model.num_units)]
+        self.succs = [list(model.dag.successors(u)) for u in range(model.num_units)]
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def _add(self, unit: int, stage: int, sign: int) -> None:
+        model = self.model
+        self.compute[stage] += sign * model.compute[unit]
+        self.static[stage] += sign * model.param_bytes[unit] * model.state_factor()
+        self.activations[stage] += sign * model.activations[unit]
+        self.size[stage] += sign
+
+    def _span(self, index: int, sign: int) -> None:
+        ex = self.model.exchanges[index]
+        first = self.stage[ex.producer] if ex.producer >= 0 else 0
+        last = ex.last
+        end = self.stage[last] if last < self.model.num_units else self.num_stages - 1
+        moved = sign * (ex.activation + ex.gradient)
+        for s in range(first, end):
+            self.crossing[s] += moved
+
+    def move(self, unit: int, to: int) -> None:
+        """Move one unit to stage ``to`` (the caller keeps the assignment monotone)."""
+        source = self.stage[unit]
+        if source == to:
+            return
+        touched = self.exchanges_of[unit]
+        for index in touched:
+            self._span(index, -1)
+        self._add(unit, source, -1)
+        self.stage[unit] = to
+        self._add(unit, to, +1)
+        for index in touched:
+            self._span(index, +1)
+
+    # -- costs --------------------------------------------------------------------------------
+    def stage_times(self) -> list[float]:
+        bandwidth = self.model.device.link_bandwidth
+        times = list(self.compute)
+        for s, crossing in enumerate(self.crossing):
+            if self.device_of_stage[s] != self.device_of_stage[s + 1]:
+                times[s] += crossing / bandwidth
+                times[s + 1] += crossing / bandwidth
+        return times
+
+    def device_loads(self) -> list[float]:
+        loads = [0.0] * (max(self.device_of_stage) + 1)
+        for s, t in enumerate(self.stage_times()):
+            loads[self.device_of_stage[s]] += t
+        return loads
+
+    def device_memory(self) -> list[float]:
+        memory = [0.0] * (max(self.device_of_stage) + 1)
+        for s, d in enumerate(self.device_of_stage):
+            memory[d] += self.static[s] + self.activations[s] * self.in_flight[s]
+        return memory
+
+    def objective(self) -> tuple[float, float, float]:
+        """(bytes over device memory, busiest device, sum of squared loads): fit first, then
+        speed, then balance as a tie-break."""
+        capacity = self.model.device.memory
+        overflow = sum(max(0.0, m - capacity) for m in self.device_memory())
+        loads = self.device_loads()
+        return overflow, max(loads), sum(x * x for x in loads)
+
+
+def better(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    """Is objective ``a`` lexicographically better than ``b`` (with a relative tolerance)?"""
+    for x, y in zip(a, b):
+        if x < y * (1 - 1e-9) - _EPS:
+            return True
+        if x > y * (1 + 1e-9) + _EPS:
+            return False
+    return False
+
+
+def refine(state: Assignment, groups: list[list[int]] | None = None, passes: int = 8, patience: int = 24) -> None:
+    """Fiduccia-Mattheyses style refinement: repeatedly make the best move of a group of units
+    (by default each unit alone) from a stage on the busiest device to an adjacent stage, even
+    if it makes things worse, lock the group, and finally roll back to the best state seen."""
+    groups = groups if groups is not None else [[u] for u in range(state.model.num_units)]
+    group_of_unit = {u: g for g, members in enumerate(groups) for u in members}
+    for _ in range(passes):
+        start = state.objective()
+        best, best_length = start, 0
+        history: list[tuple[int, int]] = []  # (group, stage it came from)
+        locked: set[int] = set()
+        since_best = 0
+        while since_best < patience:
+            move = _best_group_move(state, groups, group_of_unit, locked)
+            if move is None:
+                break
+            group, to = move
+            history.append((group, state.stage[groups[group][0]]))
+            for unit in groups[group]:
+                state.move(unit, to)
+            locked.add(group)
+            current = state.objective()
+            if better(current, best):
+                best, best_length, since_best = current, len(history), 0
+            else:
+                since_best += 1
+        for group, source in reversed(history[best_length:]):
+            for unit in groups[group]:
+                state.move(unit, source)
+        if not better(best, start):
+            return
+
+
+def _best_group_move(state, groups, group_of_unit, locked) -> tuple[int, int] | None:
+    loads = state.device_loads()
+    busiest = max(range(len(loads)), key=loads.__getitem__)
+    hot_stages = {s for s, d in enumerate(state.device_of_stage) if d == busiest}
+    best_move, best_value = None, None
+    seen: set[int] = set()
+    for unit, stage in enumerate(state.stage):
+        group = group_of_unit[unit]
+        if group in locked or group in seen:
+            continue
+        members = groups[group]
+        neighbours = {state.stage[n] for m in members for n in state.preds[m] + state.succs[m]}
+        if stage not in hot_stages and not (neighbours & hot_stages):
+            continue
+        seen.add(group)
+        for to in (stage - 1, stage + 1):
+            if not _group_can_move(state, members, to):
+                continue
+            for m in members:
+                state.move(m, to)
+            value = state.objective()
+            for m in members:
+                state.move(m, stage)
+            if best_value is None or better(value, best_value):
+                best_move, best_value = (group, to), value
+    return best_move
+
+
+def _group_can_move(state: Assignment, members: list[int], to: int) -> bool:
+    if not 0 <= to < state.num_stages:
+        return False
+    source = state.stage[members[0]]
+    if any(state.stage[m] != source for m in members) or state.size[source] <= len(members):
+        return False
+    inside = set(members)
+    for m in members:
+        for p in state.preds[m]:
+            if p not in inside and state.stage[p] > to:
+                return False
+        for s in state.succs[m]:
+            if s not in inside and state.stage[s] < to:
+                return False
+    return True
+
+
+# -- repair -----------------------------------------------------------------------------------
+def monotone(model: CostModel, rank_of_unit: list[float]) -> list[int]:
+    """Turn any unit -> part ranking into a monotone assignment: in topological (program) order,
+    a unit goes to its own part's rank or the latest stage of its predecessors, whichever is later."""
+    stage = [0] * model.num_units
+    for unit in range(model.num_units):  # program order is a topological order of the unit DAG
+        wanted = int(rank_of_unit[unit])
+        stage[unit] = max([wanted] + [stage[p] for p in model.dag.predecessors(unit)])
+    return stage
+
+
+def exact_stage_count(model: CostModel, stage: list[int], num_stages: int) -> list[int]:
+    """Renumber stages densely, then split the heaviest stages (along program order, at the
+    point that balances compute) until there are ``num_stages`` non-empty ones."""
+    used = sorted(set(stage))
+    renumber = {s: i for i, s in enumerate(used)}
+    stage = [renumber[s] for s in stage]
+    while max(stage) + 1 < num_stages:
+        counts = [stage.count(s) for s in range(max(stage) + 1)]
+        loads = [0.0] * len(counts)
+        for unit, s in enumerate(stage):
+            loads[s] += model.compute[unit]
+        splittable = [s for s in range(len(counts)) if counts[s] > 1]
+        if not splittable:
+            raise PartitionError(f"cannot make {num_stages} non-empty stages from {model.num_units} units")
+        target = max(splittable, key=lambda s: (loads[s], -s))
+        members = [u for u in range(model.num_units) if stage[u] == target]
+        half, running, cut = loads[target] / 2, 0.0, 1
+        for i, unit in enumerate(members[:-1]):
+            running += model.compute[unit]
+            cut = i + 1
+            if running >= half:
+                break
+        tail = set(members[cut:])
+        # the tail and everything after it moves one stage later (program order keeps it monotone)
+        stage = [s + 1 if (s > target or u in tail) else s for u, s in enumerate(stage)]
+    return stage
+
+
+def looped_devices(num_stages: int, num_devices: int) -> list[int]:
+    """Stage s on device s mod D: the placement of torch's looped / interleaved schedules."""
+    return [s % num_devices for s in range(num_stages)]
+
+
+def balanced_ranks(model: CostModel, num_parts: int) -> list[float]:
+    """A part index per unit cutting program order into pieces of equal compute."""
+    total = sum(model.compute) or 1.0
+    ranks, running = [], 0.0
+    for c in model.compute:
+        ranks.append(min(num_parts - 1, math.floor(running / total * num_parts)))
+        running += c
+    return ranks
