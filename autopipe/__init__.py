@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 from .compiler import CompileOptions, compile_example, compile_spec, pipe_model  # noqa: E402
 from .errors import AutopipeError  # noqa: E402
+from .meta import empty_weights  # noqa: E402
 from .verify import load_pipeline, verify  # noqa: E402
 
-__all__ = ["pipe_model", "compile_spec", "compile_example", "CompileOptions", "load_pipeline", "verify", "AutopipeError", "__version__"]
+__all__ = ["pipe_model", "empty_weights", "compile_spec", "compile_example", "CompileOptions", "load_pipeline", "verify", "AutopipeError", "__version__"]

@@ -86,3 +86,22 @@ def test_dropout_masks_match_in_process(tmp_path):
     pipe_model(model, (ids,), {"labels": ids}, stages=2, out=tmp_path / "pipe")
     report = verify(tmp_path / "pipe", Example(model, (ids,), {"labels": ids}), rtol=1e-5, atol=1e-6)
     assert report.ok, report.summary()
+
+
+METHOD_CASES = [
+    (name, method, stages, devices)
+    for name in ("gpt2", "t5", "mlp")  # tied weights, encoder-decoder fan-out, long skips
+    for method in ("metis", "acyclic", "mpipe")
+    for stages, devices in ((3, 3), (4, 2))
+]
+
+
+@pytest.mark.parametrize(
+    "name,method,stages,devices", METHOD_CASES, ids=[f"{n}-{m}-{k}on{d}" for n, m, k, d in METHOD_CASES]
+)
+def test_every_method_matches_model(tmp_path, name, method, stages, devices):
+    result = compile_model(name, tmp_path / "pipe", stages, method=method, devices=devices)
+    assert result.partition.num_stages == stages
+    assert len(set(result.partition.device_of_stage)) == devices
+    report = verify(tmp_path / "pipe", load_example(spec(name)), rtol=1e-5, atol=1e-6)
+    assert report.ok, report.summary()

@@ -18,10 +18,15 @@ from .refine import Assignment, looped_devices, refine
 def solve_acyclic(model: CostModel, num_stages: int, num_devices: int) -> tuple[list[int], list[int]]:
     devices = looped_devices(num_stages, num_devices)
     state = Assignment(model, solve_contiguous(model, num_stages), devices)
-    for groups in reversed(coarsen_levels(state, target=4 * num_stages)):
+    multilevel_refine(state)
+    return state.stage, devices
+
+
+def multilevel_refine(state: Assignment) -> None:
+    """Refine from the coarsest clustering of each stage's units down to single units."""
+    for groups in reversed(coarsen_levels(state, target=4 * state.num_stages)):
         refine(state, groups)
     refine(state)
-    return state.stage, devices
 
 
 def coarsen_levels(state: Assignment, target: int) -> list[list[list[int]]]:

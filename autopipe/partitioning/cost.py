@@ -1,8 +1,10 @@
 """The cost model partitioners optimise and reports quote.
 
-A stage costs its units' forward + backward time plus the time to move what crosses its two
-boundaries (activations forward, gradients backward) over the device link; boundaries between two
-stages on the same device cost nothing. Values are relayed, so a value produced in stage ``p`` and
+A stage costs its units' forward and backward time, each stretched to the time its transfers take
+when those take longer (transfers are asynchronous and overlap compute, as FTPipe charges a stage:
+``max(forward, comm_forward) + max(backward, comm_backward)``): activations cross its two
+boundaries forward, gradients backward, over the device link; boundaries between two stages on the
+same device cost nothing. Values are relayed, so a value produced in stage ``p`` and
 read in stage ``c`` crosses every boundary between them. A whole step is simulated under the
 schedule (:mod:`.simulator`). Memory per device: parameters, gradients and optimizer state of its
 stages, plus the activations the schedule keeps alive.
@@ -25,17 +27,27 @@ from .simulator import PipelineCosts, Simulation, schedule_orders, simulate
 STATE_FACTOR = {"sgd": 2, "adamw": 4}
 
 
+def stage_time(forward: float, backward: float, comm_forward: float, comm_backward: float) -> float:
+    """One microbatch through a stage whose transfers overlap its compute."""
+    return max(forward, comm_forward) + max(backward, comm_backward)
+
+
 @dataclass
 class StageCost:
     forward: float
     backward: float
-    communication: float  # seconds moving its boundaries (forward and backward) off-device
+    comm_forward: float  # seconds receiving and sending activations off-device
+    comm_backward: float  # seconds receiving and sending gradients off-device
     memory: float  # its static memory plus its activations in flight
     parameters: int  # parameter bytes
 
     @property
+    def communication(self) -> float:
+        return self.comm_forward + self.comm_backward
+
+    @property
     def time(self) -> float:
-        return self.forward + self.backward + self.communication
+        return stage_time(self.forward, self.backward, self.comm_forward, self.comm_backward)
 
 
 @dataclass
@@ -68,7 +80,7 @@ class Prediction:
             "schedule": self.schedule,
             "bubble": self.bubble,
             "device_memory": self.device_memory,
-            "stages": [asdict(s) | {"time": s.time} for s in self.stages],
+            "stages": [asdict(s) | {"communication": s.communication, "time": s.time} for s in self.stages],
         }
 
 
@@ -169,20 +181,25 @@ class CostModel:
         return dag
 
     # -- contiguous partitions ----------------------------------------------------------------
-    def boundary_bytes(self) -> list[float]:
-        """Bytes crossing the cut after unit position ``p`` (for p in 0 .. N-2), both directions."""
-        diff = [0.0] * (self.num_units + 1)
+    def boundary_bytes(self) -> tuple[list[float], list[float]]:
+        """Activation and gradient bytes crossing the cut after unit position ``p``
+        (for p in 0 .. N-2) when stages are contiguous in program order."""
+        diffs = ([0.0] * (self.num_units + 1), [0.0] * (self.num_units + 1))
         for ex in self.exchanges:
             first = max(ex.producer, 0)
             end = min(ex.last, self.num_units - 1)  # cuts first .. end-1
             if end > first:
-                diff[first] += ex.activation + ex.gradient
-                diff[end] -= ex.activation + ex.gradient
-        out, running = [], 0.0
-        for p in range(self.num_units - 1):
-            running += diff[p]
-            out.append(running)
-        return out
+                for diff, moved in zip(diffs, (ex.activation, ex.gradient)):
+                    diff[first] += moved
+                    diff[end] -= moved
+        result = []
+        for diff in diffs:
+            out, running = [], 0.0
+            for p in range(self.num_units - 1):
+                running += diff[p]
+                out.append(running)
+            result.append(out)
+        return result[0], result[1]
 
     def state_factor(self) -> int:
         return STATE_FACTOR[self.optimizer]
@@ -242,13 +259,12 @@ class CostModel:
         simulation = self.simulate(costs, schedule, microbatches)
         stages = []
         for s in range(num_stages):
-            moved = 0.0
-            if s > 0:
-                moved += costs.link(s - 1, costs.send_forward) + costs.link(s - 1, costs.send_backward)
-            if s < num_stages - 1:
-                moved += costs.link(s, costs.send_forward) + costs.link(s, costs.send_backward)
+            adjacent = [b for b in (s - 1, s) if 0 <= b < num_stages - 1]
+            comm_forward = sum(costs.link(b, costs.send_forward) for b in adjacent)
+            comm_backward = sum(costs.link(b, costs.send_backward) for b in adjacent)
             memory = costs.static_memory[s] + costs.activations[s] * _held(s, simulation)
-            stages.append(StageCost(costs.forward[s], costs.backward[s], moved, memory, int(costs.static_memory[s] / self.state_factor())))
+            parameters = int(costs.static_memory[s] / self.state_factor())
+            stages.append(StageCost(costs.forward[s], costs.backward[s], comm_forward, comm_backward, memory, parameters))
         return Prediction(
             stages=stages,
             device_of_stage=list(device_of_stage),

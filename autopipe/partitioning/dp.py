@@ -1,8 +1,8 @@
 """The exact optimum over contiguous splits of the units' program order (``--method dp``).
 
 Stages are contiguous ranges of units. Dynamic programming over (stages used, units covered)
-minimises the slowest stage, communication included; among the partitions reaching that optimum
-it then minimises the total of the stage times. Stages whose memory exceeds the device are not
+minimises the slowest stage, communication included (:func:`.cost.stage_time`); among the partitions reaching that optimum
+it then minimises the sum of squared stage times (the most balanced one). Stages whose memory exceeds the device are not
 allowed. ``O(stages x units^2)`` work, vectorised over the start of the last stage.
 """
 
@@ -25,23 +25,30 @@ def solve_contiguous(model: CostModel, num_stages: int) -> list[int]:
             "stages, or a larger --depth / fewer --basic-blocks so the model splits into more units"
         )
     dtype = torch.float64
-    prefix = torch.zeros(n + 1, dtype=dtype)
-    prefix[1:] = torch.cumsum(torch.tensor(model.compute, dtype=dtype), 0)
-    act = torch.zeros(n + 1, dtype=dtype)
-    act[1:] = torch.cumsum(torch.tensor(model.activations, dtype=dtype), 0)
-    par = torch.zeros(n + 1, dtype=dtype)
-    par[1:] = torch.cumsum(torch.tensor(model.param_bytes, dtype=dtype), 0)
-    cut = torch.tensor(model.boundary_bytes(), dtype=dtype) / model.device.link_bandwidth
-    comm_in = torch.zeros(n + 1, dtype=dtype)  # stage starting at unit i receives cut[i - 1]
-    comm_in[1:n] = cut
-    comm_out = torch.zeros(n + 1, dtype=dtype)  # stage ending before unit j sends cut[j - 1]
-    comm_out[1:n] = cut
+
+    def prefix(values) -> torch.Tensor:
+        out = torch.zeros(n + 1, dtype=dtype)
+        out[1:] = torch.cumsum(torch.tensor(values, dtype=dtype), 0)
+        return out
+
+    fwd, bwd = prefix(model.forward), prefix(model.backward)
+    act, par = prefix(model.activations), prefix(model.param_bytes)
+    bandwidth = model.device.link_bandwidth
+    edges = []  # (forward, backward) seconds a stage spends on the cut before unit i / after unit j-1
+    for moved in model.boundary_bytes():
+        at = torch.zeros(n + 1, dtype=dtype)
+        at[1:n] = torch.tensor(moved, dtype=dtype) / bandwidth
+        edges.append(at)
+    cut_forward, cut_backward = edges
     capacity = model.device.memory
     microbatches = model.microbatches or 2 * num_stages
 
     def stage_costs(j: int, k: int, starts: torch.Tensor) -> torch.Tensor:
-        """Cost of stage ``k`` covering units ``starts .. j - 1`` for each start."""
-        cost = prefix[j] - prefix[starts] + comm_in[starts] + comm_out[j]
+        """Cost of stage ``k`` covering units ``starts .. j - 1`` for each start (transfers
+        overlap compute: max(forward, comm forward) + max(backward, comm backward))."""
+        forward = torch.maximum(fwd[j] - fwd[starts], cut_forward[starts] + cut_forward[j])
+        backward = torch.maximum(bwd[j] - bwd[starts], cut_backward[starts] + cut_backward[j])
+        cost = forward + backward
         memory = (par[j] - par[starts]) * model.state_factor() + (act[j] - act[starts]) * in_flight(
             k, num_stages, model.schedule, microbatches
         )
@@ -59,7 +66,7 @@ def solve_contiguous(model: CostModel, num_stages: int) -> list[int]:
     optimum = float(best[num_stages, n])
     if not math.isfinite(optimum):
         raise PartitionError(_memory_message(model, num_stages, microbatches))
-    # among partitions with that bottleneck, the least total time; ties -> earliest cut
+    # among partitions with that bottleneck, the most balanced (least sum of squares); ties -> earliest cut
     limit = optimum * (1 + 1e-9)
     total = torch.full((num_stages + 1, n + 1), inf, dtype=dtype)
     choice = torch.zeros((num_stages + 1, n + 1), dtype=torch.long)
@@ -68,7 +75,7 @@ def solve_contiguous(model: CostModel, num_stages: int) -> list[int]:
         for j in range(k, n - (num_stages - k) + 1):
             starts = torch.arange(k - 1, j)
             cost = stage_costs(j, k - 1, starts)
-            value = torch.where(cost <= limit, total[k - 1, starts] + cost, torch.full_like(cost, inf))
+            value = torch.where(cost <= limit, total[k - 1, starts] + cost * cost, torch.full_like(cost, inf))
             i = int(torch.argmin(value))
             total[k, j] = value[i]
             choice[k, j] = starts[i]

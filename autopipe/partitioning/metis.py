@@ -4,7 +4,8 @@ METIS balances vertex weights (compute) and minimises the weight of cut edges (b
 ignores direction, so its parts may form cycles between stages. The repair is deterministic: parts
 are ranked by the mean program position of their units, every unit goes to its part's rank or the
 latest stage among its predecessors, whichever is later (moving border units forward breaks every
-cycle), empty stages are refilled by splitting the heaviest, and border moves refine the result.
+cycle), empty stages are refilled by splitting the heaviest, and multilevel border moves (as in
+``--method acyclic``) refine the result.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import pymetis
 
 from .cost import CostModel
-from .refine import Assignment, exact_stage_count, looped_devices, monotone, refine
+from .acyclic import multilevel_refine
+from .refine import Assignment, exact_stage_count, looped_devices, monotone
 
 #: METIS wants integer weights; costs are scaled to about this many units in total.
 _WEIGHT_SCALE = 1_000_000
@@ -31,7 +33,7 @@ def solve_metis(model: CostModel, num_stages: int, num_devices: int) -> tuple[li
     rank = {part: r for r, part in enumerate(order)}
     stage = exact_stage_count(model, monotone(model, [rank[p] for p in parts]), num_stages)
     state = Assignment(model, stage, devices)
-    refine(state)
+    multilevel_refine(state)
     return state.stage, devices
 
 

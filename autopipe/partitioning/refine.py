@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from ..errors import PartitionError
-from .cost import CostModel, in_flight
+from .cost import CostModel, in_flight, stage_time
 
 _EPS = 1e-12
 
@@ -26,6 +26,8 @@ class Assignment:
         self.device_of_stage = list(device_of_stage)
         self.num_stages = len(device_of_stage)
         self.compute = [0.0] * self.num_stages
+        self.forward = [0.0] * self.num_stages
+        self.backward = [0.0] * self.num_stages
         self.static = [0.0] * self.num_stages  # parameter, gradient and optimizer bytes
         self.activations = [0.0] * self.num_stages  # bytes one microbatch keeps for backward
         self.size = [0] * self.num_stages
@@ -33,7 +35,8 @@ class Assignment:
             self._add(unit, s, +1)
         microbatches = model.microbatches or 2 * self.num_stages
         self.in_flight = [in_flight(s, self.num_stages, model.schedule, microbatches) for s in range(self.num_stages)]
-        self.crossing = [0.0] * max(self.num_stages - 1, 0)  # bytes over boundary s -> s+1, both ways
+        self.act_crossing = [0.0] * max(self.num_stages - 1, 0)  # bytes over boundary s -> s+1
+        self.grad_crossing = [0.0] * max(self.num_stages - 1, 0)  # and back
         self.exchanges_of: list[list[int]] = [[] for _ in range(model.num_units)]
         for index, ex in enumerate(model.exchanges):
             if ex.producer >= 0:
@@ -49,6 +52,8 @@ class Assignment:
     def _add(self, unit: int, stage: int, sign: int) -> None:
         model = self.model
         self.compute[stage] += sign * model.compute[unit]
+        self.forward[stage] += sign * model.forward[unit]
+        self.backward[stage] += sign * model.backward[unit]
         self.static[stage] += sign * model.param_bytes[unit] * model.state_factor()
         self.activations[stage] += sign * model.activations[unit]
         self.size[stage] += sign
@@ -58,9 +63,9 @@ class Assignment:
         first = self.stage[ex.producer] if ex.producer >= 0 else 0
         last = ex.last
         end = self.stage[last] if last < self.model.num_units else self.num_stages - 1
-        moved = sign * (ex.activation + ex.gradient)
         for s in range(first, end):
-            self.crossing[s] += moved
+            self.act_crossing[s] += sign * ex.activation
+            self.grad_crossing[s] += sign * ex.gradient
 
     def move(self, unit: int, to: int) -> None:
         """Move one unit to stage ``to`` (the caller keeps the assignment monotone)."""
@@ -79,12 +84,14 @@ class Assignment:
     # -- costs --------------------------------------------------------------------------------
     def stage_times(self) -> list[float]:
         bandwidth = self.model.device.link_bandwidth
-        times = list(self.compute)
-        for s, crossing in enumerate(self.crossing):
+        comm_forward = [0.0] * self.num_stages
+        comm_backward = [0.0] * self.num_stages
+        for s in range(self.num_stages - 1):
             if self.device_of_stage[s] != self.device_of_stage[s + 1]:
-                times[s] += crossing / bandwidth
-                times[s + 1] += crossing / bandwidth
-        return times
+                for stage in (s, s + 1):
+                    comm_forward[stage] += self.act_crossing[s] / bandwidth
+                    comm_backward[stage] += self.grad_crossing[s] / bandwidth
+        return [stage_time(*costs) for costs in zip(self.forward, self.backward, comm_forward, comm_backward)]
 
     def device_loads(self) -> list[float]:
         loads = [0.0] * (max(self.device_of_stage) + 1)

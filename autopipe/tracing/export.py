@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import keyword
 import os
@@ -28,6 +29,7 @@ from ..graph import (
     encode_tensor,
 )
 from ..interpreter import empty_placeholder, resolve_target, run_node
+from ..meta import buffers_on_meta
 from ..spec import Example
 from .units import group_units
 
@@ -61,13 +63,15 @@ def trace(
     model = example.model
     on_meta = any(t.is_meta for t in _state_tensors(model))
     input_ranges = _integer_input_ranges(example)
+    buffers = _buffer_table(model)  # before tracing: buffers may move to meta for it
     args, kwargs = example.args, example.kwargs
     if on_meta:  # weights are not needed to trace; keep every tensor on one device
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     was_training = model.training
     model.train()
     try:
-        exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+        with buffers_on_meta(model) if on_meta else contextlib.nullcontext():
+            exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except Exception as exc:  # torch raises many types here; all become one clear error
         raise _trace_error(exc, model) from exc
     finally:
@@ -81,7 +85,7 @@ def trace(
         outputs=converter.outputs,
         signature=_forward_signature(model),
         params=_parameter_table(model),
-        buffers=_buffer_table(model, exported),
+        buffers=buffers,
         constants=converter.constants,
         model={
             "class": f"{type(model).__module__}.{type(model).__qualname__}",
@@ -422,7 +426,7 @@ def _parameter_table(model: torch.nn.Module) -> dict[str, ParamInfo]:
     return table
 
 
-def _buffer_table(model: torch.nn.Module, exported: torch.export.ExportedProgram) -> dict[str, BufferInfo]:
+def _buffer_table(model: torch.nn.Module) -> dict[str, BufferInfo]:
     persistent = set(model.state_dict().keys())
     groups: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -434,10 +438,8 @@ def _buffer_table(model: torch.nn.Module, exported: torch.export.ExportedProgram
         buf = tensors[key]
         is_persistent = names[0] in persistent
         value = None
-        if not is_persistent:
-            source = exported.constants.get(names[0], buf)
-            if not source.is_meta:
-                value = encode_tensor(source)
+        if not is_persistent and not buf.is_meta:
+            value = encode_tensor(buf)
         table[names[0]] = BufferInfo(
             tuple(names), tuple(buf.shape), buf.dtype, is_persistent, _owner_class(model, names[0]), value
         )
@@ -456,8 +458,9 @@ def _check_parameters_known(graph: Graph) -> None:
                 raise TraceError(
                     f"non-persistent buffer {node.target} has no value because the model was built "
                     "on the meta device, and it is not saved in checkpoints, so the generated "
-                    f"pipeline could not rebuild it. Give {node.target} a real value after building "
-                    "the model on meta (it is small), or build the model on CPU."
+                    "pipeline could not rebuild it. Build the model inside `with "
+                    "autopipe.empty_weights():` instead of `torch.device('meta')` (parameters stay "
+                    "on meta, buffers keep their values), or build it on CPU."
                 )
 
 
