@@ -190,13 +190,16 @@ def print_table(rows: list[Row]) -> None:
 
 
 # -- real stages on CPU -------------------------------------------------------------------------
-def cpu_check(devices: int = 4) -> None:
+def cpu_check(devices: int = 4, rounds: int = 15) -> None:
     """Time each generated stage of a small GPT-2 for real on this CPU, for every method and
-    baseline, and compare the measured busiest stage with the simulator's ranking."""
+    baseline, and compare the measured busiest stage with the simulator's ranking. Partitions are
+    timed in interleaved rounds (one thread), so background noise spreads over all of them."""
     import transformers as tf
 
+    from autopipe.runtime.driver import stage_state
     from autopipe.verify import load_pipeline
 
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     config = tf.GPT2Config(n_layer=8, n_embd=256, n_head=4, vocab_size=4096, n_positions=128, use_cache=False, bos_token_id=0, eos_token_id=0)
     model = tf.GPT2LMHeadModel(config)
@@ -208,55 +211,59 @@ def cpu_check(devices: int = 4) -> None:
     candidates = {kind: baseline(graph, cost, kind, devices) for kind in ("uniform", "params", "time")}
     for method in METHODS:
         candidates[method] = partition(graph, prof, devices, method=method).stage_of_unit
+    unique: dict[tuple, list[str]] = {}
+    for name, stage_of_unit in candidates.items():
+        unique.setdefault(tuple(stage_of_unit), []).append(name)
     state = model.state_dict()
-    print(f"\nReal stage times on this CPU: GPT-2 {config.n_layer} layers, {devices} stages, measured profile")
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = []
+        for i, (stage_of_unit, names) in enumerate(unique.items()):
+            out = Path(tmp) / f"p{i}"
+            generate_step(graph, Partition(names[0], list(stage_of_unit), list(range(devices)), graph_digest(graph)), out)
+            package = load_pipeline(out)
+            stages = []
+            for k in range(devices):
+                stage = package.build_stage(k, init=False)
+                stage.load_state_dict(stage_state(stage, state, package.PIPELINE["aliases"]))
+                stages.append(stage)
+            runs.append((names, package.PIPELINE, stages, [[] for _ in range(devices)]))
+        for _ in range(rounds + 2):
+            for _names, pipeline, stages, samples in runs:
+                for k, seconds in enumerate(_time_stages(pipeline, stages, example)):
+                    samples[k].append(seconds)
+    print(f"\nReal stage times on this CPU (1 thread): GPT-2 {config.n_layer} layers, {devices} stages, measured profile, median of {rounds}")
     print("| partition | predicted busiest stage ms | measured busiest stage ms |")
     print("|---|---|---|")
     predicted, measured = {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, stage_of_unit in candidates.items():
-            out = Path(tmp) / name.replace(" ", "_")
-            generate_step(graph, Partition(name, stage_of_unit, list(range(devices)), graph_digest(graph)), out)
-            package = load_pipeline(out)
-            times = _time_stages(package, state, example)
-            predicted[name] = cost.evaluate(stage_of_unit, list(range(devices)), "1f1b").bottleneck
-            measured[name] = max(times)
-            print(f"| {name} | {predicted[name] * 1e3:.2f} | {measured[name] * 1e3:.2f} |")
-    order_p = sorted(predicted, key=predicted.get)
-    order_m = sorted(measured, key=measured.get)
-    rank_p = {n: i for i, n in enumerate(order_p)}
-    rank_m = {n: i for i, n in enumerate(order_m)}
+    for names, _pipeline, _stages, samples in runs:
+        label = " = ".join(names)
+        stage_of_unit = candidates[names[0]]
+        predicted[label] = cost.evaluate(stage_of_unit, list(range(devices)), "1f1b").bottleneck
+        measured[label] = max(statistics.median(s[2:]) for s in samples)
+        print(f"| {label} | {predicted[label] * 1e3:.2f} | {measured[label] * 1e3:.2f} |")
+    rank_p = {n: i for i, n in enumerate(sorted(predicted, key=predicted.get))}
+    rank_m = {n: i for i, n in enumerate(sorted(measured, key=measured.get))}
     n = len(rank_p)
-    rho = 1 - 6 * sum((rank_p[k] - rank_m[k]) ** 2 for k in rank_p) / (n * (n * n - 1))
-    print(f"Spearman rank correlation, predicted vs measured busiest stage: {rho:.2f}")
+    rho = 1 - 6 * sum((rank_p[k] - rank_m[k]) ** 2 for k in rank_p) / (n * (n * n - 1)) if n > 1 else 1.0
+    print(f"Spearman rank correlation over {n} distinct partitions, predicted vs measured busiest stage: {rho:.2f}")
 
 
-def _time_stages(package, state, example, repeats: int = 5) -> list[float]:
-    from autopipe.runtime.driver import stage_state
-
-    pipeline = package.PIPELINE
-    stages = []
-    for i in range(len(pipeline["stages"])):
-        stage = package.build_stage(i, init=False)
-        stage.load_state_dict(stage_state(stage, state, pipeline["aliases"]))
-        stages.append(stage)
+def _time_stages(pipeline: dict, stages: list, example: Example) -> list[float]:
+    """One forward + backward of every stage, chained on the example microbatch, in seconds."""
     env = dict(zip(pipeline["signature"], example.args)) | example.kwargs
     times = []
     for spec, stage in zip(pipeline["stages"], stages):
-        samples = []
-        for _ in range(repeats + 1):
-            inputs = [env[n].detach().requires_grad_(pipeline["values"][n]["requires_grad"]) for n in spec["inputs"]]
-            begin = time.perf_counter()
-            outputs = stage(*inputs)
-            grads = [(o, torch.ones_like(o)) for o in outputs if o.requires_grad]
-            torch.autograd.backward([o for o, _ in grads], [g for _, g in grads])
-            samples.append(time.perf_counter() - begin)
+        inputs = [env[n].detach().requires_grad_(pipeline["values"][n]["requires_grad"]) for n in spec["inputs"]]
+        begin = time.perf_counter()
+        outputs = stage(*inputs)
+        grads = [(o, torch.ones_like(o)) for o in outputs if o.requires_grad]
+        torch.autograd.backward([o for o, _ in grads], [g for _, g in grads])
+        times.append(time.perf_counter() - begin)
         env.update(zip(spec["outputs"], [o.detach() for o in outputs]))
-        times.append(statistics.median(samples[1:]))
     return times
 
 
-DEFAULT = "dp"
+DEFAULT = "mpipe"
 
 
 def main() -> None:

@@ -75,6 +75,12 @@ def t5():
     return model, (ids,), {"labels": labels}
 
 
+def t5_batch(step: int, microbatches: int = 4):
+    g = torch.Generator().manual_seed(3000 + step)
+    ids = torch.randint(1, 103, (BATCH * microbatches, 10), generator=g)
+    return (ids,), {"labels": torch.randint(1, 103, (BATCH * microbatches, 7), generator=g)}
+
+
 class ConvNet(nn.Module):
     """Convolutions with BatchNorm (running statistics) and in-place ReLU."""
 
@@ -133,6 +139,21 @@ class SkipMLP(nn.Module):
 def mlp():
     torch.manual_seed(0)
     return SkipMLP(), (torch.randn(BATCH * 2, 16),)
+
+
+def mlp_with_target():
+    model, args = mlp()
+    return model, args, {}, torch.zeros(BATCH * 2)
+
+
+def mse(output, target):
+    return F.mse_loss(output, target)
+
+
+def mlp_batch(step: int, microbatches: int = 4):
+    g = torch.Generator().manual_seed(4000 + step)
+    x = torch.randn(BATCH * 2 * microbatches, 16, generator=g)
+    return (x,), {}, x.sum(-1).sin()
 
 
 class MultiIO(nn.Module):

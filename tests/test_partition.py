@@ -101,7 +101,7 @@ def test_relayed_skip_connection_crosses_every_boundary():
 
 def test_partition_reports_prediction():
     part = partition(GRAPH, random_profile([1.0] * UNITS, [0] * UNITS, 1e3), 3)
-    assert part.num_stages == 3 and part.method == "dp"
+    assert part.num_stages == 3 and part.method == "mpipe"  # the default
     predicted = part.predicted
     assert predicted["bottleneck"] >= predicted["lower_bound"]
     assert len(predicted["stages"]) == 3

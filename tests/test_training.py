@@ -139,3 +139,21 @@ def test_more_stages_than_devices(tmp_path, name, method, schedule):
         ref = reference_training(load_example(spec("cnn_with_target")), models.cnn_batch, STEPS, "sgd", 0.05, models.cross_entropy)
     assert_same_training(pipe, ref)
     assert len(load_pipeline(tmp_path / "pipe").PIPELINE["stages"]) == 4
+
+
+@pytest.mark.slow
+def test_encoder_decoder_fan_out_on_fewer_devices(tmp_path):
+    """T5's encoder output feeds every decoder layer: relayed through 4 stages on 2 ranks."""
+    pipe = run_pipeline(tmp_path, "t5", 4, "t5_batch", devices=2, method="mpipe")
+    ref = reference_training(load_example(spec("t5")), models.t5_batch, STEPS, "adamw", 1e-3)
+    assert_same_training(pipe, ref)
+
+
+@pytest.mark.slow
+def test_long_skips_with_metis(tmp_path):
+    pipe = run_pipeline(
+        tmp_path, "mlp", 3, "mlp_batch", "--optimizer", "sgd", "--lr", "0.1", method="metis",
+        loss="tests/models.py:mse", train_spec="mlp_with_target",
+    )
+    ref = reference_training(load_example(spec("mlp_with_target")), models.mlp_batch, STEPS, "sgd", 0.1, models.mse)
+    assert_same_training(pipe, ref)

@@ -35,7 +35,7 @@ METHODS: dict[str, Callable[[CostModel, int, int], tuple[list[int], list[int]]]]
     "metis": solve_metis,
     "mpipe": solve_mpipe,
 }
-DEFAULT_METHOD = "dp"
+DEFAULT_METHOD = "mpipe"
 
 
 def default_schedule(device_of_stage: list[int]) -> str:

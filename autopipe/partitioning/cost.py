@@ -131,6 +131,8 @@ class CostModel:
         self.param_bytes = self._parameter_bytes(graph)
         self.exchanges = self._exchanges(graph)
         self.dag = self._unit_dag(graph)
+        #: stages -> the best contiguous stage_of_unit (dp.solve_contiguous fills it)
+        self.contiguous_optimum: dict[int, list[int]] = {}
 
     # -- construction -------------------------------------------------------------------------
     def _parameter_bytes(self, graph: Graph) -> list[int]:

@@ -17,7 +17,14 @@ from .cost import CostModel, in_flight
 
 
 def solve_contiguous(model: CostModel, num_stages: int) -> list[int]:
-    """``stage_of_unit`` of the best contiguous partition into ``num_stages`` non-empty stages."""
+    """``stage_of_unit`` of the best contiguous partition into ``num_stages`` non-empty stages
+    (memoised on the cost model: several methods start from it)."""
+    if num_stages not in model.contiguous_optimum:
+        model.contiguous_optimum[num_stages] = _solve(model, num_stages)
+    return list(model.contiguous_optimum[num_stages])
+
+
+def _solve(model: CostModel, num_stages: int) -> list[int]:
     n = model.num_units
     if num_stages > n:
         raise PartitionError(

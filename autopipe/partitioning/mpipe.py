@@ -25,7 +25,7 @@ from .refine import Assignment, exact_stage_count, refine
 def solve_mpipe(model: CostModel, num_stages: int, num_devices: int) -> tuple[list[int], list[int]]:
     candidates: list[tuple[list[int], list[int]]] = []
     n = model.num_units
-    sizes = sorted({min(n, f * num_stages) for f in (1, 2, 3, 4, 6, 8)} | {min(n, 2 * num_devices)})
+    sizes = sorted({min(n, f * num_stages) for f in (1, 2, 4)})
     for size in sizes:
         clusters = coarsen(model, size)
         placement = pack(model, [_weight(model, c) for c in clusters], [_memory(model, c, num_stages) for c in clusters], num_devices)

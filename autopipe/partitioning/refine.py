@@ -126,10 +126,11 @@ def better(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
 
 def refine(state: Assignment, groups: list[list[int]] | None = None, passes: int = 8, patience: int = 24) -> None:
     """Fiduccia-Mattheyses style refinement: repeatedly make the best move of a group of units
-    (by default each unit alone) from a stage on the busiest device to an adjacent stage, even
-    if it makes things worse, lock the group, and finally roll back to the best state seen."""
+    (by default each unit alone) from or next to a stage on the busiest device to an adjacent
+    stage, even if it makes things worse, lock the group, and finally roll back to the best state
+    seen. Every move keeps all edges pointing to the same or a later stage."""
     groups = groups if groups is not None else [[u] for u in range(state.model.num_units)]
-    group_of_unit = {u: g for g, members in enumerate(groups) for u in members}
+    borders = [_border(state, members) for members in groups]
     for _ in range(passes):
         start = state.objective()
         best, best_length = start, 0
@@ -137,7 +138,7 @@ def refine(state: Assignment, groups: list[list[int]] | None = None, passes: int
         locked: set[int] = set()
         since_best = 0
         while since_best < patience:
-            move = _best_group_move(state, groups, group_of_unit, locked)
+            move = _best_group_move(state, groups, borders, locked)
             if move is None:
                 break
             group, to = move
@@ -157,23 +158,32 @@ def refine(state: Assignment, groups: list[list[int]] | None = None, passes: int
             return
 
 
-def _best_group_move(state, groups, group_of_unit, locked) -> tuple[int, int] | None:
+def _border(state: Assignment, members: list[int]) -> tuple[list[int], list[int]]:
+    """The predecessors and successors of a group outside it."""
+    inside = set(members)
+    preds = sorted({p for m in members for p in state.preds[m]} - inside)
+    succs = sorted({s for m in members for s in state.succs[m]} - inside)
+    return preds, succs
+
+
+def _best_group_move(state, groups, borders, locked) -> tuple[int, int] | None:
     loads = state.device_loads()
     busiest = max(range(len(loads)), key=loads.__getitem__)
-    hot_stages = {s for s, d in enumerate(state.device_of_stage) if d == busiest}
+    hot = {s for s, d in enumerate(state.device_of_stage) if d == busiest}
     best_move, best_value = None, None
-    seen: set[int] = set()
-    for unit, stage in enumerate(state.stage):
-        group = group_of_unit[unit]
-        if group in locked or group in seen:
+    for group, members in enumerate(groups):
+        if group in locked:
             continue
-        members = groups[group]
-        neighbours = {state.stage[n] for m in members for n in state.preds[m] + state.succs[m]}
-        if stage not in hot_stages and not (neighbours & hot_stages):
+        stage = state.stage[members[0]]
+        preds, succs = borders[group]
+        if stage not in hot and not any(state.stage[n] in hot for n in preds + succs):
             continue
-        seen.add(group)
+        if state.size[stage] <= len(members):
+            continue  # never empty a stage
         for to in (stage - 1, stage + 1):
-            if not _group_can_move(state, members, to):
+            if not 0 <= to < state.num_stages:
+                continue
+            if any(state.stage[p] > to for p in preds) or any(state.stage[n] < to for n in succs):
                 continue
             for m in members:
                 state.move(m, to)
@@ -183,23 +193,6 @@ def _best_group_move(state, groups, group_of_unit, locked) -> tuple[int, int] | 
             if best_value is None or better(value, best_value):
                 best_move, best_value = (group, to), value
     return best_move
-
-
-def _group_can_move(state: Assignment, members: list[int], to: int) -> bool:
-    if not 0 <= to < state.num_stages:
-        return False
-    source = state.stage[members[0]]
-    if any(state.stage[m] != source for m in members) or state.size[source] <= len(members):
-        return False
-    inside = set(members)
-    for m in members:
-        for p in state.preds[m]:
-            if p not in inside and state.stage[p] > to:
-                return False
-        for s in state.succs[m]:
-            if s not in inside and state.stage[s] < to:
-                return False
-    return True
 
 
 # -- repair -----------------------------------------------------------------------------------
