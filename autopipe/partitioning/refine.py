@@ -126,9 +126,10 @@ def better(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
 
 def refine(state: Assignment, groups: list[list[int]] | None = None, passes: int = 8, patience: int = 24) -> None:
     """Fiduccia-Mattheyses style refinement: repeatedly make the best move of a group of units
-    (by default each unit alone) from or next to a stage on the busiest device to an adjacent
-    stage, even if it makes things worse, lock the group, and finally roll back to the best state
-    seen. Every move keeps all edges pointing to the same or a later stage."""
+    (by default each unit alone) on or next to the busiest device, to any stage between its last
+    predecessor's and its first successor's (at most two stages away), even if it makes things
+    worse; lock the group; finally roll back to the best state seen. Every move keeps all edges
+    pointing to the same or a later stage."""
     groups = groups if groups is not None else [[u] for u in range(state.model.num_units)]
     borders = [_border(state, members) for members in groups]
     for _ in range(passes):
@@ -180,10 +181,11 @@ def _best_group_move(state, groups, borders, locked) -> tuple[int, int] | None:
             continue
         if state.size[stage] <= len(members):
             continue  # never empty a stage
-        for to in (stage - 1, stage + 1):
-            if not 0 <= to < state.num_stages:
-                continue
-            if any(state.stage[p] > to for p in preds) or any(state.stage[n] < to for n in succs):
+        # anywhere between the last predecessor's stage and the first successor's
+        low = max((state.stage[p] for p in preds), default=0)
+        high = min((state.stage[n] for n in succs), default=state.num_stages - 1)
+        for to in range(max(low, stage - 2), min(high, stage + 2) + 1):
+            if to == stage:
                 continue
             for m in members:
                 state.move(m, to)
