@@ -14,4 +14,14 @@ from .errors import AutopipeError  # noqa: E402
 from .meta import empty_weights  # noqa: E402
 from .verify import load_pipeline, verify  # noqa: E402
 
-__all__ = ["pipe_model", "empty_weights", "compile_spec", "compile_example", "CompileOptions", "load_pipeline", "verify", "AutopipeError", "__version__"]
+__all__ = [
+    "pipe_model",
+    "empty_weights",
+    "compile_spec",
+    "compile_example",
+    "CompileOptions",
+    "load_pipeline",
+    "verify",
+    "AutopipeError",
+    "__version__",
+]

@@ -57,7 +57,9 @@ def read_artifact(path: str | os.PathLike, kind: str) -> dict:
     except FileNotFoundError:
         raise ArtifactError(f"{path}: no such file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path}: not valid JSON ({exc}); the file is corrupted, write it again") from None
+        raise ArtifactError(
+            f"{path}: not valid JSON ({exc}); the file is corrupted, write it again"
+        ) from None
     expected = f"autopipe.{kind}"
     if not isinstance(data, dict) or data.get("format") != expected:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__

@@ -7,7 +7,14 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .compiler import CompileOptions, compile_spec, generate_step, partition_step, profile_step, trace_step
+from .compiler import (
+    CompileOptions,
+    compile_spec,
+    generate_step,
+    partition_step,
+    profile_step,
+    trace_step,
+)
 from .errors import AutopipeError
 from .graph import Graph
 from .partitioning import DEFAULT_METHOD, METHODS, Partition
@@ -20,7 +27,11 @@ from .verify import verify
 
 def _trace_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("tracing")
-    group.add_argument("--depth", type=int, help="group operators by module scope down to this depth (default: every module)")
+    group.add_argument(
+        "--depth",
+        type=int,
+        help="group operators by module scope down to this depth (default: every module)",
+    )
     group.add_argument(
         "--basic-blocks",
         type=lambda s: tuple(c for c in s.split(",") if c),
@@ -28,28 +39,65 @@ def _trace_options(parser: argparse.ArgumentParser) -> None:
         metavar="CLASS,...",
         help="module classes kept whole in one unit (e.g. GPT2Block)",
     )
-    group.add_argument("--loss", metavar="FILE.py:FN", help="loss FN(output, target) to train with; the model function then returns (model, args, kwargs, target)")
+    group.add_argument(
+        "--loss",
+        metavar="FILE.py:FN",
+        help="loss FN(output, target) to train with; the model function then returns (model, args, kwargs, target)",
+    )
 
 
 def _profile_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("profiling")
-    group.add_argument("--profile", choices=PROFILE_MODES, default="analytic", help="analytic (default, deterministic) or measured on this machine")
-    group.add_argument("--device-spec", metavar="NAME|FILE.json", help="target device for the cost model (default h100); a table name or a JSON spec")
-    group.add_argument("--link", metavar="NAME|GBPS", help="stage-to-stage link: nvlink4, pcie4, ib-ndr, ... or a bandwidth in GB/s")
+    group.add_argument(
+        "--profile",
+        choices=PROFILE_MODES,
+        default="analytic",
+        help="analytic (default, deterministic) or measured on this machine",
+    )
+    group.add_argument(
+        "--device-spec",
+        metavar="NAME|FILE.json",
+        help="target device for the cost model (default h100); a table name or a JSON spec",
+    )
+    group.add_argument(
+        "--link",
+        metavar="NAME|GBPS",
+        help="stage-to-stage link: nvlink4, pcie4, ib-ndr, ... or a bandwidth in GB/s",
+    )
 
 
 def _partition_options(parser: argparse.ArgumentParser, *, stages_required: bool = True) -> None:
     group = parser.add_argument_group("partitioning")
-    group.add_argument("--stages", type=int, required=stages_required, help="number of pipeline stages")
-    group.add_argument("--devices", type=int, help="number of devices (ranks); fewer than --stages puts several stages on a device (default: one stage per device)")
-    group.add_argument("--method", choices=sorted(METHODS), default=DEFAULT_METHOD, help=f"partitioning method (default {DEFAULT_METHOD})")
+    group.add_argument(
+        "--stages", type=int, required=stages_required, help="number of pipeline stages"
+    )
+    group.add_argument(
+        "--devices",
+        type=int,
+        help="number of devices (ranks); fewer than --stages puts several stages on a device (default: one stage per device)",
+    )
+    group.add_argument(
+        "--method",
+        choices=sorted(METHODS),
+        default=DEFAULT_METHOD,
+        help=f"partitioning method (default {DEFAULT_METHOD})",
+    )
     group.add_argument(
         "--schedule",
         choices=SCHEDULES,
         help="schedule the partition is made for and train.py runs by default (default: 1f1b for one stage per device, auto otherwise)",
     )
-    group.add_argument("--microbatches", type=int, help="microbatches per step the cost model assumes (default 2 x stages)")
-    group.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw", help="optimizer whose state the memory model counts (default adamw)")
+    group.add_argument(
+        "--microbatches",
+        type=int,
+        help="microbatches per step the cost model assumes (default 2 x stages)",
+    )
+    group.add_argument(
+        "--optimizer",
+        choices=["sgd", "adamw"],
+        default="adamw",
+        help="optimizer whose state the memory model counts (default adamw)",
+    )
 
 
 def _options(args: argparse.Namespace, **overrides) -> CompileOptions:
@@ -77,7 +125,9 @@ def cmd_profile(args: argparse.Namespace) -> None:
     prof = profile_step(graph, _options(args), example)
     prof.save(args.output)
     total = sum(u.time for u in prof.units)
-    print(f"profiled {len(prof.units)} units ({prof.mode}, {prof.device.name}): {total * 1e3:.3f} ms forward + backward -> {args.output}")
+    print(
+        f"profiled {len(prof.units)} units ({prof.mode}, {prof.device.name}): {total * 1e3:.3f} ms forward + backward -> {args.output}"
+    )
 
 
 def cmd_partition(args: argparse.Namespace) -> None:
@@ -98,12 +148,18 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_compile(args: argparse.Namespace) -> None:
-    log = (lambda message: None) if args.quiet else (lambda message: print(message, file=sys.stderr))
-    result = compile_spec(args.spec, args.out, _options(args), loss=args.loss, force=args.force, log=log)
+    log = (
+        (lambda message: None) if args.quiet else (lambda message: print(message, file=sys.stderr))
+    )
+    result = compile_spec(
+        args.spec, args.out, _options(args), loss=args.loss, force=args.force, log=log
+    )
     if not args.quiet:
         print(format_partition(result.graph, result.partition))
     print(f"wrote {result.partition.num_stages}-stage pipeline to {result.out}")
-    print(f"train it: torchrun --nproc-per-node={len(set(result.partition.device_of_stage))} {result.out / 'train.py'} --steps 100")
+    print(
+        f"train it: torchrun --nproc-per-node={len(set(result.partition.device_of_stage))} {result.out / 'train.py'} --steps 100"
+    )
 
 
 def cmd_verify(args: argparse.Namespace) -> None:
@@ -122,11 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"autopipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    spec_help = "model spec FILE.py:FUNCTION or package.module:FUNCTION returning (model, args[, kwargs])"
+    spec_help = (
+        "model spec FILE.py:FUNCTION or package.module:FUNCTION returning (model, args[, kwargs])"
+    )
 
-    p = sub.add_parser("compile", help="trace, profile, partition and generate in one go", description="Compile a model into a pipeline package.")
+    p = sub.add_parser(
+        "compile",
+        help="trace, profile, partition and generate in one go",
+        description="Compile a model into a pipeline package.",
+    )
     p.add_argument("spec", help=spec_help)
-    p.add_argument("--out", required=True, type=Path, help="directory of the generated pipeline package")
+    p.add_argument(
+        "--out", required=True, type=Path, help="directory of the generated pipeline package"
+    )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true", help="print only the result")
     _trace_options(p)
@@ -134,35 +198,82 @@ def build_parser() -> argparse.ArgumentParser:
     _partition_options(p)
     p.set_defaults(func=cmd_compile)
 
-    p = sub.add_parser("trace", help="capture the model into a graph (graph.json)", description="Trace a model with torch.export into the graph IR.")
+    p = sub.add_parser(
+        "trace",
+        help="capture the model into a graph (graph.json)",
+        description="Trace a model with torch.export into the graph IR.",
+    )
     p.add_argument("spec", help=spec_help)
-    p.add_argument("-o", "--output", default="graph.json", type=Path, help="graph artefact to write (default graph.json)")
+    p.add_argument(
+        "-o",
+        "--output",
+        default="graph.json",
+        type=Path,
+        help="graph artefact to write (default graph.json)",
+    )
     _trace_options(p)
     p.set_defaults(func=cmd_trace)
 
-    p = sub.add_parser("profile", help="cost every unit of a graph (profile.json)", description="Profile the units of a traced graph.")
+    p = sub.add_parser(
+        "profile",
+        help="cost every unit of a graph (profile.json)",
+        description="Profile the units of a traced graph.",
+    )
     p.add_argument("graph", type=Path, help="graph.json from `autopipe trace`")
-    p.add_argument("-o", "--output", default="profile.json", type=Path, help="profile artefact to write (default profile.json)")
-    p.add_argument("--spec", help="model spec for --profile measured (default: the spec the graph was traced from)")
+    p.add_argument(
+        "-o",
+        "--output",
+        default="profile.json",
+        type=Path,
+        help="profile artefact to write (default profile.json)",
+    )
+    p.add_argument(
+        "--spec",
+        help="model spec for --profile measured (default: the spec the graph was traced from)",
+    )
     _profile_options(p)
     p.set_defaults(func=cmd_profile)
 
-    p = sub.add_parser("partition", help="split a profiled graph into stages (partition.json)", description="Partition a graph into pipeline stages.")
+    p = sub.add_parser(
+        "partition",
+        help="split a profiled graph into stages (partition.json)",
+        description="Partition a graph into pipeline stages.",
+    )
     p.add_argument("graph", type=Path, help="graph.json from `autopipe trace`")
-    p.add_argument("profile_file", metavar="profile", type=Path, help="profile.json from `autopipe profile`")
-    p.add_argument("-o", "--output", default="partition.json", type=Path, help="partition artefact to write (default partition.json)")
+    p.add_argument(
+        "profile_file", metavar="profile", type=Path, help="profile.json from `autopipe profile`"
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        default="partition.json",
+        type=Path,
+        help="partition artefact to write (default partition.json)",
+    )
     _partition_options(p)
     p.set_defaults(func=cmd_partition)
 
-    p = sub.add_parser("generate", help="write the pipeline package", description="Generate the pipeline package from a graph and a partition.")
+    p = sub.add_parser(
+        "generate",
+        help="write the pipeline package",
+        description="Generate the pipeline package from a graph and a partition.",
+    )
     p.add_argument("graph", type=Path, help="graph.json from `autopipe trace`")
     p.add_argument("partition", type=Path, help="partition.json from `autopipe partition`")
-    p.add_argument("--out", required=True, type=Path, help="directory of the generated pipeline package")
-    p.add_argument("--profile-file", type=Path, help="profile.json to keep beside the package (optional)")
+    p.add_argument(
+        "--out", required=True, type=Path, help="directory of the generated pipeline package"
+    )
+    p.add_argument(
+        "--profile-file", type=Path, help="profile.json to keep beside the package (optional)"
+    )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("verify", help="check a generated pipeline against the original model", description="Run the stages in one process against the original model and compare outputs, gradients and buffers.")
+    p = sub.add_parser(
+        "verify",
+        help="check a generated pipeline against the original model",
+        description="Run the stages in one process against the original model and compare outputs, gradients and buffers.",
+    )
     p.add_argument("dir", type=Path, help="generated pipeline directory")
     p.add_argument("--spec", required=True, help=spec_help + " (with real weights)")
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from torch import nn
 
@@ -49,8 +50,15 @@ class CompileResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def trace_step(example: Example, options: CompileOptions, source: str | None = None, loss: str | Callable | None = None) -> Graph:
-    graph = trace(example, depth=options.depth, basic_blocks=tuple(options.basic_blocks), source=source)
+def trace_step(
+    example: Example,
+    options: CompileOptions,
+    source: str | None = None,
+    loss: str | Callable | None = None,
+) -> Graph:
+    graph = trace(
+        example, depth=options.depth, basic_blocks=tuple(options.basic_blocks), source=source
+    )
     if loss is not None:
         loss_fn = load_function(loss, "loss spec") if isinstance(loss, str) else loss
         graph.loss = trace_loss(example, loss_fn)
@@ -75,7 +83,14 @@ def partition_step(graph: Graph, prof: Profile, options: CompileOptions) -> Part
     )
 
 
-def generate_step(graph: Graph, part: Partition, out: str | Path, *, prof: Profile | None = None, force: bool = False) -> Path:
+def generate_step(
+    graph: Graph,
+    part: Partition,
+    out: str | Path,
+    *,
+    prof: Profile | None = None,
+    force: bool = False,
+) -> Path:
     """Write the pipeline package (with the artefacts that produced it under ``artifacts/``)."""
     part.check_graph(graph)
     files = package_files(graph, part)
@@ -115,7 +130,9 @@ def compile_example(
     return CompileResult(out, graph, prof, part, timings)
 
 
-def compile_spec(spec: str, out: str | Path, options: CompileOptions, **kwargs: Any) -> CompileResult:
+def compile_spec(
+    spec: str, out: str | Path, options: CompileOptions, **kwargs: Any
+) -> CompileResult:
     """:func:`compile_example` for a model spec ``FILE.py:FUNCTION`` / ``package.module:FUNCTION``."""
     check_output_dir(Path(out), kwargs.get("force", False))
     return compile_example(load_example(spec), out, options, source=spec, **kwargs)
@@ -141,7 +158,9 @@ def pipe_model(
     Returns the package directory.
     """
     example = Example(model, tuple(args), dict(kwargs or {}), target)
-    result = compile_example(example, out, CompileOptions(stages=stages, **options), loss=loss, force=force)
+    result = compile_example(
+        example, out, CompileOptions(stages=stages, **options), loss=loss, force=force
+    )
     return result.out
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
+from collections.abc import Iterable, Iterator
 
 import networkx as nx
 import torch
@@ -55,7 +56,7 @@ class TensorMeta:
         return ok
 
     @classmethod
-    def of(cls, tensor: torch.Tensor, requires_grad: bool | None = None) -> "TensorMeta":
+    def of(cls, tensor: torch.Tensor, requires_grad: bool | None = None) -> TensorMeta:
         return cls(
             tuple(int(s) for s in tensor.shape),
             tensor.dtype,
@@ -72,7 +73,7 @@ class TensorMeta:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> "TensorMeta":
+    def from_json(cls, data: dict) -> TensorMeta:
         return cls(
             tuple(data["shape"]),
             dtype_from_name(data["dtype"]),
@@ -200,7 +201,7 @@ class Graph:
         constants: dict[str, Any],
         model: dict[str, Any],
         units: list[Unit] | None = None,
-        loss: "Graph | None" = None,
+        loss: Graph | None = None,
     ):
         self.dag = nx.DiGraph()
         for node in nodes:
@@ -309,7 +310,7 @@ class Graph:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> "Graph":
+    def from_json(cls, data: dict) -> Graph:
         try:
             scopes = [tuple(Scope(*s) for s in scope) for scope in data["scopes"]]
             nodes = [
@@ -361,13 +362,15 @@ class Graph:
                 loss=cls.from_json(data["loss"]) if "loss" in data else None,
             )
         except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise ArtifactError(f"graph artefact is malformed ({exc!r}); run `autopipe trace` again") from exc
+            raise ArtifactError(
+                f"graph artefact is malformed ({exc!r}); run `autopipe trace` again"
+            ) from exc
 
     def save(self, path) -> None:
         write_artifact(path, GRAPH_KIND, self.to_json())
 
     @classmethod
-    def load(cls, path) -> "Graph":
+    def load(cls, path) -> Graph:
         return cls.from_json(read_artifact(path, GRAPH_KIND))
 
 
@@ -375,11 +378,25 @@ class Graph:
 # Node arguments are Python values with Ref for node references. In JSON, plain ints, bools,
 # strings, None and lists stay as they are; everything else is a one-key object.
 
-_DTYPES = {dtype_: str(dtype_).removeprefix("torch.") for dtype_ in [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    torch.float8_e4m3fn, torch.float8_e5m2,
-]}
+_DTYPES = {
+    dtype_: str(dtype_).removeprefix("torch.")
+    for dtype_ in [
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    ]
+}
 _DTYPES_BY_NAME = {name: dtype_ for dtype_, name in _DTYPES.items()}
 _LAYOUTS = {torch.strided: "strided", torch.sparse_coo: "sparse_coo"}
 _MEMORY_FORMATS = {
@@ -439,7 +456,7 @@ def decode(value: Any) -> Any:
         return value
     if len(value) != 1:
         raise ArtifactError(f"malformed encoded value {value!r}")
-    (tag, payload), = value.items()
+    ((tag, payload),) = value.items()
     if tag == "ref":
         return Ref(payload)
     if tag == "float":

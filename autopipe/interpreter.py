@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -27,7 +27,9 @@ def empty_weights() -> Iterator[None]:
         register(module, name, param)
         if param is not None and not param.is_meta:
             kind = type(module._parameters[name])
-            module._parameters[name] = kind(param.detach().to("meta"), requires_grad=param.requires_grad)
+            module._parameters[name] = kind(
+                param.detach().to("meta"), requires_grad=param.requires_grad
+            )
 
     nn.Module.register_parameter = register_on_meta
     try:

@@ -61,7 +61,11 @@ def order_edges(graph: Graph) -> list[tuple[str, str]]:
             for reader in readers.get(base(written), []):
                 if reader == node.name:
                     continue
-                pair = (reader, node.name) if position[reader] < position[node.name] else (node.name, reader)
+                pair = (
+                    (reader, node.name)
+                    if position[reader] < position[node.name]
+                    else (node.name, reader)
+                )
                 if not graph.dag.has_edge(*pair):
                     edges.add(pair)
     return sorted(edges, key=lambda e: (position[e[0]], position[e[1]]))
@@ -78,6 +82,10 @@ def _aliased_argument(node: Node) -> str | None:
         return None
     sets = schema.returns[0].alias_info.before_set
     for arg, value in zip(schema.arguments, node.args):
-        if arg.alias_info is not None and arg.alias_info.before_set & sets and hasattr(value, "name"):
+        if (
+            arg.alias_info is not None
+            and arg.alias_info.before_set & sets
+            and hasattr(value, "name")
+        ):
             return value.name
     return None

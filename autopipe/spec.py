@@ -13,7 +13,8 @@ import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -58,7 +59,9 @@ def load_function(spec: str, what: str = "model spec") -> Callable:
             f"(callables there: {', '.join(names) or 'none'})"
         )
     if not callable(func):
-        raise SpecError(f"{what} {spec!r}: {func_name!r} is a {type(func).__name__}, not a function")
+        raise SpecError(
+            f"{what} {spec!r}: {func_name!r} is a {type(func).__name__}, not a function"
+        )
     return func
 
 
@@ -89,7 +92,9 @@ def load_example(spec: str) -> Example:
     try:
         result = func()
     except Exception as exc:
-        raise SpecError(f"model spec {spec!r}: calling it raised {type(exc).__name__}: {exc}") from exc
+        raise SpecError(
+            f"model spec {spec!r}: calling it raised {type(exc).__name__}: {exc}"
+        ) from exc
     return as_example(result, f"model spec {spec!r}")
 
 
@@ -104,7 +109,9 @@ def as_example(result: Any, where: str = "the model function") -> Example:
     kwargs = rest[0] if rest else {}
     target = rest[1] if len(rest) > 1 else None
     if not isinstance(model, nn.Module):
-        raise SpecError(f"{where}: the first item must be a torch.nn.Module, got {_describe(model)}")
+        raise SpecError(
+            f"{where}: the first item must be a torch.nn.Module, got {_describe(model)}"
+        )
     if isinstance(args, torch.Tensor):
         args = (args,)
     if not isinstance(args, (tuple, list)):

@@ -27,11 +27,15 @@ def load_pipeline(path: str | Path) -> ModuleType:
     """Import a generated pipeline package from its directory (any name, any location)."""
     path = Path(path).resolve()
     if not (path / "__init__.py").is_file() or not (path / "pipeline.json").is_file():
-        raise AutopipeError(f"{path} is not a generated pipeline (no __init__.py and pipeline.json)")
+        raise AutopipeError(
+            f"{path} is not a generated pipeline (no __init__.py and pipeline.json)"
+        )
     name = f"_autopipe_pipeline_{zlib.crc32(str(path).encode()):08x}"
     for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
         del sys.modules[module]
-    spec = importlib.util.spec_from_file_location(name, path / "__init__.py", submodule_search_locations=[str(path)])
+    spec = importlib.util.spec_from_file_location(
+        name, path / "__init__.py", submodule_search_locations=[str(path)]
+    )
     package = importlib.util.module_from_spec(spec)
     sys.modules[name] = package
     spec.loader.exec_module(package)
@@ -62,18 +66,24 @@ class VerifyReport:
         for kind in ("output", "grad", "buffer"):
             items = [c for c in self.comparisons if c.kind == kind]
             bad = [c for c in items if not c.ok]
-            lines.append(f"{kind + 's':<8} {len(items):5d} compared, max |diff| {self.worst(kind):.3g}, {len(bad)} mismatched")
+            lines.append(
+                f"{kind + 's':<8} {len(items):5d} compared, max |diff| {self.worst(kind):.3g}, {len(bad)} mismatched"
+            )
             lines += [f"  mismatch: {c.name} (max |diff| {c.max_abs:.3g})" for c in bad[:10]]
         return "\n".join(lines)
 
 
-def verify(path: str | Path, example: Example, *, rtol: float = 1e-4, atol: float = 1e-5, seed: int = 0) -> VerifyReport:
+def verify(
+    path: str | Path, example: Example, *, rtol: float = 1e-4, atol: float = 1e-5, seed: int = 0
+) -> VerifyReport:
     """Compare the pipeline in ``path`` with ``example.model`` on the example microbatch."""
     package = load_pipeline(path)
     pipeline = package.PIPELINE
     model = example.model
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        raise AutopipeError("verify needs the model's real weights, but the model spec builds it on the meta device")
+        raise AutopipeError(
+            "verify needs the model's real weights, but the model spec builds it on the meta device"
+        )
     model.train()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     stages = []
@@ -82,18 +92,26 @@ def verify(path: str | Path, example: Example, *, rtol: float = 1e-4, atol: floa
         try:
             stage.load_state_dict(stage_state(stage, state, pipeline["aliases"]))
         except KeyError as exc:
-            raise AutopipeError(f"the model's state_dict has no entry {exc}; is this the model the pipeline was compiled from?") from None
+            raise AutopipeError(
+                f"the model's state_dict has no entry {exc}; is this the model the pipeline was compiled from?"
+            ) from None
         stage.train()
         stages.append(stage)
 
     torch.manual_seed(seed)
-    expected = [leaf for leaf in pytree.tree_leaves(model(*example.args, **example.kwargs)) if isinstance(leaf, torch.Tensor)]
+    expected = [
+        leaf
+        for leaf in pytree.tree_leaves(model(*example.args, **example.kwargs))
+        if isinstance(leaf, torch.Tensor)
+    ]
     torch.manual_seed(seed)
     env = dict(zip(pipeline["signature"], example.args)) | dict(example.kwargs)
     records = _forward_stages(pipeline, stages, env)
     actual = [env[name] for name in pipeline["outputs"]]
     if len(actual) != len(expected):
-        raise VerificationError(f"the pipeline returns {len(actual)} outputs, the model {len(expected)}")
+        raise VerificationError(
+            f"the pipeline returns {len(actual)} outputs, the model {len(expected)}"
+        )
     report = VerifyReport()
     for name, a, e in zip(pipeline["outputs"], actual, expected):
         report.comparisons.append(_compare("output", name, a, e, rtol, atol))
@@ -127,7 +145,9 @@ def verify(path: str | Path, example: Example, *, rtol: float = 1e-4, atol: floa
     for stage in stages:
         for name, buffer in stage.named_buffers():
             if name in reference_buffers:
-                report.comparisons.append(_compare("buffer", name, buffer, reference_buffers[name], rtol, atol))
+                report.comparisons.append(
+                    _compare("buffer", name, buffer, reference_buffers[name], rtol, atol)
+                )
     return report
 
 
@@ -137,13 +157,17 @@ def _projection_weights(outputs: list[torch.Tensor], seed: int) -> list[torch.Te
     weights = []
     for out in outputs:
         if out.requires_grad and out.is_floating_point():
-            weights.append(torch.randn(out.shape, generator=generator, dtype=torch.float32).to(out.dtype))
+            weights.append(
+                torch.randn(out.shape, generator=generator, dtype=torch.float32).to(out.dtype)
+            )
         else:
             weights.append(None)
     return weights
 
 
-def _forward_stages(pipeline: dict, stages: list, env: dict[str, Any]) -> list[tuple[dict, list, tuple]]:
+def _forward_stages(
+    pipeline: dict, stages: list, env: dict[str, Any]
+) -> list[tuple[dict, list, tuple]]:
     """Run the stages as the pipeline runtime does: each on fresh leaf tensors carrying the
     autograd flags of the pipeline description. Adds the outputs to ``env``."""
     values = pipeline["values"]
@@ -152,27 +176,48 @@ def _forward_stages(pipeline: dict, stages: list, env: dict[str, Any]) -> list[t
         inputs = []
         for name in spec["inputs"]:
             tensor = env[name].detach()
-            inputs.append(tensor.requires_grad_(values[name]["requires_grad"] and tensor.is_floating_point()))
+            inputs.append(
+                tensor.requires_grad_(values[name]["requires_grad"] and tensor.is_floating_point())
+            )
         outputs = stage(*inputs)
         if not isinstance(outputs, tuple) or len(outputs) != len(spec["outputs"]):
-            raise VerificationError(f"a stage returned {type(outputs).__name__}; expected a tuple of {len(spec['outputs'])} tensors")
+            raise VerificationError(
+                f"a stage returned {type(outputs).__name__}; expected a tuple of {len(spec['outputs'])} tensors"
+            )
         env.update(zip(spec["outputs"], outputs))
         records.append((spec, inputs, outputs))
     return records
 
 
-def _backward_stages(records: list[tuple[dict, list, tuple]], grads: dict[str, torch.Tensor]) -> None:
+def _backward_stages(
+    records: list[tuple[dict, list, tuple]], grads: dict[str, torch.Tensor]
+) -> None:
     """Backward from the last stage to the first, handing input gradients to the stage before."""
     for spec, inputs, outputs in reversed(records):
-        pairs = [(o, grads[n]) for n, o in zip(spec["outputs"], outputs) if n in grads and o.requires_grad]
+        pairs = [
+            (o, grads[n])
+            for n, o in zip(spec["outputs"], outputs)
+            if n in grads and o.requires_grad
+        ]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         grads = {n: i.grad for n, i in zip(spec["inputs"], inputs) if i.grad is not None}
 
 
-def _compare(kind: str, name: str, actual: Any, expected: torch.Tensor, rtol: float, atol: float) -> Comparison:
-    if not isinstance(actual, torch.Tensor) or actual.shape != expected.shape or actual.dtype != expected.dtype:
-        return Comparison(kind, f"{name} (shape/dtype {getattr(actual, 'shape', None)} vs {tuple(expected.shape)})", float("inf"), False)
+def _compare(
+    kind: str, name: str, actual: Any, expected: torch.Tensor, rtol: float, atol: float
+) -> Comparison:
+    if (
+        not isinstance(actual, torch.Tensor)
+        or actual.shape != expected.shape
+        or actual.dtype != expected.dtype
+    ):
+        return Comparison(
+            kind,
+            f"{name} (shape/dtype {getattr(actual, 'shape', None)} vs {tuple(expected.shape)})",
+            float("inf"),
+            False,
+        )
     a, e = actual.detach(), expected.detach()
     if not a.is_floating_point():
         diff = float((a != e).sum())

@@ -52,19 +52,36 @@ def build(name: str) -> tuple[Example, str]:
     with empty_weights():  # parameters on meta, buffers (BERT's position_ids) real
         if name.startswith("gpt2"):
             sizes = {"gpt2-small": (12, 768, 12), "gpt2-xl": (48, 1600, 25)}[name]
-            config = tf.GPT2Config(n_layer=sizes[0], n_embd=sizes[1], n_head=sizes[2], use_cache=False)
+            config = tf.GPT2Config(
+                n_layer=sizes[0], n_embd=sizes[1], n_head=sizes[2], use_cache=False
+            )
             model, batch, seq = tf.GPT2LMHeadModel(config), (4 if name == "gpt2-small" else 1), 1024
         elif name.startswith("bert"):
             sizes = {"bert-base": (12, 768, 12, 3072), "bert-large": (24, 1024, 16, 4096)}[name]
-            config = tf.BertConfig(num_hidden_layers=sizes[0], hidden_size=sizes[1], num_attention_heads=sizes[2], intermediate_size=sizes[3])
+            config = tf.BertConfig(
+                num_hidden_layers=sizes[0],
+                hidden_size=sizes[1],
+                num_attention_heads=sizes[2],
+                intermediate_size=sizes[3],
+            )
             model, batch, seq = tf.BertForMaskedLM(config), 8, 512
         else:
             sizes = {"t5-small": (6, 512, 8, 64, 2048), "t5-3b": (24, 1024, 32, 128, 16384)}[name]
             config = tf.T5Config(
-                num_layers=sizes[0], d_model=sizes[1], num_heads=sizes[2], d_kv=sizes[3], d_ff=sizes[4],
-                use_cache=False, decoder_start_token_id=0, pad_token_id=0,
+                num_layers=sizes[0],
+                d_model=sizes[1],
+                num_heads=sizes[2],
+                d_kv=sizes[3],
+                d_ff=sizes[4],
+                use_cache=False,
+                decoder_start_token_id=0,
+                pad_token_id=0,
             )
-            model, batch, seq = tf.T5ForConditionalGeneration(config), (8 if name == "t5-small" else 4), 512
+            model, batch, seq = (
+                tf.T5ForConditionalGeneration(config),
+                (8 if name == "t5-small" else 4),
+                512,
+            )
     ids = torch.randint(0, 1000, (batch, seq))
     kwargs = {"labels": torch.randint(0, 1000, (batch, seq // 4 if name.startswith("t5") else seq))}
     return Example(model, (ids,), kwargs), f"{batch}x{seq}"
@@ -153,18 +170,30 @@ def run_model(name: str, devices_list: list[int], gpu: str) -> list[Row]:
     start = time.perf_counter()
     graph = trace_step(example, CompileOptions(stages=1))
     prof = profile(graph, "analytic", device_spec(gpu))
-    print(f"# {name} ({shape}, {len(graph.calls)} operators, {len(graph.units)} units): traced and profiled in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    print(
+        f"# {name} ({shape}, {len(graph.calls)} operators, {len(graph.units)} units): traced and profiled in {time.perf_counter() - start:.1f} s",
+        file=sys.stderr,
+    )
     rows = []
     for devices in devices_list:
         microbatches = 4 * devices
         model = CostModel(graph, prof, microbatches=microbatches)
         results, seconds = {}, {}
         for kind in ("uniform", "params", "time"):
-            prediction = model.evaluate(baseline(graph, model, kind, devices), list(range(devices)), "1f1b")
+            prediction = model.evaluate(
+                baseline(graph, model, kind, devices), list(range(devices)), "1f1b"
+            )
             results[kind] = (prediction.step_time, prediction.bottleneck)
         for method, stages in [(m, devices) for m in METHODS] + [("mpipe 2x", 2 * devices)]:
             begin = time.perf_counter()
-            part = partition(graph, prof, stages, num_devices=devices, method=method.split()[0], microbatches=microbatches)
+            part = partition(
+                graph,
+                prof,
+                stages,
+                num_devices=devices,
+                method=method.split()[0],
+                microbatches=microbatches,
+            )
             seconds[method] = time.perf_counter() - begin
             results[method] = (part.predicted["step_time"], part.predicted["bottleneck"])
         rows.append(Row(name, devices, results, model.lower_bound(devices), seconds))
@@ -173,8 +202,12 @@ def run_model(name: str, devices_list: list[int], gpu: str) -> list[Row]:
 
 def print_table(rows: list[Row]) -> None:
     names = ["uniform", "params", "time", *METHODS, "mpipe 2x"]
-    print("Simulated step time in ms (busiest device per microbatch in ms); bound = lower bound on the busiest device")
-    print(f"| model | devices | {' | '.join(names)} | bound | default vs bound | mpipe vs best baseline |")
+    print(
+        "Simulated step time in ms (busiest device per microbatch in ms); bound = lower bound on the busiest device"
+    )
+    print(
+        f"| model | devices | {' | '.join(names)} | bound | default vs bound | mpipe vs best baseline |"
+    )
     print("|" + "---|" * (len(names) + 5))
     for row in rows:
         cells = [f"{row.results[n][0] * 1e3:.1f} ({row.results[n][1] * 1e3:.1f})" for n in names]
@@ -186,7 +219,12 @@ def print_table(rows: list[Row]) -> None:
             f"+{(default / row.bound - 1) * 100:.1f}% | {(1 - best_mpipe / best_baseline) * 100:+.1f}% |"
         )
     print()
-    print("Partitioning time in seconds:", ", ".join(f"{n} {statistics.mean(r.seconds[n] for r in rows):.2f}" for n in rows[0].seconds))
+    print(
+        "Partitioning time in seconds:",
+        ", ".join(
+            f"{n} {statistics.mean(r.seconds[n] for r in rows):.2f}" for n in rows[0].seconds
+        ),
+    )
 
 
 # -- real stages on CPU -------------------------------------------------------------------------
@@ -201,14 +239,25 @@ def cpu_check(devices: int = 4, rounds: int = 15) -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    config = tf.GPT2Config(n_layer=8, n_embd=256, n_head=4, vocab_size=4096, n_positions=128, use_cache=False, bos_token_id=0, eos_token_id=0)
+    config = tf.GPT2Config(
+        n_layer=8,
+        n_embd=256,
+        n_head=4,
+        vocab_size=4096,
+        n_positions=128,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = tf.GPT2LMHeadModel(config)
     ids = torch.randint(0, 4096, (4, 128))
     example = Example(model, (ids,), {"labels": ids})
     graph = trace_step(example, CompileOptions(stages=1))
     prof = profile(graph, "measured", device_spec("a100"), example)
     cost = CostModel(graph, prof, microbatches=4 * devices)
-    candidates = {kind: baseline(graph, cost, kind, devices) for kind in ("uniform", "params", "time")}
+    candidates = {
+        kind: baseline(graph, cost, kind, devices) for kind in ("uniform", "params", "time")
+    }
     for method in METHODS:
         candidates[method] = partition(graph, prof, devices, method=method).stage_of_unit
     unique: dict[tuple, list[str]] = {}
@@ -219,7 +268,11 @@ def cpu_check(devices: int = 4, rounds: int = 15) -> None:
         runs = []
         for i, (stage_of_unit, names) in enumerate(unique.items()):
             out = Path(tmp) / f"p{i}"
-            generate_step(graph, Partition(names[0], list(stage_of_unit), list(range(devices)), graph_digest(graph)), out)
+            generate_step(
+                graph,
+                Partition(names[0], list(stage_of_unit), list(range(devices)), graph_digest(graph)),
+                out,
+            )
             package = load_pipeline(out)
             stages = []
             for k in range(devices):
@@ -231,7 +284,9 @@ def cpu_check(devices: int = 4, rounds: int = 15) -> None:
             for _names, pipeline, stages, samples in runs:
                 for k, seconds in enumerate(_time_stages(pipeline, stages, example)):
                     samples[k].append(seconds)
-    print(f"\nReal stage times on this CPU (1 thread): GPT-2 {config.n_layer} layers, {devices} stages, measured profile, median of {rounds}")
+    print(
+        f"\nReal stage times on this CPU (1 thread): GPT-2 {config.n_layer} layers, {devices} stages, measured profile, median of {rounds}"
+    )
     print("| partition | predicted busiest stage ms | measured busiest stage ms |")
     print("|---|---|---|")
     predicted, measured = {}, {}
@@ -244,8 +299,14 @@ def cpu_check(devices: int = 4, rounds: int = 15) -> None:
     rank_p = {n: i for i, n in enumerate(sorted(predicted, key=predicted.get))}
     rank_m = {n: i for i, n in enumerate(sorted(measured, key=measured.get))}
     n = len(rank_p)
-    rho = 1 - 6 * sum((rank_p[k] - rank_m[k]) ** 2 for k in rank_p) / (n * (n * n - 1)) if n > 1 else 1.0
-    print(f"Spearman rank correlation over {n} distinct partitions, predicted vs measured busiest stage: {rho:.2f}")
+    rho = (
+        1 - 6 * sum((rank_p[k] - rank_m[k]) ** 2 for k in rank_p) / (n * (n * n - 1))
+        if n > 1
+        else 1.0
+    )
+    print(
+        f"Spearman rank correlation over {n} distinct partitions, predicted vs measured busiest stage: {rho:.2f}"
+    )
 
 
 def _time_stages(pipeline: dict, stages: list, example: Example) -> list[float]:
@@ -253,7 +314,10 @@ def _time_stages(pipeline: dict, stages: list, example: Example) -> list[float]:
     env = dict(zip(pipeline["signature"], example.args)) | example.kwargs
     times = []
     for spec, stage in zip(pipeline["stages"], stages):
-        inputs = [env[n].detach().requires_grad_(pipeline["values"][n]["requires_grad"]) for n in spec["inputs"]]
+        inputs = [
+            env[n].detach().requires_grad_(pipeline["values"][n]["requires_grad"])
+            for n in spec["inputs"]
+        ]
         begin = time.perf_counter()
         outputs = stage(*inputs)
         grads = [(o, torch.ones_like(o)) for o in outputs if o.requires_grad]
@@ -267,12 +331,24 @@ DEFAULT = "mpipe"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="small models only")
-    parser.add_argument("--gpu", default="a100", help="device spec of the analytic profile (default a100)")
-    parser.add_argument("--cpu-check", action="store_true", help="also time real stages of a small GPT-2 on this CPU")
+    parser.add_argument(
+        "--gpu", default="a100", help="device spec of the analytic profile (default a100)"
+    )
+    parser.add_argument(
+        "--cpu-check",
+        action="store_true",
+        help="also time real stages of a small GPT-2 on this CPU",
+    )
     args = parser.parse_args()
-    names = ["gpt2-small", "bert-base", "t5-small"] if args.quick else ["gpt2-small", "gpt2-xl", "bert-base", "bert-large", "t5-small", "t5-3b"]
+    names = (
+        ["gpt2-small", "bert-base", "t5-small"]
+        if args.quick
+        else ["gpt2-small", "gpt2-xl", "bert-base", "bert-large", "t5-small", "t5-3b"]
+    )
     rows = [row for name in names for row in run_model(name, [2, 4, 8], args.gpu)]
     print(f"GPU {args.gpu}, analytic profile, 1F1B, microbatches = 4 x devices")
     print_table(rows)

@@ -31,15 +31,29 @@ def regenerate(root: Path) -> None:
 
 def differences(left: Path, right: Path) -> list[str]:
     """Relative paths whose bytes differ (or that exist on one side only)."""
-    left_files = {p.relative_to(left) for p in left.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
-    right_files = {p.relative_to(right) for p in right.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
-    changed = [str(p) for p in sorted(left_files & right_files) if not filecmp.cmp(left / p, right / p, shallow=False)]
+    left_files = {
+        p.relative_to(left) for p in left.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    }
+    right_files = {
+        p.relative_to(right)
+        for p in right.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    changed = [
+        str(p)
+        for p in sorted(left_files & right_files)
+        if not filecmp.cmp(left / p, right / p, shallow=False)
+    ]
     return changed + [f"{p} (only on one side)" for p in sorted(left_files ^ right_files)]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="compare a fresh build with generated/")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="compare a fresh build with generated/"
+    )
     args = parser.parse_args()
     committed = Path("generated")
     if not args.check:
@@ -47,7 +61,11 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         regenerate(Path(tmp))
-        bad = [f"{name}/{d}" for name in GALLERY for d in differences(committed / name, Path(tmp) / name)]
+        bad = [
+            f"{name}/{d}"
+            for name in GALLERY
+            for d in differences(committed / name, Path(tmp) / name)
+        ]
     for line in bad:
         print(f"differs: {line}")
     return 1 if bad else 0

@@ -1,6 +1,6 @@
 """A small GPT-2 (Hugging Face transformers, built from a config: no download) with labels.
 
-    autopipe compile examples/gpt2.py:build --stages 4 --out generated/gpt2_4
+autopipe compile examples/gpt2.py:build --stages 4 --out generated/gpt2_4
 """
 
 import torch

@@ -28,17 +28,32 @@ def spec(name: str) -> str:
 def compile_model(name: str, out: Path, stages: int, **options):
     loss = options.pop("loss", None)
     force = options.pop("force", False)
-    return compile_spec(spec(name), out, CompileOptions(stages=stages, **options), loss=loss, force=force)
+    return compile_spec(
+        spec(name), out, CompileOptions(stages=stages, **options), loss=loss, force=force
+    )
 
 
-def torchrun(script: Path, nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def torchrun(
+    script: Path, nproc: int, *args: str, timeout: int = 600
+) -> subprocess.CompletedProcess:
     """Run a generated train.py on ``nproc`` local gloo ranks."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        str(script), "--device", "cpu", *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(script),
+        "--device",
+        "cpu",
+        *args,
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
     if result.returncode != 0:
-        raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
+        raise AssertionError(
+            f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+        )
     return result

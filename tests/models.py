@@ -19,8 +19,17 @@ def gpt2():
 
     torch.manual_seed(0)
     config = GPT2Config(
-        n_layer=3, n_embd=32, n_head=4, vocab_size=97, n_positions=32, use_cache=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        n_layer=3,
+        n_embd=32,
+        n_head=4,
+        vocab_size=97,
+        n_positions=32,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = GPT2LMHeadModel(config)
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -47,8 +56,13 @@ def bert():
 
     torch.manual_seed(0)
     config = BertConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-        vocab_size=101, max_position_embeddings=32, hidden_dropout_prob=0.0,
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=101,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
     model = BertForMaskedLM(config)
@@ -66,8 +80,17 @@ def t5():
 
     torch.manual_seed(0)
     config = T5Config(
-        num_layers=2, num_decoder_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=64,
-        vocab_size=103, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0,
+        num_layers=2,
+        num_decoder_layers=2,
+        d_model=32,
+        d_kv=8,
+        num_heads=4,
+        d_ff=64,
+        vocab_size=103,
+        dropout_rate=0.0,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
     )
     model = T5ForConditionalGeneration(config)
     ids = torch.randint(1, 103, (BATCH, 10))
@@ -87,9 +110,15 @@ class ConvNet(nn.Module):
     def __init__(self, classes: int = 5):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-            nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
-            nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(8, 16, 3, stride=2, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(inplace=True),
         )
         self.head = nn.Linear(16, classes)
 

@@ -39,7 +39,23 @@ def test_generated_train_help(tmp_path):
     from conftest import compile_model
 
     compile_model("mlp", tmp_path / "pipe", 2)
-    result = subprocess.run([sys.executable, str(tmp_path / "pipe" / "train.py"), "--help"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "pipe" / "train.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0
-    for flag in ["--steps", "--microbatches", "--schedule", "--optimizer", "--lr", "--data", "--device", "--load", "--save", "--log-json"]:
+    for flag in [
+        "--steps",
+        "--microbatches",
+        "--schedule",
+        "--optimizer",
+        "--lr",
+        "--data",
+        "--device",
+        "--load",
+        "--save",
+        "--log-json",
+    ]:
         assert flag in result.stdout

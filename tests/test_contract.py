@@ -37,7 +37,11 @@ def test_pipeline_description(compiled):
     bound = inspect.signature(example.model.forward).bind(*example.args, **example.kwargs).arguments
     assert pipeline["inputs"] == [k for k, v in bound.items() if isinstance(v, torch.Tensor)]
     # outputs: one name per tensor leaf of the model's output, in tree_leaves order
-    leaves = [x for x in pytree.tree_leaves(example.model(*example.args, **example.kwargs)) if isinstance(x, torch.Tensor)]
+    leaves = [
+        x
+        for x in pytree.tree_leaves(example.model(*example.args, **example.kwargs))
+        if isinstance(x, torch.Tensor)
+    ]
     assert len(pipeline["outputs"]) == len(leaves)
     if name == "multi_io":
         assert pipeline["outputs"] == ["logits", "hidden", "score"]
@@ -101,7 +105,10 @@ def test_tied_parameter_held_under_local_names(tmp_path):
     assert set(tie["names"]) == {"transformer.wte.weight", "lm_head.weight"}
     assert tie["holders"] == {"0": "transformer.wte.weight", "2": "lm_head.weight"}
     # autopipe's own initialisation gives both copies the same values
-    assert torch.equal(package.build_stage(0).get_parameter("transformer.wte.weight"), package.build_stage(2).get_parameter("lm_head.weight"))
+    assert torch.equal(
+        package.build_stage(0).get_parameter("transformer.wte.weight"),
+        package.build_stage(2).get_parameter("lm_head.weight"),
+    )
 
 
 def test_package_needs_only_torch(compiled):
@@ -114,7 +121,11 @@ def test_package_needs_only_torch(compiled):
                 roots = [a.name.split(".")[0] for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 roots = [] if node.level else [node.module.split(".")[0]]
-                if path.name == "train.py" and node.module and node.module.startswith("autopipe_pipeline"):
+                if (
+                    path.name == "train.py"
+                    and node.module
+                    and node.module.startswith("autopipe_pipeline")
+                ):
                     roots = []  # the package itself, loaded by path
             else:
                 continue
@@ -131,7 +142,9 @@ def test_importable_from_any_path(compiled, tmp_path):
         "s = my_pipeline.build_stage(0); "
         "print(len(my_pipeline.PIPELINE['stages']), type(s).__name__)"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=copy.parent, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=copy.parent, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["3", "Stage0"]
 

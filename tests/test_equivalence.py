@@ -17,12 +17,19 @@ from conftest import compile_model, spec
 # output read by every decoder layer), a CNN (BatchNorm, in-place ReLU), an MLP with long skips, and
 # a model with several inputs, a keyword argument and a dict of outputs.
 CASES = [
-    ("gpt2", 2), ("gpt2", 3), ("gpt2", 4),
-    ("bert", 2), ("bert", 3),
-    ("t5", 2), ("t5", 4),
-    ("cnn", 2), ("cnn", 3),
-    ("mlp", 2), ("mlp", 3),
-    ("multi_io", 2), ("multi_io", 3),
+    ("gpt2", 2),
+    ("gpt2", 3),
+    ("gpt2", 4),
+    ("bert", 2),
+    ("bert", 3),
+    ("t5", 2),
+    ("t5", 4),
+    ("cnn", 2),
+    ("cnn", 3),
+    ("mlp", 2),
+    ("mlp", 3),
+    ("multi_io", 2),
+    ("multi_io", 3),
 ]
 
 
@@ -47,7 +54,11 @@ def test_every_two_stage_cut(tmp_path, name):
     n = len(graph.units)
     for cut in range(1, n):
         out = tmp_path / f"cut{cut}"
-        generate_step(graph, Partition("manual", [0] * cut + [1] * (n - cut), [0, 1], graph_digest(graph)), out)
+        generate_step(
+            graph,
+            Partition("manual", [0] * cut + [1] * (n - cut), [0, 1], graph_digest(graph)),
+            out,
+        )
         report = verify(out, load_example(spec(name)), rtol=1e-5, atol=1e-6)
         assert report.ok, f"cut before {graph.units[cut].label}:\n{report.summary()}"
 
@@ -56,7 +67,11 @@ def test_inplace_on_received_value_is_cloned(tmp_path):
     graph = trace_step(load_example(spec("cnn")), CompileOptions(stages=2))
     cut = next(i for i, u in enumerate(graph.units) if "ReLU" in u.label)
     n = len(graph.units)
-    generate_step(graph, Partition("manual", [0] * cut + [1] * (n - cut), [0, 1], graph_digest(graph)), tmp_path / "p")
+    generate_step(
+        graph,
+        Partition("manual", [0] * cut + [1] * (n - cut), [0, 1], graph_digest(graph)),
+        tmp_path / "p",
+    )
     stage1 = (tmp_path / "p" / "stage1.py").read_text()
     assert ".clone()  # written in place below" in stage1
     assert "aten.relu_.default" in stage1
@@ -81,11 +96,22 @@ def test_dropout_masks_match_in_process(tmp_path):
     from autopipe.spec import Example
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16, use_cache=False, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        vocab_size=50,
+        n_positions=16,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(config)  # dropout 0.1 everywhere
     ids = torch.randint(0, 50, (2, 16))
     pipe_model(model, (ids,), {"labels": ids}, stages=2, out=tmp_path / "pipe")
-    report = verify(tmp_path / "pipe", Example(model, (ids,), {"labels": ids}), rtol=1e-5, atol=1e-6)
+    report = verify(
+        tmp_path / "pipe", Example(model, (ids,), {"labels": ids}), rtol=1e-5, atol=1e-6
+    )
     assert report.ok, report.summary()
 
 
@@ -98,7 +124,9 @@ METHOD_CASES = [
 
 
 @pytest.mark.parametrize(
-    "name,method,stages,devices", METHOD_CASES, ids=[f"{n}-{m}-{k}on{d}" for n, m, k, d in METHOD_CASES]
+    "name,method,stages,devices",
+    METHOD_CASES,
+    ids=[f"{n}-{m}-{k}on{d}" for n, m, k, d in METHOD_CASES],
 )
 def test_every_method_matches_model(tmp_path, name, method, stages, devices):
     result = compile_model(name, tmp_path / "pipe", stages, method=method, devices=devices)

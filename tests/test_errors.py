@@ -117,7 +117,9 @@ def test_failed_generation_leaves_nothing_half_written(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         compile_spec(spec("mlp"), out, CompileOptions(stages=3), force=True)
     monkeypatch.undo()
-    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # old pipeline intact
+    assert {
+        p: p.read_bytes() for p in out.rglob("*") if p.is_file()
+    } == before  # old pipeline intact
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary leftovers
 
 
@@ -133,7 +135,9 @@ def test_corrupted_and_foreign_artifacts(tmp_path):
     with pytest.raises(ArtifactError, match="not valid JSON"):
         Graph.load(bad)
     bad.write_text(json.dumps({"format": "autopipe.profile", "version": 1}))
-    with pytest.raises(ArtifactError, match="expected an autopipe.graph artefact, found 'autopipe.profile'"):
+    with pytest.raises(
+        ArtifactError, match="expected an autopipe.graph artefact, found 'autopipe.profile'"
+    ):
         Graph.load(bad)
     bad.write_text(json.dumps({"format": "autopipe.graph", "version": 99}))
     with pytest.raises(ArtifactError, match="version 99 cannot be read"):
@@ -155,7 +159,17 @@ def test_unknown_basic_block(tmp_path):
 
 def _train(out, nproc, *args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(out / "train.py"), "--device", "cpu", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(out / "train.py"),
+        "--device",
+        "cpu",
+        *args,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
 
@@ -165,9 +179,24 @@ def test_runtime_errors(tmp_path):
     compile_model("gpt2", out, 2)
     result = _train(out, 1, "--steps", "1")
     assert result.returncode != 0
-    assert "this pipeline runs on 2 ranks" in result.stderr and "--nproc-per-node=2" in result.stderr
-    result = _train(out, 2, "--steps", "1", "--microbatches", "3", "--data", "tests/models.py:gpt2_batch")
+    assert (
+        "this pipeline runs on 2 ranks" in result.stderr and "--nproc-per-node=2" in result.stderr
+    )
+    result = _train(
+        out, 2, "--steps", "1", "--microbatches", "3", "--data", "tests/models.py:gpt2_batch"
+    )
     assert result.returncode != 0
-    assert "input 'input_ids' has shape [8, 16]" in result.stderr and "expects shape [6, 16]" in result.stderr
-    result = subprocess.run([sys.executable, str(out / "train.py"), "--schedule", "1f1b", "--microbatches", "1"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "1f1b needs at least as many microbatches as stages (2)" in result.stderr
+    assert (
+        "input 'input_ids' has shape [8, 16]" in result.stderr
+        and "expects shape [6, 16]" in result.stderr
+    )
+    result = subprocess.run(
+        [sys.executable, str(out / "train.py"), "--schedule", "1f1b", "--microbatches", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        result.returncode == 2
+        and "1f1b needs at least as many microbatches as stages (2)" in result.stderr
+    )

@@ -31,7 +31,9 @@ def test_nodes_carry_scopes_shapes_and_autograd_flags():
     sdpa = next(n for n in graph.calls if n.target == "aten.scaled_dot_product_attention.default")
     assert isinstance(sdpa.meta, TensorMeta) and sdpa.meta.dtype == torch.float32
     assert sdpa.meta.requires_grad
-    mask = next(n for n in graph.calls if isinstance(n.meta, TensorMeta) and n.meta.dtype == torch.bool)
+    mask = next(
+        n for n in graph.calls if isinstance(n.meta, TensorMeta) and n.meta.dtype == torch.bool
+    )
     assert not mask.meta.requires_grad
     assert graph["loss"].meta.shape == ()
     assert graph.param_of("lm_head.weight").names == ("transformer.wte.weight", "lm_head.weight")
@@ -75,7 +77,11 @@ def test_meta_models_trace_without_weights():
     from autopipe.spec import Example
 
     with torch.device("meta"):
-        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16, use_cache=False))
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16, use_cache=False
+            )
+        )
     ids = torch.randint(0, 50, (2, 16))
     graph = trace_step(Example(model, (ids,), {"labels": ids}), CompileOptions(stages=1))
     assert graph.model["on_meta"] and graph.model["input_ranges"]["input_ids"] == int(ids.max())

@@ -26,7 +26,10 @@ UNITS = len(GRAPH.units)
 def random_profile(costs, activations, link_gbps, memory_gib=80.0) -> Profile:
     device = with_link(device_spec("h100"), str(link_gbps))
     device = type(device)(**(device.to_json() | {"memory": memory_gib * 1024**3}))
-    units = [UnitCost(forward=c * 0.4, backward=c * 0.6, activations=a) for c, a in zip(costs, activations)]
+    units = [
+        UnitCost(forward=c * 0.4, backward=c * 0.6, activations=a)
+        for c, a in zip(costs, activations)
+    ]
     return Profile("analytic", device, units, graph_digest(GRAPH))
 
 
@@ -39,7 +42,11 @@ def brute_force(model: CostModel, stages: int):
         if any(c.memory > model.device.memory for c in prediction.stages):
             continue
         key = (prediction.bottleneck, sum(c.time**2 for c in prediction.stages))
-        if best is None or key[0] < best[0] - 1e-12 or (abs(key[0] - best[0]) <= 1e-12 * max(1, key[0]) and key[1] < best[1]):
+        if (
+            best is None
+            or key[0] < best[0] - 1e-12
+            or (abs(key[0] - best[0]) <= 1e-12 * max(1, key[0]) and key[1] < best[1])
+        ):
             best = key
     return best
 
@@ -52,7 +59,9 @@ def brute_force(model: CostModel, stages: int):
     stages=st.integers(1, 4),
 )
 def test_dp_matches_brute_force(costs, activations, link, stages):
-    model = CostModel(GRAPH, random_profile(costs, [a * 1024**3 for a in activations], link, memory_gib=40))
+    model = CostModel(
+        GRAPH, random_profile(costs, [a * 1024**3 for a in activations], link, memory_gib=40)
+    )
     expected = brute_force(model, stages)
     if expected is None:
         with pytest.raises(PartitionError, match="fits the memory"):
@@ -63,7 +72,9 @@ def test_dp_matches_brute_force(costs, activations, link, stages):
     assert assignment == sorted(assignment)  # contiguous, in program order
     prediction = model.evaluate(assignment)
     assert prediction.bottleneck == pytest.approx(expected[0], rel=1e-9, abs=1e-12)
-    assert sum(c.time**2 for c in prediction.stages) == pytest.approx(expected[1], rel=1e-6, abs=1e-9)
+    assert sum(c.time**2 for c in prediction.stages) == pytest.approx(
+        expected[1], rel=1e-6, abs=1e-9
+    )
 
 
 def test_dp_is_deterministic():
@@ -82,7 +93,9 @@ def test_lower_bound_and_hand_computed_costs():
     assert [round(s.forward + s.backward, 9) for s in prediction.stages] == [6.0, 2.0]
     # communication: the bytes crossing the cut, both directions, over the link
     crossing = model.boundary_bytes()[0][4] + model.boundary_bytes()[1][4]
-    assert prediction.stages[0].communication == pytest.approx(crossing / model.device.link_bandwidth)
+    assert prediction.stages[0].communication == pytest.approx(
+        crossing / model.device.link_bandwidth
+    )
     # 1F1B, 4 microbatches: the first stage (6 s per microbatch) never waits once started
     assert prediction.step_time == pytest.approx(4 * 6.0, rel=1e-6)
 

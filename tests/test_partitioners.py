@@ -28,7 +28,9 @@ def random_graph(seed: int, size: int, fan_in: int, inplace: float) -> Graph:
         sources = sorted(rng.sample(values, k), key=values.index)
         name = f"n{i}"
         if len(sources) >= 2:
-            node = Node(name, "call", "aten.add.Tensor", (Ref(sources[0]), Ref(sources[1])), meta=meta)
+            node = Node(
+                name, "call", "aten.add.Tensor", (Ref(sources[0]), Ref(sources[1])), meta=meta
+            )
         elif rng.random() < inplace and sources[0] != "x":
             node = Node(name, "call", "aten.relu_.default", (Ref(sources[0]),), meta=meta)
         else:
@@ -53,7 +55,10 @@ def random_graph(seed: int, size: int, fan_in: int, inplace: float) -> Graph:
 
 def random_profile(graph: Graph, seed: int) -> Profile:
     rng = random.Random(seed)
-    units = [UnitCost(rng.uniform(0, 2), rng.uniform(0, 4), activations=rng.randint(0, 1 << 20)) for _ in graph.units]
+    units = [
+        UnitCost(rng.uniform(0, 2), rng.uniform(0, 4), activations=rng.randint(0, 1 << 20))
+        for _ in graph.units
+    ]
     return Profile("analytic", device_spec("a100"), units, graph_digest(graph))
 
 
@@ -67,7 +72,9 @@ graphs = st.builds(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(graph=graphs, seed=st.integers(0, 100), method=st.sampled_from(sorted(METHODS)), data=st.data())
+@given(
+    graph=graphs, seed=st.integers(0, 100), method=st.sampled_from(sorted(METHODS)), data=st.data()
+)
 def test_partitions_are_complete_acyclic_and_exact(graph, seed, method, data):
     stages = data.draw(st.integers(1, min(6, len(graph.units))))
     devices = data.draw(st.integers(1, stages))
@@ -76,7 +83,9 @@ def test_partitions_are_complete_acyclic_and_exact(graph, seed, method, data):
     assert sorted(set(part.stage_of_unit)) == list(range(stages))  # exactly `stages`, none empty
     assert len(part.device_of_stage) == stages
     assert sorted(set(part.device_of_stage)) == list(range(devices))  # every device has work
-    stage_of = {n: part.stage_of_unit[graph[n].unit] for n in graph.dag.nodes if graph[n].kind == "call"}
+    stage_of = {
+        n: part.stage_of_unit[graph[n].unit] for n in graph.dag.nodes if graph[n].kind == "call"
+    }
     for u, v in graph.dag.edges:  # data edges never point to an earlier stage
         if u in stage_of:
             assert stage_of[u] <= stage_of[v]
@@ -89,7 +98,10 @@ def test_partitions_are_complete_acyclic_and_exact(graph, seed, method, data):
 @given(graph=graphs, seed=st.integers(0, 100), method=st.sampled_from(sorted(METHODS)))
 def test_partitioners_are_deterministic(graph, seed, method):
     stages = min(3, len(graph.units))
-    runs = [partition(graph, random_profile(graph, seed), stages, method=method).to_json() for _ in range(2)]
+    runs = [
+        partition(graph, random_profile(graph, seed), stages, method=method).to_json()
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
 
 

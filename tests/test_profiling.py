@@ -67,7 +67,9 @@ def test_roofline_uses_device_spec():
     _, graph = linear_graph()
     slow = DeviceSpec("slow", {"default": 1e9}, 1e9, 1e9, 1e9, kernel_overhead=0.0)
     fast = DeviceSpec("fast", {"default": 1e12}, 1e12, 1e9, 1e9, kernel_overhead=0.0)
-    assert sum(u.time for u in profile(graph, "analytic", slow).units) == pytest.approx(1000 * sum(u.time for u in profile(graph, "analytic", fast).units))
+    assert sum(u.time for u in profile(graph, "analytic", slow).units) == pytest.approx(
+        1000 * sum(u.time for u in profile(graph, "analytic", fast).units)
+    )
 
 
 def test_measured_profile_times_every_unit():
@@ -98,8 +100,12 @@ def test_device_specs():
 
 def test_device_spec_file(tmp_path):
     path = tmp_path / "mine.json"
-    path.write_text('{"name": "mine", "flops": {"default": 1e13}, "memory_bandwidth": 1e11, "memory": 1e10, "link_bandwidth": 1e9}')
+    path.write_text(
+        '{"name": "mine", "flops": {"default": 1e13}, "memory_bandwidth": 1e11, "memory": 1e10, "link_bandwidth": 1e9}'
+    )
     assert device_spec(str(path)).name == "mine"
     path.write_text('{"name": "mine"}')
-    with pytest.raises(AutopipeError, match="missing flops, link_bandwidth, memory, memory_bandwidth"):
+    with pytest.raises(
+        AutopipeError, match="missing flops, link_bandwidth, memory, memory_bandwidth"
+    ):
         device_spec(str(path))

@@ -78,10 +78,14 @@ def test_deadlock_is_reported():
 
 
 def test_greedy_schedule_for_any_placement():
-    costs = uniform(5, devices=[0, 1, 2, 1, 0])  # Mixed-Pipe style: devices hold non-adjacent stages
+    costs = uniform(
+        5, devices=[0, 1, 2, 1, 0]
+    )  # Mixed-Pipe style: devices hold non-adjacent stages
     orders = schedule_orders("auto", costs, 6)
     assert {a.stage for a in orders[0]} == {0, 4} and {a.stage for a in orders[1]} == {1, 3}
-    assert sorted(str(a) for o in orders.values() for a in o) == sorted(f"{s}{k}{m}" for s in range(5) for k in "FB" for m in range(6))
+    assert sorted(str(a) for o in orders.values() for a in o) == sorted(
+        f"{s}{k}{m}" for s in range(5) for k in "FB" for m in range(6)
+    )
     sim = simulate(orders, costs)
     assert sim.step_time >= 2 * 6 * 3.0  # devices 0 and 1 each run two stages' work
 

@@ -22,7 +22,11 @@ def reference_training(example, data, steps, optimizer, lr, loss_fn=None):
     model = example.model
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    opt = (
+        torch.optim.SGD(params, lr=lr)
+        if optimizer == "sgd"
+        else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    )
     losses = []
     for step in range(steps):
         args, kwargs, *target = data(step)
@@ -40,16 +44,41 @@ def reference_training(example, data, steps, optimizer, lr, loss_fn=None):
     return losses, model.state_dict()
 
 
-def run_pipeline(tmp_path, name, stages, data, *extra, loss=None, train_spec=None, compile_spec=None, devices=None, **options):
+def run_pipeline(
+    tmp_path,
+    name,
+    stages,
+    data,
+    *extra,
+    loss=None,
+    train_spec=None,
+    compile_spec=None,
+    devices=None,
+    **options,
+):
     out = tmp_path / "pipe"
-    compile_model(compile_spec or train_spec or name, out, stages, loss=loss, devices=devices, **options)
+    compile_model(
+        compile_spec or train_spec or name, out, stages, loss=loss, devices=devices, **options
+    )
     example = load_example(spec(train_spec or name))
     torch.save(example.model.state_dict(), tmp_path / "init.pt")
     log, saved = tmp_path / "log.jsonl", tmp_path / "trained.pt"
     torchrun(
-        out / "train.py", devices or stages,
-        "--steps", str(STEPS), "--microbatches", str(MICROBATCHES), "--data", f"tests/models.py:{data}",
-        "--load", str(tmp_path / "init.pt"), "--save", str(saved), "--log-json", str(log), *extra,
+        out / "train.py",
+        devices or stages,
+        "--steps",
+        str(STEPS),
+        "--microbatches",
+        str(MICROBATCHES),
+        "--data",
+        f"tests/models.py:{data}",
+        "--load",
+        str(tmp_path / "init.pt"),
+        "--save",
+        str(saved),
+        "--log-json",
+        str(log),
+        *extra,
     )
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(STEPS))
@@ -62,14 +91,27 @@ def assert_same_training(pipe, ref, atol=2e-5):
     assert pipe_losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     assert set(pipe_state) == set(ref_state)
     for key in ref_state:
-        assert torch.allclose(pipe_state[key].float(), ref_state[key].float(), atol=atol, rtol=1e-4), key
+        assert torch.allclose(
+            pipe_state[key].float(), ref_state[key].float(), atol=atol, rtol=1e-4
+        ), key
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stages,schedule,optimizer", [(2, "gpipe", "adamw"), (3, "1f1b", "sgd")])
 def test_gpt2_tied_weights(tmp_path, stages, schedule, optimizer):
     lr = 1e-3 if optimizer == "adamw" else 0.1
-    pipe = run_pipeline(tmp_path, "gpt2", stages, "gpt2_batch", "--schedule", schedule, "--optimizer", optimizer, "--lr", str(lr))
+    pipe = run_pipeline(
+        tmp_path,
+        "gpt2",
+        stages,
+        "gpt2_batch",
+        "--schedule",
+        schedule,
+        "--optimizer",
+        optimizer,
+        "--lr",
+        str(lr),
+    )
     ref = reference_training(load_example(spec("gpt2")), models.gpt2_batch, STEPS, optimizer, lr)
     assert_same_training(pipe, ref)
     # the tied copies stayed equal, and the saved state_dict loads into the original model
@@ -88,10 +130,25 @@ def test_compiled_on_meta_trains_loaded_weights(tmp_path):
 @pytest.mark.slow
 def test_cnn_batchnorm_with_user_loss(tmp_path):
     pipe = run_pipeline(
-        tmp_path, "cnn", 2, "cnn_batch", "--optimizer", "sgd", "--lr", "0.05",
-        loss="tests/models.py:cross_entropy", train_spec="cnn_with_target",
+        tmp_path,
+        "cnn",
+        2,
+        "cnn_batch",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        loss="tests/models.py:cross_entropy",
+        train_spec="cnn_with_target",
     )
-    ref = reference_training(load_example(spec("cnn_with_target")), models.cnn_batch, STEPS, "sgd", 0.05, models.cross_entropy)
+    ref = reference_training(
+        load_example(spec("cnn_with_target")),
+        models.cnn_batch,
+        STEPS,
+        "sgd",
+        0.05,
+        models.cross_entropy,
+    )
     assert_same_training(pipe, ref)
     assert int(pipe[1]["features.1.num_batches_tracked"]) == STEPS * MICROBATCHES
 
@@ -122,7 +179,12 @@ def test_every_method_trains_like_pytorch(tmp_path, method):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name,method,schedule",
-    [("gpt2", "mpipe", None), ("cnn", "mpipe", None), ("gpt2", "dp", "interleaved-1f1b"), ("gpt2", "dp", "looped-bfs")],
+    [
+        ("gpt2", "mpipe", None),
+        ("cnn", "mpipe", None),
+        ("gpt2", "dp", "interleaved-1f1b"),
+        ("gpt2", "dp", "looped-bfs"),
+    ],
 )
 def test_more_stages_than_devices(tmp_path, name, method, schedule):
     """4 stages on 2 ranks: several stages per rank, run by torch's multi-stage schedules or by
@@ -130,13 +192,33 @@ def test_more_stages_than_devices(tmp_path, name, method, schedule):
     extra = ("--schedule", schedule) if schedule else ()
     if name == "gpt2":
         pipe = run_pipeline(tmp_path, "gpt2", 4, "gpt2_batch", *extra, devices=2, method=method)
-        ref = reference_training(load_example(spec("gpt2")), models.gpt2_batch, STEPS, "adamw", 1e-3)
+        ref = reference_training(
+            load_example(spec("gpt2")), models.gpt2_batch, STEPS, "adamw", 1e-3
+        )
     else:
         pipe = run_pipeline(
-            tmp_path, "cnn", 4, "cnn_batch", *extra, "--optimizer", "sgd", "--lr", "0.05", devices=2, method=method,
-            loss="tests/models.py:cross_entropy", train_spec="cnn_with_target",
+            tmp_path,
+            "cnn",
+            4,
+            "cnn_batch",
+            *extra,
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.05",
+            devices=2,
+            method=method,
+            loss="tests/models.py:cross_entropy",
+            train_spec="cnn_with_target",
         )
-        ref = reference_training(load_example(spec("cnn_with_target")), models.cnn_batch, STEPS, "sgd", 0.05, models.cross_entropy)
+        ref = reference_training(
+            load_example(spec("cnn_with_target")),
+            models.cnn_batch,
+            STEPS,
+            "sgd",
+            0.05,
+            models.cross_entropy,
+        )
     assert_same_training(pipe, ref)
     assert len(load_pipeline(tmp_path / "pipe").PIPELINE["stages"]) == 4
 
@@ -152,8 +234,19 @@ def test_encoder_decoder_fan_out_on_fewer_devices(tmp_path):
 @pytest.mark.slow
 def test_long_skips_with_metis(tmp_path):
     pipe = run_pipeline(
-        tmp_path, "mlp", 3, "mlp_batch", "--optimizer", "sgd", "--lr", "0.1", method="metis",
-        loss="tests/models.py:mse", train_spec="mlp_with_target",
+        tmp_path,
+        "mlp",
+        3,
+        "mlp_batch",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.1",
+        method="metis",
+        loss="tests/models.py:mse",
+        train_spec="mlp_with_target",
     )
-    ref = reference_training(load_example(spec("mlp_with_target")), models.mlp_batch, STEPS, "sgd", 0.1, models.mse)
+    ref = reference_training(
+        load_example(spec("mlp_with_target")), models.mlp_batch, STEPS, "sgd", 0.1, models.mse
+    )
     assert_same_training(pipe, ref)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -45,7 +46,11 @@ def operator_call(node: Node, ref: Callable[[Ref], str]) -> str:
         source, index = node.args
         return f"{ref(source)}[{index}]"
     namespace, name, overload = node.target.split(".")
-    fn = f"aten.{name}.{overload}" if namespace == "aten" else f"torch.ops.{namespace}.{name}.{overload}"
+    fn = (
+        f"aten.{name}.{overload}"
+        if namespace == "aten"
+        else f"torch.ops.{namespace}.{name}.{overload}"
+    )
     parts = [literal(a, ref) for a in node.args]
     parts += [f"{k}={literal(v, ref)}" for k, v in node.kwargs.items()]
     return f"{fn}({', '.join(parts)})"
@@ -87,7 +92,10 @@ def uses_device(nodes: list[Node]) -> bool:
             return any(has_device(v) for v in value.values())
         return False
 
-    return any(has_device(n.args) or has_device(n.kwargs) or any(c[0] == "autocast" for c in n.context) for n in nodes)
+    return any(
+        has_device(n.args) or has_device(n.kwargs) or any(c[0] == "autocast" for c in n.context)
+        for n in nodes
+    )
 
 
 def tensor_expression(data: dict) -> str:
@@ -103,12 +111,16 @@ def tensor_expression(data: dict) -> str:
     if not tensor.dtype.is_floating_point and flat.numel() > 1:
         start = int(flat[0])
         if torch.equal(flat, torch.arange(start, start + flat.numel(), dtype=flat.dtype)):
-            return f"torch.arange({start}, {start + flat.numel()}, dtype={dtype_src}).reshape({shape})"
-    values = literal([v for v in flat.tolist()], str)
+            return (
+                f"torch.arange({start}, {start + flat.numel()}, dtype={dtype_src}).reshape({shape})"
+            )
+    values = literal(flat.tolist(), str)
     return f"torch.tensor({values}, dtype={dtype_src}).reshape({shape})"
 
 
-def forward_body(graph: Graph, nodes: list[Node], ref: Callable[[Ref], str], model_class: str) -> list[str]:
+def forward_body(
+    graph: Graph, nodes: list[Node], ref: Callable[[Ref], str], model_class: str
+) -> list[str]:
     """Source lines of a forward pass over ``nodes``, commented with their module scopes and
     wrapped in the grad / autocast modes they were traced under."""
     lines: list[str] = []

@@ -63,7 +63,9 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
         "stage_classes": [f"Stage{plan.index}" for plan in plans],
     }
     files = {
-        f"stage{plan.index}.py": render("stage.py.j2", **common, **_stage_context(graph, plan, model_class))
+        f"stage{plan.index}.py": render(
+            "stage.py.j2", **common, **_stage_context(graph, plan, model_class)
+        )
         for plan in plans
     }
     files["__init__.py"] = render("__init__.py.j2", **common)
@@ -79,7 +81,8 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
 def _loss_context(loss: Graph, model_class: str) -> dict[str, Any]:
     calls = loss.calls
     constant_lines = [
-        f"{name} = {emit.tensor_expression(value)}.to(device)" for name, value in loss.constants.items()
+        f"{name} = {emit.tensor_expression(value)}.to(device)"
+        for name, value in loss.constants.items()
     ]
     return {
         "inputs": loss.inputs,
@@ -99,7 +102,8 @@ def _stage_context(graph: Graph, plan: StagePlan, model_class: str) -> dict[str,
         src for node in plan.nodes for src in node.inputs if graph[src].kind == "constant"
     )
     constant_lines = [
-        f"{name} = {emit.tensor_expression(graph.constants[name])}.to(device)" for name in used_constants
+        f"{name} = {emit.tensor_expression(graph.constants[name])}.to(device)"
+        for name in used_constants
     ]
     body = constant_lines + emit.forward_body(graph, plan.nodes, ref, model_class)
     produced = {n.name for n in plan.nodes}
@@ -120,7 +124,9 @@ def _stage_context(graph: Graph, plan: StagePlan, model_class: str) -> dict[str,
 
 
 def _parameter_rows(graph: Graph, plan: StagePlan) -> list[dict[str, Any]]:
-    held = {graph[p].target: name for p, name in plan.state_names.items() if graph[p].kind == "param"}
+    held = {
+        graph[p].target: name for p, name in plan.state_names.items() if graph[p].kind == "param"
+    }
     names = sorted(set(held.values()) | set(plan.extra_params))
     rows = []
     for name in names:
@@ -172,11 +178,17 @@ def _init_rule(name: str, info: ParamInfo) -> str:
 
 def pipeline_description(graph: Graph, plans: list[StagePlan], part: Partition) -> dict[str, Any]:
     """The JSON-compatible ``PIPELINE`` dict of a generated package."""
-    names = dict.fromkeys(graph.inputs + [n for p in plans for n in p.inputs + p.outputs] + graph.outputs)
+    names = dict.fromkeys(
+        graph.inputs + [n for p in plans for n in p.inputs + p.outputs] + graph.outputs
+    )
     values = {}
     for name in names:
         meta = graph[name].tensor_meta
-        values[name] = {"shape": list(meta.shape), "dtype": dtype_name(meta.dtype), "requires_grad": meta.requires_grad}
+        values[name] = {
+            "shape": list(meta.shape),
+            "dtype": dtype_name(meta.dtype),
+            "requires_grad": meta.requires_grad,
+        }
     holders: dict[str, dict[str, str]] = {}
     for plan in plans:
         for name in plan.held_names:
@@ -187,7 +199,11 @@ def pipeline_description(graph: Graph, plans: list[StagePlan], part: Partition) 
         for c, h in holders.items()
         if c in graph.params and len(h) > 1
     ]
-    aliases = [list(info.names) for info in [*graph.params.values(), *graph.buffers.values()] if len(info.names) > 1]
+    aliases = [
+        list(info.names)
+        for info in [*graph.params.values(), *graph.buffers.values()]
+        if len(info.names) > 1
+    ]
     description: dict[str, Any] = {
         "format": "autopipe.pipeline",
         "version": ARTIFACT_VERSION,
@@ -196,7 +212,12 @@ def pipeline_description(graph: Graph, plans: list[StagePlan], part: Partition) 
         "inputs": graph.inputs,
         "outputs": graph.outputs,
         "stages": [
-            {"inputs": p.inputs, "outputs": p.outputs, "device": p.device, "module": f"stage{p.index}"}
+            {
+                "inputs": p.inputs,
+                "outputs": p.outputs,
+                "device": p.device,
+                "module": f"stage{p.index}",
+            }
             for p in plans
         ],
         "values": values,
@@ -220,7 +241,10 @@ def _schedule_description(part: Partition) -> dict[str, Any]:
         "send_forward": [0.0] * (part.num_stages - 1),
         "send_backward": [0.0] * (part.num_stages - 1),
     }
-    return {"name": part.settings.get("schedule") or default_schedule(part.device_of_stage), "costs": costs}
+    return {
+        "name": part.settings.get("schedule") or default_schedule(part.device_of_stage),
+        "costs": costs,
+    }
 
 
 def _loss_description(graph: Graph) -> dict[str, Any]:
@@ -229,7 +253,11 @@ def _loss_description(graph: Graph) -> dict[str, Any]:
         target = graph.loss[graph.loss.inputs[-1]].tensor_meta
         return {
             "module": "loss",
-            "target": {"shape": list(target.shape), "dtype": dtype_name(target.dtype), "requires_grad": False},
+            "target": {
+                "shape": list(target.shape),
+                "dtype": dtype_name(target.dtype),
+                "requires_grad": False,
+            },
         }
     return {"output": "loss" if "loss" in graph.outputs else None}
 
@@ -272,6 +300,8 @@ def write_package(out: str | os.PathLike, files: dict[str, str], force: bool = F
 
 def check_output_dir(out: Path, force: bool) -> None:
     if out.exists() and not force:
-        raise OutputExistsError(f"{out} already exists; pass --force to replace it (it is replaced only once the new pipeline is complete)")
+        raise OutputExistsError(
+            f"{out} already exists; pass --force to replace it (it is replaced only once the new pipeline is complete)"
+        )
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"{out} exists and is not a directory")

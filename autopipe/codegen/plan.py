@@ -33,10 +33,14 @@ class StagePlan:
 
     @property
     def held_names(self) -> list[str]:
-        return sorted(set(self.state_names.values()) | set(self.extra_params) | set(self.extra_buffers))
+        return sorted(
+            set(self.state_names.values()) | set(self.extra_params) | set(self.extra_buffers)
+        )
 
 
-def plan_stages(graph: Graph, stage_of_unit: list[int], device_of_stage: list[int]) -> list[StagePlan]:
+def plan_stages(
+    graph: Graph, stage_of_unit: list[int], device_of_stage: list[int]
+) -> list[StagePlan]:
     """Split ``graph`` into stages; ``stage_of_unit[u]`` must never decrease along data edges."""
     num_stages = len(device_of_stage)
     stage_of: dict[str, int] = {}
@@ -55,7 +59,9 @@ def plan_stages(graph: Graph, stage_of_unit: list[int], device_of_stage: list[in
             last_use[src] = max(last_use.get(src, -1), stage_of[node.name])
     for name in graph.outputs:
         if graph[name].kind not in ("call", "input"):
-            raise PartitionError(f"model output {name} is a {graph[name].kind}, not a computed value")
+            raise PartitionError(
+                f"model output {name} is a {graph[name].kind}, not a computed value"
+            )
         last_use[name] = num_stages  # returned by the last stage
     order = {name: i for i, name in enumerate(graph.dag.nodes)}
     boundary: list[list[str]] = [[] for _ in range(num_stages)]  # boundary[s]: values entering s
@@ -70,7 +76,11 @@ def plan_stages(graph: Graph, stage_of_unit: list[int], device_of_stage: list[in
         if not nodes:
             raise PartitionError(f"stage {s} is empty")
         inputs = sorted(boundary[s], key=order.__getitem__)
-        outputs = list(graph.outputs) if s == num_stages - 1 else sorted(boundary[s + 1], key=order.__getitem__)
+        outputs = (
+            list(graph.outputs)
+            if s == num_stages - 1
+            else sorted(boundary[s + 1], key=order.__getitem__)
+        )
         if not inputs:
             raise PartitionError(
                 f"stage {s} receives no values from the stages before it; a pipeline stage needs "

@@ -9,7 +9,7 @@ simulated training step under the schedule.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import PartitionError
 from ..graph import Graph
@@ -59,7 +59,9 @@ def partition(
     if num_stages < 1:
         raise PartitionError(f"--stages must be at least 1, got {num_stages}")
     if not 1 <= num_devices <= num_stages:
-        raise PartitionError(f"--devices must be between 1 and the number of stages ({num_stages}), got {num_devices}")
+        raise PartitionError(
+            f"--devices must be between 1 and the number of stages ({num_stages}), got {num_devices}"
+        )
     if method not in METHODS:
         raise PartitionError(f"unknown method {method!r}; available: {', '.join(sorted(METHODS))}")
     if schedule is not None and schedule not in SCHEDULES:
@@ -69,11 +71,15 @@ def partition(
             f"{num_stages} stages need at least {num_stages} units, but the graph has {len(graph.units)}; use "
             "fewer stages, or a larger --depth / fewer --basic-blocks so the model splits into more units"
         )
-    model = CostModel(graph, profile, schedule=schedule or "1f1b", microbatches=microbatches, optimizer=optimizer)
+    model = CostModel(
+        graph, profile, schedule=schedule or "1f1b", microbatches=microbatches, optimizer=optimizer
+    )
     stage_of_unit, device_of_stage = METHODS[method](model, num_stages, num_devices)
     model.check_monotone(stage_of_unit)
     if sorted(set(stage_of_unit)) != list(range(num_stages)):
-        raise PartitionError(f"method {method} did not produce {num_stages} non-empty stages (a bug: please report)")
+        raise PartitionError(
+            f"method {method} did not produce {num_stages} non-empty stages (a bug: please report)"
+        )
     schedule = schedule or default_schedule(device_of_stage)
     prediction = model.evaluate(stage_of_unit, device_of_stage, schedule)
     costs = model.pipeline_costs(stage_of_unit, device_of_stage)
@@ -103,4 +109,12 @@ def partition(
     )
 
 
-__all__ = ["partition", "Partition", "CostModel", "Prediction", "METHODS", "DEFAULT_METHOD", "default_schedule"]
+__all__ = [
+    "partition",
+    "Partition",
+    "CostModel",
+    "Prediction",
+    "METHODS",
+    "DEFAULT_METHOD",
+    "default_schedule",
+]

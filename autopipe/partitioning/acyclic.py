@@ -15,7 +15,9 @@ from .dp import solve_contiguous
 from .refine import Assignment, looped_devices, refine
 
 
-def solve_acyclic(model: CostModel, num_stages: int, num_devices: int) -> tuple[list[int], list[int]]:
+def solve_acyclic(
+    model: CostModel, num_stages: int, num_devices: int
+) -> tuple[list[int], list[int]]:
     devices = looped_devices(num_stages, num_devices)
     state = Assignment(model, solve_contiguous(model, num_stages), devices)
     multilevel_refine(state)

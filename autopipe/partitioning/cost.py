@@ -80,7 +80,9 @@ class Prediction:
             "schedule": self.schedule,
             "bubble": self.bubble,
             "device_memory": self.device_memory,
-            "stages": [asdict(s) | {"communication": s.communication, "time": s.time} for s in self.stages],
+            "stages": [
+                asdict(s) | {"communication": s.communication, "time": s.time} for s in self.stages
+            ],
         }
 
 
@@ -156,12 +158,23 @@ class CostModel:
             if node.kind not in ("call", "input") or not isinstance(node.meta, TensorMeta):
                 continue
             producer = unit_of.get(node.name, -1)
-            readers = {unit_of[u] for u in graph.users(node.name) if u in unit_of and unit_of[u] != producer}
+            readers = {
+                unit_of[u]
+                for u in graph.users(node.name)
+                if u in unit_of and unit_of[u] != producer
+            }
             if node.name in outputs:
                 readers.add(self.num_units)
             if readers:
                 meta = node.meta
-                exchanges.append(Exchange(producer, tuple(sorted(readers)), meta.nbytes, meta.nbytes if meta.requires_grad else 0))
+                exchanges.append(
+                    Exchange(
+                        producer,
+                        tuple(sorted(readers)),
+                        meta.nbytes,
+                        meta.nbytes if meta.requires_grad else 0,
+                    )
+                )
         return exchanges
 
     def _unit_dag(self, graph: Graph) -> nx.DiGraph:
@@ -251,10 +264,17 @@ class CostModel:
             memory_capacity=self.device.memory,
         )
 
-    def evaluate(self, stage_of_unit: list[int], device_of_stage: list[int] | None = None, schedule: str | None = None) -> Prediction:
+    def evaluate(
+        self,
+        stage_of_unit: list[int],
+        device_of_stage: list[int] | None = None,
+        schedule: str | None = None,
+    ) -> Prediction:
         """Stage costs and a simulated step for an assignment of units to stages and devices."""
         num_stages = max(stage_of_unit) + 1
-        device_of_stage = device_of_stage if device_of_stage is not None else list(range(num_stages))
+        device_of_stage = (
+            device_of_stage if device_of_stage is not None else list(range(num_stages))
+        )
         costs = self.pipeline_costs(stage_of_unit, device_of_stage)
         microbatches = self.microbatches or 2 * num_stages
         schedule = schedule or self.schedule
@@ -266,7 +286,16 @@ class CostModel:
             comm_backward = sum(costs.link(b, costs.send_backward) for b in adjacent)
             memory = costs.static_memory[s] + costs.activations[s] * _held(s, simulation)
             parameters = int(costs.static_memory[s] / self.state_factor())
-            stages.append(StageCost(costs.forward[s], costs.backward[s], comm_forward, comm_backward, memory, parameters))
+            stages.append(
+                StageCost(
+                    costs.forward[s],
+                    costs.backward[s],
+                    comm_forward,
+                    comm_backward,
+                    memory,
+                    parameters,
+                )
+            )
         return Prediction(
             stages=stages,
             device_of_stage=list(device_of_stage),

@@ -41,7 +41,9 @@ def _solve(model: CostModel, num_stages: int) -> list[int]:
     fwd, bwd = prefix(model.forward), prefix(model.backward)
     act, par = prefix(model.activations), prefix(model.param_bytes)
     bandwidth = model.device.link_bandwidth
-    edges = []  # (forward, backward) seconds a stage spends on the cut before unit i / after unit j-1
+    edges = (
+        []
+    )  # (forward, backward) seconds a stage spends on the cut before unit i / after unit j-1
     for moved in model.boundary_bytes():
         at = torch.zeros(n + 1, dtype=dtype)
         at[1:n] = torch.tensor(moved, dtype=dtype) / bandwidth
@@ -82,7 +84,9 @@ def _solve(model: CostModel, num_stages: int) -> list[int]:
         for j in range(k, n - (num_stages - k) + 1):
             starts = torch.arange(k - 1, j)
             cost = stage_costs(j, k - 1, starts)
-            value = torch.where(cost <= limit, total[k - 1, starts] + cost * cost, torch.full_like(cost, inf))
+            value = torch.where(
+                cost <= limit, total[k - 1, starts] + cost * cost, torch.full_like(cost, inf)
+            )
             i = int(torch.argmin(value))
             total[k, j] = value[i]
             choice[k, j] = starts[i]

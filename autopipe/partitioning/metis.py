@@ -53,6 +53,11 @@ def _metis_parts(model: CostModel, num_parts: int) -> list[int]:
             eweights.append(max(1, round(neighbours[u][v] / total_compute * _WEIGHT_SCALE)))
         xadj.append(len(adjncy))
     result = pymetis.part_graph(
-        num_parts, xadj=xadj, adjncy=adjncy, vweights=vweights, eweights=eweights, options=pymetis.Options(seed=0)
+        num_parts,
+        xadj=xadj,
+        adjncy=adjncy,
+        vweights=vweights,
+        eweights=eweights,
+        options=pymetis.Options(seed=0),
     )
     return list(result.vertex_part)

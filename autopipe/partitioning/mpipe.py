@@ -28,7 +28,12 @@ def solve_mpipe(model: CostModel, num_stages: int, num_devices: int) -> tuple[li
     sizes = sorted({min(n, f * num_stages) for f in (1, 2, 4)})
     for size in sizes:
         clusters = coarsen(model, size)
-        placement = pack(model, [_weight(model, c) for c in clusters], [_memory(model, c, num_stages) for c in clusters], num_devices)
+        placement = pack(
+            model,
+            [_weight(model, c) for c in clusters],
+            [_memory(model, c, num_stages) for c in clusters],
+            num_devices,
+        )
         if placement is None:
             continue
         stage, devices = _runs_to_stages(model, clusters, placement, num_stages, num_devices)
@@ -38,7 +43,12 @@ def solve_mpipe(model: CostModel, num_stages: int, num_devices: int) -> tuple[li
     candidates.append((acyclic, looped))
     if num_devices < num_stages:  # the acyclic stages, packed onto the devices by load
         stages = [[u for u, s in enumerate(acyclic) if s == k] for k in range(num_stages)]
-        packed = pack(model, [_weight(model, c) for c in stages], [_memory(model, c, num_stages) for c in stages], num_devices)
+        packed = pack(
+            model,
+            [_weight(model, c) for c in stages],
+            [_memory(model, c, num_stages) for c in stages],
+            num_devices,
+        )
         if packed is not None:
             candidates.append(_refined(model, acyclic, _canonical(packed)))
     scored = []
@@ -109,7 +119,9 @@ def coarsen(model: CostModel, size: int) -> list[list[int]]:
             break
         if not grown:  # cannot happen: every unowned interval touches an owned one
             raise AssertionError("cluster growth stalled")
-    return [[u for i in range(low, high + 1) for u in intervals[i]] for low, high, _ in sorted(spans)]
+    return [
+        [u for i in range(low, high + 1) for u in intervals[i]] for low, high, _ in sorted(spans)
+    ]
 
 
 def _weight(model: CostModel, units: list[int]) -> float:
@@ -119,10 +131,15 @@ def _weight(model: CostModel, units: list[int]) -> float:
 def _memory(model: CostModel, units: list[int], num_stages: int) -> float:
     """Static memory plus activations of as many microbatches as a first 1F1B stage holds."""
     in_flight = min(num_stages, model.microbatches or 2 * num_stages)
-    return sum(model.param_bytes[u] * model.state_factor() + model.activations[u] * in_flight for u in units)
+    return sum(
+        model.param_bytes[u] * model.state_factor() + model.activations[u] * in_flight
+        for u in units
+    )
 
 
-def pack(model: CostModel, weights: list[float], memory: list[float], num_devices: int) -> list[int] | None:
+def pack(
+    model: CostModel, weights: list[float], memory: list[float], num_devices: int
+) -> list[int] | None:
     """Longest-processing-time bin packing: each item, heaviest first, onto the least loaded
     device with memory left (lowest index on ties); None if an item fits nowhere."""
     loads = [0.0] * num_devices
@@ -148,7 +165,11 @@ def _canonical(devices: list[int]) -> list[int]:
 
 
 def _runs_to_stages(
-    model: CostModel, clusters: list[list[int]], placement: list[int], num_stages: int, num_devices: int
+    model: CostModel,
+    clusters: list[list[int]],
+    placement: list[int],
+    num_stages: int,
+    num_devices: int,
 ) -> tuple[list[int], list[int]]:
     """Consecutive clusters on one device become one stage; then exactly ``num_stages`` stages."""
     stage_of_unit = [0] * model.num_units
@@ -186,7 +207,9 @@ def _runs_to_stages(
     return stage_of_unit, _spread(model, stage_of_unit, devices, num_devices)
 
 
-def _spread(model: CostModel, stage_of_unit: list[int], devices: list[int], num_devices: int) -> list[int]:
+def _spread(
+    model: CostModel, stage_of_unit: list[int], devices: list[int], num_devices: int
+) -> list[int]:
     """Give idle devices a stage: while some device has none and another has several, the
     busiest such device hands its lightest stage over."""
     loads = [0.0] * len(devices)
@@ -198,9 +221,11 @@ def _spread(model: CostModel, stage_of_unit: list[int], devices: list[int], num_
         shared = [d for d in set(devices) if devices.count(d) > 1]
         if not idle or not shared:
             return _canonical(devices)
-        device_load = {d: sum(loads[s] for s in range(len(devices)) if devices[s] == d) for d in shared}
+        device_load = {
+            d: sum(loads[s] for s in range(len(devices)) if devices[s] == d) for d in shared
+        }
         busiest = max(shared, key=lambda d: (device_load[d], -d))
-        lightest = min((s for s in range(len(devices)) if devices[s] == busiest), key=lambda s: (loads[s], s))
+        lightest = min(
+            (s for s in range(len(devices)) if devices[s] == busiest), key=lambda s: (loads[s], s)
+        )
         devices[lightest] = idle[0]
-
-

@@ -29,7 +29,9 @@ class Partition:
 
     def check_graph(self, graph: Graph) -> None:
         if self.graph_digest != graph_digest(graph) or len(self.stage_of_unit) != len(graph.units):
-            raise ArtifactError("the partition was made for a different graph; run `autopipe partition` on this graph again")
+            raise ArtifactError(
+                "the partition was made for a different graph; run `autopipe partition` on this graph again"
+            )
         if sorted(set(self.stage_of_unit)) != list(range(self.num_stages)):
             raise PartitionError(f"the partition leaves some of its {self.num_stages} stages empty")
 
@@ -45,7 +47,7 @@ class Partition:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> "Partition":
+    def from_json(cls, data: dict) -> Partition:
         try:
             return cls(
                 method=data["method"],
@@ -57,11 +59,13 @@ class Partition:
                 costs=data.get("costs", {}),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ArtifactError(f"partition artefact is malformed ({exc!r}); run `autopipe partition` again") from exc
+            raise ArtifactError(
+                f"partition artefact is malformed ({exc!r}); run `autopipe partition` again"
+            ) from exc
 
     def save(self, path) -> None:
         write_artifact(path, PARTITION_KIND, self.to_json())
 
     @classmethod
-    def load(cls, path) -> "Partition":
+    def load(cls, path) -> Partition:
         return cls.from_json(read_artifact(path, PARTITION_KIND))

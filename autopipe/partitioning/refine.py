@@ -34,7 +34,10 @@ class Assignment:
         for unit, s in enumerate(self.stage):
             self._add(unit, s, +1)
         microbatches = model.microbatches or 2 * self.num_stages
-        self.in_flight = [in_flight(s, self.num_stages, model.schedule, microbatches) for s in range(self.num_stages)]
+        self.in_flight = [
+            in_flight(s, self.num_stages, model.schedule, microbatches)
+            for s in range(self.num_stages)
+        ]
         self.act_crossing = [0.0] * max(self.num_stages - 1, 0)  # bytes over boundary s -> s+1
         self.grad_crossing = [0.0] * max(self.num_stages - 1, 0)  # and back
         self.exchanges_of: list[list[int]] = [[] for _ in range(model.num_units)]
@@ -91,7 +94,10 @@ class Assignment:
                 for stage in (s, s + 1):
                     comm_forward[stage] += self.act_crossing[s] / bandwidth
                     comm_backward[stage] += self.grad_crossing[s] / bandwidth
-        return [stage_time(*costs) for costs in zip(self.forward, self.backward, comm_forward, comm_backward)]
+        return [
+            stage_time(*costs)
+            for costs in zip(self.forward, self.backward, comm_forward, comm_backward)
+        ]
 
     def device_loads(self) -> list[float]:
         loads = [0.0] * (max(self.device_of_stage) + 1)
@@ -124,7 +130,9 @@ def better(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
     return False
 
 
-def refine(state: Assignment, groups: list[list[int]] | None = None, passes: int = 8, patience: int = 24) -> None:
+def refine(
+    state: Assignment, groups: list[list[int]] | None = None, passes: int = 8, patience: int = 24
+) -> None:
     """Fiduccia-Mattheyses style refinement: repeatedly make the best move of a group of units
     (by default each unit alone) on or next to the busiest device, to any stage between its last
     predecessor's and its first successor's (at most two stages away), even if it makes things
@@ -200,7 +208,8 @@ def _best_group_move(state, groups, borders, locked) -> tuple[int, int] | None:
 # -- repair -----------------------------------------------------------------------------------
 def monotone(model: CostModel, rank_of_unit: list[float]) -> list[int]:
     """Turn any unit -> part ranking into a monotone assignment: in topological (program) order,
-    a unit goes to its own part's rank or the latest stage of its predecessors, whichever is later."""
+    a unit goes to its own part's rank or the latest stage of its predecessors, whichever is later.
+    """
     stage = [0] * model.num_units
     for unit in range(model.num_units):  # program order is a topological order of the unit DAG
         wanted = int(rank_of_unit[unit])
@@ -221,7 +230,9 @@ def exact_stage_count(model: CostModel, stage: list[int], num_stages: int) -> li
             loads[s] += model.compute[unit]
         splittable = [s for s in range(len(counts)) if counts[s] > 1]
         if not splittable:
-            raise PartitionError(f"cannot make {num_stages} non-empty stages from {model.num_units} units")
+            raise PartitionError(
+                f"cannot make {num_stages} non-empty stages from {model.num_units} units"
+            )
         target = max(splittable, key=lambda s: (loads[s], -s))
         members = [u for u in range(model.num_units) if stage[u] == target]
         half, running, cut = loads[target] / 2, 0.0, 1

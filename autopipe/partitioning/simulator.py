@@ -72,7 +72,9 @@ def simulate(orders: dict[int, list[Action]], costs: PipelineCosts) -> Simulatio
 
 
 # -- schedules --------------------------------------------------------------------------------
-def schedule_orders(schedule: str, costs: PipelineCosts, microbatches: int) -> dict[int, list[Action]]:
+def schedule_orders(
+    schedule: str, costs: PipelineCosts, microbatches: int
+) -> dict[int, list[Action]]:
     """Per-device action orders of ``schedule`` for this placement of stages."""
     devices = costs.device_of_stage
     one_per_device = sorted(devices) == list(range(len(devices))) and devices == sorted(devices)
@@ -82,7 +84,10 @@ def schedule_orders(schedule: str, costs: PipelineCosts, microbatches: int) -> d
                 f"--schedule {schedule} runs one stage per device, in order; this pipeline places "
                 f"stages on devices {devices}: use --schedule auto (or interleaved-1f1b for a looped placement)"
             )
-        return {s: single_stage_order(schedule, s, len(devices), microbatches) for s in range(len(devices))}
+        return {
+            s: single_stage_order(schedule, s, len(devices), microbatches)
+            for s in range(len(devices))
+        }
     if schedule == "auto":
         try:
             return greedy_orders(costs, microbatches)
@@ -112,12 +117,18 @@ def torch_orders(schedule: str, costs: PipelineCosts, microbatches: int) -> dict
             f"stages on devices {costs.device_of_stage}: use --schedule auto"
         )
     try:
-        ops = get_schedule_ops(TORCH_MULTI_STAGE[schedule], devices, microbatches, stages // devices)
+        ops = get_schedule_ops(
+            TORCH_MULTI_STAGE[schedule], devices, microbatches, stages // devices
+        )
     except Exception as exc:  # torch validates the shape of the schedule
-        raise PartitionError(f"torch's {schedule} schedule does not fit {stages} stages on {devices} devices with {microbatches} microbatches: {exc}") from None
+        raise PartitionError(
+            f"torch's {schedule} schedule does not fit {stages} stages on {devices} devices with {microbatches} microbatches: {exc}"
+        ) from None
     return {
-        device: [Action.parse(str(a)) for a in row if a is not None and re.fullmatch(r"\d+[FBIW]\d+", str(a))]
+        device: [
+            Action.parse(str(a))
+            for a in row
+            if a is not None and re.fullmatch(r"\d+[FBIW]\d+", str(a))
+        ]
         for device, row in enumerate(ops)
     }
-
-

@@ -13,7 +13,12 @@ from .profile import Profile, UnitCost
 PROFILE_MODES = ("analytic", "measured")
 
 
-def profile(graph: Graph, mode: str = "analytic", spec: DeviceSpec | None = None, example: Example | None = None) -> Profile:
+def profile(
+    graph: Graph,
+    mode: str = "analytic",
+    spec: DeviceSpec | None = None,
+    example: Example | None = None,
+) -> Profile:
     """Profile every unit of ``graph``: ``analytic`` (deterministic, any model size) or
     ``measured`` (runs each unit on the local device)."""
     spec = spec or device_spec()
@@ -24,4 +29,13 @@ def profile(graph: Graph, mode: str = "analytic", spec: DeviceSpec | None = None
     raise AutopipeError(f"unknown profile mode {mode!r}; use one of {', '.join(PROFILE_MODES)}")
 
 
-__all__ = ["profile", "Profile", "UnitCost", "DeviceSpec", "device_spec", "with_link", "KNOWN_DEVICES", "PROFILE_MODES"]
+__all__ = [
+    "profile",
+    "Profile",
+    "UnitCost",
+    "DeviceSpec",
+    "device_spec",
+    "with_link",
+    "KNOWN_DEVICES",
+    "PROFILE_MODES",
+]

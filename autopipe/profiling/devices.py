@@ -44,20 +44,31 @@ class DeviceSpec:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> "DeviceSpec":
+    def from_json(cls, data: dict) -> DeviceSpec:
         required = {"name", "flops", "memory_bandwidth", "memory", "link_bandwidth"}
         missing = sorted(required - set(data))
         if missing:
-            raise AutopipeError(f"device spec is missing {', '.join(missing)} (needs {', '.join(sorted(required))})")
+            raise AutopipeError(
+                f"device spec is missing {', '.join(missing)} (needs {', '.join(sorted(required))})"
+            )
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
-            raise AutopipeError(f"device spec has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise AutopipeError(
+                f"device spec has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         return cls(**data)
 
 
-def _gpu(name, fp32, tf32, half, bandwidth, memory, link_bandwidth, link, fp8=None, fp64=None) -> DeviceSpec:
-    flops = {"float32": fp32 * TFLOPS, "tfloat32": tf32 * TFLOPS, "bfloat16": half * TFLOPS, "float16": half * TFLOPS}
+def _gpu(
+    name, fp32, tf32, half, bandwidth, memory, link_bandwidth, link, fp8=None, fp64=None
+) -> DeviceSpec:
+    flops = {
+        "float32": fp32 * TFLOPS,
+        "tfloat32": tf32 * TFLOPS,
+        "bfloat16": half * TFLOPS,
+        "float16": half * TFLOPS,
+    }
     if fp8:
         flops["float8_e4m3fn"] = flops["float8_e5m2"] = fp8 * TFLOPS
     if fp64:
@@ -126,6 +137,8 @@ def with_link(spec: DeviceSpec, link: str | None) -> DeviceSpec:
         try:
             bandwidth, label = float(link) * GB, f"{link} GB/s"
         except ValueError:
-            raise AutopipeError(f"unknown link {link!r}; give one of {', '.join(KNOWN_LINKS)} or a bandwidth in GB/s") from None
+            raise AutopipeError(
+                f"unknown link {link!r}; give one of {', '.join(KNOWN_LINKS)} or a bandwidth in GB/s"
+            ) from None
     data = spec.to_json() | {"link_bandwidth": bandwidth, "link": label}
     return DeviceSpec.from_json(data)

@@ -11,7 +11,8 @@ import statistics
 import time
 from contextlib import nullcontext
 from functools import partial
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -43,10 +44,16 @@ def profile_measured(
         run_nodes(graph.calls, values, device)
     costs = []
     for work in unit_workloads(graph):
-        forward = _median_time(partial(_run, graph, work, values, device, "forward"), warmup, repeats)
-        backward = _median_time(partial(_run, graph, work, values, device, "backward"), warmup, repeats)
+        forward = _median_time(
+            partial(_run, graph, work, values, device, "forward"), warmup, repeats
+        )
+        backward = _median_time(
+            partial(_run, graph, work, values, device, "backward"), warmup, repeats
+        )
         saved = _run(graph, work, values, device, timed=None)
-        costs.append(UnitCost(forward, backward, activations=saved, outputs=output_bytes(graph, work)))
+        costs.append(
+            UnitCost(forward, backward, activations=saved, outputs=output_bytes(graph, work))
+        )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return Profile("measured", spec, costs, graph_digest(graph), measured_on=name)
 
@@ -69,7 +76,13 @@ class _Timer:
         self.elapsed += time.perf_counter() - self.start
 
 
-def _run(graph: Graph, work: UnitWorkload, values: dict[str, Any], device: torch.device, timed: str | None):
+def _run(
+    graph: Graph,
+    work: UnitWorkload,
+    values: dict[str, Any],
+    device: torch.device,
+    timed: str | None,
+):
     timer = _Timer(device)
 
     def fresh(name: str) -> torch.Tensor:
@@ -98,7 +111,9 @@ def _example_values(graph: Graph, example: Example | None, device: torch.device)
     if example is not None:
         model = example.model
         state = {k: v for k, v in model.state_dict(keep_vars=True).items() if not v.is_meta}
-        state.update({k: v for k, v in model.named_buffers(remove_duplicate=False) if not v.is_meta})
+        state.update(
+            {k: v for k, v in model.named_buffers(remove_duplicate=False) if not v.is_meta}
+        )
         bound = dict(zip(graph.signature, example.args))
         bound.update(example.kwargs)
     generator = torch.Generator().manual_seed(0)

@@ -54,7 +54,7 @@ class Profile:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> "Profile":
+    def from_json(cls, data: dict) -> Profile:
         try:
             return cls(
                 mode=data["mode"],
@@ -64,13 +64,15 @@ class Profile:
                 measured_on=data.get("measured_on", ""),
             )
         except (KeyError, TypeError) as exc:
-            raise ArtifactError(f"profile artefact is malformed ({exc!r}); run `autopipe profile` again") from exc
+            raise ArtifactError(
+                f"profile artefact is malformed ({exc!r}); run `autopipe profile` again"
+            ) from exc
 
     def save(self, path) -> None:
         write_artifact(path, PROFILE_KIND, self.to_json())
 
     @classmethod
-    def load(cls, path) -> "Profile":
+    def load(cls, path) -> Profile:
         return cls.from_json(read_artifact(path, PROFILE_KIND))
 
 

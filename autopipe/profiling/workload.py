@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -39,7 +40,10 @@ def unit_workloads(graph: Graph) -> list[UnitWorkload]:
             n.name
             for n in nodes
             if isinstance(n.meta, TensorMeta)
-            and (n.name in model_outputs or any(unit_of.get(u) != unit.index for u in graph.users(n.name)))
+            and (
+                n.name in model_outputs
+                or any(unit_of.get(u) != unit.index for u in graph.users(n.name))
+            )
         ]
         workloads.append(UnitWorkload(nodes, list(inputs), list(state), outputs))
     return workloads
@@ -64,9 +68,13 @@ def run_forward_backward(
         value = make_value(name)
         if value.requires_grad:
             leaves.append(value)
-            value = value.clone() if graph[name].kind != "param" else value  # in-place ops stay legal
+            value = (
+                value.clone() if graph[name].kind != "param" else value
+            )  # in-place ops stay legal
         env[name] = value
-    params = {StorageWeakRef(env[n].untyped_storage()) for n in work.state if graph[n].kind == "param"}
+    params = {
+        StorageWeakRef(env[n].untyped_storage()) for n in work.state if graph[n].kind == "param"
+    }
     saved: dict[StorageWeakRef, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -77,7 +85,9 @@ def run_forward_backward(
 
     with forward_mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run_nodes(work.nodes, env, device)
-    outputs = [env[n] for n in work.outputs if isinstance(env[n], torch.Tensor) and env[n].requires_grad]
+    outputs = [
+        env[n] for n in work.outputs if isinstance(env[n], torch.Tensor) and env[n].requires_grad
+    ]
     wrt = [leaf for leaf in leaves if leaf.requires_grad]
     if outputs and wrt:
         grads = [torch.ones_like(o) for o in outputs]

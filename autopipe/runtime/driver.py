@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,16 @@ _KINDS = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
 _DTYPES = {
     name: getattr(torch, name)
     for name in [
-        "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
     ]
 }
 
@@ -81,7 +91,9 @@ def parse_args(argv: list[str], pipeline: dict) -> argparse.Namespace:
         default=default_schedule,
         help=f"pipeline schedule (default {default_schedule}, the one the partition was made for)",
     )
-    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw", help="optimizer (default adamw)")
+    parser.add_argument(
+        "--optimizer", choices=["sgd", "adamw"], default="adamw", help="optimizer (default adamw)"
+    )
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
@@ -97,10 +109,18 @@ def parse_args(argv: list[str], pipeline: dict) -> argparse.Namespace:
         default="cuda" if torch.cuda.is_available() else "cpu",
         help="cuda runs NCCL with one GPU per rank, cpu runs gloo (default: cuda when available)",
     )
-    parser.add_argument("--load", metavar="PATH", help="original-model state_dict saved with torch.save")
-    parser.add_argument("--save", metavar="PATH", help="write the trained original-model state_dict here")
-    parser.add_argument("--log-json", metavar="PATH", help="append one JSON object per step (step, loss, time)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of initialisation and synthetic data")
+    parser.add_argument(
+        "--load", metavar="PATH", help="original-model state_dict saved with torch.save"
+    )
+    parser.add_argument(
+        "--save", metavar="PATH", help="write the trained original-model state_dict here"
+    )
+    parser.add_argument(
+        "--log-json", metavar="PATH", help="append one JSON object per step (step, loss, time)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of initialisation and synthetic data"
+    )
     args = parser.parse_args(argv)
     if args.steps < 0 or args.microbatches < 1:
         parser.error("--steps must be >= 0 and --microbatches >= 1")
@@ -127,7 +147,11 @@ def schedule_problem(name: str, pipeline: dict, microbatches: int) -> str | None
                 f"--microbatches {microbatches}. Use --microbatches {num_stages} or more, or --schedule gpipe."
             )
     elif name in MULTI_STAGE:
-        expected = _v_shape(num_stages, ranks) if name in ("zbv", "dualpipev") else _looped(num_stages, ranks)
+        expected = (
+            _v_shape(num_stages, ranks)
+            if name in ("zbv", "dualpipev")
+            else _looped(num_stages, ranks)
+        )
         if num_stages % ranks or devices != expected:
             return (
                 f"--schedule {name} needs stage s on rank {expected} ({'V-shaped' if name in ('zbv', 'dualpipev') else 'looped'}), "
@@ -153,7 +177,9 @@ def load_function(spec: str) -> Callable:
     """Import ``FILE.py:FN`` or ``package.module:FN``."""
     location, _, name = spec.rpartition(":")
     if not location or not name:
-        raise PipelineRunError(f"--data {spec!r} must have the form FILE.py:FN or package.module:FN")
+        raise PipelineRunError(
+            f"--data {spec!r} must have the form FILE.py:FN or package.module:FN"
+        )
     if location.endswith(".py"):
         path = Path(location).resolve()
         if not path.is_file():
@@ -188,27 +214,35 @@ class Batches:
             return self._synthetic(step)
         result = self.fn(step)
         if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
-            raise PipelineRunError(f"--data function returned {type(result).__name__}; expected (args, kwargs) or (args, kwargs, target)")
+            raise PipelineRunError(
+                f"--data function returned {type(result).__name__}; expected (args, kwargs) or (args, kwargs, target)"
+            )
         args, kwargs, *rest = result
         args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
         bound = self._bind(args, dict(kwargs or {}))
         inputs = []
         for name in self.pipeline["inputs"]:
             if name not in bound or not isinstance(bound[name], torch.Tensor):
-                raise PipelineRunError(f"--data batch of step {step} has no tensor for input {name!r}")
+                raise PipelineRunError(
+                    f"--data batch of step {step} has no tensor for input {name!r}"
+                )
             inputs.append(self._check(name, bound[name], self.pipeline["values"][name]))
         target = rest[0] if rest else None
         loss = self.pipeline["loss"]
         if "module" in loss:
             if not isinstance(target, torch.Tensor):
-                raise PipelineRunError("this pipeline's loss needs a target: the --data function must return (args, kwargs, target)")
+                raise PipelineRunError(
+                    "this pipeline's loss needs a target: the --data function must return (args, kwargs, target)"
+                )
             target = self._check("target", target, loss["target"])
         return inputs, target
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         signature = self.pipeline["signature"]
         if len(args) > len(signature):
-            raise PipelineRunError(f"--data gave {len(args)} positional inputs; forward takes {len(signature)}")
+            raise PipelineRunError(
+                f"--data gave {len(args)} positional inputs; forward takes {len(signature)}"
+            )
         bound = dict(zip(signature, args))
         bound.update(kwargs)
         return bound
@@ -228,9 +262,16 @@ class Batches:
     def _synthetic(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         ranges = self.pipeline.get("input_ranges", {})
-        inputs = [self._random(self.pipeline["values"][n], ranges.get(n, 1), generator) for n in self.pipeline["inputs"]]
+        inputs = [
+            self._random(self.pipeline["values"][n], ranges.get(n, 1), generator)
+            for n in self.pipeline["inputs"]
+        ]
         loss = self.pipeline["loss"]
-        target = self._random(loss["target"], ranges.get("target", 1), generator) if "module" in loss else None
+        target = (
+            self._random(loss["target"], ranges.get("target", 1), generator)
+            if "module" in loss
+            else None
+        )
         return inputs, target
 
     def _random(self, meta: dict, high: int, generator: torch.Generator) -> torch.Tensor:
@@ -245,7 +286,9 @@ class Batches:
 
 
 # -- state ------------------------------------------------------------------------------------
-def stage_state(stage: nn.Module, state: dict[str, torch.Tensor], aliases: list[list[str]]) -> dict[str, torch.Tensor]:
+def stage_state(
+    stage: nn.Module, state: dict[str, torch.Tensor], aliases: list[list[str]]
+) -> dict[str, torch.Tensor]:
     """The entries of an original-model ``state_dict`` a stage holds, tied aliases resolved.
     Raises ``KeyError`` naming the first missing entry."""
     alias_of = {name: group for group in aliases for name in group}
@@ -264,19 +307,25 @@ def load_state(stages: dict[int, nn.Module], path: str, pipeline: dict) -> None:
         raise PipelineRunError(f"--load: {path} does not exist")
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     if not isinstance(state, dict):
-        raise PipelineRunError(f"--load: {path} does not hold a state_dict (found {type(state).__name__})")
+        raise PipelineRunError(
+            f"--load: {path} does not hold a state_dict (found {type(state).__name__})"
+        )
     for index, stage in stages.items():
         try:
             stage.load_state_dict(stage_state(stage, state, pipeline["aliases"]))
         except KeyError as exc:
-            raise PipelineRunError(f"--load: {path} has no entry {exc} (needed by stage {index}); is it a checkpoint of {pipeline['model']}?") from None
+            raise PipelineRunError(
+                f"--load: {path} has no entry {exc} (needed by stage {index}); is it a checkpoint of {pipeline['model']}?"
+            ) from None
         except RuntimeError as exc:
             raise PipelineRunError(f"--load: {path} does not fit stage {index}: {exc}") from None
 
 
 def gather_state(stages: dict[int, nn.Module], pipeline: dict) -> dict[str, torch.Tensor] | None:
     """The whole original-model ``state_dict`` on rank 0 (``None`` elsewhere)."""
-    local = {k: v.detach().cpu() for stage in stages.values() for k, v in stage.state_dict().items()}
+    local = {
+        k: v.detach().cpu() for stage in stages.values() for k, v in stage.state_dict().items()
+    }
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local, gathered, dst=0)
     if dist.get_rank() != 0:
@@ -338,13 +387,21 @@ def make_loss_fn(package: ModuleType, pipeline: dict, device: torch.device) -> C
     return output_loss
 
 
-def tied_groups(pipeline: dict, stages: dict[int, nn.Module]) -> list[tuple[Any, list[nn.Parameter]]]:
+def tied_groups(
+    pipeline: dict, stages: dict[int, nn.Module]
+) -> list[tuple[Any, list[nn.Parameter]]]:
     """For each parameter tied across ranks: its process group and this rank's copies."""
     groups = []
     for tie in pipeline["tied"]:
         ranks = sorted({pipeline["stages"][int(s)]["device"] for s in tie["holders"]})
-        group = dist.new_group(ranks) if len(ranks) > 1 else None  # every rank takes part in new_group
-        local = [stages[int(s)].get_parameter(n) for s, n in sorted(tie["holders"].items()) if int(s) in stages]
+        group = (
+            dist.new_group(ranks) if len(ranks) > 1 else None
+        )  # every rank takes part in new_group
+        local = [
+            stages[int(s)].get_parameter(n)
+            for s, n in sorted(tie["holders"].items())
+            if int(s) in stages
+        ]
         if local:
             groups.append((group, local))
     return groups
@@ -363,7 +420,9 @@ def sync_tied_grads(groups: list[tuple[Any, list[nn.Parameter]]]) -> None:
 
 def make_optimizer(args: argparse.Namespace, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     if args.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+        return torch.optim.SGD(
+            params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
+        )
     return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
 
 
@@ -371,7 +430,9 @@ def init_distributed(pipeline: dict, device_kind: str) -> torch.device:
     world = int(os.environ.get("WORLD_SIZE", "0"))
     expected = num_devices(pipeline)
     if world == 0:
-        raise PipelineRunError(f"start train.py with torchrun: torchrun --nproc-per-node={expected} train.py ...")
+        raise PipelineRunError(
+            f"start train.py with torchrun: torchrun --nproc-per-node={expected} train.py ..."
+        )
     if world != expected:
         raise PipelineRunError(
             f"this pipeline runs on {expected} ranks (one per device), but torchrun started {world}; "
@@ -390,19 +451,32 @@ def init_distributed(pipeline: dict, device_kind: str) -> torch.device:
     return device
 
 
-def build_schedule(name: str, stages: list[PipelineStage], pipeline: dict, microbatches: int, loss_fn: Callable) -> _PipelineSchedule:
+def build_schedule(
+    name: str, stages: list[PipelineStage], pipeline: dict, microbatches: int, loss_fn: Callable
+) -> _PipelineSchedule:
     """A torch.distributed.pipelining schedule over this rank's stages."""
     if name in SINGLE_STAGE:
-        return get_schedule_class(SINGLE_STAGE[name])(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+        return get_schedule_class(SINGLE_STAGE[name])(
+            stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True
+        )
     if name in MULTI_STAGE:
         try:
-            return get_schedule_class(MULTI_STAGE[name])(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+            return get_schedule_class(MULTI_STAGE[name])(
+                stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True
+            )
         except (ValueError, AssertionError) as exc:
             raise PipelineRunError(f"--schedule {name} does not fit: {exc}") from None
-    costs = PipelineCosts(**pipeline["schedule"]["costs"], device_of_stage=[s["device"] for s in pipeline["stages"]])
+    costs = PipelineCosts(
+        **pipeline["schedule"]["costs"], device_of_stage=[s["device"] for s in pipeline["stages"]]
+    )
     orders = greedy_orders(costs, microbatches)
-    schedule = _PipelineScheduleRuntime(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-    actions = {rank: [_Action(a.stage, _KINDS[a.kind], a.microbatch) for a in order] for rank, order in orders.items()}
+    schedule = _PipelineScheduleRuntime(
+        stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True
+    )
+    actions = {
+        rank: [_Action(a.stage, _KINDS[a.kind], a.microbatch) for a in order]
+        for rank, order in orders.items()
+    }
     schedule._prepare_schedule_with_comms(actions)
     return schedule
 
@@ -415,7 +489,10 @@ def train(package: ModuleType, args: argparse.Namespace) -> None:
     specs = pipeline["stages"]
     num_stages = len(specs)
     local = [i for i, spec in enumerate(specs) if spec["device"] == rank]
-    modules = {i: package.build_stage(i, device=device, init=args.load is None, seed=args.seed) for i in local}
+    modules = {
+        i: package.build_stage(i, device=device, init=args.load is None, seed=args.seed)
+        for i in local
+    }
     if args.load:
         load_state(modules, args.load, pipeline)
     stages = [
@@ -433,9 +510,15 @@ def train(package: ModuleType, args: argparse.Namespace) -> None:
     loss_fn = make_loss_fn(package, pipeline, device)
     schedule = build_schedule(args.schedule, stages, pipeline, args.microbatches, loss_fn)
     ties = tied_groups(pipeline, modules)
-    optimizer = make_optimizer(args, [p for m in modules.values() for p in m.parameters() if p.requires_grad])
+    optimizer = make_optimizer(
+        args, [p for m in modules.values() for p in m.parameters() if p.requires_grad]
+    )
     batches = Batches(pipeline, args.microbatches, args.data, args.seed)
-    log = open(args.log_json, "w", encoding="utf-8") if (args.log_json and is_last) else contextlib.nullcontext()
+    log = (
+        open(args.log_json, "w", encoding="utf-8")
+        if (args.log_json and is_last)
+        else contextlib.nullcontext()
+    )
     with log:
         for step in range(args.steps):
             start = time.perf_counter()
@@ -476,5 +559,3 @@ def main(package: ModuleType, argv: list[str]) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
-
-

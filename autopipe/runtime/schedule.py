@@ -30,7 +30,7 @@ class Action:
         return f"{self.stage}{self.kind}{self.microbatch}"
 
     @classmethod
-    def parse(cls, text: str) -> "Action":
+    def parse(cls, text: str) -> Action:
         match = re.fullmatch(r"(\d+)([FBIW])(\d+)", text)
         if not match:
             raise ValueError(f"not an action: {text!r}")
@@ -86,7 +86,9 @@ def dependencies(action: Action, num_stages: int, split_backward: bool) -> list[
     return deps
 
 
-def single_stage_order(schedule: str, stage: int, num_stages: int, microbatches: int) -> list[Action]:
+def single_stage_order(
+    schedule: str, stage: int, num_stages: int, microbatches: int
+) -> list[Action]:
     forwards = [Action(stage, "F", m) for m in range(microbatches)]
     backwards = [Action(stage, "B", m) for m in range(microbatches)]
     if schedule == "gpipe":
@@ -95,7 +97,7 @@ def single_stage_order(schedule: str, stage: int, num_stages: int, microbatches:
     order = forwards[:warmup]
     for m in range(warmup, microbatches):
         order += [backwards[m - warmup], forwards[m]]
-    return order + backwards[microbatches - warmup:]
+    return order + backwards[microbatches - warmup :]
 
 
 #: Policies the greedy scheduler tries: (alternate F and B, forward priority, in-flight cap).
@@ -122,21 +124,32 @@ def greedy_orders(costs: PipelineCosts, microbatches: int) -> dict[int, list[Act
         events = event_times(orders, costs)
         fits = max(peak_memory(events, costs)) <= costs.memory_capacity
         key = (not fits, max(end for _, _, _, end in events))
-        if best is None or key[0] < best[0][0] or (key[0] == best[0][0] and key[1] < best[0][1] * (1 - 1e-12)):
+        if (
+            best is None
+            or key[0] < best[0][0]
+            or (key[0] == best[0][0] and key[1] < best[0][1] * (1 - 1e-12))
+        ):
             best = (key, orders)
     return best[1]
 
 
-def _greedy(costs: PipelineCosts, microbatches: int, alternate: bool, forward_first: str, cap: str) -> dict[int, list[Action]]:
+def _greedy(
+    costs: PipelineCosts, microbatches: int, alternate: bool, forward_first: str, cap: str
+) -> dict[int, list[Action]]:
     num_stages, num_devices = costs.num_stages, costs.num_devices
     if cap == "stages":
         limit = [max(1, min(microbatches, num_stages - s)) for s in range(num_stages)]
     else:
         limit = [microbatches] * num_stages
-    stages_of = {d: [s for s in range(num_stages) if costs.device_of_stage[s] == d] for d in range(num_devices)}
+    stages_of = {
+        d: [s for s in range(num_stages) if costs.device_of_stage[s] == d]
+        for d in range(num_devices)
+    }
     in_flight = [0] * num_stages
     next_forward = [0] * num_stages
-    pending_backward: list[list[int]] = [[] for _ in range(num_stages)]  # forwarded, not yet backward
+    pending_backward: list[list[int]] = [
+        [] for _ in range(num_stages)
+    ]  # forwarded, not yet backward
     done: dict[Action, float] = {}
     free = [0.0] * num_devices
     last_kind = ["B"] * num_devices
@@ -151,7 +164,9 @@ def _greedy(costs: PipelineCosts, microbatches: int, alternate: bool, forward_fi
                     ready = _ready_time(Action(s, "B", m), done, costs)
                     if ready is not None:
                         key = (0 if (turn or not alternate) else 1, 0, -s, m)
-                        candidates.append((max(ready, free[device]), key, device, Action(s, "B", m)))
+                        candidates.append(
+                            (max(ready, free[device]), key, device, Action(s, "B", m))
+                        )
                         break
                 m = next_forward[s]
                 if m < microbatches and in_flight[s] < limit[s]:
@@ -159,11 +174,17 @@ def _greedy(costs: PipelineCosts, microbatches: int, alternate: bool, forward_fi
                     if ready is not None:
                         order = (-s, m) if forward_first == "late" else (s, m)
                         key = (0 if (alternate and not turn) else 1, 1, *order)
-                        candidates.append((max(ready, free[device]), key, device, Action(s, "F", m)))
+                        candidates.append(
+                            (max(ready, free[device]), key, device, Action(s, "F", m))
+                        )
         if not candidates:
-            raise ScheduleError("the greedy scheduler found no runnable action (a bug: please report)")
+            raise ScheduleError(
+                "the greedy scheduler found no runnable action (a bug: please report)"
+            )
         start = min(c[0] for c in candidates)
-        _, _, device, action = min((c for c in candidates if c[0] <= start), key=lambda c: (c[1], c[2]))
+        _, _, device, action = min(
+            (c for c in candidates if c[0] <= start), key=lambda c: (c[1], c[2])
+        )
         finish = start + costs.duration(action)
         done[action] = finish
         free[device] = finish
@@ -179,13 +200,15 @@ def _greedy(costs: PipelineCosts, microbatches: int, alternate: bool, forward_fi
     return orders
 
 
-def event_times(orders: dict[int, list[Action]], costs: PipelineCosts) -> list[tuple[int, Action, float, float]]:
+def event_times(
+    orders: dict[int, list[Action]], costs: PipelineCosts
+) -> list[tuple[int, Action, float, float]]:
     """``(device, action, start, end)`` of every action when each device runs its order: an
     action starts once its device is free and its inputs have arrived. Raises on a deadlock."""
     split = any(a.kind == "I" for order in orders.values() for a in order)
     end: dict[Action, float] = {}
-    position = {device: 0 for device in orders}
-    free = {device: 0.0 for device in orders}
+    position = dict.fromkeys(orders, 0)
+    free = dict.fromkeys(orders, 0.0)
     events: list[tuple[int, Action, float, float]] = []
     remaining = sum(len(o) for o in orders.values())
     while remaining:
@@ -208,7 +231,9 @@ def event_times(orders: dict[int, list[Action]], costs: PipelineCosts) -> list[t
     return events
 
 
-def _ready_time(action: Action, done: dict[Action, float], costs: PipelineCosts, split: bool = False) -> float | None:
+def _ready_time(
+    action: Action, done: dict[Action, float], costs: PipelineCosts, split: bool = False
+) -> float | None:
     """When the inputs of ``action`` are available, or None if a dependency has not run."""
     ready = 0.0
     for dep, direction in dependencies(action, costs.num_stages, split):
@@ -223,7 +248,9 @@ def _ready_time(action: Action, done: dict[Action, float], costs: PipelineCosts,
     return ready
 
 
-def peak_memory(events: list[tuple[int, Action, float, float]], costs: PipelineCosts) -> list[float]:
+def peak_memory(
+    events: list[tuple[int, Action, float, float]], costs: PipelineCosts
+) -> list[float]:
     """Static memory plus the most activations alive at once, per device."""
     last_kind = "W" if any(e[1].kind == "W" for e in events) else "B"
     changes: list[tuple[float, int, int, float]] = []  # (time, order, device, delta): frees first

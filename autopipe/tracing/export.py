@@ -43,7 +43,16 @@ _DROPPED_OPS = {
     "aten.sym_constrain_range.default",
 }
 #: Names the generated code uses itself; graph values are renamed away from them.
-_RESERVED = set(keyword.kwlist) | {"torch", "aten", "nn", "self", "device", "float", "math", "Scope"}
+_RESERVED = set(keyword.kwlist) | {
+    "torch",
+    "aten",
+    "nn",
+    "self",
+    "device",
+    "float",
+    "math",
+    "Scope",
+}
 #: Constants larger than this are not embedded in the graph (they would bloat the generated code).
 _MAX_CONSTANT_ELEMENTS = 1 << 16
 
@@ -121,7 +130,9 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
 
 def _trace_error(exc: Exception, model: torch.nn.Module) -> TraceError:
     frame = user_frame(exc)
-    where = f"{frame.filename}:{frame.lineno}" if frame else f"the forward of {type(model).__name__}"
+    where = (
+        f"{frame.filename}:{frame.lineno}" if frame else f"the forward of {type(model).__name__}"
+    )
     code = f"\n    {frame.line.strip()}" if frame and frame.line else ""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     name = type(exc).__name__
@@ -173,10 +184,14 @@ class _Converter:
                     f"({spec.arg}); autopipe supports in-place buffer updates only as they appear "
                     "in training graphs. Please report this model."
                 )
-        specs = {spec.arg.name: spec for spec in sig.input_specs if isinstance(spec.arg, TensorArgument)}
+        specs = {
+            spec.arg.name: spec for spec in sig.input_specs if isinstance(spec.arg, TensorArgument)
+        }
         fx_nodes = list(self.exported.graph.nodes)
         out_values = [
-            v for v in fx_nodes[-1].args[0] if isinstance(v, fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)
+            v
+            for v in fx_nodes[-1].args[0]
+            if isinstance(v, fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)
         ]
         # output values are named after their pytree keys: reserve those names first
         preferred: dict[fx.Node, str] = {}
@@ -190,7 +205,9 @@ class _Converter:
                 self._call(node, self.exported.graph_module, (), preferred.get(node))
             elif node.op == "output":
                 self.outputs = [self.names[v].name for v in out_values]
-            elif node.op != "get_attr":  # get_attr: submodules of higher-order ops, read when inlined
+            elif (
+                node.op != "get_attr"
+            ):  # get_attr: submodules of higher-order ops, read when inlined
                 raise TraceError(f"unsupported node {node.op} {node.target} in the exported graph")
         _move_getitems_after_sources(self.nodes)
         return _drop_dead(self.nodes, set(self.outputs))
@@ -205,7 +222,11 @@ class _Converter:
         except (ValueError, TypeError, NotImplementedError):
             names = [f"output_{i}" for i in range(out_spec.num_leaves)]
         names = [n if n[:1].isalpha() else f"output_{n}" for n in names]
-        user = [s for s in self.exported.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
+        user = [
+            s
+            for s in self.exported.graph_signature.output_specs
+            if s.kind == OutputKind.USER_OUTPUT
+        ]
         return [name for name, spec in zip(names, user) if isinstance(spec.arg, TensorArgument)]
 
     def _placeholder(self, node: fx.Node, spec) -> None:
@@ -230,7 +251,9 @@ class _Converter:
         self.names[node] = Ref(ir.name)
         self.nodes.append(ir)
 
-    def _call(self, node: fx.Node, owner: torch.nn.Module, context: tuple, preferred: str | None) -> None:
+    def _call(
+        self, node: fx.Node, owner: torch.nn.Module, context: tuple, preferred: str | None
+    ) -> None:
         target = node.target
         name = str(target)
         if name in _DROPPED_OPS:
@@ -252,7 +275,9 @@ class _Converter:
             args = encode_args(node.args, self.names)
             kwargs = encode_args(node.kwargs, self.names)
         except UnsupportedValue as exc:
-            raise TraceError(f"operator {name} (node {node.name}) has an unsupported argument: {exc}") from None
+            raise TraceError(
+                f"operator {name} (node {node.name}) has an unsupported argument: {exc}"
+            ) from None
         ir = Node(
             preferred or self.fresh(node.name),
             "call",
@@ -268,7 +293,9 @@ class _Converter:
 
     def _inline(self, node: fx.Node, owner: torch.nn.Module, context: tuple) -> None:
         """Inline a ``wrap_with_set_grad_enabled`` / ``wrap_with_autocast`` region."""
-        op = node.target.name() if callable(getattr(node.target, "name", None)) else str(node.target)
+        op = (
+            node.target.name() if callable(getattr(node.target, "name", None)) else str(node.target)
+        )
         if op == "wrap_with_set_grad_enabled":
             enabled, submod_node, *operands = node.args
             entry = ("grad", bool(enabled))
@@ -331,7 +358,10 @@ def _value_meta(node: fx.Node) -> Any:
     if isinstance(value, torch.Tensor):
         return TensorMeta.of(value, requires_grad=False)
     if isinstance(value, (list, tuple)):
-        return tuple(TensorMeta.of(v, requires_grad=False) if isinstance(v, torch.Tensor) else None for v in value)
+        return tuple(
+            TensorMeta.of(v, requires_grad=False) if isinstance(v, torch.Tensor) else None
+            for v in value
+        )
     return None
 
 
@@ -349,7 +379,9 @@ def _scope(node: fx.Node) -> tuple[Scope, ...]:
 
 def _constant_literal(name: str, value: Any) -> dict:
     if not isinstance(value, torch.Tensor):
-        raise TraceError(f"constant {name} is a {type(value).__name__}; only tensor constants are supported")
+        raise TraceError(
+            f"constant {name} is a {type(value).__name__}; only tensor constants are supported"
+        )
     if value.is_meta:
         raise TraceError(
             f"the value of {name} is unknown because the model was built on the meta device; "
@@ -397,7 +429,9 @@ def _drop_dead(nodes: list[Node], outputs: set[str]) -> list[Node]:
 
 def _is_mutating(target: str) -> bool:
     schema = resolve_target(target)._schema
-    return schema.is_mutable or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return schema.is_mutable or any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+    )
 
 
 # -- tables of the model's state --------------------------------------------------------------
@@ -441,7 +475,12 @@ def _buffer_table(model: torch.nn.Module) -> dict[str, BufferInfo]:
         if not is_persistent and not buf.is_meta:
             value = encode_tensor(buf)
         table[names[0]] = BufferInfo(
-            tuple(names), tuple(buf.shape), buf.dtype, is_persistent, _owner_class(model, names[0]), value
+            tuple(names),
+            tuple(buf.shape),
+            buf.dtype,
+            is_persistent,
+            _owner_class(model, names[0]),
+            value,
         )
     return table
 
@@ -453,7 +492,9 @@ def _check_parameters_known(graph: Graph) -> None:
         elif node.kind == "buffer":
             info = next((b for b in graph.buffers.values() if node.target in b.names), None)
             if info is None:
-                raise TraceError(f"buffer {node.target} is used by the graph but not found in the model")
+                raise TraceError(
+                    f"buffer {node.target} is used by the graph but not found in the model"
+                )
             if not info.persistent and info.value is None:
                 raise TraceError(
                     f"non-persistent buffer {node.target} has no value because the model was built "
@@ -475,10 +516,17 @@ def _integer_input_ranges(example: Example) -> dict[str, int]:
     try:
         bound = sig.bind(*example.args, **example.kwargs).arguments
     except TypeError as exc:
-        raise TraceError(f"the example inputs do not match {type(example.model).__name__}.forward: {exc}") from None
+        raise TraceError(
+            f"the example inputs do not match {type(example.model).__name__}.forward: {exc}"
+        ) from None
     ranges = {}
     for name, value in bound.items():
-        if isinstance(value, torch.Tensor) and not value.is_meta and not value.is_floating_point() and value.numel():
+        if (
+            isinstance(value, torch.Tensor)
+            and not value.is_meta
+            and not value.is_floating_point()
+            and value.numel()
+        ):
             ranges[name] = int(value.max())
     return ranges
 
@@ -508,11 +556,14 @@ def _propagate_requires_grad(graph: Graph) -> None:
             node.meta = _with_grad(node.meta, value.requires_grad)
         elif isinstance(node.meta, tuple) and isinstance(value, (list, tuple)):
             node.meta = tuple(
-                _with_grad(m, v.requires_grad) if isinstance(m, TensorMeta) and isinstance(v, torch.Tensor) else m
+                (
+                    _with_grad(m, v.requires_grad)
+                    if isinstance(m, TensorMeta) and isinstance(v, torch.Tensor)
+                    else m
+                )
                 for m, v in zip(node.meta, value)
             )
 
 
 def _with_grad(meta: TensorMeta, requires_grad: bool) -> TensorMeta:
     return TensorMeta(meta.shape, meta.dtype, meta.stride, requires_grad)
-

@@ -6,7 +6,8 @@ package still needs only torch.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -25,7 +26,9 @@ class _LossOfLeaves(nn.Module):
         super().__init__()
         self.loss_fn = loss_fn
         self.leaves, self.spec = pytree.tree_flatten(output)
-        self.tensor_positions = [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, torch.Tensor)]
+        self.tensor_positions = [
+            i for i, leaf in enumerate(self.leaves) if isinstance(leaf, torch.Tensor)
+        ]
 
     def forward(self, *tensors_and_target):
         *tensors, target = tensors_and_target
@@ -59,12 +62,18 @@ def trace_loss(example: Example, loss_fn: Callable) -> Graph:
     try:
         value = wrapper(*tensors, target)
     except Exception as exc:
-        raise TraceError(f"the loss function failed on the model's output: {type(exc).__name__}: {exc}") from exc
+        raise TraceError(
+            f"the loss function failed on the model's output: {type(exc).__name__}: {exc}"
+        ) from exc
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        raise TraceError(f"the loss function must return a scalar tensor, got {type(value).__name__} {getattr(value, 'shape', '')}")
+        raise TraceError(
+            f"the loss function must return a scalar tensor, got {type(value).__name__} {getattr(value, 'shape', '')}"
+        )
     graph = trace(Example(wrapper, (*tensors, target)))
     if graph.params:
-        raise TraceError("the loss function has parameters; autopipe supports loss functions without trainable state")
+        raise TraceError(
+            "the loss function has parameters; autopipe supports loss functions without trainable state"
+        )
     target_value = example.target
     if not target_value.is_meta and not target_value.is_floating_point() and target_value.numel():
         graph.model["input_ranges"] = {"target": int(target_value.max())}

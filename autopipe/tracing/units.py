@@ -12,7 +12,9 @@ from ..errors import TraceError
 from ..graph import Graph, Node, Scope, Unit
 
 
-def group_key(scope: tuple[Scope, ...], depth: int | None, basic_blocks: frozenset[str]) -> tuple[str, ...]:
+def group_key(
+    scope: tuple[Scope, ...], depth: int | None, basic_blocks: frozenset[str]
+) -> tuple[str, ...]:
     """The scope prefix a node is grouped by."""
     key: list[str] = []
     for level in scope:
@@ -24,7 +26,9 @@ def group_key(scope: tuple[Scope, ...], depth: int | None, basic_blocks: frozens
     return tuple(key)
 
 
-def group_units(graph: Graph, *, depth: int | None = None, basic_blocks: tuple[str, ...] = ()) -> list[Unit]:
+def group_units(
+    graph: Graph, *, depth: int | None = None, basic_blocks: tuple[str, ...] = ()
+) -> list[Unit]:
     """Assign every call node of ``graph`` to a unit (sets ``node.unit``) and return the units."""
     if depth is not None and depth < 0:
         raise TraceError(f"--depth must be 0 or more, got {depth}")
