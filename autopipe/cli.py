@@ -170,6 +170,22 @@ def cmd_verify(args: argparse.Namespace) -> None:
     print("the pipeline matches the model")
 
 
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    import json
+
+    import torch
+
+    from .artifacts import atomic_write_text
+    from .profiling.calibrate import calibrate
+
+    device = torch.device(args.device) if args.device else None
+    spec = calibrate(device, args.name, log=lambda message: print(message, file=sys.stderr))
+    atomic_write_text(args.output, json.dumps(spec.to_json(), indent=1) + "\n")
+    print(
+        f"wrote device spec {spec.name!r} to {args.output}; use it with --device-spec {args.output}"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autopipe",
@@ -279,6 +295,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
     p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser(
+        "calibrate",
+        help="measure this machine's device into a device spec",
+        description="Measure matmul FLOP/s, memory and link bandwidth of the local device and write a device spec JSON for --device-spec.",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        default="device.json",
+        type=Path,
+        help="spec file to write (default device.json)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        help="device to measure (default: cuda when present, else cpu)",
+    )
+    p.add_argument("--name", help="name of the spec (default: the device's name)")
+    p.set_defaults(func=cmd_calibrate)
     return parser
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from autopipe.cli import build_parser, main
 
-COMMANDS = ["compile", "trace", "profile", "partition", "generate", "verify"]
+COMMANDS = ["compile", "trace", "profile", "partition", "generate", "verify", "calibrate"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -23,7 +23,7 @@ from .plan import StagePlan, plan_stages
 TEMPLATES = Path(str(importlib.resources.files("autopipe.templates")))
 RUNTIME = Path(__file__).resolve().parent.parent / "runtime"
 #: autopipe.runtime, copied verbatim into each package as its runtime/ subpackage
-RUNTIME_MODULES = ("__init__.py", "support.py", "schedule.py", "driver.py")
+RUNTIME_MODULES = ("__init__.py", "support.py", "schedule.py", "checkpoint.py", "driver.py")
 BLACK_MODE = black.Mode(line_length=100)
 
 

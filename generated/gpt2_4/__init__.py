@@ -23,13 +23,17 @@ PIPELINE = json.loads(Path(__file__).with_name("pipeline.json").read_text(encodi
 STAGES = (Stage0, Stage1, Stage2, Stage3)
 
 
-def build_stage(i: int, device="cpu", init: bool = True, seed: int = 0) -> nn.Module:
+def build_stage(
+    i: int, device="cpu", init: bool = True, seed: int = 0, meta_state: bool = False
+) -> nn.Module:
     """Stage ``i`` with its parameters on ``device``.
 
     With ``init`` the parameters get autopipe's deterministic initialisation; load an original
-    model checkpoint (``stage.load_state_dict``) to start from the model's own weights.
+    model checkpoint (``stage.load_state_dict``) to start from the model's own weights. With
+    ``meta_state`` they stay on the meta device, to be filled by
+    ``stage.load_state_dict(state, assign=True)`` without ever holding two copies.
     """
-    return STAGES[i](device=device, init=init, seed=seed)
+    return STAGES[i](device=device, init=init, seed=seed, meta_state=meta_state)
 
 
 __all__ = ["PIPELINE", "STAGES", "build_stage"]

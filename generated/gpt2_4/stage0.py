@@ -42,10 +42,10 @@ class Stage0(nn.Module):
     inputs = ("input_ids", "labels")
     outputs = ("labels", "expand_2", "add_4", "view_11")
 
-    def __init__(self, device="cpu", init=True, seed=0):
+    def __init__(self, device="cpu", init=True, seed=0, meta_state=False):
         super().__init__()
-        build_state(self, PARAMETERS, BUFFERS, device)
-        if init:
+        build_state(self, PARAMETERS, BUFFERS, device, meta_state)
+        if init and not meta_state:
             init_state(self, PARAMETERS, BUFFERS, seed)
 
     def forward(self, input_ids, labels):

@@ -40,10 +40,10 @@ class Stage1(nn.Module):
     inputs = ("labels", "expand_2", "add_4", "view_11")
     outputs = ("labels", "expand_2", "add_11")
 
-    def __init__(self, device="cpu", init=True, seed=0):
+    def __init__(self, device="cpu", init=True, seed=0, meta_state=False):
         super().__init__()
-        build_state(self, PARAMETERS, BUFFERS, device)
-        if init:
+        build_state(self, PARAMETERS, BUFFERS, device, meta_state)
+        if init and not meta_state:
             init_state(self, PARAMETERS, BUFFERS, seed)
 
     def forward(self, labels, expand_2, add_4, view_11):

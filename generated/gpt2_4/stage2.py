@@ -44,10 +44,10 @@ class Stage2(nn.Module):
     inputs = ("labels", "expand_2", "add_11")
     outputs = ("labels", "expand_2", "add_15", "view_35")
 
-    def __init__(self, device="cpu", init=True, seed=0):
+    def __init__(self, device="cpu", init=True, seed=0, meta_state=False):
         super().__init__()
-        build_state(self, PARAMETERS, BUFFERS, device)
-        if init:
+        build_state(self, PARAMETERS, BUFFERS, device, meta_state)
+        if init and not meta_state:
             init_state(self, PARAMETERS, BUFFERS, seed)
 
     def forward(self, labels, expand_2, add_11):

@@ -32,6 +32,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from .checkpoint import Checkpoint, CheckpointError
 from .schedule import PipelineCosts, greedy_orders
 
 #: --schedule names -> torch.distributed.pipelining classes running one stage per rank, in order
@@ -110,7 +111,10 @@ def parse_args(argv: list[str], pipeline: dict) -> argparse.Namespace:
         help="cuda runs NCCL with one GPU per rank, cpu runs gloo (default: cuda when available)",
     )
     parser.add_argument(
-        "--load", metavar="PATH", help="original-model state_dict saved with torch.save"
+        "--load",
+        metavar="PATH",
+        help="original-model weights: a torch.save state_dict, a .safetensors file or a Hugging "
+        "Face checkpoint directory (sharded with an index JSON); each rank reads only its tensors",
     )
     parser.add_argument(
         "--save", metavar="PATH", help="write the trained original-model state_dict here"
@@ -301,24 +305,36 @@ def stage_state(
     return own
 
 
-def load_state(stages: dict[int, nn.Module], path: str, pipeline: dict) -> None:
-    """Give each local stage its tensors from an original-model ``state_dict`` file."""
-    if not Path(path).is_file():
-        raise PipelineRunError(f"--load: {path} does not exist")
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    if not isinstance(state, dict):
-        raise PipelineRunError(
-            f"--load: {path} does not hold a state_dict (found {type(state).__name__})"
-        )
+def load_state(
+    stages: dict[int, nn.Module], path: str, pipeline: dict, device: torch.device
+) -> None:
+    """Fill each local stage (built with ``meta_state``) with its own tensors from an
+    original-model checkpoint, reading nothing else: a rank holds about its stages' size."""
+    try:
+        checkpoint = Checkpoint(path)
+    except CheckpointError as exc:
+        raise PipelineRunError(f"--load: {exc}") from None
+    mapped: set[str] = set()
     for index, stage in stages.items():
+        wanted = stage.state_dict()
         try:
-            stage.load_state_dict(stage_state(stage, state, pipeline["aliases"]))
+            names = stage_state(stage, {name: name for name in checkpoint}, pipeline["aliases"])
         except KeyError as exc:
             raise PipelineRunError(
                 f"--load: {path} has no entry {exc} (needed by stage {index}); is it a checkpoint of {pipeline['model']}?"
             ) from None
-        except RuntimeError as exc:
-            raise PipelineRunError(f"--load: {path} does not fit stage {index}: {exc}") from None
+        own = {}
+        for key, source in names.items():
+            tensor = checkpoint[source]
+            if tuple(tensor.shape) != tuple(wanted[key].shape):
+                raise PipelineRunError(
+                    f"--load: {source} in {path} has shape {list(tensor.shape)}, stage {index} expects {list(wanted[key].shape)}"
+                )
+            # on CPU with the right dtype the first user gets the mapped tensor itself (private,
+            # copy-on-write); a tied tensor held by several local stages is copied for the others
+            own[key] = tensor.to(device=device, dtype=wanted[key].dtype, copy=source in mapped)
+            mapped.add(source)
+        stage.load_state_dict(own, assign=True)
 
 
 def gather_state(stages: dict[int, nn.Module], pipeline: dict) -> dict[str, torch.Tensor] | None:
@@ -489,12 +505,12 @@ def train(package: ModuleType, args: argparse.Namespace) -> None:
     specs = pipeline["stages"]
     num_stages = len(specs)
     local = [i for i, spec in enumerate(specs) if spec["device"] == rank]
+    loading = args.load is not None  # parameters stay on meta until the checkpoint fills them
     modules = {
-        i: package.build_stage(i, device=device, init=args.load is None, seed=args.seed)
-        for i in local
+        i: package.build_stage(i, device=device, seed=args.seed, meta_state=loading) for i in local
     }
-    if args.load:
-        load_state(modules, args.load, pipeline)
+    if loading:
+        load_state(modules, args.load, pipeline, device)
     stages = [
         PipelineStage(
             modules[i],

@@ -31,22 +31,27 @@ def _parent(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     return module, leaf
 
 
-def build_state(root: nn.Module, parameters: dict, buffers: dict, device) -> None:
+def build_state(
+    root: nn.Module, parameters: dict, buffers: dict, device, meta_state: bool = False
+) -> None:
     """Create the parameters and buffers of a stage, uninitialised, on ``device``.
 
     ``parameters``: name -> (shape, dtype, requires_grad, init rule);
-    ``buffers``: name -> (shape, dtype, persistent, init rule or fixed value).
+    ``buffers``: name -> (shape, dtype, persistent, init rule or fixed value). With ``meta_state``
+    the parameters and persistent buffers stay on the meta device for a checkpoint to fill
+    (``load_state_dict(..., assign=True)``); buffers with fixed values are always real.
     """
+    state_device = "meta" if meta_state else device
     for name, (shape, dtype, requires_grad, _rule) in parameters.items():
         parent, leaf = _parent(root, name)
-        tensor = torch.empty(shape, dtype=dtype, device=device)
+        tensor = torch.empty(shape, dtype=dtype, device=state_device)
         parent.register_parameter(leaf, nn.Parameter(tensor, requires_grad=requires_grad))
     for name, (shape, dtype, persistent, rule) in buffers.items():
         parent, leaf = _parent(root, name)
         if isinstance(rule, torch.Tensor):
             tensor = rule.to(device)
         else:
-            tensor = torch.empty(shape, dtype=dtype, device=device)
+            tensor = torch.empty(shape, dtype=dtype, device=state_device)
         parent.register_buffer(leaf, tensor, persistent=persistent)
 
 

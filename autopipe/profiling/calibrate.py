@@ -1,0 +1,140 @@
+"""``autopipe calibrate``: measure the local device and write a device spec for ``--device-spec``.
+
+Measured, not looked up: matrix-multiply FLOP/s per dtype, streaming memory bandwidth, the cost of
+launching a tiny operator, the device's memory size, and the bandwidth between two pipeline stages
+(two local processes over gloo on CPU; a device-to-device copy on CUDA, or a host-device copy when
+there is a single GPU). The fractions of peak are 1: these are achieved rates already.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .devices import DeviceSpec
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn()`` after a warm-up."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, size: int, repeats: int = 5) -> float:
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    return 2 * size**3 / _timed(lambda: a @ b, device, repeats)
+
+
+def memory_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float:
+    source = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    target = torch.empty_like(source)
+    return 2 * nbytes / _timed(lambda: target.copy_(source), device, repeats)
+
+
+def kernel_overhead(device: torch.device, repeats: int = 200) -> float:
+    x = torch.ones(1, device=device)
+    return _timed(lambda: [x.add(1) for _ in range(repeats)], device, 5) / repeats
+
+
+def _gloo_bandwidth_worker(rank: int, init_file: str, nbytes: int, result) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    tensor = torch.ones(nbytes // 4)
+    samples = []
+    for _ in range(6):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(tensor, 1)
+            dist.recv(tensor, 1)
+        else:
+            dist.recv(tensor, 0)
+            dist.send(tensor, 0)
+        samples.append(time.perf_counter() - start)
+    if rank == 0:
+        result.put(2 * nbytes / statistics.median(samples[1:]))
+    dist.destroy_process_group()
+
+
+def link_bandwidth(device: torch.device, nbytes: int) -> tuple[float, str]:
+    """Bytes/s between two pipeline stages on this machine, and what was measured."""
+    if device.type == "cuda":
+        if torch.cuda.device_count() > 1:
+            source = torch.empty(nbytes // 4, device="cuda:0")
+            target = torch.empty(nbytes // 4, device="cuda:1")
+            seconds = _timed(lambda: target.copy_(source), device, 5)
+            return nbytes / seconds, "cuda:0 -> cuda:1 copy"
+        host = torch.empty(nbytes // 4).pin_memory()
+        on_device = torch.empty(nbytes // 4, device=device)
+        return (
+            nbytes / _timed(lambda: on_device.copy_(host), device, 5),
+            "pinned host -> device copy",
+        )
+    context = mp.get_context("spawn")
+    result = context.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _gloo_bandwidth_worker,
+            args=(os.path.join(tmp, "init"), nbytes, result),
+            nprocs=2,
+            start_method="spawn",
+        )
+    return result.get(), "gloo between two local processes"
+
+
+def total_memory(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def calibrate(
+    device: torch.device | None = None, name: str | None = None, log=lambda message: None
+) -> DeviceSpec:
+    """Measure ``device`` (default: CUDA when present, else CPU) into a :class:`DeviceSpec`."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = device.type == "cuda"
+    size = 4096 if on_gpu else 1024
+    flops = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        try:
+            flops[str(dtype).removeprefix("torch.")] = matmul_flops(device, dtype, size)
+        except RuntimeError:  # a dtype this device cannot multiply
+            continue
+        log(f"matmul {dtype}: {flops[str(dtype).removeprefix('torch.')] / 1e12:.3f} TFLOP/s")
+    flops["default"] = flops["float32"]
+    bandwidth = memory_bandwidth(device, (1 << 30) if on_gpu else (128 << 20))
+    log(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    overhead = kernel_overhead(device)
+    log(f"operator overhead: {overhead * 1e6:.1f} us")
+    link, how = link_bandwidth(device, (256 << 20) if on_gpu else (64 << 20))
+    log(f"link ({how}): {link / 1e9:.2f} GB/s")
+    label = name or (
+        torch.cuda.get_device_name(device) if on_gpu else f"cpu-{os.cpu_count()}-cores"
+    )
+    return DeviceSpec(
+        name=label,
+        flops=flops,
+        memory_bandwidth=bandwidth,
+        memory=total_memory(device),
+        link_bandwidth=link,
+        link=f"measured: {how}",
+        compute_efficiency=1.0,
+        memory_efficiency=1.0,
+        kernel_overhead=overhead,
+    )
