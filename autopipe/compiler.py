@@ -12,7 +12,7 @@ from torch import nn
 
 from .artifacts import artifact_text
 from .codegen import check_output_dir, package_files, write_package
-from .graph import GRAPH_KIND, Graph
+from .graph import Graph
 from .partitioning import DEFAULT_METHOD, Partition, partition
 from .partitioning.partition import PARTITION_KIND
 from .profiling import Profile, device_spec, profile, with_link
@@ -94,7 +94,7 @@ def generate_step(
     """Write the pipeline package (with the artefacts that produced it under ``artifacts/``)."""
     part.check_graph(graph)
     files = package_files(graph, part)
-    files[f"{ARTIFACTS}/graph.json"] = artifact_text(GRAPH_KIND, graph.to_json())
+    files[f"{ARTIFACTS}/graph.json"] = graph.json_text()
     files[f"{ARTIFACTS}/partition.json"] = artifact_text(PARTITION_KIND, part.to_json())
     if prof is not None:
         files[f"{ARTIFACTS}/profile.json"] = artifact_text(PROFILE_KIND, prof.to_json())

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 import networkx as nx
 import torch
 
-from .artifacts import read_artifact, write_artifact
+from .artifacts import artifact_text, atomic_write_text, read_artifact
 from .errors import ArtifactError
 
 GRAPH_KIND = "graph"
@@ -221,6 +221,7 @@ class Graph:
         self.units = units or []
         #: the traced user loss function (output leaves and target -> scalar), if one was given
         self.loss = loss
+        self._json_text: str | None = None
 
     # -- access -------------------------------------------------------------------------------
     @property
@@ -366,8 +367,14 @@ class Graph:
                 f"graph artefact is malformed ({exc!r}); run `autopipe trace` again"
             ) from exc
 
+    def json_text(self) -> str:
+        """The text of the graph artefact, computed once: a graph is not changed after tracing."""
+        if self._json_text is None:
+            self._json_text = artifact_text(GRAPH_KIND, self.to_json())
+        return self._json_text
+
     def save(self, path) -> None:
-        write_artifact(path, GRAPH_KIND, self.to_json())
+        atomic_write_text(path, self.json_text())
 
     @classmethod
     def load(cls, path) -> Graph:

@@ -19,7 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import AutopipeError, VerificationError
-from .runtime.driver import stage_state
+from .runtime.support import stage_state
 from .spec import Example
 
 

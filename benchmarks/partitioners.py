@@ -234,7 +234,7 @@ def cpu_check(devices: int = 4, rounds: int = 15) -> None:
     timed in interleaved rounds (one thread), so background noise spreads over all of them."""
     import transformers as tf
 
-    from autopipe.runtime.driver import stage_state
+    from autopipe.runtime.support import stage_state
     from autopipe.verify import load_pipeline
 
     torch.set_num_threads(1)

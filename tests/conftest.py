@@ -7,8 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import black
 import pytest
 
+from autopipe.codegen.package import BLACK_MODE
 from autopipe.compiler import CompileOptions, compile_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,9 +30,20 @@ def spec(name: str) -> str:
 def compile_model(name: str, out: Path, stages: int, **options):
     loss = options.pop("loss", None)
     force = options.pop("force", False)
-    return compile_spec(
-        spec(name), out, CompileOptions(stages=stages, **options), loss=loss, force=force
-    )
+    options = CompileOptions(stages=stages, **options)
+    result = compile_spec(spec(name), out, options, loss=loss, force=force)
+    assert_black_formatted(out)
+    return result
+
+
+def assert_black_formatted(package: Path) -> None:
+    """Every generated Python file is exactly what black makes of it (autopipe emits forward
+    bodies in black's layout itself; this checks that it does so)."""
+    for path in sorted(package.glob("*.py")):
+        text = path.read_text()
+        assert (
+            black.format_str(text, mode=BLACK_MODE) == text
+        ), f"{path.name} is not black-formatted"
 
 
 def torchrun(

@@ -6,9 +6,12 @@ import math
 from typing import Any
 from collections.abc import Callable
 
+import black
 import torch
 
 from ..graph import Graph, Node, Ref, decode_tensor, dtype_name
+
+BLACK_MODE = black.Mode(line_length=100)
 
 _TORCH_CONSTANTS: dict[Any, str] = {
     torch.strided: "torch.strided",
@@ -23,10 +26,12 @@ def literal(value: Any, ref: Callable[[Ref], str]) -> str:
     """Source text for an argument value."""
     if isinstance(value, Ref):
         return ref(value)
+    if isinstance(value, str) and '"' not in value and "\\" not in value:
+        return f'"{value}"'  # black's quotes
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return repr(value)
-    if isinstance(value, float):
-        return repr(value) if math.isfinite(value) else f'float("{value}")'
+    if isinstance(value, float):  # black writes exponents without "+"
+        return repr(value).replace("e+", "e") if math.isfinite(value) else f'float("{value}")'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(literal(v, ref) for v in value) + "]"
     if isinstance(value, dict):
@@ -40,11 +45,12 @@ def literal(value: Any, ref: Callable[[Ref], str]) -> str:
     raise TypeError(f"cannot write {value!r} as source")
 
 
-def operator_call(node: Node, ref: Callable[[Ref], str]) -> str:
-    """``aten.addmm.default(bias, x, weight)`` for one call node."""
+def operator_call(node: Node, ref: Callable[[Ref], str]) -> tuple[str, list[str]]:
+    """The callable and the argument sources of one call node: ``("aten.addmm.default",
+    ["bias", "x", "weight"])``; a ``getitem`` is ``("x[0]", [])``."""
     if node.target == "getitem":
         source, index = node.args
-        return f"{ref(source)}[{index}]"
+        return f"{ref(source)}[{index}]", []
     namespace, name, overload = node.target.split(".")
     fn = (
         f"aten.{name}.{overload}"
@@ -53,7 +59,38 @@ def operator_call(node: Node, ref: Callable[[Ref], str]) -> str:
     )
     parts = [literal(a, ref) for a in node.args]
     parts += [f"{k}={literal(v, ref)}" for k, v in node.kwargs.items()]
-    return f"{fn}({', '.join(parts)})"
+    return fn, parts
+
+
+def assignment(target: str, fn: str, args: list[str] | None, indent: int) -> list[str]:
+    """``target = fn(args)`` laid out exactly as black lays it out, at ``indent`` spaces: on one
+    line; with the arguments on a line of their own; or one argument per line with a trailing
+    comma. Statements this cannot be sure of go through black itself. ``args`` None:
+    ``target = fn`` (an expression that is not a call). Lines are relative to ``indent``."""
+    limit = BLACK_MODE.line_length
+    if args is None:
+        line = f"{target} = {fn}"
+        return [line] if indent + len(line) <= limit else black_statement(line, indent)
+    joined = ", ".join(args)
+    one_line = f"{target} = {fn}({joined})"
+    head = f"{target} = {fn}("
+    if any("'" in a or "\\" in a for a in args) or indent + len(head) > limit:
+        return black_statement(one_line, indent)  # string escapes, or a head too long to hang
+    if indent + len(one_line) <= limit:
+        return [one_line]
+    if indent + 4 + len(joined) <= limit:
+        return [head, f"    {joined}", ")"]
+    if all(indent + 5 + len(a) <= limit for a in args):
+        return [head, *(f"    {a}," for a in args), ")"]
+    return black_statement(one_line, indent)
+
+
+def black_statement(statement: str, indent: int) -> list[str]:
+    """One statement as black formats it at ``indent`` (a multiple of 4) spaces."""
+    depth = indent // 4
+    frame = "".join(f"{'    ' * i}if x{i}:\n" for i in range(depth))
+    formatted = black.format_str(f"{frame}{'    ' * depth}{statement}\n", mode=BLACK_MODE)
+    return [line[indent:] for line in formatted.splitlines()[depth:]]
 
 
 def attribute_path(fqn: str, root: str = "self") -> str:
@@ -119,10 +156,10 @@ def tensor_expression(data: dict) -> str:
 
 
 def forward_body(
-    graph: Graph, nodes: list[Node], ref: Callable[[Ref], str], model_class: str
+    graph: Graph, nodes: list[Node], ref: Callable[[Ref], str], model_class: str, base: int = 8
 ) -> list[str]:
-    """Source lines of a forward pass over ``nodes``, commented with their module scopes and
-    wrapped in the grad / autocast modes they were traced under."""
+    """Source lines of a forward pass over ``nodes`` (to be indented by ``base``), commented with
+    their module scopes and wrapped in the grad / autocast modes they were traced under."""
     lines: list[str] = []
     label = None
     context: tuple = ()
@@ -138,5 +175,8 @@ def forward_body(
         if node_label != label:
             lines.append(f"{indent}# {node_label}")
             label = node_label
-        lines.append(f"{indent}{node.name} = {operator_call(node, ref)}")
+        fn, args = operator_call(node, ref)
+        call_args = args if node.target != "getitem" else None
+        statement = assignment(node.name, fn, call_args, base + len(indent))
+        lines.extend(indent + line for line in statement)
     return lines

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.resources
 import json
 import os
@@ -24,7 +25,9 @@ TEMPLATES = Path(str(importlib.resources.files("autopipe.templates")))
 RUNTIME = Path(__file__).resolve().parent.parent / "runtime"
 #: autopipe.runtime, copied verbatim into each package as its runtime/ subpackage
 RUNTIME_MODULES = ("__init__.py", "support.py", "schedule.py", "checkpoint.py", "driver.py")
-BLACK_MODE = black.Mode(line_length=100)
+BLACK_MODE = emit.BLACK_MODE
+#: stands for a forward body in a rendered file until the (already formatted) body is spliced in
+BODY_MARKER = "# autopipe: forward body"
 
 
 def _environment() -> jinja2.Environment:
@@ -47,8 +50,22 @@ def python_tuple(items: list[str], quote: bool = True) -> str:
 
 
 def render(template: str, **context: Any) -> str:
-    source = _environment().get_template(template).render(**context)
-    return black.format_str(source, mode=BLACK_MODE)
+    """A template rendered (not yet formatted)."""
+    return _environment().get_template(template).render(**context)
+
+
+def black_format(sources: dict[str, str]) -> dict[str, str]:
+    """Sources formatted with black (forward bodies are spliced in afterwards: black would spend
+    most of its time re-parsing them). The cyclic garbage collector pauses meanwhile: black's
+    garbage goes with reference counting, and after tracing a big model each collection would
+    walk hundreds of thousands of live objects (it doubled the time on GPT2-XL)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return {name: black.format_str(text, mode=BLACK_MODE) for name, text in sources.items()}
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def package_files(graph: Graph, part: Partition) -> dict[str, str]:
@@ -62,27 +79,38 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
         "num_devices": len(set(device_of_stage)),
         "stage_classes": [f"Stage{plan.index}" for plan in plans],
     }
-    files = {
-        f"stage{plan.index}.py": render(
-            "stage.py.j2", **common, **_stage_context(graph, plan, model_class)
+    bodies: dict[str, list[str]] = {}
+    sources: dict[str, str] = {}
+    for plan in plans:
+        context = _stage_context(graph, plan, model_class)
+        bodies[f"stage{plan.index}.py"] = context.pop("body")
+        sources[f"stage{plan.index}.py"] = render(
+            "stage.py.j2", **common, **context, body=[BODY_MARKER]
         )
-        for plan in plans
-    }
-    files["__init__.py"] = render("__init__.py.j2", **common)
-    files["train.py"] = render("train.py.j2", **common)
+    sources["__init__.py"] = render("__init__.py.j2", **common)
+    sources["train.py"] = render("train.py.j2", **common)
+    if graph.loss is not None:
+        context = _loss_context(graph.loss, model_class)
+        bodies["loss.py"] = context.pop("body")
+        sources["loss.py"] = render("loss.py.j2", **common, **context, body=[BODY_MARKER])
+    files = black_format(sources)
+    for name, body in bodies.items():  # emitted in black's layout already (emit.assignment)
+        files[name] = files[name].replace(
+            f"        {BODY_MARKER}\n",
+            "".join(f"        {line}\n" if line else "\n" for line in body),
+        )
     files["pipeline.json"] = dumps(pipeline_description(graph, plans, part))
     for module in RUNTIME_MODULES:
         files[f"runtime/{module}"] = (RUNTIME / module).read_text(encoding="utf-8")
-    if graph.loss is not None:
-        files["loss.py"] = render("loss.py.j2", **common, **_loss_context(graph.loss, model_class))
     return files
 
 
 def _loss_context(loss: Graph, model_class: str) -> dict[str, Any]:
     calls = loss.calls
     constant_lines = [
-        f"{name} = {emit.tensor_expression(value)}.to(device)"
+        line
         for name, value in loss.constants.items()
+        for line in emit.assignment(name, f"{emit.tensor_expression(value)}.to(device)", None, 8)
     ]
     return {
         "inputs": loss.inputs,
@@ -102,8 +130,11 @@ def _stage_context(graph: Graph, plan: StagePlan, model_class: str) -> dict[str,
         src for node in plan.nodes for src in node.inputs if graph[src].kind == "constant"
     )
     constant_lines = [
-        f"{name} = {emit.tensor_expression(graph.constants[name])}.to(device)"
+        line
         for name in used_constants
+        for line in emit.assignment(
+            name, f"{emit.tensor_expression(graph.constants[name])}.to(device)", None, 8
+        )
     ]
     body = constant_lines + emit.forward_body(graph, plan.nodes, ref, model_class)
     produced = {n.name for n in plan.nodes}

@@ -41,37 +41,52 @@ def _solve(model: CostModel, num_stages: int) -> list[int]:
     fwd, bwd = prefix(model.forward), prefix(model.backward)
     act, par = prefix(model.activations), prefix(model.param_bytes)
     bandwidth = model.device.link_bandwidth
-    edges = (
-        []
-    )  # (forward, backward) seconds a stage spends on the cut before unit i / after unit j-1
-    for moved in model.boundary_bytes():
-        at = torch.zeros(n + 1, dtype=dtype)
-        at[1:n] = torch.tensor(moved, dtype=dtype) / bandwidth
-        edges.append(at)
-    cut_forward, cut_backward = edges
+    # seconds a stage spends on the cut before its first unit i / after its last unit j - 1
+    cut_forward, cut_backward = (torch.zeros(n + 1, dtype=dtype) for _ in range(2))
+    moved_forward, moved_backward = model.boundary_bytes()
+    cut_forward[1:n] = torch.tensor(moved_forward, dtype=dtype) / bandwidth
+    cut_backward[1:n] = torch.tensor(moved_backward, dtype=dtype) / bandwidth
     capacity = model.device.memory
     microbatches = model.microbatches or 2 * num_stages
+    positions = torch.arange(n + 1)
 
-    def stage_costs(j: int, k: int, starts: torch.Tensor) -> torch.Tensor:
-        """Cost of stage ``k`` covering units ``starts .. j - 1`` for each start (transfers
-        overlap compute: max(forward, comm forward) + max(backward, comm backward))."""
-        forward = torch.maximum(fwd[j] - fwd[starts], cut_forward[starts] + cut_forward[j])
-        backward = torch.maximum(bwd[j] - bwd[starts], cut_backward[starts] + cut_backward[j])
-        cost = forward + backward
-        memory = (par[j] - par[starts]) * model.state_factor() + (act[j] - act[starts]) * in_flight(
-            k, num_stages, model.schedule, microbatches
-        )
-        return torch.where(memory <= capacity, cost, torch.full_like(cost, math.inf))
+    def stage_costs(k: int, rows: slice, ends: slice) -> torch.Tensor:
+        """Cost of stage ``k`` covering units i .. j - 1, for starts i in ``rows`` and ends j in
+        ``ends``; infinite where i >= j or the stage does not fit in memory. Transfers overlap
+        compute: max(forward, comm forward) + max(backward, comm backward)."""
+        i, j = positions[rows].unsqueeze(1), positions[ends].unsqueeze(0)
+        forward = torch.maximum(fwd[j] - fwd[i], cut_forward[i] + cut_forward[j])
+        backward = torch.maximum(bwd[j] - bwd[i], cut_backward[i] + cut_backward[j])
+        held = in_flight(k, num_stages, model.schedule, microbatches)
+        memory = (par[j] - par[i]) * model.state_factor() + (act[j] - act[i]) * held
+        valid = (i < j) & (memory <= capacity)
+        return torch.where(valid, forward + backward, torch.full_like(forward, math.inf))
+
+    # A stage of the optimum costs at most the equal-compute split's slowest stage, and at least
+    # its own compute: each end j only needs the starts within that band of compute.
+    compute = fwd + bwd
+    bound = _equal_split_bound(compute, num_stages, stage_costs)
+    lowest = (
+        torch.searchsorted(compute, compute - bound * (1 + 1e-9) - 1e-15)
+        if math.isfinite(bound)
+        else torch.zeros(n + 1, dtype=torch.long)
+    )
+    block = max(1, (1 << 22) // (n + 1))  # columns per step: bounds memory on huge graphs
+    blocks = []
+    for first in range(0, n + 1, block):
+        ends = slice(first, min(n + 1, first + block))
+        blocks.append((slice(int(lowest[first]), ends.stop), ends))
 
     inf = math.inf
     # best[k][j]: least bottleneck covering units 0..j-1 with stages 0..k-1
     best = torch.full((num_stages + 1, n + 1), inf, dtype=dtype)
     best[0, 0] = 0.0
     for k in range(1, num_stages + 1):
-        for j in range(k, n - (num_stages - k) + 1):
-            starts = torch.arange(k - 1, j)
-            candidates = torch.maximum(best[k - 1, starts], stage_costs(j, k - 1, starts))
-            best[k, j] = candidates.min()
+        for rows, ends in blocks:
+            candidates = torch.maximum(
+                best[k - 1, rows].unsqueeze(1), stage_costs(k - 1, rows, ends)
+            )
+            best[k, ends] = candidates.min(0).values
     optimum = float(best[num_stages, n])
     if not math.isfinite(optimum):
         raise PartitionError(_memory_message(model, num_stages, microbatches))
@@ -81,15 +96,11 @@ def _solve(model: CostModel, num_stages: int) -> list[int]:
     choice = torch.zeros((num_stages + 1, n + 1), dtype=torch.long)
     total[0, 0] = 0.0
     for k in range(1, num_stages + 1):
-        for j in range(k, n - (num_stages - k) + 1):
-            starts = torch.arange(k - 1, j)
-            cost = stage_costs(j, k - 1, starts)
-            value = torch.where(
-                cost <= limit, total[k - 1, starts] + cost * cost, torch.full_like(cost, inf)
-            )
-            i = int(torch.argmin(value))
-            total[k, j] = value[i]
-            choice[k, j] = starts[i]
+        for rows, ends in blocks:
+            cost = stage_costs(k - 1, rows, ends)
+            value = torch.where(cost <= limit, total[k - 1, rows].unsqueeze(1) + cost * cost, inf)
+            total[k, ends], index = value.min(0)
+            choice[k, ends] = index + rows.start
     stage_of_unit = [0] * n
     j = n
     for k in range(num_stages, 0, -1):
@@ -98,6 +109,22 @@ def _solve(model: CostModel, num_stages: int) -> list[int]:
             stage_of_unit[u] = k - 1
         j = i
     return stage_of_unit
+
+
+def _equal_split_bound(compute: torch.Tensor, num_stages: int, stage_costs) -> float:
+    """The slowest stage (communication and memory included) of the split into stages of equal
+    compute: an upper bound on the optimum's bottleneck, or infinity if a stage does not fit."""
+    n = compute.numel() - 1
+    targets = compute[-1] * torch.arange(1, num_stages, dtype=compute.dtype) / num_stages
+    cuts = torch.searchsorted(compute, targets).clamp(1, n - 1).tolist()
+    bounds = sorted(set([0, *cuts, n]))
+    if len(bounds) != num_stages + 1:
+        return math.inf
+    costs = [
+        float(stage_costs(k, slice(a, a + 1), slice(b, b + 1)))
+        for k, (a, b) in enumerate(zip(bounds, bounds[1:]))
+    ]
+    return max(costs)
 
 
 def _memory_message(model: CostModel, num_stages: int, microbatches: int) -> str:

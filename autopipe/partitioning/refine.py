@@ -139,7 +139,7 @@ def refine(
     worse; lock the group; finally roll back to the best state seen. Every move keeps all edges
     pointing to the same or a later stage."""
     groups = groups if groups is not None else [[u] for u in range(state.model.num_units)]
-    borders = [_border(state, members) for members in groups]
+    moves = _Frontier(state, groups)
     for _ in range(passes):
         start = state.objective()
         best, best_length = start, 0
@@ -147,13 +147,12 @@ def refine(
         locked: set[int] = set()
         since_best = 0
         while since_best < patience:
-            move = _best_group_move(state, groups, borders, locked)
+            move = moves.best(locked)
             if move is None:
                 break
             group, to = move
-            history.append((group, state.stage[groups[group][0]]))
-            for unit in groups[group]:
-                state.move(unit, to)
+            history.append((group, moves.stage(group)))
+            moves.move(group, to)
             locked.add(group)
             current = state.objective()
             if better(current, best):
@@ -161,48 +160,86 @@ def refine(
             else:
                 since_best += 1
         for group, source in reversed(history[best_length:]):
-            for unit in groups[group]:
-                state.move(unit, source)
+            moves.move(group, source)
         if not better(best, start):
             return
 
 
-def _border(state: Assignment, members: list[int]) -> tuple[list[int], list[int]]:
-    """The predecessors and successors of a group outside it."""
-    inside = set(members)
-    preds = sorted({p for m in members for p in state.preds[m]} - inside)
-    succs = sorted({s for m in members for s in state.succs[m]} - inside)
-    return preds, succs
+class _Frontier:
+    """Groups of units that can move: only a group with no predecessor (or no successor) in its
+    own stage can leave it without an edge pointing backwards. Kept per stage, updated as groups
+    move, so finding the best move costs the size of the frontier, not of the graph."""
 
+    def __init__(self, state: Assignment, groups: list[list[int]]):
+        self.state = state
+        self.groups = groups
+        group_of = {u: g for g, members in enumerate(groups) for u in members}
+        self.preds: list[list[int]] = []
+        self.succs: list[list[int]] = []
+        for g, members in enumerate(groups):
+            self.preds.append(sorted({group_of[p] for m in members for p in state.preds[m]} - {g}))
+            self.succs.append(sorted({group_of[n] for m in members for n in state.succs[m]} - {g}))
+        self.same_preds = [
+            sum(self.stage(p) == self.stage(g) for p in self.preds[g]) for g in range(len(groups))
+        ]
+        self.same_succs = [
+            sum(self.stage(n) == self.stage(g) for n in self.succs[g]) for g in range(len(groups))
+        ]
+        self.frontier: list[set[int]] = [set() for _ in range(state.num_stages)]
+        for g in range(len(groups)):
+            self._file(g)
 
-def _best_group_move(state, groups, borders, locked) -> tuple[int, int] | None:
-    loads = state.device_loads()
-    busiest = max(range(len(loads)), key=loads.__getitem__)
-    hot = {s for s, d in enumerate(state.device_of_stage) if d == busiest}
-    best_move, best_value = None, None
-    for group, members in enumerate(groups):
-        if group in locked:
-            continue
-        stage = state.stage[members[0]]
-        preds, succs = borders[group]
-        if stage not in hot and not any(state.stage[n] in hot for n in preds + succs):
-            continue
-        if state.size[stage] <= len(members):
-            continue  # never empty a stage
-        # anywhere between the last predecessor's stage and the first successor's
-        low = max((state.stage[p] for p in preds), default=0)
-        high = min((state.stage[n] for n in succs), default=state.num_stages - 1)
-        for to in range(max(low, stage - 2), min(high, stage + 2) + 1):
-            if to == stage:
-                continue
-            for m in members:
-                state.move(m, to)
-            value = state.objective()
-            for m in members:
-                state.move(m, stage)
-            if best_value is None or better(value, best_value):
-                best_move, best_value = (group, to), value
-    return best_move
+    def stage(self, group: int) -> int:
+        return self.state.stage[self.groups[group][0]]
+
+    def _file(self, group: int) -> None:
+        stage = self.stage(group)
+        self.frontier[stage].discard(group)
+        if self.same_preds[group] == 0 or self.same_succs[group] == 0:
+            self.frontier[stage].add(group)
+
+    def move(self, group: int, to: int) -> None:
+        source = self.stage(group)
+        for neighbours, counts in (
+            (self.preds[group], self.same_succs),
+            (self.succs[group], self.same_preds),
+        ):
+            for n in neighbours:
+                at = self.stage(n)
+                counts[n] += (at == to) - (at == source)
+        self.frontier[source].discard(group)
+        for unit in self.groups[group]:
+            self.state.move(unit, to)
+        self.same_preds[group] = sum(self.stage(p) == to for p in self.preds[group])
+        self.same_succs[group] = sum(self.stage(n) == to for n in self.succs[group])
+        for n in (*self.preds[group], *self.succs[group], group):
+            self._file(n)
+
+    def best(self, locked: set[int]) -> tuple[int, int] | None:
+        state = self.state
+        loads = state.device_loads()
+        busiest = max(range(len(loads)), key=loads.__getitem__)
+        hot = {s for s, d in enumerate(state.device_of_stage) if d == busiest}
+        near = {s for h in hot for s in range(h - 2, h + 3) if 0 <= s < state.num_stages}
+        best_move, best_value = None, None
+        for stage in sorted(near):
+            for group in sorted(self.frontier[stage]):
+                if group in locked or state.size[stage] <= len(self.groups[group]):
+                    continue  # locked, or it would empty its stage
+                # anywhere between the last predecessor's stage and the first successor's
+                low = max((self.stage(p) for p in self.preds[group]), default=0)
+                high = min((self.stage(n) for n in self.succs[group]), default=state.num_stages - 1)
+                for to in range(max(low, stage - 2), min(high, stage + 2) + 1):
+                    if to == stage or not (stage in hot or to in hot):
+                        continue
+                    for unit in self.groups[group]:
+                        state.move(unit, to)
+                    value = state.objective()
+                    for unit in self.groups[group]:
+                        state.move(unit, stage)
+                    if best_value is None or better(value, best_value):
+                        best_move, best_value = (group, to), value
+        return best_move
 
 
 # -- repair -----------------------------------------------------------------------------------

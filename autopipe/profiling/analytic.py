@@ -21,7 +21,8 @@ from ..graph import Graph
 from ..interpreter import empty_placeholder
 from .devices import DeviceSpec
 from .profile import Profile, UnitCost, graph_digest
-from .workload import output_bytes, run_forward_backward, unit_workloads
+from ..tracing.units import signature, unit_workloads
+from .workload import output_bytes, run_forward_backward
 
 #: Operators that read only the rows they gather, not their whole (table) input.
 _GATHERS = {"embedding", "index", "gather", "index_select", "take", "_unsafe_index"}
@@ -75,8 +76,13 @@ def profile_analytic(graph: Graph, spec: DeviceSpec) -> Profile:
     """Profile every unit of ``graph`` on fake tensors for the device ``spec``."""
     device = torch.device("cpu")
     costs = []
+    known: dict[str, UnitCost] = {}  # structurally identical units (repeated layers) cost the same
     with FakeTensorMode(allow_non_fake_inputs=True):
         for work in unit_workloads(graph):
+            key = signature(graph, work)
+            if key in known:
+                costs.append(known[key])
+                continue
             forward: list[RooflineMode] = []
             backward: list[RooflineMode] = []
             saved = run_forward_backward(
@@ -99,4 +105,5 @@ def profile_analytic(graph: Graph, spec: DeviceSpec) -> Profile:
                     outputs=output_bytes(graph, work),
                 )
             )
+            known[key] = costs[-1]
     return Profile("analytic", spec, costs, graph_digest(graph))

@@ -21,7 +21,8 @@ from ..interpreter import run_nodes
 from ..spec import Example
 from .devices import DeviceSpec
 from .profile import Profile, UnitCost, graph_digest
-from .workload import UnitWorkload, output_bytes, run_forward_backward, unit_workloads
+from ..tracing.units import UnitWorkload, unit_workloads
+from .workload import output_bytes, run_forward_backward
 
 
 def local_device() -> torch.device:

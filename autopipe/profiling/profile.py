@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 
-from ..artifacts import dumps, read_artifact, write_artifact
+from ..artifacts import read_artifact, write_artifact
 from ..errors import ArtifactError
 from ..graph import Graph
 from .devices import DeviceSpec
@@ -78,4 +78,4 @@ class Profile:
 
 def graph_digest(graph: Graph) -> str:
     """A fingerprint of the graph, so a profile or partition is never applied to another graph."""
-    return hashlib.sha256(dumps(graph.to_json()).encode()).hexdigest()[:16]
+    return hashlib.sha256(graph.json_text().encode()).hexdigest()[:16]

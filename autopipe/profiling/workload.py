@@ -2,51 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..graph import Graph, Node, TensorMeta
+from ..graph import Graph
 from ..interpreter import run_nodes
-
-
-@dataclass
-class UnitWorkload:
-    nodes: list[Node]
-    inputs: list[str]  # values computed outside the unit (or model inputs)
-    state: list[str]  # parameter / buffer / constant placeholders the unit reads
-    outputs: list[str]  # values other units (or the model's output) read
-
-
-def unit_workloads(graph: Graph) -> list[UnitWorkload]:
-    unit_of = {n.name: n.unit for n in graph.calls}
-    model_outputs = set(graph.outputs)
-    workloads = []
-    for unit in graph.units:
-        nodes = graph.unit_nodes(unit.index)
-        inputs: dict[str, None] = {}
-        state: dict[str, None] = {}
-        for node in nodes:
-            for src in node.inputs:
-                kind = graph[src].kind
-                if kind in ("param", "buffer", "constant"):
-                    state[src] = None
-                elif unit_of.get(src) != unit.index:
-                    inputs[src] = None
-        outputs = [
-            n.name
-            for n in nodes
-            if isinstance(n.meta, TensorMeta)
-            and (
-                n.name in model_outputs
-                or any(unit_of.get(u) != unit.index for u in graph.users(n.name))
-            )
-        ]
-        workloads.append(UnitWorkload(nodes, list(inputs), list(state), outputs))
-    return workloads
+from ..tracing.units import UnitWorkload
 
 
 def run_forward_backward(

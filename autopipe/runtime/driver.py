@@ -34,6 +34,7 @@ from torch.distributed.pipelining.schedules import (
 
 from .checkpoint import Checkpoint, CheckpointError
 from .schedule import PipelineCosts, greedy_orders
+from .support import stage_state
 
 #: --schedule names -> torch.distributed.pipelining classes running one stage per rank, in order
 SINGLE_STAGE = {"gpipe": "GPipe", "1f1b": "1F1B"}
@@ -290,21 +291,6 @@ class Batches:
 
 
 # -- state ------------------------------------------------------------------------------------
-def stage_state(
-    stage: nn.Module, state: dict[str, torch.Tensor], aliases: list[list[str]]
-) -> dict[str, torch.Tensor]:
-    """The entries of an original-model ``state_dict`` a stage holds, tied aliases resolved.
-    Raises ``KeyError`` naming the first missing entry."""
-    alias_of = {name: group for group in aliases for name in group}
-    own = {}
-    for key in stage.state_dict():
-        found = next((k for k in alias_of.get(key, [key]) if k in state), None)
-        if found is None:
-            raise KeyError(key)
-        own[key] = state[found]
-    return own
-
-
 def load_state(
     stages: dict[int, nn.Module], path: str, pipeline: dict, device: torch.device
 ) -> None:

@@ -31,7 +31,7 @@ from ..graph import (
 from ..interpreter import empty_placeholder, resolve_target, run_node
 from ..meta import buffers_on_meta
 from ..spec import Example
-from .units import group_units
+from .units import group_units, signature, unit_workloads
 
 #: Operators dropped from the graph: they only check metadata recorded at trace time (and would
 #: pin the traced device into the generated code).
@@ -106,8 +106,8 @@ def trace(
         },
     )
     _check_parameters_known(graph)
-    _propagate_requires_grad(graph)
     graph.units = group_units(graph, depth=depth, basic_blocks=basic_blocks)
+    _propagate_requires_grad(graph)
     return graph
 
 
@@ -532,37 +532,47 @@ def _integer_input_ranges(example: Example) -> dict[str, int]:
 
 
 def _propagate_requires_grad(graph: Graph) -> None:
-    """Find which values need gradients by running the graph on fake tensors with autograd.
-
-    Doubles as a check that every node of the IR can run outside ``torch.export``.
-    """
+    """Find which values need gradients by running each unit on fake tensors with autograd, in
+    program order (a unit's inputs already carry their flags). Structurally identical units (the
+    layers of a transformer) run once. Doubles as a check that every node of the IR can run
+    outside ``torch.export``."""
     device = torch.device("cpu")
-    env: dict[str, Any] = {}
+    known: dict[str, list] = {}
     with FakeTensorMode(allow_non_fake_inputs=True):
-        for node in graph.nodes:
-            if node.is_placeholder:
-                env[node.name] = empty_placeholder(graph, node, device)
-            elif node.kind == "call":
-                try:
-                    env[node.name] = run_node(node, env, device)
-                except Exception as exc:
-                    raise TraceError(
-                        f"operator {node.target} (node {node.name}, in {node.scope_label or 'forward'}) "
-                        f"cannot be re-run from the captured graph: {type(exc).__name__}: {exc}"
-                    ) from exc
-    for node in graph.nodes:
-        value = env.get(node.name)
-        if isinstance(node.meta, TensorMeta) and isinstance(value, torch.Tensor):
-            node.meta = _with_grad(node.meta, value.requires_grad)
-        elif isinstance(node.meta, tuple) and isinstance(value, (list, tuple)):
-            node.meta = tuple(
-                (
-                    _with_grad(m, v.requires_grad)
-                    if isinstance(m, TensorMeta) and isinstance(v, torch.Tensor)
-                    else m
-                )
-                for m, v in zip(node.meta, value)
-            )
+        for work in unit_workloads(graph):
+            key = signature(graph, work)
+            if key not in known:
+                env = {
+                    name: empty_placeholder(graph, graph[name], device)
+                    for name in work.inputs + work.state
+                }
+                for name in work.inputs:  # received values are not leaves: in-place ops stay legal
+                    env[name] = env[name].clone() if env[name].requires_grad else env[name]
+                for node in work.nodes:
+                    try:
+                        env[node.name] = run_node(node, env, device)
+                    except Exception as exc:
+                        raise TraceError(
+                            f"operator {node.target} (node {node.name}, in {node.scope_label or 'forward'}) "
+                            f"cannot be re-run from the captured graph: {type(exc).__name__}: {exc}"
+                        ) from exc
+                known[key] = [_grad_flags(env[node.name]) for node in work.nodes]
+            for node, flags in zip(work.nodes, known[key]):
+                if isinstance(node.meta, TensorMeta):
+                    node.meta = _with_grad(node.meta, flags)
+                elif isinstance(node.meta, tuple):
+                    node.meta = tuple(
+                        _with_grad(m, f) if isinstance(m, TensorMeta) else m
+                        for m, f in zip(node.meta, flags)
+                    )
+
+
+def _grad_flags(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (list, tuple)):
+        return tuple(isinstance(v, torch.Tensor) and v.requires_grad for v in value)
+    return False
 
 
 def _with_grad(meta: TensorMeta, requires_grad: bool) -> TensorMeta:

@@ -8,8 +8,10 @@ with the same grouping key, so units never form cycles and a module called twice
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..errors import TraceError
-from ..graph import Graph, Node, Scope, Unit
+from ..graph import Graph, Node, Scope, TensorMeta, Unit, map_refs
 
 
 def group_key(
@@ -72,3 +74,67 @@ def _check_basic_blocks(graph: Graph, blocks: frozenset[str]) -> None:
             f"basic block class(es) {', '.join(missing)} match no module of the model; "
             f"module classes in the model: {', '.join(short)}"
         )
+
+
+@dataclass
+class UnitWorkload:
+    nodes: list[Node]
+    inputs: list[str]  # values computed outside the unit (or model inputs)
+    state: list[str]  # parameter / buffer / constant placeholders the unit reads
+    outputs: list[str]  # values other units (or the model's output) read
+
+
+def unit_workloads(graph: Graph) -> list[UnitWorkload]:
+    unit_of = {n.name: n.unit for n in graph.calls}
+    model_outputs = set(graph.outputs)
+    workloads = []
+    for unit in graph.units:
+        nodes = graph.unit_nodes(unit.index)
+        inputs: dict[str, None] = {}
+        state: dict[str, None] = {}
+        for node in nodes:
+            for src in node.inputs:
+                kind = graph[src].kind
+                if kind in ("param", "buffer", "constant"):
+                    state[src] = None
+                elif unit_of.get(src) != unit.index:
+                    inputs[src] = None
+        outputs = [
+            n.name
+            for n in nodes
+            if isinstance(n.meta, TensorMeta)
+            and (
+                n.name in model_outputs
+                or any(unit_of.get(u) != unit.index for u in graph.users(n.name))
+            )
+        ]
+        workloads.append(UnitWorkload(nodes, list(inputs), list(state), outputs))
+    return workloads
+
+
+def signature(graph: Graph, work: UnitWorkload) -> str:
+    """A key equal for units that compute the same thing on the same shapes (the 48 blocks of
+    GPT2-XL, say), whatever their names: operators, arguments with values renumbered locally,
+    tensor metadata, grad / autocast modes, and which values leave the unit."""
+    local: dict[str, str] = {}
+    parts: list = []
+    for prefix, names in (("i", work.inputs), ("s", work.state)):
+        for i, name in enumerate(names):
+            local[name] = f"{prefix}{i}"
+            node = graph[name]
+            flag = graph.param_of(node.target).requires_grad if node.kind == "param" else None
+            parts.append((node.kind, node.meta, flag))
+    for j, node in enumerate(work.nodes):
+        local[node.name] = f"n{j}"
+        rename = lambda ref: local[ref.name]  # noqa: E731
+        parts.append(
+            (
+                node.target,
+                map_refs(node.args, rename),
+                map_refs(node.kwargs, rename),
+                node.meta,
+                node.context,
+            )
+        )
+    parts.append(tuple(local[name] for name in work.outputs))
+    return repr(parts)

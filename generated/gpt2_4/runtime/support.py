@@ -86,3 +86,18 @@ def _fill(tensor: torch.Tensor, rule: str, seed: int, name: str) -> None:
         tensor.copy_(values)
     else:
         raise ValueError(f"unknown initialisation rule {rule!r} for {name}")
+
+
+def stage_state(
+    stage: nn.Module, state: dict[str, torch.Tensor], aliases: list[list[str]]
+) -> dict[str, torch.Tensor]:
+    """The entries of an original-model ``state_dict`` a stage holds, tied aliases resolved.
+    Raises ``KeyError`` naming the first missing entry."""
+    alias_of = {name: group for group in aliases for name in group}
+    own = {}
+    for key in stage.state_dict():
+        found = next((k for k in alias_of.get(key, [key]) if k in state), None)
+        if found is None:
+            raise KeyError(key)
+        own[key] = state[found]
+    return own
