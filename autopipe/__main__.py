@@ -1,7 +1,5 @@
 """``python -m autopipe``: the same as the ``autopipe`` command."""
 
-import sys
+from .cli import run
 
-from .cli import main
-
-sys.exit(main())
+run()
