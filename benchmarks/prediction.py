@@ -104,7 +104,7 @@ def models():
     return {
         "GPT-2 (4 x 256)": (gpt2, (ids,), {"labels": ids}),
         "BERT (4 x 256)": (bert, (ids,), {"labels": ids}),
-        "T5 (2+2 x 256)": (t5, (ids,), {"labels": ids[:, :32]}),
+        "T5 (2+2 x 256)": (t5, (ids,), {"labels": ids[:, :32].clone()}),
         "CNN (BatchNorm)": (cnn, (torch.randn(64, 3, 32, 32),), {}),
     }
 

@@ -46,6 +46,9 @@ def test_analytic_flops_follow_flop_counter():
     assert b.flops_backward == 2 * b.flops_forward
     assert a.flops_backward == a.flops_forward
     assert all(c.forward > 0 and c.backward >= 0 for c in prof.units)
+    # bytes read and written: at least the weight, the input and the output of a linear layer
+    assert a.bytes_forward >= (64 * 128 + 128 + 16 * 64 + 16 * 128) * 4
+    assert a.parameters == (64 * 128 + 128) * 4 and b.parameters == (128 * 32 + 32) * 4
 
 
 def test_analytic_memory_counts_saved_activations():
@@ -109,3 +112,19 @@ def test_device_spec_file(tmp_path):
         AutopipeError, match="missing flops, link_bandwidth, memory, memory_bandwidth"
     ):
         device_spec(str(path))
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_usable_spec(tmp_path):
+    from autopipe.cli import main
+
+    assert (
+        main(["calibrate", "--device", "cpu", "--name", "here", "-o", str(tmp_path / "cpu.json")])
+        == 0
+    )
+    spec = device_spec(str(tmp_path / "cpu.json"))
+    assert spec.name == "here" and spec.compute_efficiency == 1.0
+    assert spec.flops["float32"] > 1e8 and spec.memory_bandwidth > 1e8 and spec.link_bandwidth > 1e6
+    assert 0 < spec.kernel_overhead < 1e-3 and spec.memory > 1 << 30
+    _, graph = linear_graph()
+    assert sum(u.time for u in profile(graph, "analytic", spec).units) > 0

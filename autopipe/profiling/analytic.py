@@ -22,7 +22,7 @@ from ..interpreter import empty_placeholder
 from .devices import DeviceSpec
 from .profile import Profile, UnitCost, graph_digest
 from ..tracing.units import signature, unit_workloads
-from .workload import output_bytes, run_forward_backward
+from .workload import output_bytes, parameter_bytes, run_forward_backward
 
 #: Operators that read only the rows they gather, not their whole (table) input.
 _GATHERS = {"embedding", "index", "gather", "index_select", "take", "_unsafe_index"}
@@ -101,8 +101,11 @@ def profile_analytic(graph: Graph, spec: DeviceSpec) -> Profile:
                     backward=bwd.time if bwd else 0.0,
                     flops_forward=fwd.flops,
                     flops_backward=bwd.flops if bwd else 0.0,
+                    bytes_forward=fwd.bytes,
+                    bytes_backward=bwd.bytes if bwd else 0,
                     activations=saved,
                     outputs=output_bytes(graph, work),
+                    parameters=parameter_bytes(graph, work),
                 )
             )
             known[key] = costs[-1]

@@ -22,7 +22,7 @@ from ..spec import Example
 from .devices import DeviceSpec
 from .profile import Profile, UnitCost, graph_digest
 from ..tracing.units import UnitWorkload, unit_workloads
-from .workload import output_bytes, run_forward_backward
+from .workload import output_bytes, parameter_bytes, run_forward_backward
 
 
 def local_device() -> torch.device:
@@ -53,7 +53,13 @@ def profile_measured(
         )
         saved = _run(graph, work, values, device, timed=None)
         costs.append(
-            UnitCost(forward, backward, activations=saved, outputs=output_bytes(graph, work))
+            UnitCost(
+                forward,
+                backward,
+                activations=saved,
+                outputs=output_bytes(graph, work),
+                parameters=parameter_bytes(graph, work),
+            )
         )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return Profile("measured", spec, costs, graph_digest(graph), measured_on=name)

@@ -21,8 +21,13 @@ class UnitCost:
     backward: float  # seconds
     flops_forward: float = 0.0
     flops_backward: float = 0.0
+    bytes_forward: int = 0  # bytes operators read and write (analytic profile)
+    bytes_backward: int = 0
     activations: int = 0  # bytes autograd saves for backward (storage de-duplicated)
     outputs: int = 0  # bytes of the values the unit hands to other units
+    parameters: int = (
+        0  # bytes of the parameters it reads (gradients and optimizer state scale with it)
+    )
 
     @property
     def time(self) -> float:

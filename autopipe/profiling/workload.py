@@ -62,3 +62,11 @@ def run_forward_backward(
 
 def output_bytes(graph: Graph, work: UnitWorkload) -> int:
     return sum(graph.value_bytes(n) for n in work.outputs)
+
+
+def parameter_bytes(graph: Graph, work: UnitWorkload) -> int:
+    """Bytes of the distinct parameters a unit reads."""
+    params = {
+        graph.param_of(graph[n].target).names[0] for n in work.state if graph[n].kind == "param"
+    }
+    return sum(graph.params[name].nbytes for name in params)
