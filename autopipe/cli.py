@@ -23,7 +23,7 @@ from .partitioning.simulator import SCHEDULES
 from .profiling import PROFILE_MODES, Profile
 from .spec import load_example
 from .summary import format_partition
-from .verify import verify
+from .verify import VerifyReport, check_files, verify
 
 
 def _trace_options(parser: argparse.ArgumentParser) -> None:
@@ -153,7 +153,13 @@ def cmd_compile(args: argparse.Namespace) -> None:
         (lambda message: None) if args.quiet else (lambda message: print(message, file=sys.stderr))
     )
     result = compile_spec(
-        args.spec, args.out, _options(args), loss=args.loss, force=args.force, log=log
+        args.spec,
+        args.out,
+        _options(args),
+        loss=args.loss,
+        force=args.force,
+        report=not args.no_report,
+        log=log,
     )
     if not args.quiet:
         print(format_partition(result.graph, result.partition))
@@ -164,11 +170,14 @@ def cmd_compile(args: argparse.Namespace) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> None:
-    report = verify(args.dir, load_example(args.spec), rtol=args.rtol, atol=args.atol)
+    if args.spec is None:  # the files alone
+        report = VerifyReport(edited=check_files(args.dir))
+    else:
+        report = verify(args.dir, load_example(args.spec), rtol=args.rtol, atol=args.atol)
     print(report.summary())
     if not report.ok:
         raise SystemExit(1)
-    print("the pipeline matches the model")
+    print("the pipeline matches the model" if args.spec else "the pipeline is as generated")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -184,6 +193,34 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     atomic_write_text(args.output, json.dumps(spec.to_json(), indent=1) + "\n")
     print(
         f"wrote device spec {spec.name!r} to {args.output}; use it with --device-spec {args.output}"
+    )
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from .report import write_report
+
+    print(f"wrote {write_report(args.dir)}")
+
+
+def cmd_show(args: argparse.Namespace) -> None:
+    from .report import show_table
+
+    print(show_table(args.dir))
+
+
+def cmd_merge(args: argparse.Namespace) -> None:
+    from .runtime.data import PipelineRunError
+    from .runtime.train_state import merge_checkpoint, save_weights
+
+    out = args.output or args.checkpoint / "merged.pt"
+    try:
+        state, manifest = merge_checkpoint(args.checkpoint)
+    except PipelineRunError as exc:
+        raise AutopipeError(str(exc)) from None
+    save_weights(state, out)
+    print(
+        f"wrote {manifest['model']} after step {manifest['step']} ({len(state)} tensors, original "
+        f"names) to {out}; load it with model.load_state_dict"
     )
 
 
@@ -210,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true", help="print only the result")
+    p.add_argument(
+        "--no-report", action="store_true", help="skip DIR/report/report.html and its figures"
+    )
     _trace_options(p)
     _profile_options(p)
     _partition_options(p)
@@ -292,7 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the stages in one process against the original model and compare outputs, gradients and buffers.",
     )
     p.add_argument("dir", type=Path, help="generated pipeline directory")
-    p.add_argument("--spec", required=True, help=spec_help + " (with real weights)")
+    p.add_argument(
+        "--spec",
+        help=spec_help + " (with real weights); without it, only check the files against the "
+        "manifest written at generation",
+    )
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
     p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
     p.set_defaults(func=cmd_verify)
@@ -316,6 +360,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--name", help="name of the spec (default: the device's name)")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser(
+        "merge",
+        help="write a training checkpoint as one original-model state_dict",
+        description="Merge the stages of a train.py checkpoint (--checkpoint-dir) into the "
+        "original model's state_dict, tied names included, for model.load_state_dict.",
+    )
+    p.add_argument(
+        "checkpoint",
+        type=Path,
+        help="a --checkpoint-dir (its latest checkpoint) or one of its step-N directories",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="file to write: .safetensors, or anything else for torch.save (default CHECKPOINT/merged.pt)",
+    )
+    p.set_defaults(func=cmd_merge)
+
+    p = sub.add_parser(
+        "report",
+        help="write the HTML report of a compiled pipeline",
+        description="Write DIR/report/report.html (stage times, simulated timeline, memory per "
+        "device, model graph by stage) and its figures as SVG and PNG.",
+    )
+    p.add_argument("dir", type=Path, help="generated pipeline directory")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser(
+        "show",
+        help="print the stages of a compiled pipeline",
+        description="Print a table of the stages: device, units, parameters, predicted times, "
+        "memory, inputs and outputs.",
+    )
+    p.add_argument("dir", type=Path, help="generated pipeline directory")
+    p.set_defaults(func=cmd_show)
     return parser
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from torch import nn
 
 from .artifacts import artifact_text
-from .codegen import check_output_dir, package_files, write_package
+from .codegen import check_output_dir, package_files, with_manifest, write_package
 from .graph import Graph
 from .partitioning import DEFAULT_METHOD, Partition, partition
 from .partitioning.partition import PARTITION_KIND
@@ -98,7 +98,7 @@ def generate_step(
     files[f"{ARTIFACTS}/partition.json"] = artifact_text(PARTITION_KIND, part.to_json())
     if prof is not None:
         files[f"{ARTIFACTS}/profile.json"] = artifact_text(PROFILE_KIND, prof.to_json())
-    return write_package(out, files, force=force)
+    return write_package(out, with_manifest(files), force=force)
 
 
 def compile_example(
@@ -109,9 +109,11 @@ def compile_example(
     source: str | None = None,
     loss: str | Callable | None = None,
     force: bool = False,
+    report: bool = True,
     log: Callable[[str], None] = lambda message: None,
 ) -> CompileResult:
-    """Trace, profile, partition and generate in one go."""
+    """Trace, profile, partition and generate in one go; with ``report``, also write
+    ``out/report/report.html`` and its figures."""
     out = Path(out)
     check_output_dir(out, force)  # fail before the expensive steps
     timings: dict[str, float] = {}
@@ -127,6 +129,10 @@ def compile_example(
     prof = timed("profile", lambda: profile_step(graph, options, example))
     part = timed("partition", lambda: partition_step(graph, prof, options))
     timed("generate", lambda: generate_step(graph, part, out, prof=prof, force=force))
+    if report:
+        from .report import write_report
+
+        timed("report", lambda: write_report(out))
     return CompileResult(out, graph, prof, part, timings)
 
 

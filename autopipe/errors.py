@@ -28,6 +28,10 @@ class PartitionError(AutopipeError):
     """No valid partition exists for the requested stages and devices."""
 
 
+class DeviceMemoryError(PartitionError):
+    """No partition keeps every device within its memory."""
+
+
 class OutputExistsError(AutopipeError):
     """The output directory already exists and ``--force`` was not given."""
 

@@ -36,4 +36,9 @@ def format_partition(graph: Graph, part: Partition) -> str:
         f"{predicted.get('bubble', 0) * 100:.0f}% bubble ({settings.get('schedule')} schedule, {settings.get('profile')} "
         f"profile for {settings.get('device')}, method {part.method})"
     )
+    if part.recompute:
+        rows.append(
+            f"stages {', '.join(map(str, part.recompute))} recompute their activations in backward "
+            f"to fit the {settings.get('device')}'s memory (train.py --recompute auto)"
+        )
     return "\n".join(rows)

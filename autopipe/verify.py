@@ -53,16 +53,27 @@ class Comparison:
 @dataclass
 class VerifyReport:
     comparisons: list[Comparison] = field(default_factory=list)
+    #: files changed since generation (None: the package has no manifest to check against)
+    edited: list[str] | None = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.comparisons)
+        return not self.edited and all(c.ok for c in self.comparisons)
 
     def worst(self, kind: str) -> float:
         return max((c.max_abs for c in self.comparisons if c.kind == kind), default=0.0)
 
     def summary(self) -> str:
-        lines = []
+        if self.edited is None:
+            lines = ["no manifest.json: cannot tell whether files were edited since generation"]
+        elif self.edited:
+            lines = [
+                f"edited since generation ({len(self.edited)} files; regenerate with "
+                "`autopipe compile ... --force` or keep the edits at your own risk):",
+                *[f"  {rel}" for rel in self.edited],
+            ]
+        else:
+            lines = ["files     unchanged since generation (manifest.json)"]
         for kind in ("output", "grad", "buffer"):
             items = [c for c in self.comparisons if c.kind == kind]
             bad = [c for c in items if not c.ok]
@@ -73,10 +84,22 @@ class VerifyReport:
         return "\n".join(lines)
 
 
+def check_files(path: str | Path) -> list[str] | None:
+    """Files of a generated package edited since generation; None if it has no manifest."""
+    from .codegen import edited_files
+    from .errors import ArtifactError
+
+    try:
+        return edited_files(path)
+    except ArtifactError:
+        return None
+
+
 def verify(
     path: str | Path, example: Example, *, rtol: float = 1e-4, atol: float = 1e-5, seed: int = 0
 ) -> VerifyReport:
-    """Compare the pipeline in ``path`` with ``example.model`` on the example microbatch."""
+    """Compare the pipeline in ``path`` with ``example.model`` on the example microbatch, and
+    its files with the manifest written when it was generated."""
     package = load_pipeline(path)
     pipeline = package.PIPELINE
     model = example.model
@@ -112,7 +135,7 @@ def verify(
         raise VerificationError(
             f"the pipeline returns {len(actual)} outputs, the model {len(expected)}"
         )
-    report = VerifyReport()
+    report = VerifyReport(edited=check_files(path))
     for name, a, e in zip(pipeline["outputs"], actual, expected):
         report.comparisons.append(_compare("output", name, a, e, rtol, atol))
     # back-propagate the same random projection of the outputs through both

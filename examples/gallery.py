@@ -19,6 +19,10 @@ from autopipe.cli import main as autopipe
 #: directory under generated/ -> arguments of `autopipe compile`
 GALLERY = {
     "gpt2_4": ["examples/gpt2.py:build", "--stages", "4"],
+    "bert_base_2": ["examples/bert.py:build", "--stages", "2"],
+    "bert_base_4": ["examples/bert.py:build", "--stages", "4"],
+    # Mixed-Pipe: 6 stages on 3 devices, two non-adjacent stages per device
+    "t5_small_6on3": ["examples/t5.py:build", "--stages", "6", "--devices", "3"],
 }
 
 

@@ -30,8 +30,9 @@ def spec(name: str) -> str:
 def compile_model(name: str, out: Path, stages: int, **options):
     loss = options.pop("loss", None)
     force = options.pop("force", False)
+    report = options.pop("report", False)  # tests/test_report.py covers reports
     options = CompileOptions(stages=stages, **options)
-    result = compile_spec(spec(name), out, options, loss=loss, force=force)
+    result = compile_spec(spec(name), out, options, loss=loss, force=force, report=report)
     assert_black_formatted(out)
     return result
 

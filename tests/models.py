@@ -50,6 +50,36 @@ def gpt2_batch(step: int, microbatches: int = 4):
     return (ids,), {"labels": ids.clone()}
 
 
+def gpt2_batch_slowly(step: int, microbatches: int = 4):
+    """gpt2_batch, a quarter of a second late: gives a test time to kill a rank mid-run."""
+    import time
+
+    time.sleep(0.25)
+    return gpt2_batch(step, microbatches)
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Windows of 16 tokens of a fixed random sequence, as dicts of the model's inputs."""
+
+    def __init__(self, samples: int = 40):
+        self.tokens = torch.randint(
+            0, 97, (samples + 16,), generator=torch.Generator().manual_seed(5)
+        )
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        window = self.tokens[i : i + 16]
+        return {"input_ids": window, "labels": window.clone()}
+
+
+def gpt2_dataset() -> TokenWindows:
+    """A Dataset factory for train.py --data."""
+    return TokenWindows()
+
+
 def bert():
     """BERT masked LM with an attention mask (padding in the second sequence)."""
     from transformers import BertConfig, BertForMaskedLM

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from autopipe.runtime.checkpoint import Checkpoint, CheckpointError, save_safetensors
-from autopipe.runtime.driver import PipelineRunError, load_state
+from autopipe.runtime.data import PipelineRunError
+from autopipe.runtime.train_state import load_weights
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline
 
@@ -59,7 +60,7 @@ def test_every_format_loads_each_stage_exactly(tmp_path, kind):
     path = write_checkpoint(state, tmp_path, kind)
     stages = {i: package.build_stage(i, meta_state=True) for i in range(3)}
     assert all(p.is_meta for s in stages.values() for p in s.parameters())
-    load_state(stages, str(path), package.PIPELINE, torch.device("cpu"))
+    load_weights(stages, str(path), package.PIPELINE, torch.device("cpu"))
     for stage in stages.values():
         for name, tensor in stage.state_dict().items():
             expected = state["transformer.wte.weight" if name == "lm_head.weight" else name]
@@ -82,12 +83,12 @@ def test_wrong_checkpoints_are_named(tmp_path):
     del missing[first]
     torch.save(missing, tmp_path / "missing.pt")
     with pytest.raises(PipelineRunError, match=f"has no entry '{first}'"):
-        load_state(stages, str(tmp_path / "missing.pt"), package.PIPELINE, torch.device("cpu"))
+        load_weights(stages, str(tmp_path / "missing.pt"), package.PIPELINE, torch.device("cpu"))
     wrong = dict(state)
     wrong[first] = torch.zeros(3)
     torch.save(wrong, tmp_path / "wrong.pt")
     with pytest.raises(PipelineRunError, match=f"{first} .* has shape \\[3\\], stage 0 expects"):
-        load_state(stages, str(tmp_path / "wrong.pt"), package.PIPELINE, torch.device("cpu"))
+        load_weights(stages, str(tmp_path / "wrong.pt"), package.PIPELINE, torch.device("cpu"))
     (tmp_path / "garbage.safetensors").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="not a safetensors file"):
         Checkpoint(tmp_path / "garbage.safetensors")
@@ -103,7 +104,7 @@ def test_bf16_checkpoint_is_cast_to_the_stage_dtype(tmp_path):
     }
     save_safetensors(state, tmp_path / "half.safetensors")
     stages = {0: package.build_stage(0, meta_state=True)}
-    load_state(stages, str(tmp_path / "half.safetensors"), package.PIPELINE, torch.device("cpu"))
+    load_weights(stages, str(tmp_path / "half.safetensors"), package.PIPELINE, torch.device("cpu"))
     assert all(p.dtype == torch.float32 for p in stages[0].parameters())
 
 
@@ -130,7 +131,7 @@ MEASURE = """
 import sys, torch
 sys.path.insert(0, {parent!r})
 from autopipe.verify import load_pipeline
-from autopipe.runtime.driver import load_state
+from autopipe.runtime.train_state import load_weights
 
 def status(field):  # kB in /proc/self/status
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(field))
@@ -140,7 +141,7 @@ stage = package.build_stage({index}, meta_state=True)
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset the peak (VmHWM) to the current resident size
 before = status("VmRSS:")
-load_state({{{index}: stage}}, {checkpoint!r}, package.PIPELINE, torch.device("cpu"))
+load_weights({{{index}: stage}}, {checkpoint!r}, package.PIPELINE, torch.device("cpu"))
 for tensor in stage.state_dict().values():
     tensor.add_(0)  # read and write every page, as training does
 size = sum(t.numel() * t.element_size() for t in stage.state_dict().values())

@@ -22,7 +22,16 @@ def test_step_by_step_equals_compile(tmp_path):
     """trace -> profile -> partition -> generate from the saved artefacts gives what compile gives."""
     assert (
         autopipe(
-            ["compile", spec("t5"), "--stages", "3", "--out", str(tmp_path / "compiled"), "--quiet"]
+            [
+                "compile",
+                spec("t5"),
+                "--stages",
+                "3",
+                "--out",
+                str(tmp_path / "compiled"),
+                "--quiet",
+                "--no-report",  # generate writes no report; `autopipe report` does
+            ]
         )
         == 0
     )

@@ -200,3 +200,26 @@ def test_runtime_errors(tmp_path):
         result.returncode == 2
         and "1f1b needs at least as many microbatches as stages (2)" in result.stderr
     )
+
+
+def test_hand_edited_package_is_reported(tmp_path, capsys):
+    """manifest.json holds every generated file's hash: `autopipe verify DIR` (files only) and
+    `verify DIR --spec` name the edited, deleted and added files and fail."""
+    out = tmp_path / "pipe"
+    compile_model("mlp", out, 2)
+    assert autopipe(["verify", str(out)]) == 0
+    assert "the pipeline is as generated" in capsys.readouterr().out
+    stage = out / "stage1.py"
+    stage.write_text(stage.read_text() + "# a hand edit\n")
+    (out / "runtime" / "schedule.py").unlink()
+    (out / "stage9.py").write_text("# mine\n")
+    with pytest.raises(SystemExit) as exc:
+        autopipe(["verify", str(out)])
+    assert exc.value.code == 1
+    printed = capsys.readouterr().out
+    assert "edited since generation (3 files" in printed
+    for rel in ("stage1.py", "runtime/schedule.py", "stage9.py"):
+        assert f"  {rel}\n" in printed
+    with pytest.raises(SystemExit):
+        autopipe(["verify", str(out), "--spec", spec("mlp")])
+    assert "stage1.py" in capsys.readouterr().out

@@ -119,3 +119,22 @@ def test_partition_reports_prediction():
     assert predicted["bottleneck"] >= predicted["lower_bound"]
     assert len(predicted["stages"]) == 3
     assert math.isclose(predicted["bottleneck"], max(s["time"] for s in predicted["stages"]))
+
+
+def test_recomputation_switched_on_for_devices_short_of_memory():
+    """2 GiB of activations per unit overflow 10 GiB devices with 1F1B; recomputing the short
+    devices' stages (keeping only their inputs) makes them fit; past that, a clear error."""
+    profile = random_profile([1.0] * UNITS, [2 * 1024**3] * UNITS, 1e3, memory_gib=10)
+    part = partition(GRAPH, profile, 2, schedule="1f1b", microbatches=4)
+    assert part.recompute  # without it a device would need more than 10 GiB
+    model = CostModel(GRAPH, profile, schedule="1f1b", microbatches=4)
+    plain = model.evaluate(part.stage_of_unit, part.device_of_stage, "1f1b")
+    assert max(plain.device_memory) > 10 * 1024**3
+    assert max(part.predicted["device_memory"]) <= 10 * 1024**3
+    stages = part.predicted["stages"]
+    for s in part.recompute:  # backward pays for the forward again
+        assert stages[s]["backward"] == pytest.approx(stages[s]["forward"] / 0.4)
+
+    tiny = random_profile([1.0] * UNITS, [0] * UNITS, 1e3, memory_gib=1e-9)
+    with pytest.raises(PartitionError, match="fits the memory of H100"):
+        partition(GRAPH, tiny, 2, method="mpipe")

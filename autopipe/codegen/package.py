@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import importlib.resources
 import json
 import os
@@ -15,7 +16,7 @@ import black
 import jinja2
 
 from ..artifacts import ARTIFACT_VERSION, dumps
-from ..errors import OutputExistsError
+from ..errors import ArtifactError, OutputExistsError
 from ..graph import Graph, ParamInfo, Ref, dtype_name
 from ..partitioning import Partition, default_schedule
 from . import emit
@@ -24,7 +25,18 @@ from .plan import StagePlan, plan_stages
 TEMPLATES = Path(str(importlib.resources.files("autopipe.templates")))
 RUNTIME = Path(__file__).resolve().parent.parent / "runtime"
 #: autopipe.runtime, copied verbatim into each package as its runtime/ subpackage
-RUNTIME_MODULES = ("__init__.py", "support.py", "schedule.py", "checkpoint.py", "driver.py")
+RUNTIME_MODULES = (
+    "__init__.py",
+    "support.py",
+    "schedule.py",
+    "checkpoint.py",
+    "options.py",
+    "data.py",
+    "parallel.py",
+    "train_state.py",
+    "metrics.py",
+    "driver.py",
+)
 BLACK_MODE = emit.BLACK_MODE
 #: stands for a forward body in a rendered file until the (already formatted) body is spliced in
 BODY_MARKER = "# autopipe: forward body"
@@ -248,6 +260,7 @@ def pipeline_description(graph: Graph, plans: list[StagePlan], part: Partition) 
                 "outputs": p.outputs,
                 "device": p.device,
                 "module": f"stage{p.index}",
+                "recompute": p.index in part.recompute,
             }
             for p in plans
         ],
@@ -299,6 +312,41 @@ def _canonical(graph: Graph, name: str) -> str:
             if name in info.names:
                 return canonical
     raise KeyError(name)
+
+
+MANIFEST = "manifest.json"
+
+
+def with_manifest(files: dict[str, str]) -> dict[str, str]:
+    """``files`` plus ``manifest.json``: the SHA-256 of every file, so that edits are found."""
+    digests = {
+        rel: hashlib.sha256(text.encode("utf-8")).hexdigest() for rel, text in sorted(files.items())
+    }
+    manifest = {"format": "autopipe.manifest", "version": ARTIFACT_VERSION, "files": digests}
+    return {**files, MANIFEST: json.dumps(manifest, indent=1) + "\n"}
+
+
+def edited_files(directory: str | os.PathLike) -> list[str]:
+    """Files of a generated package that differ from its manifest (changed, missing or added
+    beside the generated ones), by relative path; raises if there is no readable manifest."""
+    directory = Path(directory)
+    try:
+        digests = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ArtifactError(
+            f"{directory / MANIFEST} is missing or unreadable ({exc}); regenerate the pipeline"
+        ) from None
+    edited = []
+    for rel, digest in digests.items():
+        path = directory / rel
+        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+            edited.append(rel)
+    generated_folders = {Path(rel).parent for rel in digests}
+    for path in sorted(directory.rglob("*.py")):
+        rel = path.relative_to(directory).as_posix()
+        if rel not in digests and Path(rel).parent in generated_folders:
+            edited.append(rel)
+    return edited
 
 
 def write_package(out: str | os.PathLike, files: dict[str, str], force: bool = False) -> Path:

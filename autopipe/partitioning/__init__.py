@@ -9,9 +9,11 @@ simulated training step under the schedule.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 
-from ..errors import PartitionError
+from ..errors import DeviceMemoryError, PartitionError
 from ..graph import Graph
 from ..profiling.profile import Profile
 from .acyclic import solve_acyclic
@@ -21,15 +23,18 @@ from .metis import solve_metis
 from .mpipe import solve_mpipe
 from .partition import Partition
 from .refine import looped_devices
-from .simulator import SCHEDULES
+from .simulator import SCHEDULES, TORCH_MULTI_STAGE, torch_placement
 
 
-def solve_dp(model: CostModel, num_stages: int, num_devices: int) -> tuple[list[int], list[int]]:
-    return solve_contiguous(model, num_stages), looped_devices(num_stages, num_devices)
+def solve_dp(
+    model: CostModel, num_stages: int, num_devices: int, placement: list[int] | None = None
+) -> tuple[list[int], list[int]]:
+    return solve_contiguous(model, num_stages), placement or looped_devices(num_stages, num_devices)
 
 
-#: --method names -> solvers taking (cost model, stages, devices), returning (stage_of_unit, device_of_stage)
-METHODS: dict[str, Callable[[CostModel, int, int], tuple[list[int], list[int]]]] = {
+#: --method names -> solvers taking (cost model, stages, devices, placement or None), returning
+#: (stage_of_unit, device_of_stage); a given placement (stage -> device) is kept
+METHODS: dict[str, Callable[..., tuple[list[int], list[int]]]] = {
     "acyclic": solve_acyclic,
     "dp": solve_dp,
     "metis": solve_metis,
@@ -41,6 +46,31 @@ DEFAULT_METHOD = "mpipe"
 def default_schedule(device_of_stage: list[int]) -> str:
     """1F1B for one stage per device; the greedy schedule (run by torch's runtime) otherwise."""
     return "1f1b" if device_of_stage == list(range(len(device_of_stage))) else "auto"
+
+
+def plan_recompute(
+    model: CostModel, stage_of_unit: list[int], device_of_stage: list[int], schedule: str
+) -> frozenset[int]:
+    """The stages whose activations are recomputed in backward: those of every device the
+    partition leaves short of memory. Raises when even that does not make them fit."""
+    capacity = model.device.memory
+    prediction = model.evaluate(stage_of_unit, device_of_stage, schedule)
+    short = {d for d, m in enumerate(prediction.device_memory) if m > capacity}
+    if not short:
+        return frozenset()
+    recompute = frozenset(s for s, d in enumerate(device_of_stage) if d in short)
+    needed = model.evaluate(stage_of_unit, device_of_stage, schedule, recompute).device_memory
+    worst = max(range(len(needed)), key=needed.__getitem__)
+    if needed[worst] > capacity:
+        state = sum(model.param_bytes) * model.state_factor()
+        raise PartitionError(
+            f"device {worst} needs {needed[worst] / 2**30:.2f} GiB even with its activations "
+            f"recomputed, but {model.device.name} has {capacity / 2**30:.2f} GiB. The model's "
+            f"parameters, gradients and optimizer state alone take {state / 2**30:.2f} GiB: use at "
+            f"least {math.ceil(state / capacity)} devices (more stages and --devices), fewer "
+            "microbatches, or a device with more memory (--device-spec)"
+        )
+    return recompute
 
 
 def partition(
@@ -71,23 +101,43 @@ def partition(
             f"{num_stages} stages need at least {num_stages} units, but the graph has {len(graph.units)}; use "
             "fewer stages, or a larger --depth / fewer --basic-blocks so the model splits into more units"
         )
+    placement = None
+    if schedule in TORCH_MULTI_STAGE:  # torch's multi-stage schedules fix the placement
+        if num_stages % num_devices or num_stages == num_devices:
+            raise PartitionError(
+                f"--schedule {schedule} runs several stages per device: --stages must be a multiple "
+                f"of --devices (at least twice), got {num_stages} stages on {num_devices} devices"
+            )
+        placement = torch_placement(schedule, num_stages, num_devices)
+    elif schedule in ("gpipe", "1f1b") and num_devices != num_stages:
+        raise PartitionError(
+            f"--schedule {schedule} runs one stage per device; with {num_stages} stages on "
+            f"{num_devices} devices use --schedule auto, interleaved-1f1b or looped-bfs"
+        )
     model = CostModel(
         graph, profile, schedule=schedule or "1f1b", microbatches=microbatches, optimizer=optimizer
     )
-    stage_of_unit, device_of_stage = METHODS[method](model, num_stages, num_devices)
+    solve = METHODS[method]
+    try:
+        stage_of_unit, device_of_stage = solve(model, num_stages, num_devices, placement)
+    except DeviceMemoryError:  # recomputation may make room: search as if every stage did
+        recomputing = model.assuming_recomputation()
+        stage_of_unit, device_of_stage = solve(recomputing, num_stages, num_devices, placement)
     model.check_monotone(stage_of_unit)
     if sorted(set(stage_of_unit)) != list(range(num_stages)):
         raise PartitionError(
             f"method {method} did not produce {num_stages} non-empty stages (a bug: please report)"
         )
     schedule = schedule or default_schedule(device_of_stage)
-    prediction = model.evaluate(stage_of_unit, device_of_stage, schedule)
-    costs = model.pipeline_costs(stage_of_unit, device_of_stage)
+    recompute = plan_recompute(model, stage_of_unit, device_of_stage, schedule)
+    prediction = model.evaluate(stage_of_unit, device_of_stage, schedule, recompute)
+    costs = model.pipeline_costs(stage_of_unit, device_of_stage, recompute)
     return Partition(
         method=method,
         stage_of_unit=stage_of_unit,
         device_of_stage=device_of_stage,
         graph_digest=profile.graph_digest,
+        recompute=sorted(recompute),
         settings={
             "schedule": schedule,
             "microbatches": microbatches or 2 * num_stages,

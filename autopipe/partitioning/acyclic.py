@@ -16,9 +16,9 @@ from .refine import Assignment, looped_devices, refine
 
 
 def solve_acyclic(
-    model: CostModel, num_stages: int, num_devices: int
+    model: CostModel, num_stages: int, num_devices: int, placement: list[int] | None = None
 ) -> tuple[list[int], list[int]]:
-    devices = looped_devices(num_stages, num_devices)
+    devices = placement or looped_devices(num_stages, num_devices)
     state = Assignment(model, solve_contiguous(model, num_stages), devices)
     multilevel_refine(state)
     return state.stage, devices

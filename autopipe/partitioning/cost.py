@@ -12,6 +12,7 @@ stages, plus the activations the schedule keeps alive.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass
 
 import networkx as nx
@@ -232,7 +233,14 @@ class CostModel:
                     f"{self.graph.units[u].label} in the later stage {stage_of_unit[u]}"
                 )
 
-    def pipeline_costs(self, stage_of_unit: list[int], device_of_stage: list[int]) -> PipelineCosts:
+    def pipeline_costs(
+        self,
+        stage_of_unit: list[int],
+        device_of_stage: list[int],
+        recompute: frozenset[int] = frozenset(),
+    ) -> PipelineCosts:
+        """Per-stage costs; stages in ``recompute`` keep only their inputs for backward and run
+        their forward again there."""
         num_stages = len(device_of_stage)
         forward = [0.0] * num_stages
         backward = [0.0] * num_stages
@@ -252,6 +260,9 @@ class CostModel:
             for s in range(first, end):
                 act_cross[s] += ex.activation
                 grad_cross[s] += ex.gradient
+        for s in recompute:
+            backward[s] += forward[s]
+            activations[s] = act_cross[s - 1] if s > 0 else 0.0
         bandwidth = self.device.link_bandwidth
         return PipelineCosts(
             forward=forward,
@@ -269,13 +280,14 @@ class CostModel:
         stage_of_unit: list[int],
         device_of_stage: list[int] | None = None,
         schedule: str | None = None,
+        recompute: frozenset[int] = frozenset(),
     ) -> Prediction:
         """Stage costs and a simulated step for an assignment of units to stages and devices."""
         num_stages = max(stage_of_unit) + 1
         device_of_stage = (
             device_of_stage if device_of_stage is not None else list(range(num_stages))
         )
-        costs = self.pipeline_costs(stage_of_unit, device_of_stage)
+        costs = self.pipeline_costs(stage_of_unit, device_of_stage, recompute)
         microbatches = self.microbatches or 2 * num_stages
         schedule = schedule or self.schedule
         simulation = self.simulate(costs, schedule, microbatches)
@@ -305,6 +317,13 @@ class CostModel:
             device_memory=simulation.peak_memory,
             bubble=simulation.bubble,
         )
+
+    def assuming_recomputation(self) -> CostModel:
+        """This model as partitioners see it when every stage may recompute its activations
+        (each keeps only its inputs, which its neighbour already counts)."""
+        recomputing = copy.copy(self)
+        recomputing.activations = [0.0] * self.num_units
+        return recomputing
 
     @staticmethod
     def simulate(costs: PipelineCosts, schedule: str, microbatches: int) -> Simulation:

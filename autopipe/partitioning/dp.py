@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..errors import PartitionError
+from ..errors import DeviceMemoryError, PartitionError
 from .cost import CostModel, in_flight
 
 
@@ -89,7 +89,7 @@ def _solve(model: CostModel, num_stages: int) -> list[int]:
             best[k, ends] = candidates.min(0).values
     optimum = float(best[num_stages, n])
     if not math.isfinite(optimum):
-        raise PartitionError(_memory_message(model, num_stages, microbatches))
+        raise DeviceMemoryError(_memory_message(model, num_stages, microbatches))
     # among partitions with that bottleneck, the most balanced (least sum of squares); ties -> earliest cut
     limit = optimum * (1 + 1e-9)
     total = torch.full((num_stages + 1, n + 1), inf, dtype=dtype)

@@ -20,9 +20,11 @@ from .refine import Assignment, exact_stage_count, looped_devices, monotone
 _WEIGHT_SCALE = 1_000_000
 
 
-def solve_metis(model: CostModel, num_stages: int, num_devices: int) -> tuple[list[int], list[int]]:
+def solve_metis(
+    model: CostModel, num_stages: int, num_devices: int, placement: list[int] | None = None
+) -> tuple[list[int], list[int]]:
     n = model.num_units
-    devices = looped_devices(num_stages, num_devices)
+    devices = placement or looped_devices(num_stages, num_devices)
     if num_stages == 1:
         return [0] * n, devices
     parts = _metis_parts(model, num_stages)

@@ -22,7 +22,11 @@ from .dp import solve_contiguous
 from .refine import Assignment, exact_stage_count, refine
 
 
-def solve_mpipe(model: CostModel, num_stages: int, num_devices: int) -> tuple[list[int], list[int]]:
+def solve_mpipe(
+    model: CostModel, num_stages: int, num_devices: int, placement: list[int] | None = None
+) -> tuple[list[int], list[int]]:
+    if placement is not None:  # the schedule fixes the placement: refine the stages on it
+        return solve_acyclic(model, num_stages, num_devices, placement)
     candidates: list[tuple[list[int], list[int]]] = []
     n = model.num_units
     sizes = sorted({min(n, f * num_stages) for f in (1, 2, 4)})

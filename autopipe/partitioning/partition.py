@@ -22,6 +22,8 @@ class Partition:
     predicted: dict = field(default_factory=dict)  # Prediction.to_json()
     #: per-stage costs the ``auto`` schedule orders actions by (runtime.schedule.PipelineCosts fields)
     costs: dict = field(default_factory=dict)
+    #: stages whose activations are recomputed in backward, to fit device memory
+    recompute: list[int] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:
@@ -44,6 +46,7 @@ class Partition:
             "stage_of_unit": self.stage_of_unit,
             "predicted": self.predicted,
             "costs": self.costs,
+            "recompute": self.recompute,
         }
 
     @classmethod
@@ -57,6 +60,7 @@ class Partition:
                 settings=data.get("settings", {}),
                 predicted=data.get("predicted", {}),
                 costs=data.get("costs", {}),
+                recompute=[int(s) for s in data.get("recompute", [])],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ArtifactError(

@@ -72,18 +72,19 @@ class PipelineCosts:
         return self.backward[action.stage] * share
 
 
-def dependencies(action: Action, num_stages: int, split_backward: bool) -> list[tuple[Action, str]]:
-    """Actions that must end before ``action`` starts, with the link direction they cross."""
+def dependencies(action: Action, num_stages: int) -> list[tuple[tuple[Action, ...], str]]:
+    """What must end before ``action`` starts: for each need, the actions that satisfy it (the
+    next stage's input gradients come from its full backward or its input backward), with the
+    link direction crossed."""
     s, m = action.stage, action.microbatch
-    backward = "I" if split_backward else "B"
     if action.kind == "F":
-        return [(Action(s - 1, "F", m), "forward")] if s > 0 else []
+        return [((Action(s - 1, "F", m),), "forward")] if s > 0 else []
     if action.kind == "W":
-        return [(Action(s, "I", m), "")]
-    deps = [(Action(s, "F", m), "")]
+        return [((Action(s, "I", m),), "")]
+    needs = [((Action(s, "F", m),), "")]
     if s < num_stages - 1:
-        deps.append((Action(s + 1, backward, m), "backward"))
-    return deps
+        needs.append(((Action(s + 1, "B", m), Action(s + 1, "I", m)), "backward"))
+    return needs
 
 
 def single_stage_order(
@@ -205,7 +206,6 @@ def event_times(
 ) -> list[tuple[int, Action, float, float]]:
     """``(device, action, start, end)`` of every action when each device runs its order: an
     action starts once its device is free and its inputs have arrived. Raises on a deadlock."""
-    split = any(a.kind == "I" for order in orders.values() for a in order)
     end: dict[Action, float] = {}
     position = dict.fromkeys(orders, 0)
     free = dict.fromkeys(orders, 0.0)
@@ -216,7 +216,7 @@ def event_times(
         for device, order in orders.items():
             while position[device] < len(order):
                 action = order[position[device]]
-                ready = _ready_time(action, end, costs, split)
+                ready = _ready_time(action, end, costs)
                 if ready is None:
                     break
                 start = max(ready, free[device])
@@ -231,13 +231,12 @@ def event_times(
     return events
 
 
-def _ready_time(
-    action: Action, done: dict[Action, float], costs: PipelineCosts, split: bool = False
-) -> float | None:
+def _ready_time(action: Action, done: dict[Action, float], costs: PipelineCosts) -> float | None:
     """When the inputs of ``action`` are available, or None if a dependency has not run."""
     ready = 0.0
-    for dep, direction in dependencies(action, costs.num_stages, split):
-        if dep not in done:
+    for options, direction in dependencies(action, costs.num_stages):
+        dep = next((d for d in options if d in done), None)
+        if dep is None:
             return None
         delay = 0.0
         if direction == "forward":
@@ -251,13 +250,13 @@ def _ready_time(
 def peak_memory(
     events: list[tuple[int, Action, float, float]], costs: PipelineCosts
 ) -> list[float]:
-    """Static memory plus the most activations alive at once, per device."""
-    last_kind = "W" if any(e[1].kind == "W" for e in events) else "B"
+    """Static memory plus the most activations alive at once, per device (a microbatch's
+    activations are freed by its full backward, or by its weight backward)."""
     changes: list[tuple[float, int, int, float]] = []  # (time, order, device, delta): frees first
     for device, action, start, finish in events:
         if action.kind == "F":
             changes.append((start, 1, device, costs.activations[action.stage]))
-        elif action.kind == last_kind:
+        elif action.kind in ("B", "W"):
             changes.append((finish, 0, device, -costs.activations[action.stage]))
     static = [0.0] * costs.num_devices
     for stage, device in enumerate(costs.device_of_stage):

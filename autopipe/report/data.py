@@ -1,0 +1,214 @@
+"""What a report shows, read back from a compiled pipeline directory.
+
+Everything comes from the files ``autopipe compile`` leaves behind: ``pipeline.json`` (stage
+inputs and outputs) and the artefacts under ``artifacts/`` (graph, partition, and the profile
+when there is one). The predicted timeline is simulated again from the partition's per-stage
+costs with the same event engine the partitioner judged the partition by.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from ..artifacts import read_artifact
+from ..errors import ArtifactError
+from ..graph import Graph
+from ..partitioning import Partition
+from ..partitioning.simulator import Simulation, schedule_orders, simulate
+from ..profiling import Profile
+from ..runtime.schedule import PipelineCosts
+
+ARTIFACTS = "artifacts"
+PIPELINE_KIND = "pipeline"
+#: bytes of state per parameter byte (weight, gradient, optimizer state); see partitioning.cost
+STATE_FACTOR = {"sgd": 2, "adamw": 4}
+
+
+@dataclass
+class StageRow:
+    """One stage as the report tables show it (times in seconds, memory in bytes)."""
+
+    stage: int
+    device: int
+    units: int
+    parameters: int  # parameter count (tied weights counted once, in their first stage)
+    forward: float
+    backward: float
+    communication: float
+    time: float
+    memory: float
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    first_unit: str = ""
+    last_unit: str = ""
+
+
+@dataclass
+class ReportData:
+    """A compiled pipeline: its description, artefacts, and what the cost model predicts."""
+
+    directory: Path
+    pipeline: dict
+    graph: Graph
+    partition: Partition
+    profile: Profile | None = None
+
+    @classmethod
+    def load(cls, directory: str | Path) -> ReportData:
+        """Read the pipeline in ``directory`` (the ``--out`` of ``autopipe compile``)."""
+        directory = Path(directory)
+        if not (directory / "pipeline.json").is_file():
+            raise ArtifactError(
+                f"{directory} is not a compiled pipeline (no pipeline.json); "
+                "give the --out directory of `autopipe compile`"
+            )
+        artifacts = directory / ARTIFACTS
+        profile_path = artifacts / "profile.json"
+        data = cls(
+            directory=directory,
+            pipeline=read_artifact(directory / "pipeline.json", PIPELINE_KIND),
+            graph=Graph.load(artifacts / "graph.json"),
+            partition=Partition.load(artifacts / "partition.json"),
+            profile=Profile.load(profile_path) if profile_path.is_file() else None,
+        )
+        data.partition.check_graph(data.graph)
+        return data
+
+    # -- settings -----------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return self.partition.num_stages
+
+    @property
+    def num_devices(self) -> int:
+        return max(self.partition.device_of_stage) + 1
+
+    @property
+    def settings(self) -> dict:
+        return self.partition.settings
+
+    @property
+    def predicted(self) -> dict:
+        return self.partition.predicted
+
+    @property
+    def schedule(self) -> str:
+        return self.settings.get("schedule") or self.predicted.get("schedule", "1f1b")
+
+    @property
+    def microbatches(self) -> int:
+        return int(self.settings.get("microbatches") or 2 * self.num_stages)
+
+    @property
+    def model_name(self) -> str:
+        return str(self.pipeline.get("model") or self.graph.model.get("class", "?"))
+
+    def stages_on(self, device: int) -> list[int]:
+        return [s for s, d in enumerate(self.partition.device_of_stage) if d == device]
+
+    # -- cost model ---------------------------------------------------------------------------
+    @cached_property
+    def costs(self) -> PipelineCosts:
+        """Per-stage costs of one microbatch, as the partitioner stored them."""
+        stored = self.partition.costs or self.pipeline.get("schedule", {}).get("costs")
+        if not stored:
+            raise ArtifactError(
+                "the partition artefact has no per-stage costs; run `autopipe compile` again"
+            )
+        return PipelineCosts(**stored, device_of_stage=list(self.partition.device_of_stage))
+
+    @cached_property
+    def simulation(self) -> Simulation:
+        """One training step under the pipeline's schedule, simulated event by event."""
+        orders = schedule_orders(self.schedule, self.costs, self.microbatches)
+        return simulate(orders, self.costs)
+
+    @property
+    def memory_capacity(self) -> float:
+        if self.profile is not None:
+            return float(self.profile.device.memory)
+        return float(self.costs.memory_capacity)
+
+    def device_static_memory(self) -> list[float]:
+        """Parameters, gradients and optimizer state per device, in bytes."""
+        static = [0.0] * self.num_devices
+        for stage, device in enumerate(self.partition.device_of_stage):
+            static[device] += self.costs.static_memory[stage]
+        return static
+
+    def device_peak_memory(self) -> list[float]:
+        """Predicted peak bytes per device (static memory plus the activations alive at once)."""
+        return list(self.predicted.get("device_memory") or self.simulation.peak_memory)
+
+    @property
+    def state_factor(self) -> int:
+        return STATE_FACTOR.get(self.settings.get("optimizer", "adamw"), 4)
+
+    # -- per-stage rows -----------------------------------------------------------------------
+    def parameter_counts(self) -> list[int]:
+        """Parameters per stage, each counted in the first stage that reads it."""
+        counts = [0] * self.num_stages
+        seen: set[str] = set()
+        for node in self.graph.calls:
+            for src in node.inputs:
+                if self.graph[src].kind != "param":
+                    continue
+                info = self.graph.param_of(self.graph[src].target)
+                if info.names[0] not in seen:
+                    seen.add(info.names[0])
+                    counts[self.partition.stage_of_unit[node.unit]] += math.prod(info.shape)
+        return counts
+
+    @cached_property
+    def stages(self) -> list[StageRow]:
+        part, costs = self.partition, self.predicted.get("stages", [])
+        descriptions = self.pipeline.get("stages", [])
+        params = self.parameter_counts()
+        rows = []
+        for s in range(self.num_stages):
+            cost = costs[s] if s < len(costs) else {}
+            units = [u for u, stage in enumerate(part.stage_of_unit) if stage == s]
+            described = descriptions[s] if s < len(descriptions) else {}
+            rows.append(
+                StageRow(
+                    stage=s,
+                    device=part.device_of_stage[s],
+                    units=len(units),
+                    parameters=params[s],
+                    forward=cost.get("forward", self.costs.forward[s]),
+                    backward=cost.get("backward", self.costs.backward[s]),
+                    communication=cost.get("communication", 0.0),
+                    time=cost.get("time", self.costs.forward[s] + self.costs.backward[s]),
+                    memory=cost.get("memory", self.costs.static_memory[s]),
+                    inputs=list(described.get("inputs", [])),
+                    outputs=list(described.get("outputs", [])),
+                    first_unit=self.graph.units[units[0]].label if units else "",
+                    last_unit=self.graph.units[units[-1]].label if units else "",
+                )
+            )
+        return rows
+
+    def value_shape(self, name: str) -> str:
+        """``2x64x128`` for a value crossing stages, ``""`` when pipeline.json does not say."""
+        shape = self.pipeline.get("values", {}).get(name, {}).get("shape")
+        return "x".join(str(d) for d in shape) if shape else ""
+
+
+# -- formatting -------------------------------------------------------------------------------
+def format_bytes(value: float) -> str:
+    """``1.5 GiB``, ``12.0 MiB``, ``512 B``."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(value) >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def format_count(value: float) -> str:
+    """``1.35M``, ``12.0k``, ``512``."""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:.2f}{unit}"
+    return f"{value:.0f}"

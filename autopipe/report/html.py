@@ -1,0 +1,184 @@
+"""The report: ``DIR/report/report.html`` with its figures inlined, and the figures beside it.
+
+The page is self-contained (figures inlined as SVG, styles inline, no scripts, nothing fetched)
+and deterministic: the same compiled pipeline gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from .. import __version__
+from .data import ReportData, format_bytes, format_count
+from .figures import memory_figure, save_figure, timeline_figure, times_figure
+from .modelgraph import model_graph_figure
+
+REPORT_DIR = "report"
+TEMPLATE = "report.html.j2"
+
+
+@dataclass
+class FigureFile:
+    """One figure of the report: its file stem, heading, caption and images."""
+
+    name: str
+    title: str
+    caption: str
+    svg: str
+    png: bytes
+
+    @property
+    def inline_svg(self) -> str:
+        return inline_svg(self.svg, prefix=f"{self.name}-")
+
+
+def inline_svg(svg: str, prefix: str) -> str:
+    """An SVG document as an element for an HTML page: no XML prolog, metadata or namespace
+    declarations, and its ids prefixed so that several figures on one page cannot clash."""
+    svg = svg[svg.index("<svg") :]
+    svg = re.sub(r"\s*<metadata>.*?</metadata>", "", svg, flags=re.S)
+    svg = re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", svg)
+    ids = set(re.findall(r'\bid="([^"]+)"', svg))
+    if not ids:
+        return svg
+    pattern = "|".join(re.escape(i) for i in sorted(ids, key=len, reverse=True))
+    svg = re.sub(rf'\bid="({pattern})"', rf'id="{prefix}\1"', svg)
+    return re.sub(rf'(href="#|url\(#)({pattern})(?=[")])', rf"\1{prefix}\2", svg)
+
+
+def figures(data: ReportData) -> list[FigureFile]:
+    """Draw every figure of the report."""
+    bound = data.predicted.get("lower_bound", 0.0) * 1e3
+    graph_fig, graph_caption = model_graph_figure(data)
+    specs = [
+        (
+            "times",
+            "Time per microbatch",
+            times_figure(data),
+            "Forward and backward compute of one microbatch per stage (and per device, the sum "
+            "of its stages, when a device runs several), written on each bar in ms, with the "
+            "time its transfers take beside it (they overlap compute). "
+            f"The dashed line is the lower bound on the busiest device, {bound:.3f} ms: the total "
+            "compute spread evenly over the devices, or the heaviest unit.",
+        ),
+        (
+            "timeline",
+            "Predicted timeline of one step",
+            timeline_figure(data),
+            f"The {data.schedule} schedule with {data.microbatches} microbatches, simulated event "
+            "by event: a box per action, labelled stage, kind and microbatch (1F3: stage 1, "
+            "forward, microbatch 3; just the stage where the box is narrow). Gaps are idle time.",
+        ),
+        (
+            "memory",
+            "Memory per device",
+            memory_figure(data),
+            "Predicted peak memory: parameters, gradients and optimizer state of the device's "
+            "stages, plus the most activations the schedule keeps alive at once.",
+        ),
+        (
+            "graph",
+            "Model graph by stage",
+            graph_fig,
+            f"{graph_caption}. A column per stage, blocks in program order; dark arrows carry "
+            "values to a later stage, brackets on the left skip blocks within a stage.",
+        ),
+    ]
+    return [
+        FigureFile(name, title, caption, *save_figure(fig)) for name, title, fig, caption in specs
+    ]
+
+
+def summary_rows(data: ReportData) -> list[tuple[str, str]]:
+    """The header table: what was compiled, how, and what it is predicted to do."""
+    predicted, settings = data.predicted, data.settings
+    bottleneck, bound = predicted.get("bottleneck", 0.0), predicted.get("lower_bound", 0.0)
+    over = (bottleneck / bound - 1) * 100 if bound else 0.0
+    device = settings.get("device", "?")
+    if settings.get("link"):
+        device += f", link {settings['link']}"
+    peak = data.device_peak_memory()
+    rows = [
+        ("model", data.model_name),
+        ("source", str(data.graph.model.get("source") or "")),
+        ("stages", str(data.num_stages)),
+        ("devices", str(data.num_devices)),
+        ("method", data.partition.method),
+        ("schedule", f"{data.schedule}, {data.microbatches} microbatches"),
+        ("cost model", f"{settings.get('profile', '?')} profile for {device}"),
+        ("optimizer", str(settings.get("optimizer", "?"))),
+        ("predicted step time", f"{predicted.get('step_time', 0.0) * 1e3:.3f} ms"),
+        (
+            "bottleneck vs lower bound",
+            f"{bottleneck * 1e3:.3f} ms vs {bound * 1e3:.3f} ms (+{over:.1f}%)",
+        ),
+        ("bubble", f"{predicted.get('bubble', data.simulation.bubble) * 100:.1f}% idle"),
+        (
+            "peak memory",
+            f"{format_bytes(max(peak))} of {format_bytes(data.memory_capacity)} per device",
+        ),
+    ]
+    return [(key, value) for key, value in rows if value]
+
+
+def render_html(data: ReportData, figure_files: list[FigureFile]) -> str:
+    """The report page."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(importlib.resources.files("autopipe.templates"))),
+        autoescape=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters["bytes"] = format_bytes
+    env.filters["count"] = format_count
+    return env.get_template(TEMPLATE).render(
+        data=data,
+        summary=summary_rows(data),
+        stages=data.stages,
+        figures=figure_files,
+        version=__version__,
+    )
+
+
+def write_report(directory: str | os.PathLike) -> Path:
+    """Write ``DIR/report/report.html`` and its figures (``DIR/report/*.svg``, ``*.png``) for
+    the pipeline compiled into ``directory``; returns the path of the page."""
+    data = ReportData.load(directory)
+    out = data.directory / REPORT_DIR
+    figure_files = figures(data)
+    for figure in figure_files:
+        write_file(out / f"{figure.name}.svg", figure.svg.encode())
+        write_file(out / f"{figure.name}.png", figure.png)
+    page = out / "report.html"
+    write_file(page, render_html(data, figure_files).encode())
+    return page
+
+
+def write_file(path: Path, content: bytes) -> None:
+    """Replace ``path`` with ``content`` at once (readers see the old file or the new), readable
+    as the umask allows like any file a user writes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,103 @@
+"""Per-step metrics of a generated pipeline: console lines or a progress bar, and JSON lines.
+
+Copied into every generated pipeline as ``runtime/metrics.py``; it needs only torch. The rank of
+the last stage of the first replica reports; every rank contributes its peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from typing import IO
+
+import torch
+import torch.distributed as dist
+
+
+def peak_memory(device: torch.device) -> int:
+    """Bytes: the most CUDA memory allocated, or on CPU the process's peak resident size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def gather_peak_memory(device: torch.device) -> list[int]:
+    """Every rank's peak memory, in rank order (collective)."""
+    mine = torch.tensor([peak_memory(device)], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [int(t) for t in every]
+
+
+class Metrics:
+    """Prints and logs each step on the reporting rank; silent elsewhere."""
+
+    def __init__(
+        self,
+        reporting: bool,
+        steps: int,
+        samples_per_step: int,
+        tokens_per_step: int | None,
+        log_json: str | None,
+        log_every: int,
+        append: bool,
+    ):
+        self.reporting = reporting
+        self.steps = steps
+        self.samples_per_step = samples_per_step
+        self.tokens_per_step = tokens_per_step
+        self.log_every = log_every
+        self.bar = reporting and sys.stdout.isatty()
+        self.log: IO[str] | None = (
+            open(log_json, "a" if append else "w", encoding="utf-8")
+            if (reporting and log_json)
+            else None
+        )
+
+    def record(
+        self, step: int, loss: float, seconds: float, lr: float, grad_norm: float, memory: list[int]
+    ) -> None:
+        if not self.reporting:
+            return
+        entry = {
+            "step": step,
+            "loss": loss,
+            "time": seconds,
+            "samples_per_s": self.samples_per_step / seconds,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "peak_memory": memory,
+        }
+        if self.tokens_per_step:
+            entry["tokens_per_s"] = self.tokens_per_step / seconds
+        if self.log:
+            self.log.write(json.dumps(entry) + "\n")
+            self.log.flush()
+        rate = f"{entry['samples_per_s']:.1f} samples/s" + (
+            f", {entry['tokens_per_s']:.0f} tokens/s" if self.tokens_per_step else ""
+        )
+        line = (
+            f"step {step} loss {loss:.6f} ({seconds:.3f} s, {rate}, lr {lr:.3g}, "
+            f"grad norm {grad_norm:.3g}, peak memory {max(memory) / 2**20:.0f} MiB)"
+        )
+        if self.bar:
+            done = step + 1
+            filled = round(30 * done / self.steps) if self.steps else 30
+            eta = (self.steps - done) * seconds
+            print(
+                f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{self.steps} loss {loss:.4f} "
+                f"{rate} eta {eta:.0f} s ",
+                end="" if done < self.steps else "\n",
+                flush=True,
+            )
+        elif step % self.log_every == 0 or step == self.steps - 1:
+            print(line, flush=True)
+
+    def note(self, message: str) -> None:
+        if self.reporting:
+            print(("\n" if self.bar else "") + message, flush=True)
+
+    def close(self) -> None:
+        if self.log:
+            self.log.close()

@@ -1,0 +1,299 @@
+"""Weights and training checkpoints of a generated pipeline.
+
+Copied into every generated pipeline as ``runtime/train_state.py``; it needs only torch.
+
+A training checkpoint is a directory ``DIR/step-N`` holding, per stage, its state under the
+original model's names with its optimizer and learning-rate scheduler state (``stageS.pt``,
+written by the first replica), per rank its RNG states (``rankR.pt``), and ``checkpoint.json``
+(step, which pipeline, layout, tied names). Ranks write into ``DIR/.step-N.partial``, which
+becomes ``step-N`` by one rename once every file is on disk; ``DIR/latest`` names the newest
+complete one and is replaced atomically. A crash at any point leaves the previous checkpoint as it
+was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint import Checkpoint, CheckpointError, save_safetensors
+from .data import PipelineRunError
+from .parallel import Layout
+from .support import stage_state
+
+FORMAT, VERSION = "autopipe.checkpoint", 1
+MANIFEST = "checkpoint.json"
+
+
+# -- original-model weights -------------------------------------------------------------------
+def load_weights(
+    stages: dict[int, nn.Module], path: str, pipeline: dict, device: torch.device
+) -> None:
+    """Fill each local stage (built with ``meta_state``) with its own tensors from an
+    original-model checkpoint, reading nothing else: a rank holds about its stages' size."""
+    try:
+        checkpoint = Checkpoint(path)
+    except CheckpointError as exc:
+        raise PipelineRunError(f"--load: {exc}") from None
+    mapped: set[str] = set()
+    for index, stage in stages.items():
+        wanted = stage.state_dict()
+        try:
+            names = stage_state(stage, {name: name for name in checkpoint}, pipeline["aliases"])
+        except KeyError as exc:
+            raise PipelineRunError(
+                f"--load: {path} has no entry {exc} (needed by stage {index}); is it a checkpoint of {pipeline['model']}?"
+            ) from None
+        own = {}
+        for key, source in names.items():
+            tensor = checkpoint[source]
+            if tuple(tensor.shape) != tuple(wanted[key].shape):
+                raise PipelineRunError(
+                    f"--load: {source} in {path} has shape {list(tensor.shape)}, stage {index} expects {list(wanted[key].shape)}"
+                )
+            # on CPU with the right dtype the first user gets the mapped tensor itself (private,
+            # copy-on-write); a tied tensor held by several local stages is copied for the others
+            own[key] = tensor.to(device=device, dtype=wanted[key].dtype, copy=source in mapped)
+            mapped.add(source)
+        stage.load_state_dict(own, assign=True)
+
+
+def expand_aliases(state: dict[str, torch.Tensor], aliases: list[list[str]]) -> None:
+    """Add every name of a tied tensor that ``state`` holds under one of its names."""
+    for group in aliases:
+        held = next((name for name in group if name in state), None)
+        if held is not None:
+            for name in group:
+                state.setdefault(name, state[held])
+
+
+def gather_weights(
+    stages: dict[int, nn.Module], pipeline: dict, layout: Layout
+) -> dict[str, torch.Tensor] | None:
+    """The whole original-model ``state_dict`` on rank 0 (``None`` elsewhere), from replica 0."""
+    local = (
+        {k: v.detach().cpu() for stage in stages.values() for k, v in stage.state_dict().items()}
+        if layout.dp_rank == 0
+        else {}
+    )
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    expand_aliases(merged, pipeline["aliases"])
+    return merged
+
+
+def save_weights(state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Write a state_dict as ``.safetensors`` (by suffix) or with ``torch.save``, through a
+    temporary file and a rename: an interrupted save never leaves a broken file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    try:
+        if target.suffix == ".safetensors":
+            save_safetensors(state, tmp)
+        else:
+            torch.save(state, tmp)
+        _fsync(tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# -- training checkpoints ---------------------------------------------------------------------
+def fingerprint(pipeline: dict) -> str:
+    """Identifies a pipeline's structure: its values and how stages take, return and place them."""
+    shape = {
+        "inputs": pipeline["inputs"],
+        "outputs": pipeline["outputs"],
+        "values": pipeline["values"],
+        "stages": [
+            {k: stage[k] for k in ("inputs", "outputs", "device")} for stage in pipeline["stages"]
+        ],
+    }
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class TrainingCheckpoints:
+    """The checkpoints of one run in ``root``; every rank holds one of these."""
+
+    def __init__(self, root: str | Path, pipeline: dict, layout: Layout, keep: int):
+        self.root = Path(root)
+        self.pipeline = pipeline
+        self.layout = layout
+        self.keep = keep
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        pointer = self.root / "latest"
+        if not pointer.is_file():
+            return None
+        path = self.root / pointer.read_text(encoding="utf-8").strip()
+        if not (path / MANIFEST).is_file():
+            raise PipelineRunError(
+                f"{pointer} names {path.name}, which is not a complete checkpoint; point it at "
+                f"one of {', '.join(p.name for p in self.complete()) or 'nothing'}"
+            )
+        return path
+
+    def complete(self) -> list[Path]:
+        return sorted(p.parent for p in self.root.glob(f"step-*/{MANIFEST}"))
+
+    def save(
+        self,
+        step: int,
+        stages: dict[int, nn.Module],
+        optimizers: dict[int, torch.optim.Optimizer],
+        schedulers: dict[int, Any],
+    ) -> Path:
+        """Checkpoint the state after ``step`` optimizer steps; collective over all ranks."""
+        final = self.root / f"step-{step:08d}"
+        partial = self.root / f".step-{step:08d}.partial"
+        if dist.get_rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+        dist.barrier()
+        if self.layout.dp_rank == 0:
+            for index, stage in stages.items():
+                state = {
+                    "model": stage.state_dict(),
+                    "optimizer": optimizers[index].state_dict(),
+                    "scheduler": schedulers[index].state_dict(),
+                }
+                _save(state, partial / f"stage{index}.pt")
+        _save({"rng": _rng_state(self.layout.device)}, partial / f"rank{self.layout.rank}.pt")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            manifest = {
+                "format": FORMAT,
+                "version": VERSION,
+                "step": step,
+                "pipeline": fingerprint(self.pipeline),
+                "model": self.pipeline["model"],
+                "stages": len(self.pipeline["stages"]),
+                "dp": self.layout.dp_size,
+                "world_size": dist.get_world_size(),
+                "aliases": self.pipeline["aliases"],
+            }
+            (partial / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+            _fsync(partial / MANIFEST)
+            if final.exists():  # left by a run that died before pointing `latest` at it
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            pointer = self.root / ".latest.tmp"
+            pointer.write_text(final.name + "\n", encoding="utf-8")
+            _fsync(pointer)
+            os.replace(pointer, self.root / "latest")
+            _fsync(self.root)
+            if self.keep:
+                for old in self.complete()[: -self.keep]:
+                    shutil.rmtree(old)
+        dist.barrier()
+        return final
+
+    def restore_weights(self, path: Path, stages: dict[int, nn.Module]) -> dict:
+        """Fill this rank's stages (built with ``meta_state``) from checkpoint ``path``; returns
+        its manifest. Optimizers are made afterwards, for the parameters this creates."""
+        manifest = read_manifest(path)
+        if manifest["pipeline"] != fingerprint(self.pipeline):
+            raise PipelineRunError(
+                f"checkpoint {path} was written by a different pipeline ({manifest['model']}, "
+                f"{manifest['stages']} stages, fingerprint {manifest['pipeline']}; this one is "
+                f"{fingerprint(self.pipeline)}). Resume with the pipeline that wrote it, or start "
+                "from its weights: autopipe merge, then --load"
+            )
+        for index, stage in stages.items():
+            state = self._stage_file(path, index)["model"]
+            stage.load_state_dict(state, assign=True)
+        return manifest
+
+    def restore_training(
+        self,
+        path: Path,
+        manifest: dict,
+        optimizers: dict[int, torch.optim.Optimizer],
+        schedulers: dict[int, Any],
+    ) -> int:
+        """Load optimizer, scheduler and RNG states of checkpoint ``path``; returns its step."""
+        for index, optimizer in optimizers.items():
+            state = self._stage_file(path, index)
+            optimizer.load_state_dict(state["optimizer"])
+            schedulers[index].load_state_dict(state["scheduler"])
+        rank_file = path / f"rank{self.layout.rank}.pt"
+        if manifest["world_size"] == dist.get_world_size() and rank_file.is_file():
+            _set_rng_state(torch.load(rank_file, weights_only=True)["rng"], self.layout.device)
+        return manifest["step"]
+
+    def _stage_file(self, path: Path, index: int) -> dict:
+        return torch.load(
+            path / f"stage{index}.pt", map_location=self.layout.device, weights_only=True, mmap=True
+        )
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PipelineRunError(f"{path} is not a readable autopipe checkpoint ({exc})") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise PipelineRunError(
+            f"{path} is a {manifest.get('format')} version {manifest.get('version')} checkpoint; "
+            f"this runtime reads {FORMAT} version {VERSION}"
+        )
+    return manifest
+
+
+def merge_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The whole original-model state_dict held by a checkpoint directory (``DIR`` for its
+    latest, or ``DIR/step-N``), and its manifest."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file() and (path / "latest").is_file():
+        path = path / (path / "latest").read_text(encoding="utf-8").strip()
+    manifest = read_manifest(path)
+    state: dict[str, torch.Tensor] = {}
+    for index in range(manifest["stages"]):
+        stage_file = path / f"stage{index}.pt"
+        if not stage_file.is_file():
+            raise PipelineRunError(f"{path} misses {stage_file.name}: the checkpoint is incomplete")
+        state.update(torch.load(stage_file, map_location="cpu", weights_only=True)["model"])
+    expand_aliases(state, manifest["aliases"])
+    return state, manifest
+
+
+def _save(obj: Any, path: Path) -> None:
+    torch.save(obj, path)
+    _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

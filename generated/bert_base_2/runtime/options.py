@@ -1,0 +1,272 @@
+"""Command line of a generated ``train.py``, and which torch schedules fit the pipeline.
+
+Copied into every generated pipeline as ``runtime/options.py``; it needs only torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+#: --schedule names -> torch.distributed.pipelining classes running one stage per rank, in order
+SINGLE_STAGE = {"gpipe": "GPipe", "1f1b": "1F1B"}
+#: ... and running several stages per rank: looped placements (stage s on rank s mod ranks) or V
+MULTI_STAGE = {
+    "interleaved-1f1b": "Interleaved1F1B",
+    "looped-bfs": "LoopedBFS",
+    "interleaved-zero-bubble": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
+#: "auto": autopipe's order for any placement (runtime/schedule.py), run by torch's schedule runtime
+SCHEDULES = (*SINGLE_STAGE, *MULTI_STAGE, "auto")
+#: schedules that split each backward into an input part and a weight part (zero bubble)
+SPLIT_BACKWARD = ("interleaved-zero-bubble", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")
+
+
+def num_devices(pipeline: dict) -> int:
+    """Ranks one replica of the pipeline runs on."""
+    return len({stage["device"] for stage in pipeline["stages"]})
+
+
+def parse_args(argv: list[str], pipeline: dict) -> argparse.Namespace:
+    num_stages, ranks = len(pipeline["stages"]), num_devices(pipeline)
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description=f"Train {pipeline['model'].rsplit('.', 1)[-1]} as a {num_stages}-stage pipeline "
+        f"(torchrun --nproc-per-node={ranks} train.py; with --dp N, N times as many processes).",
+    )
+    run = parser.add_argument_group("run")
+    run.add_argument("--steps", type=int, default=10, help="optimizer steps to run (default 10)")
+    run.add_argument(
+        "--microbatches",
+        type=int,
+        default=2 * num_stages,
+        help="microbatches per pipeline run; a step's batch is microbatches x accumulate x dp "
+        f"example microbatches (default {2 * num_stages})",
+    )
+    default_schedule = pipeline["schedule"]["name"]
+    run.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default=default_schedule,
+        help=f"pipeline schedule (default {default_schedule}, the one the partition was made for)",
+    )
+    run.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        metavar="N",
+        help=f"data-parallel replicas of the pipeline; the world size must be {ranks} x N (default 1)",
+    )
+    run.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda runs NCCL with one GPU per rank, cpu runs gloo (default: cuda when available)",
+    )
+    run.add_argument(
+        "--seed", type=int, default=0, help="seed of initialisation, dropout and synthetic data"
+    )
+    run.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long a rank waits for the others before giving up (default 300)",
+    )
+
+    optim = parser.add_argument_group("optimisation")
+    optim.add_argument(
+        "--optimizer", choices=["sgd", "adamw"], default="adamw", help="optimizer (default adamw)"
+    )
+    optim.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    optim.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
+    optim.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
+    optim.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="linear learning-rate warm-up from 0 over N steps (default 0)",
+    )
+    optim.add_argument(
+        "--lr-decay",
+        choices=["constant", "linear", "cosine"],
+        default="constant",
+        help="learning-rate decay after warm-up, down to --min-lr at --steps (default constant)",
+    )
+    optim.add_argument("--min-lr", type=float, default=0.0, help="final learning rate of decay")
+    optim.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        metavar="MAX",
+        help="clip gradients to this global norm over all stages (tied parameters counted once)",
+    )
+    optim.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        metavar="K",
+        help="gradient accumulation: K pipeline runs per optimizer step (default 1)",
+    )
+    optim.add_argument(
+        "--bf16",
+        action="store_true",
+        help="run the stages under bfloat16 autocast (values between stages stay in their dtype)",
+    )
+    optim.add_argument(
+        "--recompute",
+        default="auto",
+        metavar="auto|all|none|S,S,...",
+        help="recompute activations in backward (torch.utils.checkpoint) for these stages; auto: "
+        "the stages the partitioner found short of memory (default auto)",
+    )
+
+    data = parser.add_argument_group("data and weights")
+    data.add_argument(
+        "--data",
+        metavar="FILE.py:FN",
+        help="FN(step) returns (args, kwargs) or (args, kwargs, target), the step's whole batch "
+        "(batch dimension 0); or FN() returns a torch.utils.data.Dataset of dicts of tensors "
+        "(input names, and 'target' for a --loss), read in a seeded order "
+        "(default: synthetic batches of the example's shapes)",
+    )
+    data.add_argument(
+        "--load",
+        metavar="PATH",
+        help="original-model weights: a torch.save state_dict, a .safetensors file or a Hugging "
+        "Face checkpoint directory (sharded with an index JSON); each rank reads only its tensors",
+    )
+    data.add_argument(
+        "--save",
+        metavar="PATH",
+        help="write the trained original-model state_dict here (.safetensors or torch.save)",
+    )
+
+    ckpt = parser.add_argument_group("checkpoints")
+    ckpt.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="write training checkpoints into DIR/step-N"
+    )
+    ckpt.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="checkpoint every N steps (and after the last); default: only after the last",
+    )
+    ckpt.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=3,
+        metavar="N",
+        help="keep the newest N checkpoints (default 3; 0 keeps all)",
+    )
+    ckpt.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --checkpoint-dir (weights, optimizer, "
+        "learning rate, RNG and data position), if there is one",
+    )
+
+    logs = parser.add_argument_group("metrics")
+    logs.add_argument(
+        "--log-json",
+        metavar="PATH",
+        help="write one JSON object per step: step, loss, time, samples_per_s, tokens_per_s, lr, "
+        "grad_norm, peak_memory (bytes per rank)",
+    )
+    logs.add_argument(
+        "--log-every", type=int, default=1, metavar="N", help="print every N steps (default 1)"
+    )
+    args = parser.parse_args(argv)
+    for name in ("steps", "checkpoint_every", "warmup_steps", "keep_checkpoints"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0")
+    for name in ("microbatches", "dp", "accumulate", "log_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.resume and not args.checkpoint_dir:
+        parser.error("--resume needs --checkpoint-dir, the directory the checkpoints are in")
+    args.recompute_stages = recompute_stages(parser, args.recompute, pipeline)
+    problem = schedule_problem(args.schedule, pipeline, args.microbatches)
+    if problem:
+        parser.error(problem)
+    return args
+
+
+def recompute_stages(parser: argparse.ArgumentParser, value: str, pipeline: dict) -> set[int]:
+    num_stages = len(pipeline["stages"])
+    if value == "auto":
+        return {i for i, stage in enumerate(pipeline["stages"]) if stage.get("recompute")}
+    if value == "all":
+        return set(range(num_stages))
+    if value == "none":
+        return set()
+    try:
+        stages = {int(s) for s in value.split(",")}
+    except ValueError:
+        parser.error(f"--recompute {value!r}: give auto, all, none or stage numbers like 0,1")
+    if not stages <= set(range(num_stages)):
+        parser.error(f"--recompute {value!r}: this pipeline has stages 0 to {num_stages - 1}")
+    return stages
+
+
+def schedule_problem(name: str, pipeline: dict, microbatches: int) -> str | None:
+    """Why schedule ``name`` cannot run this pipeline, naming what would; None if it can."""
+    devices = [stage["device"] for stage in pipeline["stages"]]
+    num_stages, ranks = len(devices), num_devices(pipeline)
+    if name in SINGLE_STAGE:
+        if devices != list(range(num_stages)):
+            fits = [s for s in MULTI_STAGE if devices == placement(s, num_stages, ranks)]
+            return (
+                f"--schedule {name} runs one stage per rank, in order, but this pipeline places its "
+                f"{num_stages} stages on ranks {devices}; use --schedule {' or '.join(['auto', *fits])}"
+            )
+        if name == "1f1b" and microbatches < num_stages:
+            return (
+                f"--schedule 1f1b needs at least as many microbatches as stages ({num_stages}); got "
+                f"--microbatches {microbatches}. Use --microbatches {num_stages} or more, or --schedule gpipe."
+            )
+    elif name in MULTI_STAGE:
+        expected = placement(name, num_stages, ranks)
+        if num_stages % ranks or devices != expected:
+            shape = "V-shaped" if name in V_SHAPED else "looped"
+            fits = [
+                s
+                for s in (*SINGLE_STAGE, *MULTI_STAGE)
+                if s != name and devices == placement(s, num_stages, ranks)
+            ]
+            return (
+                f"--schedule {name} needs stage s on rank {expected} ({shape}), but this pipeline "
+                f"places its stages on ranks {devices}; use --schedule {' or '.join(['auto', *fits])}, "
+                f"or compile with --schedule {name}"
+            )
+        if name in V_SHAPED and num_stages != 2 * ranks:
+            return f"--schedule {name} runs exactly two stages per rank; this pipeline has {num_stages} stages on {ranks} ranks"
+        rounds = max(1, microbatches // ranks)
+        if name in ("interleaved-1f1b", "interleaved-zero-bubble") and microbatches % rounds:
+            fits = [
+                m
+                for m in range(microbatches, 2 * microbatches + ranks)
+                if m % max(1, m // ranks) == 0
+            ]
+            return (
+                f"--schedule {name} runs microbatches in rounds of the {ranks} ranks and needs a "
+                f"multiple of the rounds; --microbatches {microbatches} is not. Use --microbatches {fits[0]}"
+            )
+        if name == "dualpipev" and microbatches < num_stages:
+            return (
+                f"--schedule dualpipev needs at least as many microbatches as stages ({num_stages}); "
+                f"use --microbatches {num_stages} or more"
+            )
+    return None
+
+
+def placement(schedule: str, num_stages: int, ranks: int) -> list[int]:
+    """The stage -> rank placement a torch schedule runs: in order, looped, or V-shaped."""
+    if schedule in V_SHAPED:
+        return [s if s < ranks else 2 * ranks - 1 - s for s in range(num_stages)]
+    return [s % ranks for s in range(num_stages)]

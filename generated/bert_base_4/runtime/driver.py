@@ -1,0 +1,397 @@
+"""Training driver of generated pipelines, started by ``torchrun ... train.py``.
+
+Copied into every generated pipeline as ``runtime/driver.py``; it needs only torch. Each rank
+builds the stages the pipeline places on it (parameters materialised only there), wraps them in
+``torch.distributed.pipelining.PipelineStage`` and runs one of torch's schedules; then gradients
+are averaged over data-parallel replicas and summed over tied copies, clipped by the global norm,
+and each stage's optimizer steps. ``options`` holds the command line, ``data`` the batches,
+``parallel`` the process groups, ``train_state`` weights and checkpoints, ``metrics`` the logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _ComputationType,
+    _PipelineSchedule,
+    _PipelineScheduleRuntime,
+    get_schedule_class,
+)
+from torch.utils.checkpoint import checkpoint
+
+from .data import DTYPES, Batches, PipelineRunError, tokens_per_sample
+from .metrics import Metrics, gather_peak_memory
+from .options import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, parse_args
+from .parallel import GradientSync, init_distributed
+from .schedule import PipelineCosts, greedy_orders
+from .train_state import TrainingCheckpoints, gather_weights, load_weights, save_weights
+
+_KINDS = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
+
+
+# -- stages -----------------------------------------------------------------------------------
+class KeepBuffers:
+    """Restores a module's buffers on exit: a recomputed forward must not update BatchNorm's
+    running statistics a second time."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __enter__(self) -> None:
+        self.saved = [(b, b.clone()) for b in self.module.buffers()]
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for buffer, value in self.saved:
+                buffer.copy_(value)
+
+
+class StageRunner(nn.Module):
+    """One stage as the schedule runs it: under bf16 autocast, with its activations recomputed
+    in backward, and returning fresh tensors of the pipeline's dtypes (split-backward schedules
+    detach stage outputs in place, which must not reach tensors the stage saved)."""
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        output_dtypes: list[torch.dtype],
+        *,
+        autocast: str | None,
+        recompute: bool,
+        fresh_outputs: bool,
+    ):
+        super().__init__()
+        self.stage = stage
+        self.output_dtypes = output_dtypes
+        self.autocast = autocast
+        self.recompute = recompute
+        self.fresh_outputs = fresh_outputs
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        precision = (
+            torch.autocast(self.autocast, dtype=torch.bfloat16)
+            if self.autocast
+            else contextlib.nullcontext()
+        )
+        with precision:
+            if self.recompute:
+                outputs = checkpoint(
+                    self.stage,
+                    *inputs,
+                    use_reentrant=False,
+                    context_fn=lambda: (contextlib.nullcontext(), KeepBuffers(self.stage)),
+                )
+            else:
+                outputs = self.stage(*inputs)
+        fixed = []
+        for tensor, dtype in zip(outputs, self.output_dtypes):
+            if tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            elif self.fresh_outputs:
+                tensor = tensor.clone()
+            fixed.append(tensor)
+        return tuple(fixed)
+
+
+def meta_tensors(pipeline: dict, names: list[str]) -> tuple[torch.Tensor, ...]:
+    tensors = []
+    for name in names:
+        value = pipeline["values"][name]
+        tensor = torch.empty(value["shape"], dtype=DTYPES[value["dtype"]], device="meta")
+        tensors.append(tensor.requires_grad_(value["requires_grad"]))
+    return tuple(tensors)
+
+
+def make_loss_fn(package: ModuleType, pipeline: dict, device: torch.device) -> Callable:
+    loss = pipeline["loss"]
+    if "module" in loss:
+        module = importlib.import_module(f"{package.__name__}.{loss['module']}").Loss().to(device)
+
+        def user_loss(output, target):
+            outputs = output if isinstance(output, tuple) else (output,)
+            return module(*outputs, target)
+
+        return user_loss
+    if loss.get("output") is None:
+        raise PipelineRunError(
+            "the model has no loss output; compile it with --loss FILE.py:FN or give it labels "
+            "so that it returns a loss (Hugging Face style)"
+        )
+    index = pipeline["outputs"].index(loss["output"])
+
+    def output_loss(output, _target):
+        outputs = output if isinstance(output, tuple) else (output,)
+        return outputs[index]
+
+    return output_loss
+
+
+def build_schedule(
+    name: str, stages: list[PipelineStage], pipeline: dict, microbatches: int, loss_fn: Callable
+) -> _PipelineSchedule:
+    """A torch.distributed.pipelining schedule over this rank's stages. Gradients are left
+    unscaled (sums over microbatches): the driver scales them once per optimizer step."""
+    if name in SINGLE_STAGE:
+        return get_schedule_class(SINGLE_STAGE[name])(
+            stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
+        )
+    if name in MULTI_STAGE:
+        try:
+            return get_schedule_class(MULTI_STAGE[name])(
+                stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
+            )
+        except (ValueError, AssertionError) as exc:
+            raise PipelineRunError(f"--schedule {name} does not fit: {exc}") from None
+    costs = PipelineCosts(
+        **pipeline["schedule"]["costs"], device_of_stage=[s["device"] for s in pipeline["stages"]]
+    )
+    orders = greedy_orders(costs, microbatches)
+    schedule = _PipelineScheduleRuntime(
+        stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
+    )
+    actions = {
+        rank: [_Action(a.stage, _KINDS[a.kind], a.microbatch) for a in order]
+        for rank, order in orders.items()
+    }
+    schedule._prepare_schedule_with_comms(actions)
+    return schedule
+
+
+# -- optimisation -----------------------------------------------------------------------------
+def make_optimizer(args: Any, module: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in module.parameters() if p.requires_grad]
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
+        )
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+
+
+def lr_factor(args: Any) -> Callable[[int], float]:
+    """Multiplier of --lr after ``step`` optimizer steps: linear warm-up, then decay."""
+    floor = args.min_lr / args.lr if args.lr else 0.0
+
+    def factor(step: int) -> float:
+        if step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        if args.lr_decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+        shape = (
+            1 - progress if args.lr_decay == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+        )
+        return floor + (1 - floor) * shape
+
+    return factor
+
+
+# -- the run ----------------------------------------------------------------------------------
+def resume_point(checkpoints: TrainingCheckpoints | None, args: Any) -> Path | None:
+    """The checkpoint to resume from; refuses to mix a new run into old checkpoints."""
+    if checkpoints is None:
+        return None
+    if dist.get_rank() == 0:
+        for stale in checkpoints.root.glob(".step-*.partial"):  # a save that never finished
+            shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()
+    latest = checkpoints.latest()
+    if latest is not None and not args.resume:
+        raise PipelineRunError(
+            f"{checkpoints.root} already holds checkpoints (latest: {latest.name}); pass --resume "
+            "to continue from it, or give another --checkpoint-dir",
+            every_rank=True,
+        )
+    return latest
+
+
+def train(package: ModuleType, args: Any) -> None:
+    pipeline = package.PIPELINE
+    layout = init_distributed(pipeline, args.device, args.dp, args.timeout)
+    device = layout.device
+    torch.manual_seed(args.seed * 1_000_003 + layout.rank)  # dropout streams differ per rank
+    specs = pipeline["stages"]
+    num_stages = len(specs)
+    local = [i for i, spec in enumerate(specs) if spec["device"] == layout.pp_rank]
+    checkpoints = (
+        TrainingCheckpoints(args.checkpoint_dir, pipeline, layout, args.keep_checkpoints)
+        if args.checkpoint_dir
+        else None
+    )
+    resume = resume_point(checkpoints, args)
+    filled = resume is not None or args.load is not None  # parameters stay on meta until then
+    modules = {
+        i: package.build_stage(i, device=device, seed=args.seed, meta_state=filled) for i in local
+    }
+    if resume is not None:
+        manifest = checkpoints.restore_weights(resume, modules)
+    elif args.load:
+        load_weights(modules, args.load, pipeline, device)
+    optimizers = {i: make_optimizer(args, m) for i, m in modules.items()}
+    schedulers = {
+        i: torch.optim.lr_scheduler.LambdaLR(o, lr_factor(args)) for i, o in optimizers.items()
+    }
+    start = (
+        checkpoints.restore_training(resume, manifest, optimizers, schedulers)
+        if resume is not None
+        else 0
+    )
+    autocast = device.type if args.bf16 else None
+    stages = [
+        PipelineStage(
+            StageRunner(
+                modules[i],
+                [DTYPES[pipeline["values"][n]["dtype"]] for n in specs[i]["outputs"]],
+                autocast=autocast,
+                recompute=i in args.recompute_stages,
+                fresh_outputs=args.schedule in SPLIT_BACKWARD,
+            ),
+            i,
+            num_stages,
+            device,
+            input_args=meta_tensors(pipeline, specs[i]["inputs"]),
+            output_args=meta_tensors(pipeline, specs[i]["outputs"]),
+            group=layout.pp_group,
+        )
+        for i in local
+    ]
+    is_first, is_last = 0 in modules, num_stages - 1 in modules
+    loss_fn = make_loss_fn(package, pipeline, device)
+    schedule = build_schedule(args.schedule, stages, pipeline, args.microbatches, loss_fn)
+    sync = GradientSync(pipeline, layout, modules)
+    batches = Batches(pipeline, args)
+    needs_target = is_last and "module" in pipeline["loss"]
+    per_row = pipeline["values"][pipeline["inputs"][0]]["shape"][0] if pipeline["inputs"] else 1
+    samples = batches.rows * per_row
+    tokens = tokens_per_sample(pipeline)
+    metrics = Metrics(
+        reporting=is_last and layout.dp_rank == 0,
+        steps=args.steps,
+        samples_per_step=samples,
+        tokens_per_step=samples * tokens if tokens else None,
+        log_json=args.log_json,
+        log_every=args.log_every,
+        append=resume is not None,
+    )
+    if resume is not None:
+        metrics.note(f"resumed from {resume} at step {start}")
+    elif args.resume:
+        metrics.note(f"no checkpoint in {args.checkpoint_dir} yet: starting at step 0")
+    runs = args.microbatches * args.accumulate
+    try:
+        for step in range(start, args.steps):
+            began = time.perf_counter()
+            for optimizer in optimizers.values():
+                optimizer.zero_grad(set_to_none=True)
+            losses: list[torch.Tensor] = []
+            batch = batches(step) if (is_first or needs_target) else None
+            for round_ in range(args.accumulate):
+                inputs, target = (
+                    batches.part(batch, round_ * args.dp + layout.dp_rank) if batch else ([], None)
+                )
+                kwargs: dict[str, Any] = {}
+                run_losses: list[torch.Tensor] = []  # the schedule refills it every run
+                if is_last:
+                    if target is None:  # the loss is a model output
+                        target = torch.zeros(args.microbatches)
+                    kwargs = {"target": target.to(device), "losses": run_losses}
+                    kwargs["return_outputs"] = False
+                schedule.step(*[t.to(device) for t in inputs] if is_first else [], **kwargs)
+                losses += run_losses
+            sync.scale(1.0 / runs)  # the mean over this replica's microbatches
+            sync.reduce()
+            grad_norm = sync.clip(args.clip_grad_norm)
+            lr = next(iter(schedulers.values())).get_last_lr()[0]  # this step's
+            for index, optimizer in optimizers.items():
+                optimizer.step()
+                schedulers[index].step()
+            loss = float("nan")
+            if is_last:
+                mean = torch.stack([l.detach().float() for l in losses]).mean().to(device)
+                if layout.dp_size > 1:
+                    dist.all_reduce(mean, group=layout.dp_group)
+                    mean /= layout.dp_size
+                loss = mean.item()
+            memory = gather_peak_memory(device)
+            metrics.record(step, loss, time.perf_counter() - began, lr, grad_norm, memory)
+            done = step + 1
+            if checkpoints and (
+                done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)
+            ):
+                path = checkpoints.save(done, modules, optimizers, schedulers)
+                metrics.note(f"checkpoint {path}")
+    finally:
+        metrics.close()
+    if args.save:
+        state = gather_weights(modules, pipeline, layout)
+        if state is not None:
+            save_weights(state, args.save)
+            print(f"saved the trained model state_dict to {args.save}", flush=True)
+
+
+def _stop(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """Whether an error means another rank died or stopped answering."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(
+        marker in text
+        for marker in ("Connection closed by peer", "Connection reset", "gloo", "NCCL")
+    )
+
+
+def main(package: ModuleType, argv: list[str]) -> int:
+    args = parse_args(argv, package.PIPELINE)
+    rank = os.environ.get("RANK", "0")
+    resume_hint = (
+        f" Checkpoints written so far are complete: rerun with --resume to continue from {args.checkpoint_dir}/latest."
+        if args.checkpoint_dir
+        else ""
+    )
+    signal.signal(signal.SIGTERM, _stop)  # torchrun stops every rank with SIGTERM
+    try:
+        train(package, args)
+    except PipelineRunError as exc:
+        if not (exc.every_rank and rank != "0"):
+            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt as exc:
+        print(
+            f"train.py: rank {rank} stopped ({exc or 'SIGINT'}).{resume_hint}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 130
+    except Exception as exc:  # noqa: BLE001 - only communication failures are explained here
+        if not _lost_peer(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(
+            f"train.py: error: rank {rank} lost contact with another rank, which died or stopped "
+            f"answering within --timeout {args.timeout:g} s ({first[:200]}).{resume_hint}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 3
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

@@ -1,0 +1,230 @@
+"""Training data of a generated pipeline: each step's whole batch, cut into the parts each
+pipeline run of each data-parallel replica takes.
+
+Copied into every generated pipeline as ``runtime/data.py``; it needs only torch. A step's batch
+holds ``accumulate x dp x microbatches`` example microbatches along dimension 0, in that order:
+accumulation round, replica, microbatch. The batch of a step depends only on the step number (and
+the seed), so a resumed run reads exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {
+    name: getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+    )
+}
+
+
+class PipelineRunError(RuntimeError):
+    """A problem with how the pipeline was started or fed; printed without a traceback, by rank 0
+    alone when ``every_rank`` finds the same problem."""
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+def load_function(spec: str, option: str = "--data") -> Callable:
+    """Import ``FILE.py:FN`` or ``package.module:FN``."""
+    location, _, name = spec.rpartition(":")
+    if not location or not name:
+        raise PipelineRunError(
+            f"{option} {spec!r} must have the form FILE.py:FN or package.module:FN"
+        )
+    if location.endswith(".py"):
+        path = Path(location).resolve()
+        if not path.is_file():
+            raise PipelineRunError(f"{option}: file {location} does not exist")
+        module_spec = importlib.util.spec_from_file_location(f"_autopipe_data_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.path.insert(0, str(path.parent))
+        try:
+            module_spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(path.parent))
+    else:
+        module = importlib.import_module(location)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise PipelineRunError(f"{option}: {location} has no function {name!r}")
+    return fn
+
+
+def _takes_no_arguments(fn: Callable) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return all(
+        p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters
+    )
+
+
+class Batches:
+    """The whole batch of each step: from ``--data`` (a step function or a Dataset factory) or
+    synthetic, checked against the pipeline's inputs."""
+
+    def __init__(self, pipeline: dict, args: Any):
+        self.pipeline = pipeline
+        self.microbatches = args.microbatches
+        self.parts = args.accumulate * args.dp  # pipeline runs per step over all replicas
+        self.seed = args.seed
+        self.fn = self.dataset = None
+        if args.data:
+            fn = load_function(args.data)
+            if _takes_no_arguments(fn):
+                self.dataset = fn()
+                if not isinstance(self.dataset, torch.utils.data.Dataset):
+                    raise PipelineRunError(
+                        f"--data {args.data}: a function without arguments must return a "
+                        f"torch.utils.data.Dataset, got {type(self.dataset).__name__}"
+                    )
+            else:
+                self.fn = fn
+
+    @property
+    def rows(self) -> int:
+        """Example microbatches in a step's batch."""
+        return self.parts * self.microbatches
+
+    def __call__(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """``(inputs in PIPELINE["inputs"] order, target or None)`` of the whole step."""
+        if self.dataset is not None:
+            return self._from_dataset(step)
+        if self.fn is None:
+            return self._synthetic(step)
+        result = self.fn(step)
+        if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
+            raise PipelineRunError(
+                f"--data function returned {type(result).__name__}; expected (args, kwargs) or (args, kwargs, target)"
+            )
+        args, kwargs, *rest = result
+        args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+        return self._inputs(self._bind(args, dict(kwargs or {})), step, rest[0] if rest else None)
+
+    def part(
+        self, batch: tuple[list[torch.Tensor], torch.Tensor | None], index: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Pipeline run ``index`` (accumulation round x dp + replica) of a step's batch."""
+        inputs, target = batch
+        chunk = lambda t: t.chunk(self.parts)[index]  # noqa: E731
+        return [chunk(t) for t in inputs], (chunk(target) if target is not None else None)
+
+    def _inputs(self, bound: dict, step: int, target: Any) -> tuple[list[torch.Tensor], Any]:
+        inputs = []
+        for name in self.pipeline["inputs"]:
+            if name not in bound or not isinstance(bound[name], torch.Tensor):
+                raise PipelineRunError(
+                    f"--data batch of step {step} has no tensor for input {name!r}"
+                )
+            inputs.append(self._check(name, bound[name], self.pipeline["values"][name]))
+        loss = self.pipeline["loss"]
+        if "module" in loss:
+            if not isinstance(target, torch.Tensor):
+                raise PipelineRunError(
+                    "this pipeline's loss needs a target: the --data function must return "
+                    "(args, kwargs, target), or the dataset's items a 'target' entry"
+                )
+            target = self._check("target", target, loss["target"])
+        return inputs, target
+
+    def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        signature = self.pipeline["signature"]
+        if len(args) > len(signature):
+            raise PipelineRunError(
+                f"--data gave {len(args)} positional inputs; forward takes {len(signature)}"
+            )
+        bound = dict(zip(signature, args))
+        bound.update(kwargs)
+        return bound
+
+    def _check(self, name: str, tensor: torch.Tensor, meta: dict) -> torch.Tensor:
+        micro = meta["shape"]
+        expected = [micro[0] * self.rows, *micro[1:]] if micro else []
+        if list(tensor.shape) != expected or tensor.dtype != DTYPES[meta["dtype"]]:
+            raise PipelineRunError(
+                f"input {name!r} has shape {list(tensor.shape)} and dtype {str(tensor.dtype).removeprefix('torch.')}; "
+                f"this pipeline expects shape {expected} and dtype {meta['dtype']} per step "
+                f"({self.rows} microbatches of shape {micro}: --microbatches x --accumulate x --dp). "
+                "The pipeline was compiled for that example microbatch: change --microbatches to "
+                "match your batch, or compile again."
+            )
+        return tensor
+
+    def _from_dataset(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Samples ``step * B ... (step + 1) * B - 1`` of an endless stream of seeded epoch
+        permutations of the dataset (B: samples per step)."""
+        size = len(self.dataset)
+        per_row = self.pipeline["values"][self.pipeline["inputs"][0]]["shape"][0]
+        count = self.rows * per_row
+        if size == 0:
+            raise PipelineRunError("--data: the dataset is empty")
+        items, epoch, order = [], None, None
+        for position in range(step * count, (step + 1) * count):
+            if position // size != epoch:
+                epoch = position // size
+                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                order = torch.randperm(size, generator=generator)
+            items.append(self.dataset[int(order[position % size])])
+        if not all(isinstance(item, dict) for item in items):
+            raise PipelineRunError(
+                "--data: dataset items must be dicts of tensors keyed by the model's input names"
+            )
+        batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+        target = batch.pop("target", None)
+        return self._inputs(batch, step, target)
+
+    def _synthetic(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        ranges = self.pipeline.get("input_ranges", {})
+        inputs = [
+            self._random(self.pipeline["values"][n], ranges.get(n, 1), generator)
+            for n in self.pipeline["inputs"]
+        ]
+        loss = self.pipeline["loss"]
+        target = (
+            self._random(loss["target"], ranges.get("target", 1), generator)
+            if "module" in loss
+            else None
+        )
+        return inputs, target
+
+    def _random(self, meta: dict, high: int, generator: torch.Generator) -> torch.Tensor:
+        micro = meta["shape"]
+        shape = [micro[0] * self.rows, *micro[1:]]
+        dtype = DTYPES[meta["dtype"]]
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=generator).to(dtype)
+        if dtype == torch.bool:
+            return torch.rand(shape, generator=generator) < 0.5
+        return torch.randint(0, max(high, 0) + 1, shape, generator=generator, dtype=dtype)
+
+
+def tokens_per_sample(pipeline: dict) -> int | None:
+    """Tokens in one sample, for language models: the length of an integer input of shape
+    (batch, sequence) such as ``input_ids``; None when the model has none."""
+    for name in pipeline["inputs"]:
+        value = pipeline["values"][name]
+        if len(value["shape"]) == 2 and value["dtype"] in ("int64", "int32"):
+            return value["shape"][1]
+    return None

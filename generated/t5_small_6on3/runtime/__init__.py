@@ -1,0 +1,6 @@
+"""Runtime support of generated pipelines.
+
+This package is copied verbatim into every generated pipeline as its ``runtime/`` subpackage, so
+it may import only torch and the standard library: ``support`` builds a stage's parameters under
+the original names, ``schedule`` orders each rank's actions, ``driver`` is what train.py runs.
+"""

@@ -1,0 +1,103 @@
+"""State of generated stages: parameters and buffers under the original model's names.
+
+Copied into every generated pipeline as ``runtime/support.py``; it needs only torch.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+
+class ModuleScope(nn.Module):
+    """Stands for one module of the original model, so that a stage's parameters keep their
+    original fully-qualified names. ``scope[0]`` reaches a child named ``"0"``."""
+
+    def __getitem__(self, key) -> nn.Module:
+        return self._modules[str(key)]
+
+
+def _parent(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    module = root
+    *path, leaf = fqn.split(".")
+    for part in path:
+        child = module._modules.get(part)
+        if child is None:
+            child = ModuleScope()
+            module.add_module(part, child)
+        module = child
+    return module, leaf
+
+
+def build_state(
+    root: nn.Module, parameters: dict, buffers: dict, device, meta_state: bool = False
+) -> None:
+    """Create the parameters and buffers of a stage, uninitialised, on ``device``.
+
+    ``parameters``: name -> (shape, dtype, requires_grad, init rule);
+    ``buffers``: name -> (shape, dtype, persistent, init rule or fixed value). With ``meta_state``
+    the parameters and persistent buffers stay on the meta device for a checkpoint to fill
+    (``load_state_dict(..., assign=True)``); buffers with fixed values are always real.
+    """
+    state_device = "meta" if meta_state else device
+    for name, (shape, dtype, requires_grad, _rule) in parameters.items():
+        parent, leaf = _parent(root, name)
+        tensor = torch.empty(shape, dtype=dtype, device=state_device)
+        parent.register_parameter(leaf, nn.Parameter(tensor, requires_grad=requires_grad))
+    for name, (shape, dtype, persistent, rule) in buffers.items():
+        parent, leaf = _parent(root, name)
+        if isinstance(rule, torch.Tensor):
+            tensor = rule.to(device)
+        else:
+            tensor = torch.empty(shape, dtype=dtype, device=state_device)
+        parent.register_buffer(leaf, tensor, persistent=persistent)
+
+
+@torch.no_grad()
+def init_state(root: nn.Module, parameters: dict, buffers: dict, seed: int = 0) -> None:
+    """Initialise a stage deterministically: every tensor is drawn from a generator seeded by
+    ``seed`` and its name, so a parameter gets the same values whatever the partition.
+
+    This is autopipe's generic initialisation (normal(0, 0.02) weights, zero biases, unit norm
+    scales), not the model's own: load a checkpoint of the original model to start from that.
+    """
+    for name, (_shape, _dtype, _requires_grad, rule) in parameters.items():
+        _fill(root.get_parameter(name), rule, seed, name)
+    for name, (_shape, _dtype, _persistent, rule) in buffers.items():
+        if isinstance(rule, str):
+            _fill(root.get_buffer(name), rule, seed, name)
+
+
+def _fill(tensor: torch.Tensor, rule: str, seed: int, name: str) -> None:
+    if tensor.is_meta:
+        return
+    kind, _, arg = rule.partition(":")
+    arg, _, seed_name = arg.partition(":")
+    if kind == "zeros":
+        tensor.zero_()
+    elif kind == "ones":
+        tensor.fill_(1)
+    elif kind == "normal":
+        key = (seed_name or name).encode()  # tied copies share the canonical name
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key))
+        values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * float(arg)
+        tensor.copy_(values)
+    else:
+        raise ValueError(f"unknown initialisation rule {rule!r} for {name}")
+
+
+def stage_state(
+    stage: nn.Module, state: dict[str, torch.Tensor], aliases: list[list[str]]
+) -> dict[str, torch.Tensor]:
+    """The entries of an original-model ``state_dict`` a stage holds, tied aliases resolved.
+    Raises ``KeyError`` naming the first missing entry."""
+    alias_of = {name: group for group in aliases for name in group}
+    own = {}
+    for key in stage.state_dict():
+        found = next((k for k in alias_of.get(key, [key]) if k in state), None)
+        if found is None:
+            raise KeyError(key)
+        own[key] = state[found]
+    return own

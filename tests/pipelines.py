@@ -1,0 +1,112 @@
+"""Train a generated pipeline with torchrun and the same model with plain PyTorch, to compare."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from autopipe.spec import load_example
+
+from conftest import compile_model, spec, torchrun
+
+STEPS, MICROBATCHES = 4, 4
+
+
+def reference_training(
+    example, data, steps, optimizer, lr, loss_fn=None, clip=None, warmup=0, cosine=False
+):
+    """Plain PyTorch on one process: each step's batch split into microbatches, the mean of
+    their losses back-propagated (gradient accumulation), gradients clipped to the norm ``clip``,
+    one optimizer step at a learning rate warmed up linearly over ``warmup`` steps, then
+    (``cosine``) decayed to 0 at ``steps``."""
+    model = example.model
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = (
+        torch.optim.SGD(params, lr=lr)
+        if optimizer == "sgd"
+        else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    )
+
+    def lr_at(step):
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        if not cosine:
+            return lr
+        return lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
+
+    losses = []
+    for step in range(steps):
+        args, kwargs, *target = data(step)
+        opt.zero_grad()
+        chunks = []
+        for i in range(MICROBATCHES):
+            mb_args = [a.chunk(MICROBATCHES)[i] for a in args]
+            mb_kwargs = {k: v.chunk(MICROBATCHES)[i] for k, v in kwargs.items()}
+            out = model(*mb_args, **mb_kwargs)
+            chunks.append(loss_fn(out, target[0].chunk(MICROBATCHES)[i]) if loss_fn else out.loss)
+        loss = torch.stack(chunks).mean()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def run_pipeline(
+    tmp_path,
+    name,
+    stages,
+    data,
+    *extra,
+    loss=None,
+    train_spec=None,
+    compile_spec=None,
+    devices=None,
+    nproc=None,
+    **options,
+):
+    out = tmp_path / "pipe"
+    compile_model(
+        compile_spec or train_spec or name, out, stages, loss=loss, devices=devices, **options
+    )
+    example = load_example(spec(train_spec or name))
+    torch.save(example.model.state_dict(), tmp_path / "init.pt")
+    log, saved = tmp_path / "log.jsonl", tmp_path / "trained.pt"
+    torchrun(
+        out / "train.py",
+        nproc or devices or stages,
+        "--steps",
+        str(STEPS),
+        "--microbatches",
+        str(MICROBATCHES),
+        "--data",
+        f"tests/models.py:{data}",
+        "--load",
+        str(tmp_path / "init.pt"),
+        "--save",
+        str(saved),
+        "--log-json",
+        str(log),
+        *extra,
+    )
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(STEPS))
+    return [r["loss"] for r in records], torch.load(saved, weights_only=True)
+
+
+def assert_same_training(pipe, ref, atol=2e-5):
+    pipe_losses, pipe_state = pipe
+    ref_losses, ref_state = ref
+    assert pipe_losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    assert set(pipe_state) == set(ref_state)
+    for key in ref_state:
+        assert torch.allclose(
+            pipe_state[key].float(), ref_state[key].float(), atol=atol, rtol=1e-4
+        ), key

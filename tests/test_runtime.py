@@ -1,0 +1,429 @@
+"""The production runtime of generated pipelines, against plain PyTorch: every schedule, pipeline
+x data parallelism, gradient accumulation, clipping, learning-rate schedules, recomputation,
+bf16, Dataset input, checkpoints that survive a killed rank and a crash mid-write, and merge."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import models
+from autopipe.cli import main as autopipe_main
+from autopipe.runtime import train_state
+from autopipe.runtime.parallel import Layout
+from autopipe.spec import load_example
+from autopipe.verify import load_pipeline
+
+from conftest import ROOT, compile_model, spec, torchrun
+from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
+
+
+def gpt2_reference(**options):
+    return reference_training(
+        load_example(spec("gpt2")), models.gpt2_batch, STEPS, "adamw", 1e-3, **options
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule,stages,devices",
+    [
+        ("gpipe", 2, 2),
+        ("1f1b", 3, 3),
+        ("interleaved-1f1b", 4, 2),
+        ("looped-bfs", 4, 2),
+        ("interleaved-zero-bubble", 4, 2),
+        ("zbv", 4, 2),
+        ("dualpipev", 4, 2),
+        ("auto", 4, 2),
+    ],
+)
+def test_every_schedule_trains_like_pytorch(tmp_path, schedule, stages, devices):
+    """Compiled for the schedule's placement (looped, V-shaped, or Mixed-Pipe's for auto)."""
+    pipe = run_pipeline(
+        tmp_path,
+        "gpt2",
+        stages,
+        "gpt2_batch",
+        "--schedule",
+        schedule,
+        devices=devices,
+        schedule=None if schedule == "auto" else schedule,
+    )
+    assert_same_training(pipe, gpt2_reference())
+
+
+@pytest.mark.slow
+def test_two_stages_times_two_replicas(tmp_path):
+    """--dp 2 on 4 processes: each replica runs 2 of the step's 4 microbatches; the result is
+    PyTorch's on the whole batch (gradients averaged over replicas, tied ones summed over stages).
+    """
+    pipe = run_pipeline(
+        tmp_path, "gpt2", 2, "gpt2_batch", "--dp", "2", "--microbatches", "2", nproc=4
+    )
+    assert_same_training(pipe, gpt2_reference())
+
+
+@pytest.mark.slow
+def test_accumulation_clipping_and_lr_schedule(tmp_path):
+    """2 accumulated pipeline runs of 2 microbatches, global-norm clipping across 3 stages (the
+    tied embedding counted once), linear warm-up then cosine decay: as in PyTorch."""
+    pipe = run_pipeline(
+        tmp_path,
+        "gpt2",
+        3,
+        "gpt2_batch",
+        "--microbatches",
+        "2",
+        "--accumulate",
+        "2",
+        "--schedule",
+        "gpipe",
+        "--clip-grad-norm",
+        "0.3",
+        "--warmup-steps",
+        "2",
+        "--lr-decay",
+        "cosine",
+        "--lr",
+        "0.01",
+    )
+    ref = reference_training(
+        load_example(spec("gpt2")),
+        models.gpt2_batch,
+        STEPS,
+        "adamw",
+        0.01,
+        clip=0.3,
+        warmup=2,
+        cosine=True,
+    )
+    assert_same_training(pipe, ref)
+    norms = [
+        json.loads(line)["grad_norm"] for line in (tmp_path / "log.jsonl").read_text().splitlines()
+    ]
+    assert all(n > 0.3 for n in norms)  # the clip was active on every step
+
+
+@pytest.mark.slow
+def test_recomputation_keeps_results_and_batchnorm_statistics(tmp_path):
+    """Recomputing every stage's activations (BatchNorm CNN, 1F1B) changes nothing, running
+    statistics included: the recomputed forward must not update them a second time."""
+    common = dict(loss="tests/models.py:cross_entropy", train_spec="cnn_with_target")
+    plain = run_pipeline(tmp_path / "plain", "cnn", 2, "cnn_batch", "--schedule", "1f1b", **common)
+    recomputed = run_pipeline(
+        tmp_path / "recomputed",
+        "cnn",
+        2,
+        "cnn_batch",
+        "--schedule",
+        "1f1b",
+        "--recompute",
+        "all",
+        **common,
+    )
+    assert_same_training(recomputed, plain, atol=1e-6)
+    assert int(recomputed[1]["features.1.num_batches_tracked"]) == STEPS * 4
+
+
+@pytest.mark.slow
+def test_bf16_autocast_with_zero_bubble(tmp_path):
+    """bf16 autocast (on CPU here; CUDA is the same code) under a split-backward schedule:
+    values between stages keep their dtype, losses stay close to fp32's."""
+    pipe = run_pipeline(
+        tmp_path,
+        "gpt2",
+        4,
+        "gpt2_batch",
+        "--schedule",
+        "zbv",
+        "--bf16",
+        "--recompute",
+        "0,3",
+        devices=2,
+        schedule="zbv",
+    )
+    ref_losses, _ = gpt2_reference()
+    assert pipe[0] == pytest.approx(ref_losses, rel=2e-2)
+    assert all(t.dtype == torch.float32 for t in pipe[1].values() if t.is_floating_point())
+
+
+@pytest.mark.slow
+def test_dataset_factory(tmp_path):
+    """--data FN with no arguments returns a Dataset; steps read seeded epoch permutations,
+    so training matches PyTorch fed the same samples in that order."""
+    dataset = models.gpt2_dataset()
+    rows = models.BATCH * 4
+
+    def batch(step):
+        picks = []
+        for position in range(step * rows, (step + 1) * rows):
+            epoch = position // len(dataset)
+            order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(epoch))
+            picks.append(dataset[int(order[position % len(dataset)])]["input_ids"])
+        ids = torch.stack(picks)
+        return (ids,), {"labels": ids.clone()}
+
+    pipe = run_pipeline(tmp_path, "gpt2", 2, "gpt2_dataset")
+    ref = reference_training(load_example(spec("gpt2")), batch, STEPS, "adamw", 1e-3)
+    assert_same_training(pipe, ref)
+
+
+def _workers(parent: int) -> list[int]:
+    """PIDs of the processes torchrun started."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            children.append(int(stat.parent.name))
+    return children
+
+
+@pytest.mark.slow
+def test_killed_rank_resumes_to_the_same_weights(tmp_path):
+    """Kill one rank mid-run; --resume from the last checkpoint ends with exactly the weights
+    and per-step losses of an uninterrupted run."""
+    out = tmp_path / "pipe"
+    compile_model("gpt2", out, 2)
+    torch.save(load_example(spec("gpt2")).model.state_dict(), tmp_path / "init.pt")
+    steps = "12"
+    common = ["--steps", steps, "--microbatches", "4", "--load", str(tmp_path / "init.pt")]
+    common += ["--data", "tests/models.py:gpt2_batch_slowly", "--checkpoint-every", "3"]
+    torchrun(
+        out / "train.py",
+        2,
+        *common,
+        "--checkpoint-dir",
+        str(tmp_path / "full"),
+        "--save",
+        str(tmp_path / "full.pt"),
+        "--log-json",
+        str(tmp_path / "full.jsonl"),
+    )
+
+    ckpt, log = tmp_path / "ckpt", tmp_path / "run.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node=2", str(out / "train.py"), "--device", "cpu", *common]
+    command += ["--checkpoint-dir", str(ckpt), "--log-json", str(log)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    errors = open(tmp_path / "killed.err", "w")
+    run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=errors)
+    deadline = time.monotonic() + 300
+    while not (
+        (ckpt / "latest").exists() and log.exists() and len(log.read_text().splitlines()) >= 5
+    ):
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended before the kill"
+        time.sleep(0.02)
+    os.kill(max(_workers(run.pid)), signal.SIGKILL)
+    assert run.wait(timeout=120) != 0
+    logged = len(log.read_text().splitlines())
+    assert logged < int(steps)
+
+    torchrun(
+        out / "train.py",
+        2,
+        *common,
+        "--checkpoint-dir",
+        str(ckpt),
+        "--resume",
+        "--save",
+        str(tmp_path / "resumed.pt"),
+        "--log-json",
+        str(log),
+    )
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    assert set(full) == set(resumed)
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+    losses = lambda path: {
+        r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())
+    }  # noqa: E731
+    assert losses(log) == losses(tmp_path / "full.jsonl")
+
+    # autopipe merge: the checkpoint as one original-model state_dict, in both formats
+    for name in ("merged.pt", "merged.safetensors"):
+        assert autopipe_main(["merge", str(ckpt), "-o", str(tmp_path / name)]) == 0
+    model = load_example(spec("gpt2")).model
+    model.load_state_dict(torch.load(tmp_path / "merged.pt", weights_only=True))
+    assert all(torch.equal(v, full[k]) for k, v in model.state_dict().items())
+    from autopipe.runtime.checkpoint import Checkpoint
+
+    merged = Checkpoint(tmp_path / "merged.safetensors")
+    assert all(torch.equal(merged[k], full[k]) for k in full)
+
+
+@pytest.fixture
+def single_process_group(tmp_path):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_crash_while_checkpointing_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch, single_process_group
+):
+    out = tmp_path / "pipe"
+    compile_model("gpt2", out, 2)
+    package = load_pipeline(out)
+    stages = {i: package.build_stage(i) for i in range(2)}
+    optimizers = {i: torch.optim.AdamW(m.parameters()) for i, m in stages.items()}
+    schedulers = {
+        i: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for i, o in optimizers.items()
+    }
+    layout = Layout(
+        torch.device("cpu"),
+        pp_size=1,
+        dp_size=1,
+        pp_rank=0,
+        dp_rank=0,
+        pp_group=None,
+        dp_group=None,
+    )
+    root = tmp_path / "ckpt"
+    checkpoints = train_state.TrainingCheckpoints(root, package.PIPELINE, layout, keep=3)
+    checkpoints.save(1, stages, optimizers, schedulers)
+    before, _ = train_state.merge_checkpoint(root)
+
+    with torch.no_grad():
+        for m in stages.values():
+            for p in m.parameters():
+                p.add_(1.0)
+    written = []
+
+    def crash_after_one_file(obj, path):
+        if written:
+            raise OSError("disk full")
+        written.append(path)
+        torch.save(obj, path)
+
+    monkeypatch.setattr(train_state, "_save", crash_after_one_file)
+    with pytest.raises(OSError):
+        checkpoints.save(2, stages, optimizers, schedulers)
+    assert (root / "latest").read_text().strip() == "step-00000001"
+    assert checkpoints.latest() == root / "step-00000001"
+    after, manifest = train_state.merge_checkpoint(root)
+    assert manifest["step"] == 1
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    # the next save replaces the half-written one and moves `latest`
+    monkeypatch.undo()
+    checkpoints.save(2, stages, optimizers, schedulers)
+    assert checkpoints.latest() == root / "step-00000002"
+    assert not list(root.glob(".*partial"))
+
+
+def test_checkpoint_of_another_pipeline_is_refused(tmp_path, single_process_group):
+    first, second = tmp_path / "a", tmp_path / "b"
+    compile_model("gpt2", first, 2)
+    compile_model("gpt2", second, 3)
+    layout = Layout(
+        torch.device("cpu"),
+        pp_size=1,
+        dp_size=1,
+        pp_rank=0,
+        dp_rank=0,
+        pp_group=None,
+        dp_group=None,
+    )
+    a, b = load_pipeline(first), load_pipeline(second)
+    stages = {i: a.build_stage(i) for i in range(2)}
+    optimizers = {i: torch.optim.SGD(m.parameters(), lr=0.1) for i, m in stages.items()}
+    schedulers = {
+        i: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for i, o in optimizers.items()
+    }
+    saved = train_state.TrainingCheckpoints(tmp_path / "ckpt", a.PIPELINE, layout, keep=0).save(
+        1, stages, optimizers, schedulers
+    )
+    other = train_state.TrainingCheckpoints(tmp_path / "ckpt", b.PIPELINE, layout, keep=0)
+    with pytest.raises(train_state.PipelineRunError, match="different pipeline"):
+        other.restore_weights(saved, {0: b.build_stage(0, meta_state=True)})
+
+
+@pytest.mark.slow
+def test_schedule_that_does_not_fit_is_named(tmp_path):
+    out = tmp_path / "pipe"
+    compile_model("gpt2", out, 3)
+    result = subprocess.run(
+        [sys.executable, str(out / "train.py"), "--schedule", "1f1b", "--microbatches", "2"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert "needs at least as many microbatches as stages (3)" in result.stderr
+    assert "--microbatches 3" in result.stderr
+
+
+@pytest.mark.slow
+def test_text_example_learns_from_its_dataset(tmp_path):
+    """examples/text.py: a byte-level GPT-2 trained on real text through the Dataset factory;
+    the loss falls well below chance (ln 256 = 5.55) within 40 steps."""
+    from autopipe.compiler import CompileOptions, compile_spec
+
+    out = tmp_path / "text"
+    compile_spec("examples/text.py:build", out, CompileOptions(stages=2), report=False)
+    log = tmp_path / "log.jsonl"
+    torchrun(
+        out / "train.py",
+        2,
+        "--data",
+        "examples/text.py:dataset",
+        "--steps",
+        "40",
+        "--microbatches",
+        "2",
+        "--lr",
+        "3e-3",
+        "--warmup-steps",
+        "5",
+        "--log-json",
+        str(log),
+    )
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    losses = [r["loss"] for r in records]
+    assert losses[0] > 5.0
+    assert sum(losses[-5:]) / 5 < 3.5
+    assert all(r["tokens_per_s"] > 0 and len(r["peak_memory"]) == 2 for r in records)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
+    """SIGINT to torchrun mid-run: every rank stops within seconds, and the latest checkpoint
+    is complete and loadable (an interrupted save never replaces it)."""
+    out = tmp_path / "pipe"
+    compile_model("gpt2", out, 2)
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += [str(out / "train.py"), "--device", "cpu", "--steps", "500", "--microbatches", "4"]
+    command += ["--data", "tests/models.py:gpt2_batch_slowly", "--checkpoint-every", "1"]
+    command += ["--checkpoint-dir", str(ckpt), "--log-json", str(log)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    with open(tmp_path / "stderr", "w") as errors:
+        run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=errors)
+        deadline = time.monotonic() + 300
+        while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+            assert run.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        workers = _workers(run.pid)
+        run.send_signal(signal.SIGINT)
+        stopped = time.monotonic()
+        assert run.wait(timeout=60) != 0
+    assert time.monotonic() - stopped < 60
+    assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
+    state, manifest = train_state.merge_checkpoint(ckpt)
+    assert manifest["step"] >= 2
+    load_example(spec("gpt2")).model.load_state_dict(state)
