@@ -20,6 +20,7 @@ from .errors import AutopipeError
 from .graph import Graph
 from .partitioning import DEFAULT_METHOD, METHODS, Partition
 from .partitioning.simulator import SCHEDULES
+from .progress import NORMAL, QUIET, VERBOSE, Phases
 from .profiling import PROFILE_MODES, Profile
 from .spec import load_example
 from .summary import format_partition
@@ -149,9 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_compile(args: argparse.Namespace) -> None:
-    log = (
-        (lambda message: None) if args.quiet else (lambda message: print(message, file=sys.stderr))
-    )
+    level = QUIET if args.quiet else VERBOSE if args.verbose else NORMAL
     result = compile_spec(
         args.spec,
         args.out,
@@ -159,7 +158,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
         loss=args.loss,
         force=args.force,
         report=not args.no_report,
-        log=log,
+        phases=Phases(level),
     )
     if not args.quiet:
         print(format_partition(result.graph, result.partition))
@@ -246,7 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", required=True, type=Path, help="directory of the generated pipeline package"
     )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
-    p.add_argument("--quiet", action="store_true", help="print only the result")
+    verbosity = p.add_mutually_exclusive_group()
+    verbosity.add_argument("--quiet", action="store_true", help="print only the result")
+    verbosity.add_argument(
+        "--verbose", action="store_true", help="say what each phase produced, besides its time"
+    )
     p.add_argument(
         "--no-report", action="store_true", help="skip DIR/report/report.html and its figures"
     )

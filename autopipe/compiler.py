@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from collections.abc import Callable
 from torch import nn
 
 from .artifacts import artifact_text
+from .progress import QUIET, Phases
 from .codegen import check_output_dir, package_files, with_manifest, write_package
 from .graph import Graph
 from .partitioning import DEFAULT_METHOD, Partition, partition
@@ -110,29 +110,35 @@ def compile_example(
     loss: str | Callable | None = None,
     force: bool = False,
     report: bool = True,
-    log: Callable[[str], None] = lambda message: None,
+    phases: Phases | None = None,
 ) -> CompileResult:
     """Trace, profile, partition and generate in one go; with ``report``, also write
-    ``out/report/report.html`` and its figures."""
+    ``out/report/report.html`` and its figures. ``phases`` shows progress (default: silent)."""
     out = Path(out)
     check_output_dir(out, force)  # fail before the expensive steps
-    timings: dict[str, float] = {}
-
-    def timed(name: str, fn: Callable[[], Any]) -> Any:
-        start = time.perf_counter()
-        result = fn()
-        timings[name] = time.perf_counter() - start
-        log(f"{name:<9} {timings[name]:7.2f} s")
-        return result
-
-    graph = timed("trace", lambda: trace_step(example, options, source, loss))
-    prof = timed("profile", lambda: profile_step(graph, options, example))
-    part = timed("partition", lambda: partition_step(graph, prof, options))
-    timed("generate", lambda: generate_step(graph, part, out, prof=prof, force=force))
+    phases = phases or Phases(QUIET)
+    with phases.phase("trace") as details:
+        graph = trace_step(example, options, source, loss)
+        details.append(f"{len(graph.calls)} operators in {len(graph.units)} units")
+    with phases.phase("profile") as details:
+        prof = profile_step(graph, options, example)
+        details.append(f"{prof.mode} profile for {prof.device.name}")
+    with phases.phase("partition") as details:
+        part = partition_step(graph, prof, options)
+        predicted = part.predicted
+        details.append(
+            f"method {part.method}, bottleneck {predicted['bottleneck'] * 1e3:.3f} ms "
+            f"(lower bound {predicted['lower_bound'] * 1e3:.3f} ms)"
+        )
+    with phases.phase("generate") as details:
+        generate_step(graph, part, out, prof=prof, force=force)
+        details.append(f"{part.num_stages} stage modules in {out}")
     if report:
         from .report import write_report
 
-        timed("report", lambda: write_report(out))
+        with phases.phase("report") as details:
+            details.append(str(write_report(out)))
+    timings = dict(phases.timings)
     return CompileResult(out, graph, prof, part, timings)
 
 

@@ -10,7 +10,18 @@ import pytest
 
 from autopipe.cli import build_parser, main
 
-COMMANDS = ["compile", "trace", "profile", "partition", "generate", "verify", "calibrate"]
+COMMANDS = [
+    "compile",
+    "trace",
+    "profile",
+    "partition",
+    "generate",
+    "verify",
+    "calibrate",
+    "merge",
+    "report",
+    "show",
+]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -59,3 +70,23 @@ def test_generated_train_help(tmp_path):
         "--log-json",
     ]:
         assert flag in result.stdout
+
+
+def test_compile_verbosity_report_and_show(tmp_path, capsys):
+    """Phase lines by default, details with --verbose, nothing but the result with --quiet;
+    the report is written unless --no-report; `autopipe show` prints the stage table."""
+    spec = "tests/models.py:mlp"
+    assert main(["compile", spec, "--stages", "2", "--out", str(tmp_path / "a"), "--verbose"]) == 0
+    verbose = capsys.readouterr()
+    assert "partition" in verbose.err and "method mpipe, bottleneck" in verbose.err
+    assert (tmp_path / "a" / "report" / "report.html").is_file()
+    args = ["compile", spec, "--stages", "2", "--out", str(tmp_path / "b"), "--no-report"]
+    assert main([*args, "--quiet"]) == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == "" and "wrote 2-stage pipeline" in quiet.out
+    assert not (tmp_path / "b" / "report").exists()
+    assert main(["show", str(tmp_path / "b")]) == 0
+    table = capsys.readouterr().out
+    assert "stage" in table and "device" in table and len(table.splitlines()) >= 3
+    assert main(["report", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "b" / "report" / "report.html").is_file()

@@ -148,3 +148,47 @@ def test_not_a_pipeline(tmp_path):
         write_report(tmp_path)
     with pytest.raises(ArtifactError, match="not a compiled pipeline"):
         show_table(tmp_path)
+
+
+def _chromium() -> str | None:
+    import shutil
+
+    return next(
+        (
+            shutil.which(n)
+            for n in ("chromium", "chromium-browser", "google-chrome")
+            if shutil.which(n)
+        ),
+        None,
+    )
+
+
+@pytest.mark.skipif(_chromium() is None, reason="headless Chromium is not installed")
+def test_report_renders_in_a_real_browser(gpt2_dir, tmp_path):
+    """Headless Chromium (Debian's package) loads the page offline and paints its figures."""
+    import matplotlib.image
+
+    page = write_report(gpt2_dir)
+    shot = tmp_path / "report.png"
+    subprocess.run(
+        [
+            _chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1280,2400",
+            f"--screenshot={shot}",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    pixels = matplotlib.image.imread(shot)[..., :3]
+    assert pixels.shape[:2] == (2400, 1280)
+    # the stage colours of the figures (not just text on white) are on the screen
+    colours = {tuple((p * 15).round().astype(int)) for p in pixels.reshape(-1, 3)[::37]}
+    assert len(colours) > 20
+    blue = (abs(pixels[..., 2] - pixels[..., 0]) > 0.2).mean()  # forward bars, stage 0 boxes
+    assert blue > 0.005

@@ -1,0 +1,45 @@
+"""Progress of ``autopipe compile`` on the terminal: a spinner while a phase runs, then its time
+(and with ``--verbose`` what it produced). Plain lines when stderr is not a terminal."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+from rich.console import Console
+
+QUIET, NORMAL, VERBOSE = 0, 1, 2
+
+
+class Phases:
+    """Reports compiler phases at one of three levels: QUIET, NORMAL or VERBOSE."""
+
+    def __init__(self, level: int = NORMAL):
+        self.level = level
+        self.console = Console(stderr=True, highlight=False)
+        self.timings: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[list[str]]:
+        """Time the phase ``name``; the caller may append details to the yielded list."""
+        details: list[str] = []
+        start = time.perf_counter()
+        status = (
+            self.console.status(f"{name} ...", spinner="dots")
+            if self.level > QUIET and self.console.is_terminal
+            else contextlib.nullcontext()
+        )
+        with status:
+            yield details
+        self.timings[name] = time.perf_counter() - start
+        if self.level > QUIET:
+            line = f"{name:<9} {self.timings[name]:7.2f} s"
+            if self.level >= VERBOSE and details:
+                line += "  " + "; ".join(details)
+            self.console.print(line, markup=False)
+
+    def __call__(self, message: str) -> None:
+        """A message shown at VERBOSE level."""
+        if self.level >= VERBOSE:
+            self.console.print(message, markup=False)
