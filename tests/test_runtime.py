@@ -228,6 +228,10 @@ def test_killed_rank_resumes_to_the_same_weights(tmp_path):
         time.sleep(0.02)
     os.kill(max(_workers(run.pid)), signal.SIGKILL)
     assert run.wait(timeout=120) != 0
+    errors.close()
+    survivor = (tmp_path / "killed.err").read_text()
+    assert "train.py: rank 0 stopped" in survivor or "lost contact with another rank" in survivor
+    assert "rerun with --resume" in survivor
     logged = len(log.read_text().splitlines())
     assert logged < int(steps)
 

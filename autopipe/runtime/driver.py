@@ -346,7 +346,9 @@ def train(package: ModuleType, args: Any) -> None:
 
 
 def _stop(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    raise KeyboardInterrupt(
+        f"{signal.Signals(signum).name}: torchrun stops every rank when one fails or the job is cancelled"
+    )
 
 
 def _lost_peer(exc: BaseException) -> bool:
