@@ -268,6 +268,21 @@ def test_killed_rank_resumes_to_the_same_weights(tmp_path):
     assert all(torch.equal(merged[k], full[k]) for k in full)
 
 
+ONE_PROCESS = Layout(
+    torch.device("cpu"), pp_size=1, dp_size=1, pp_rank=0, dp_rank=0, pp_group=None, dp_group=None
+)
+
+
+def _training_state(package, num_stages):
+    """Every stage of a package with an AdamW optimizer and a constant LR schedule."""
+    stages = {i: package.build_stage(i) for i in range(num_stages)}
+    optimizers = {i: torch.optim.AdamW(m.parameters()) for i, m in stages.items()}
+    schedulers = {
+        i: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for i, o in optimizers.items()
+    }
+    return stages, optimizers, schedulers
+
+
 @pytest.fixture
 def single_process_group(tmp_path):
     dist.init_process_group(
@@ -283,22 +298,9 @@ def test_crash_while_checkpointing_keeps_the_previous_checkpoint(
     out = tmp_path / "pipe"
     compile_model("gpt2", out, 2)
     package = load_pipeline(out)
-    stages = {i: package.build_stage(i) for i in range(2)}
-    optimizers = {i: torch.optim.AdamW(m.parameters()) for i, m in stages.items()}
-    schedulers = {
-        i: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for i, o in optimizers.items()
-    }
-    layout = Layout(
-        torch.device("cpu"),
-        pp_size=1,
-        dp_size=1,
-        pp_rank=0,
-        dp_rank=0,
-        pp_group=None,
-        dp_group=None,
-    )
+    stages, optimizers, schedulers = _training_state(package, 2)
     root = tmp_path / "ckpt"
-    checkpoints = train_state.TrainingCheckpoints(root, package.PIPELINE, layout, keep=3)
+    checkpoints = train_state.TrainingCheckpoints(root, package.PIPELINE, ONE_PROCESS, keep=3)
     checkpoints.save(1, stages, optimizers, schedulers)
     before, _ = train_state.merge_checkpoint(root)
 
@@ -334,25 +336,12 @@ def test_checkpoint_of_another_pipeline_is_refused(tmp_path, single_process_grou
     first, second = tmp_path / "a", tmp_path / "b"
     compile_model("gpt2", first, 2)
     compile_model("gpt2", second, 3)
-    layout = Layout(
-        torch.device("cpu"),
-        pp_size=1,
-        dp_size=1,
-        pp_rank=0,
-        dp_rank=0,
-        pp_group=None,
-        dp_group=None,
-    )
     a, b = load_pipeline(first), load_pipeline(second)
-    stages = {i: a.build_stage(i) for i in range(2)}
-    optimizers = {i: torch.optim.SGD(m.parameters(), lr=0.1) for i, m in stages.items()}
-    schedulers = {
-        i: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for i, o in optimizers.items()
-    }
-    saved = train_state.TrainingCheckpoints(tmp_path / "ckpt", a.PIPELINE, layout, keep=0).save(
-        1, stages, optimizers, schedulers
-    )
-    other = train_state.TrainingCheckpoints(tmp_path / "ckpt", b.PIPELINE, layout, keep=0)
+    stages, optimizers, schedulers = _training_state(a, 2)
+    saved = train_state.TrainingCheckpoints(
+        tmp_path / "ckpt", a.PIPELINE, ONE_PROCESS, keep=0
+    ).save(1, stages, optimizers, schedulers)
+    other = train_state.TrainingCheckpoints(tmp_path / "ckpt", b.PIPELINE, ONE_PROCESS, keep=0)
     with pytest.raises(train_state.PipelineRunError, match="different pipeline"):
         other.restore_weights(saved, {0: b.build_stage(0, meta_state=True)})
 
