@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from autopipe.cli import main as autopipe
 from autopipe.compiler import CompileOptions, compile_spec
@@ -223,3 +224,31 @@ def test_hand_edited_package_is_reported(tmp_path, capsys):
     with pytest.raises(SystemExit):
         autopipe(["verify", str(out), "--spec", spec("mlp")])
     assert "stage1.py" in capsys.readouterr().out
+
+
+def test_custom_autograd_function_refused(tmp_path):
+    """torch.export keeps only a custom Function's forward; compiling it would silently change
+    the gradients, so it is refused, naming the function and the user's line."""
+    module = tmp_path / "custom_fn.py"
+    module.write_text(
+        "import torch\n"
+        "class Triple(torch.autograd.Function):\n"
+        "    @staticmethod\n"
+        "    def forward(ctx, x):\n"
+        "        return x * 2\n"
+        "    @staticmethod\n"
+        "    def backward(ctx, grad):\n"
+        "        return grad * 3\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        return self.b(Triple.apply(self.a(x))).sum()\n"
+        "def build():\n"
+        "    return M(), (torch.randn(2, 4),)\n"
+    )
+    with pytest.raises(TraceError, match=r"custom autograd function Triple at .*custom_fn.py:14"):
+        compile_spec(f"{module}:build", tmp_path / "out", CompileOptions(stages=2))
+    assert not (tmp_path / "out").exists()
+    assert torch.autograd.Function.apply.__func__.__module__ == "torch.autograd.function"

@@ -7,6 +7,7 @@ import inspect
 import keyword
 import os
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -79,8 +80,12 @@ def trace(
     was_training = model.training
     model.train()
     try:
-        with buffers_on_meta(model) if on_meta else contextlib.nullcontext():
+        with (
+            buffers_on_meta(model) if on_meta else contextlib.nullcontext()
+        ), custom_functions_refused():
             exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    except TraceError:
+        raise
     except Exception as exc:  # torch raises many types here; all become one clear error
         raise _trace_error(exc, model) from exc
     finally:
@@ -118,12 +123,43 @@ _LIBRARY_DIRS = tuple(
 ) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
 
 
+@contextlib.contextmanager
+def custom_functions_refused() -> Iterator[None]:
+    """Refuse user ``torch.autograd.Function``s while tracing: a non-strict export records only
+    their forward, so the pipeline would silently train with autograd's gradient of that forward
+    instead of the custom backward."""
+    original = inspect.getattr_static(torch.autograd.Function, "apply")
+
+    def apply(cls, *args, **kwargs):
+        if not cls.__module__.startswith("torch."):
+            stack = [f for f in traceback.extract_stack()[:-1] if _is_user_file(f.filename)]
+            where = f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "the model's forward"
+            code = f"\n    {stack[-1].line.strip()}" if stack and stack[-1].line else ""
+            raise TraceError(
+                f"the model calls the custom autograd function {cls.__qualname__} at {where}:{code}\n"
+                "torch.export records only its forward, so the pipeline would lose its custom "
+                "backward and train with different gradients. Write it with differentiable torch "
+                "operations (autograd then derives the backward the pipeline runs), or keep it out "
+                "of the model's forward."
+            )
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+
+
+def _is_user_file(filename: str) -> bool:
+    return not os.path.abspath(filename).startswith(_LIBRARY_DIRS) and not filename.startswith("<")
+
+
 def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """The innermost traceback frame in user code (not torch, autopipe or the standard library)."""
     frames = traceback.extract_tb(exc.__traceback__)
     for frame in reversed(frames):
-        path = os.path.abspath(frame.filename)
-        if not path.startswith(_LIBRARY_DIRS) and not frame.filename.startswith("<"):
+        if _is_user_file(frame.filename):
             return frame
     return None
 
