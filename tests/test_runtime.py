@@ -420,3 +420,24 @@ def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
     state, manifest = train_state.merge_checkpoint(ckpt)
     assert manifest["step"] >= 2
     load_example(spec("gpt2")).model.load_state_dict(state)
+
+
+@pytest.mark.slow
+def test_partitioner_switches_on_recomputation_and_train_follows(tmp_path):
+    """On a device with too little memory for the activations 1F1B keeps, the partition marks
+    the short devices' stages for recomputation; train.py (--recompute auto) recomputes them
+    and still trains exactly like PyTorch."""
+    import json as json_
+
+    from autopipe.profiling import device_spec
+
+    roomy = compile_model("gpt2", tmp_path / "roomy", 2)
+    need = max(roomy.partition.predicted["device_memory"])
+    static = max(roomy.partition.costs["static_memory"])
+    spec_file = tmp_path / "small.json"
+    small = device_spec("h100").to_json() | {"name": "small", "memory": (need + static) / 2}
+    spec_file.write_text(json_.dumps(small))
+    pipe = run_pipeline(tmp_path, "gpt2", 2, "gpt2_batch", device=str(spec_file))
+    description = load_pipeline(tmp_path / "pipe").PIPELINE
+    assert any(stage["recompute"] for stage in description["stages"])
+    assert_same_training(pipe, gpt2_reference())

@@ -44,6 +44,7 @@ class StageRow:
     outputs: list[str] = field(default_factory=list)
     first_unit: str = ""
     last_unit: str = ""
+    recompute: bool = False  # activations recomputed in backward to fit device memory
 
 
 @dataclass
@@ -187,6 +188,7 @@ class ReportData:
                     outputs=list(described.get("outputs", [])),
                     first_unit=self.graph.units[units[0]].label if units else "",
                     last_unit=self.graph.units[units[-1]].label if units else "",
+                    recompute=s in part.recompute,
                 )
             )
         return rows

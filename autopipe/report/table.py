@@ -24,7 +24,7 @@ def show_table(directory: str | os.PathLike) -> str:
             f"{r.forward * 1e3:.3f}",
             f"{r.backward * 1e3:.3f}",
             f"{r.communication * 1e3:.3f}",
-            format_bytes(r.memory),
+            format_bytes(r.memory) + (" (recompute)" if r.recompute else ""),
             ", ".join(r.inputs),
             ", ".join(r.outputs),
         )
