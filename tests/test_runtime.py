@@ -441,3 +441,50 @@ def test_partitioner_switches_on_recomputation_and_train_follows(tmp_path):
     description = load_pipeline(tmp_path / "pipe").PIPELINE
     assert any(stage["recompute"] for stage in description["stages"])
     assert_same_training(pipe, gpt2_reference())
+
+
+@pytest.mark.slow
+def test_two_nodes_with_torchrun_rendezvous(tmp_path):
+    """`torchrun --nnodes 2` as a cluster runs it (here two launchers on one machine, meeting at
+    a c10d rendezvous): 2 stages x 2 replicas over 2 "nodes" train like PyTorch."""
+    import socket
+
+    out = tmp_path / "pipe"
+    compile_model("gpt2", out, 2)
+    torch.save(load_example(spec("gpt2")).model.state_dict(), tmp_path / "init.pt")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    launchers = []
+    for node in range(2):
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=2",
+        ]
+        command += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test"]
+        command += [str(out / "train.py"), "--device", "cpu", "--dp", "2", "--microbatches", "2"]
+        command += ["--steps", str(STEPS), "--data", "tests/models.py:gpt2_batch"]
+        command += ["--load", str(tmp_path / "init.pt"), "--save", str(tmp_path / "trained.pt")]
+        command += ["--log-json", str(tmp_path / "log.jsonl")]  # the same command on every node
+        launchers.append(
+            subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = [launcher.communicate(timeout=600)[0] for launcher in launchers]
+    assert all(launcher.returncode == 0 for launcher in launchers), "\n".join(
+        o[-3000:] for o in outputs
+    )
+    log = (tmp_path / "log.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in log]
+    state = torch.load(tmp_path / "trained.pt", weights_only=True)
+    assert_same_training((losses, state), gpt2_reference())
