@@ -69,7 +69,7 @@ def test_data_dependent_control_flow_names_user_line(tmp_path):
     message = str(info.value)
     assert "data-dependent control flow" in message
     assert "tests/models.py:" in message and "if h.sum() > 0:" in message
-    assert "torch.where" in message and "torch.cond" in message
+    assert "torch.where" in message and "fixed (non-tensor) input" in message
     line = next(i for i, text in enumerate(open("tests/models.py"), 1) if "if h.sum() > 0:" in text)
     assert f"models.py:{line}" in message
 
@@ -252,3 +252,23 @@ def test_custom_autograd_function_refused(tmp_path):
         compile_spec(f"{module}:build", tmp_path / "out", CompileOptions(stages=2))
     assert not (tmp_path / "out").exists()
     assert torch.autograd.Function.apply.__func__.__module__ == "torch.autograd.function"
+
+
+def test_torch_cond_is_refused_clearly(tmp_path):
+    module = tmp_path / "cond_model.py"
+    module.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        h = self.a(x)\n"
+        "        h = torch.cond(h.sum() > 0, lambda t: t * 2, lambda t: t - 1, (h,))\n"
+        "        return self.b(h).sum()\n"
+        "def build():\n"
+        "    return M(), (torch.randn(2, 4),)\n"
+    )
+    with pytest.raises(TraceError, match="higher-order operator cond"):
+        compile_spec(f"{module}:build", tmp_path / "out", CompileOptions(stages=2))
+    assert not (tmp_path / "out").exists()

@@ -176,9 +176,11 @@ def _trace_error(exc: Exception, model: torch.nn.Module) -> TraceError:
         return TraceError(
             f"the model has data-dependent control flow at {where}:{code}\n"
             "autopipe captures one graph for all inputs, so a Python branch or size cannot depend "
-            "on tensor values. Options: rewrite the branch with torch.where or torch.cond; pass the "
-            "value as a fixed (non-tensor) input of the example; or move the code out of the "
-            f"model's forward. (torch.export: {message})"
+            "on tensor values. Options: compute both sides and select with torch.where; pass the "
+            "value that decides the branch as a fixed (non-tensor) input of the example; or move "
+            "the code out of the model's forward. torch.cond traces, but autopipe cannot yet "
+            "generate code for it, and --basic-blocks only groups traced operators: it cannot hide "
+            f"a branch from the tracer. (torch.export: {message})"
         )
     return TraceError(
         f"torch.export cannot trace the model at {where}:{code}\n{name}: {message}\n"
