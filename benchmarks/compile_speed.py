@@ -5,7 +5,7 @@
 
 Every measurement is a fresh Python process, timed from its start to its exit (imports included),
 with its peak resident memory from the kernel (``os.wait4``). autopipe runs ``autopipe compile
-SPEC --stages 8`` (analytic profile, Mixed-Pipe, full code generation) on a model built without
+SPEC --stages 8 --no-report`` (analytic profile, Mixed-Pipe, full code generation) on a model built without
 weights; PiPPy runs ``torch.distributed.pipelining.pipeline()`` on the same model on the meta
 device with 8 hand-given split points (no profiling, no balancing, no code). Phase times come
 from autopipe's own log; "per 1k nodes" shows how each phase grows with the graph.
@@ -123,6 +123,7 @@ def main() -> None:
                     "--out",
                     "out",
                     "--force",
+                    "--no-report",  # what is timed is compiling; the report is extra
                 ],
                 folder,
             )
