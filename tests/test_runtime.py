@@ -74,6 +74,29 @@ def test_two_stages_times_two_replicas(tmp_path):
 
 
 @pytest.mark.slow
+def test_zero_bubble_v_schedule_times_two_replicas(tmp_path):
+    """4 stages V-placed on 2 ranks (ZBV), 2 replicas: the tied embedding sits on one rank twice
+    over (stages 0 and 3), and the split backward's weight step runs before the replica all-reduce.
+    """
+    pipe = run_pipeline(
+        tmp_path,
+        "gpt2",
+        4,
+        "gpt2_batch",
+        "--dp",
+        "2",
+        "--microbatches",
+        "2",
+        "--schedule",
+        "zbv",
+        devices=2,
+        nproc=4,
+        schedule="zbv",
+    )
+    assert_same_training(pipe, gpt2_reference())
+
+
+@pytest.mark.slow
 def test_accumulation_clipping_and_lr_schedule(tmp_path):
     """2 accumulated pipeline runs of 2 microbatches, global-norm clipping across 3 stages (the
     tied embedding counted once), linear warm-up then cosine decay: as in PyTorch."""
