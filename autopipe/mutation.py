@@ -11,21 +11,29 @@ from .graph import Graph, Node
 from .interpreter import resolve_target
 
 
-def alias_base(graph: Graph, name: str) -> str:
-    """The value whose storage ``name`` shares, following views and in-place operators."""
+def alias_chain(graph: Graph, name: str) -> list[str]:
+    """``name`` and the values it aliases, following views and in-place operators back to the
+    value that owns the storage (the last one)."""
     node = graph[name]
+    chain = [node.name]
     while node.kind == "call":
         if node.target == "getitem":
             source = graph[node.args[0].name]
             if source.kind != "call" or not _returns_alias(source.target):
                 break
             node = source
-            continue
-        arg = _aliased_argument(node)
-        if arg is None:
-            break
-        node = graph[arg]
-    return node.name
+        else:
+            arg = _aliased_argument(node)
+            if arg is None:
+                break
+            node = graph[arg]
+        chain.append(node.name)
+    return chain
+
+
+def alias_base(graph: Graph, name: str) -> str:
+    """The value whose storage ``name`` shares, following views and in-place operators."""
+    return alias_chain(graph, name)[-1]
 
 
 def written_values(node: Node) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -81,6 +81,12 @@ def _model(plan) -> RandomDag | None:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(plan=plans(), stages=st.integers(2, 4), devices=st.sampled_from([None, 2]))
+# found by this test: a stage input that aliases an earlier stage's value, written in place
+@example(
+    plan=[("linear", (0,), 0), ("add_", (0,), 1), ("relu_", (0,), 0), ("add_", (0,), 1)],
+    stages=2,
+    devices=None,
+)
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_random_dag_models_compile_to_equivalent_pipelines(
     tmp_path_factory, method, plan, stages, devices

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..errors import PartitionError
 from ..graph import Graph, Node, TensorMeta
-from ..mutation import alias_base, written_values
+from ..mutation import alias_chain, written_values
 
 
 @dataclass
@@ -147,12 +147,14 @@ def _home(plans: list[StagePlan], name: str) -> StagePlan:
 
 
 def _mutated_inputs(graph: Graph, plan: StagePlan) -> list[str]:
-    """Stage inputs an in-place operator of the stage writes to (directly or through a view)."""
+    """Stage inputs an in-place operator of the stage writes to (directly or through a view).
+    A stage input owns its storage within the stage, even when it aliases an earlier stage's
+    value, so the alias chain is followed only up to the first input."""
     inputs = set(plan.inputs)
     mutated: list[str] = []
     for node in plan.nodes:
         for written in written_values(node):
-            base = alias_base(graph, written)
-            if base in inputs and base not in mutated:
-                mutated.append(base)
+            owner = next((n for n in alias_chain(graph, written) if n in inputs), None)
+            if owner is not None and owner not in mutated:
+                mutated.append(owner)
     return mutated
