@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import AutopipeError, VerificationError
+from .codegen import edited_files
+from .errors import ArtifactError, AutopipeError, VerificationError
 from .runtime.support import stage_state
 from .spec import Example
 
@@ -86,9 +87,6 @@ class VerifyReport:
 
 def check_files(path: str | Path) -> list[str] | None:
     """Files of a generated package edited since generation; None if it has no manifest."""
-    from .codegen import edited_files
-    from .errors import ArtifactError
-
     try:
         return edited_files(path)
     except ArtifactError:

@@ -47,24 +47,36 @@ def assert_black_formatted(package: Path) -> None:
         ), f"{path.name} is not black-formatted"
 
 
+def torchrun_env() -> dict[str, str]:
+    """The environment of torchrun in the tests: one thread per rank, no warnings."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+def torchrun_command(script: Path, nproc: int, *args: str) -> list[str]:
+    """The command running a generated train.py on ``nproc`` local gloo ranks."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*launcher, f"--nproc-per-node={nproc}", str(script), "--device", "cpu", *args]
+
+
+def start_torchrun(script: Path, nproc: int, *args: str, stderr) -> subprocess.Popen:
+    """Start a generated train.py on ``nproc`` local gloo ranks without waiting for it."""
+    command = torchrun_command(script, nproc, *args)
+    return subprocess.Popen(
+        command, cwd=ROOT, env=torchrun_env(), stdout=subprocess.DEVNULL, stderr=stderr
+    )
+
+
 def torchrun(
     script: Path, nproc: int, *args: str, timeout: int = 600
 ) -> subprocess.CompletedProcess:
     """Run a generated train.py on ``nproc`` local gloo ranks."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(script),
-        "--device",
-        "cpu",
-        *args,
-    ]
     result = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+        torchrun_command(script, nproc, *args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=torchrun_env(),
+        cwd=ROOT,
     )
     if result.returncode != 0:
         raise AssertionError(

@@ -23,7 +23,7 @@ from autopipe.runtime.parallel import Layout
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline
 
-from conftest import ROOT, compile_model, spec, torchrun
+from conftest import ROOT, compile_model, spec, start_torchrun, torchrun, torchrun_env
 from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
 
 
@@ -237,12 +237,17 @@ def test_killed_rank_resumes_to_the_same_weights(tmp_path):
     )
 
     ckpt, log = tmp_path / "ckpt", tmp_path / "run.jsonl"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node=2", str(out / "train.py"), "--device", "cpu", *common]
-    command += ["--checkpoint-dir", str(ckpt), "--log-json", str(log)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     errors = open(tmp_path / "killed.err", "w")
-    run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=errors)
+    run = start_torchrun(
+        out / "train.py",
+        2,
+        *common,
+        "--checkpoint-dir",
+        str(ckpt),
+        "--log-json",
+        str(log),
+        stderr=errors,
+    )
     deadline = time.monotonic() + 300
     while not (
         (ckpt / "latest").exists() and log.exists() and len(log.read_text().splitlines()) >= 5
@@ -423,13 +428,11 @@ def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
     out = tmp_path / "pipe"
     compile_model("gpt2", out, 2)
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    command += [str(out / "train.py"), "--device", "cpu", "--steps", "500", "--microbatches", "4"]
-    command += ["--data", "tests/models.py:gpt2_batch_slowly", "--checkpoint-every", "1"]
-    command += ["--checkpoint-dir", str(ckpt), "--log-json", str(log)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    arguments = ["--steps", "500", "--microbatches", "4", "--checkpoint-every", "1"]
+    arguments += ["--data", "tests/models.py:gpt2_batch_slowly"]
+    arguments += ["--checkpoint-dir", str(ckpt), "--log-json", str(log)]
     with open(tmp_path / "stderr", "w") as errors:
-        run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=errors)
+        run = start_torchrun(out / "train.py", 2, *arguments, stderr=errors)
         deadline = time.monotonic() + 300
         while not (log.exists() and len(log.read_text().splitlines()) >= 3):
             assert run.poll() is None and time.monotonic() < deadline
@@ -478,7 +481,6 @@ def test_two_nodes_with_torchrun_rendezvous(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     launchers = []
     for node in range(2):
         command = [
@@ -497,7 +499,7 @@ def test_two_nodes_with_torchrun_rendezvous(tmp_path):
             subprocess.Popen(
                 command,
                 cwd=ROOT,
-                env=env,
+                env=torchrun_env(),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

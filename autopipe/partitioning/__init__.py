@@ -23,7 +23,9 @@ from .metis import solve_metis
 from .mpipe import solve_mpipe
 from .partition import Partition
 from .refine import looped_devices
-from .simulator import SCHEDULES, TORCH_MULTI_STAGE, torch_placement
+from ..runtime.options import MULTI_STAGE
+from ..runtime.options import placement as torch_placement
+from .simulator import SCHEDULES
 
 
 def solve_dp(
@@ -50,16 +52,18 @@ def default_schedule(device_of_stage: list[int]) -> str:
 
 def plan_recompute(
     model: CostModel, stage_of_unit: list[int], device_of_stage: list[int], schedule: str
-) -> frozenset[int]:
-    """The stages whose activations are recomputed in backward: those of every device the
-    partition leaves short of memory. Raises when even that does not make them fit."""
+) -> tuple[frozenset[int], Prediction]:
+    """The stages whose activations are recomputed in backward (those of every device the
+    partition leaves short of memory), and the prediction with them. Raises when even that
+    does not make them fit."""
     capacity = model.device.memory
     prediction = model.evaluate(stage_of_unit, device_of_stage, schedule)
     short = {d for d, m in enumerate(prediction.device_memory) if m > capacity}
     if not short:
-        return frozenset()
+        return frozenset(), prediction
     recompute = frozenset(s for s, d in enumerate(device_of_stage) if d in short)
-    needed = model.evaluate(stage_of_unit, device_of_stage, schedule, recompute).device_memory
+    prediction = model.evaluate(stage_of_unit, device_of_stage, schedule, recompute)
+    needed = prediction.device_memory
     worst = max(range(len(needed)), key=needed.__getitem__)
     if needed[worst] > capacity:
         state = sum(model.param_bytes) * model.state_factor()
@@ -70,7 +74,7 @@ def plan_recompute(
             f"least {math.ceil(state / capacity)} devices (more stages and --devices), fewer "
             "microbatches, or a device with more memory (--device-spec)"
         )
-    return recompute
+    return recompute, prediction
 
 
 def partition(
@@ -102,7 +106,7 @@ def partition(
             "fewer stages, or a larger --depth / fewer --basic-blocks so the model splits into more units"
         )
     placement = None
-    if schedule in TORCH_MULTI_STAGE:  # torch's multi-stage schedules fix the placement
+    if schedule in MULTI_STAGE:  # torch's multi-stage schedules fix the placement
         if num_stages % num_devices or num_stages == num_devices:
             raise PartitionError(
                 f"--schedule {schedule} runs several stages per device: --stages must be a multiple "
@@ -129,8 +133,7 @@ def partition(
             f"method {method} did not produce {num_stages} non-empty stages (a bug: please report)"
         )
     schedule = schedule or default_schedule(device_of_stage)
-    recompute = plan_recompute(model, stage_of_unit, device_of_stage, schedule)
-    prediction = model.evaluate(stage_of_unit, device_of_stage, schedule, recompute)
+    recompute, prediction = plan_recompute(model, stage_of_unit, device_of_stage, schedule)
     costs = model.pipeline_costs(stage_of_unit, device_of_stage, recompute)
     return Partition(
         method=method,

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import PartitionError
+from ..runtime.options import MULTI_STAGE, placement
 from ..runtime.schedule import (
     Action,
     PipelineCosts,
@@ -29,15 +30,8 @@ from ..runtime.schedule import (
     single_stage_order,
 )
 
-#: schedule name -> torch.distributed.pipelining class name, for multi-stage torch schedules.
-TORCH_MULTI_STAGE = {
-    "interleaved-1f1b": "Interleaved1F1B",
-    "looped-bfs": "LoopedBFS",
-    "interleaved-zero-bubble": "InterleavedZeroBubble",
-    "zbv": "ZBVZeroBubble",
-    "dualpipev": "DualPipeV",
-}
-SCHEDULES = ("gpipe", "1f1b", "auto", *TORCH_MULTI_STAGE)
+#: every schedule the simulator orders; MULTI_STAGE maps torch's multi-stage ones to classes
+SCHEDULES = ("gpipe", "1f1b", "auto", *MULTI_STAGE)
 
 
 @dataclass
@@ -93,16 +87,9 @@ def schedule_orders(
             return greedy_orders(costs, microbatches)
         except ScheduleError as exc:
             raise PartitionError(str(exc)) from None
-    if schedule in TORCH_MULTI_STAGE:
+    if schedule in MULTI_STAGE:
         return torch_orders(schedule, costs, microbatches)
     raise PartitionError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
-
-
-def torch_placement(schedule: str, num_stages: int, num_devices: int) -> list[int]:
-    """The stage -> device map torch's multi-stage schedule expects (looped, or V-shaped)."""
-    if schedule in ("zbv", "dualpipev"):
-        return [s if s < num_devices else 2 * num_devices - 1 - s for s in range(num_stages)]
-    return [s % num_devices for s in range(num_stages)]
 
 
 def torch_orders(schedule: str, costs: PipelineCosts, microbatches: int) -> dict[int, list[Action]]:
@@ -110,16 +97,14 @@ def torch_orders(schedule: str, costs: PipelineCosts, microbatches: int) -> dict
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     devices, stages = costs.num_devices, costs.num_stages
-    expected = torch_placement(schedule, stages, devices)
+    expected = placement(schedule, stages, devices)
     if costs.device_of_stage != expected or stages % devices:
         raise PartitionError(
             f"--schedule {schedule} places stage s on device {expected}; this pipeline has {stages} "
             f"stages on devices {costs.device_of_stage}: use --schedule auto"
         )
     try:
-        ops = get_schedule_ops(
-            TORCH_MULTI_STAGE[schedule], devices, microbatches, stages // devices
-        )
+        ops = get_schedule_ops(MULTI_STAGE[schedule], devices, microbatches, stages // devices)
     except Exception as exc:  # torch validates the shape of the schedule
         raise PartitionError(
             f"torch's {schedule} schedule does not fit {stages} stages on {devices} devices with {microbatches} microbatches: {exc}"

@@ -9,13 +9,13 @@ from __future__ import annotations
 import importlib.resources
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 
 from .. import __version__
+from ..artifacts import atomic_write_bytes
 from .data import ReportData, format_bytes, format_count
 from .figures import memory_figure, save_figure, timeline_figure, times_figure
 from .modelgraph import model_graph_figure
@@ -156,29 +156,8 @@ def write_report(directory: str | os.PathLike) -> Path:
     out = data.directory / REPORT_DIR
     figure_files = figures(data)
     for figure in figure_files:
-        write_file(out / f"{figure.name}.svg", figure.svg.encode())
-        write_file(out / f"{figure.name}.png", figure.png)
+        atomic_write_bytes(out / f"{figure.name}.svg", figure.svg.encode())
+        atomic_write_bytes(out / f"{figure.name}.png", figure.png)
     page = out / "report.html"
-    write_file(page, render_html(data, figure_files).encode())
+    atomic_write_bytes(page, render_html(data, figure_files).encode())
     return page
-
-
-def write_file(path: Path, content: bytes) -> None:
-    """Replace ``path`` with ``content`` at once (readers see the old file or the new), readable
-    as the umask allows like any file a user writes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(content)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -107,6 +107,13 @@ class Batches:
         """Example microbatches in a step's batch."""
         return self.parts * self.microbatches
 
+    @property
+    def samples(self) -> int:
+        """Samples in a step's batch: its microbatches times the example microbatch's size."""
+        inputs = self.pipeline["inputs"]
+        per_row = self.pipeline["values"][inputs[0]]["shape"][0] if inputs else 1
+        return self.rows * per_row
+
     def __call__(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """``(inputs in PIPELINE["inputs"] order, target or None)`` of the whole step."""
         if self.dataset is not None:
@@ -175,8 +182,7 @@ class Batches:
         """Samples ``step * B ... (step + 1) * B - 1`` of an endless stream of seeded epoch
         permutations of the dataset (B: samples per step)."""
         size = len(self.dataset)
-        per_row = self.pipeline["values"][self.pipeline["inputs"][0]]["shape"][0]
-        count = self.rows * per_row
+        count = self.samples
         if size == 0:
             raise PipelineRunError("--data: the dataset is empty")
         items, epoch, order = [], None, None

@@ -277,8 +277,7 @@ def train(package: ModuleType, args: Any) -> None:
     sync = GradientSync(pipeline, layout, modules)
     batches = Batches(pipeline, args)
     needs_target = is_last and "module" in pipeline["loss"]
-    per_row = pipeline["values"][pipeline["inputs"][0]]["shape"][0] if pipeline["inputs"] else 1
-    samples = batches.rows * per_row
+    samples = batches.samples
     tokens = tokens_per_sample(pipeline)
     metrics = Metrics(
         reporting=is_last and layout.dp_rank == 0,
