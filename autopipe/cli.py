@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from . import __version__
@@ -12,26 +14,65 @@ from .compiler import (
     CompileOptions,
     compile_spec,
     generate_step,
+    load_graph,
     partition_step,
     profile_step,
     trace_step,
 )
+from .checks import is_number
 from .errors import AutopipeError
-from .graph import Graph
 from .partitioning import DEFAULT_METHOD, METHODS, Partition
 from .partitioning.simulator import SCHEDULES
 from .progress import NORMAL, QUIET, VERBOSE, Phases
 from .profiling import PROFILE_MODES, Profile
+from .profiling.devices import link_bandwidth
 from .spec import load_example
 from .summary import format_partition
 from .verify import VerifyReport, check_files, verify
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``."""
+
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer of at least {minimum}, got {text!r}"
+            )
+        return value
+
+    return count
+
+
+def _tolerance(text: str) -> float:
+    """An argparse type: a finite number of at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not is_number(value, 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text!r}")
+    return value
+
+
+def _link(text: str) -> str:
+    """An argparse type: a known link name or a bandwidth in GB/s greater than 0."""
+    try:
+        link_bandwidth(text)
+    except AutopipeError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--link ")) from None
+    return text
 
 
 def _trace_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("tracing")
     group.add_argument(
         "--depth",
-        type=int,
+        type=_count(0),
         help="group operators by module scope down to this depth (default: every module)",
     )
     group.add_argument(
@@ -63,6 +104,7 @@ def _profile_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--link",
+        type=_link,
         metavar="NAME|GBPS",
         help="stage-to-stage link: nvlink4, pcie4, ib-ndr, ... or a bandwidth in GB/s",
     )
@@ -71,11 +113,11 @@ def _profile_options(parser: argparse.ArgumentParser) -> None:
 def _partition_options(parser: argparse.ArgumentParser, *, stages_required: bool = True) -> None:
     group = parser.add_argument_group("partitioning")
     group.add_argument(
-        "--stages", type=int, required=stages_required, help="number of pipeline stages"
+        "--stages", type=_count(1), required=stages_required, help="number of pipeline stages"
     )
     group.add_argument(
         "--devices",
-        type=int,
+        type=_count(1),
         help="number of devices (ranks); fewer than --stages puts several stages on a device (default: one stage per device)",
     )
     group.add_argument(
@@ -91,7 +133,7 @@ def _partition_options(parser: argparse.ArgumentParser, *, stages_required: bool
     )
     group.add_argument(
         "--microbatches",
-        type=int,
+        type=_count(1),
         help="microbatches per step the cost model assumes (default 2 x stages)",
     )
     group.add_argument(
@@ -121,7 +163,7 @@ def cmd_trace(args: argparse.Namespace) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
-    graph = Graph.load(args.graph)
+    graph = load_graph(args.graph)
     spec = args.spec or graph.model.get("source")
     example = load_example(spec) if (args.profile == "measured" and spec) else None
     prof = profile_step(graph, _options(args), example)
@@ -133,7 +175,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 
 def cmd_partition(args: argparse.Namespace) -> None:
-    graph = Graph.load(args.graph)
+    graph = load_graph(args.graph)
     prof = Profile.load(args.profile_file)
     part = partition_step(graph, prof, _options(args))
     part.save(args.output)
@@ -142,7 +184,7 @@ def cmd_partition(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    graph = Graph.load(args.graph)
+    graph = load_graph(args.graph)
     part = Partition.load(args.partition)
     prof = Profile.load(args.profile_file) if args.profile_file else None
     out = generate_step(graph, part, args.out, prof=prof, force=args.force)
@@ -209,14 +251,30 @@ def cmd_show(args: argparse.Namespace) -> None:
 
 def cmd_merge(args: argparse.Namespace) -> None:
     from .runtime.data import PipelineRunError
-    from .runtime.train_state import merge_checkpoint, save_weights
+    from .runtime.train_state import STEP_NAME, merge_checkpoint, save_weights
 
-    out = args.output or args.checkpoint / "merged.pt"
+    source = Path(args.checkpoint)
+    root = source.parent if STEP_NAME.fullmatch(source.name) else source
+    out = Path(args.output) if args.output else root / "merged.pt"
+    target, home = out.resolve(), root.resolve()
+    parts = target.relative_to(home).parts if target.is_relative_to(home) else ()
+    if out.is_dir() or (
+        parts and (STEP_NAME.fullmatch(parts[0]) or parts[0] in ("latest", ".lock"))
+    ):
+        raise AutopipeError(
+            f"-o {out} would overwrite part of the checkpoint directory {root}; write the merged "
+            "state_dict to a file outside its step-N directories"
+        )
+    if out.exists() and not args.force:
+        raise AutopipeError(f"-o {out} already exists; pass --force to replace it")
     try:
-        state, manifest = merge_checkpoint(args.checkpoint)
+        state, manifest = merge_checkpoint(source)
     except PipelineRunError as exc:
         raise AutopipeError(str(exc)) from None
-    save_weights(state, out)
+    try:
+        save_weights(state, out)
+    except (OSError, RuntimeError) as exc:
+        raise AutopipeError(f"could not write {out} ({exc}); nothing was written") from None
     print(
         f"wrote {manifest['model']} after step {manifest['step']} ({len(state)} tensors, original "
         f"names) to {out}; load it with model.load_state_dict"
@@ -244,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", required=True, type=Path, help="directory of the generated pipeline package"
     )
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument(
+        "--force", action="store_true", help="replace --out if it is a pipeline autopipe generated"
+    )
     verbosity = p.add_mutually_exclusive_group()
     verbosity.add_argument("--quiet", action="store_true", help="print only the result")
     verbosity.add_argument(
@@ -326,7 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--profile-file", type=Path, help="profile.json to keep beside the package (optional)"
     )
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument(
+        "--force", action="store_true", help="replace --out if it is a pipeline autopipe generated"
+    )
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser(
@@ -340,8 +402,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=spec_help + " (with real weights); without it, only check the files against the "
         "manifest written at generation",
     )
-    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
-    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
+    p.add_argument(
+        "--rtol", type=_tolerance, default=1e-4, help="relative tolerance (default 1e-4)"
+    )
+    p.add_argument(
+        "--atol", type=_tolerance, default=1e-5, help="absolute tolerance (default 1e-5)"
+    )
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser(
@@ -379,8 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
         "-o",
         "--output",
         type=Path,
-        help="file to write: .safetensors, or anything else for torch.save (default CHECKPOINT/merged.pt)",
+        help="file to write: .safetensors, or anything else for torch.save (default "
+        "merged.pt in the checkpoint directory)",
     )
+    p.add_argument("--force", action="store_true", help="replace the output file if it exists")
     p.set_defaults(func=cmd_merge)
 
     p = sub.add_parser(

@@ -10,16 +10,22 @@ from collections.abc import Callable
 from torch import nn
 
 from .artifacts import artifact_text
+from .checks import check_count, is_text
+from .errors import ArtifactError, AutopipeError
 from .progress import QUIET, Phases
 from .codegen import check_output_dir, package_files, with_manifest, write_package
 from .graph import Graph
-from .partitioning import DEFAULT_METHOD, Partition, partition
+from .partitioning import DEFAULT_METHOD, METHODS, Partition, partition
+from .partitioning.cost import STATE_FACTOR
+from .partitioning.simulator import SCHEDULES
 from .partitioning.partition import PARTITION_KIND
-from .profiling import Profile, device_spec, profile, with_link
+from .profiling import PROFILE_MODES, DeviceSpec, Profile, device_spec, profile, with_link
+from .profiling.devices import link_bandwidth
 from .profiling.profile import PROFILE_KIND
 from .spec import Example, load_example, load_function
 from .tracing import trace
 from .tracing.loss import trace_loss
+from .tracing.units import check_replay
 
 ARTIFACTS = "artifacts"
 
@@ -40,6 +46,36 @@ class CompileOptions:
     microbatches: int | None = None
     optimizer: str = "adamw"
 
+    def __post_init__(self) -> None:
+        """Check every option, so that a wrong one fails before the expensive steps."""
+        check_count(self.stages, "--stages")
+        if self.devices is not None:
+            check_count(self.devices, "--devices")
+            if self.devices > self.stages:
+                raise AutopipeError(
+                    f"--devices {self.devices} is more than --stages {self.stages}: every device "
+                    f"runs at least one stage; use at most {self.stages} devices or more stages"
+                )
+        if self.microbatches is not None:
+            check_count(self.microbatches, "--microbatches")
+        if self.depth is not None:
+            check_count(self.depth, "--depth", minimum=0)
+        for option, value, choices in (
+            ("--profile", self.profile, PROFILE_MODES),
+            ("--method", self.method, sorted(METHODS)),
+            ("--schedule", self.schedule, (None, *SCHEDULES)),
+            ("--optimizer", self.optimizer, tuple(STATE_FACTOR)),
+        ):
+            if value not in choices:
+                known = ", ".join(c for c in choices if c is not None)
+                raise AutopipeError(f"{option} {value!r} is unknown; choose one of {known}")
+        if isinstance(self.basic_blocks, str) or not all(map(is_text, self.basic_blocks)):
+            raise AutopipeError(
+                f"basic_blocks must be a tuple of class names, got {self.basic_blocks!r}"
+            )
+        if self.link is not None:
+            link_bandwidth(self.link)
+
 
 @dataclass
 class CompileResult:
@@ -48,6 +84,20 @@ class CompileResult:
     profile: Profile
     partition: Partition
     timings: dict[str, float] = field(default_factory=dict)
+
+
+def load_graph(path: str | Path) -> Graph:
+    """A graph artefact, checked field by field (:meth:`Graph.lint`) and by running every
+    operator on fake tensors (:func:`check_replay`), loss function included."""
+    graph = Graph.load(path)
+    try:
+        for checked in filter(None, (graph, graph.loss)):
+            check_replay(checked)
+    except ArtifactError as exc:
+        raise ArtifactError(
+            f"{path}: the graph artefact is invalid: {exc}; write it again with `autopipe trace`"
+        ) from None
+    return graph
 
 
 def trace_step(
@@ -65,9 +115,13 @@ def trace_step(
     return graph
 
 
+def target_device(options: CompileOptions) -> DeviceSpec:
+    """The device spec the options name, with their link."""
+    return with_link(device_spec(options.device), options.link)
+
+
 def profile_step(graph: Graph, options: CompileOptions, example: Example | None = None) -> Profile:
-    spec = with_link(device_spec(options.device), options.link)
-    return profile(graph, options.profile, spec, example)
+    return profile(graph, options.profile, target_device(options), example)
 
 
 def partition_step(graph: Graph, prof: Profile, options: CompileOptions) -> Partition:
@@ -92,7 +146,10 @@ def generate_step(
     force: bool = False,
 ) -> Path:
     """Write the pipeline package (with the artefacts that produced it under ``artifacts/``)."""
+    part.validate()
     part.check_graph(graph)
+    if prof is not None:
+        prof.check_graph(graph)
     files = package_files(graph, part)
     files[f"{ARTIFACTS}/graph.json"] = graph.json_text()
     files[f"{ARTIFACTS}/partition.json"] = artifact_text(PARTITION_KIND, part.to_json())
@@ -116,6 +173,7 @@ def compile_example(
     ``out/report/report.html`` and its figures. ``phases`` shows progress (default: silent)."""
     out = Path(out)
     check_output_dir(out, force)  # fail before the expensive steps
+    target_device(options)
     phases = phases or Phases(QUIET)
     with phases.phase("trace") as details:
         graph = trace_step(example, options, source, loss)
@@ -176,4 +234,11 @@ def pipe_model(
     return result.out
 
 
-__all__ = ["pipe_model", "compile_example", "compile_spec", "CompileOptions", "CompileResult"]
+__all__ = [
+    "pipe_model",
+    "compile_example",
+    "compile_spec",
+    "load_graph",
+    "CompileOptions",
+    "CompileResult",
+]

@@ -33,7 +33,12 @@ class DeviceMemoryError(PartitionError):
 
 
 class OutputExistsError(AutopipeError):
-    """The output directory already exists and ``--force`` was not given."""
+    """The output exists and autopipe may not replace it: ``--force`` was not given, or it is
+    not a pipeline autopipe generated."""
+
+
+class WriteError(AutopipeError):
+    """An output could not be written (no space left on the device, no permission)."""
 
 
 class VerificationError(AutopipeError):

@@ -20,7 +20,17 @@ from collections.abc import Iterable, Iterator
 import networkx as nx
 import torch
 
-from .artifacts import artifact_text, atomic_write_text, read_artifact
+from .artifacts import artifact_text, atomic_write_text, check_replaceable, read_artifact
+from .checks import (
+    is_class_name,
+    is_fqn,
+    is_identifier,
+    is_int,
+    is_text,
+    is_value_name,
+    op_overload,
+    require,
+)
 from .errors import ArtifactError
 
 GRAPH_KIND = "graph"
@@ -75,9 +85,9 @@ class TensorMeta:
     @classmethod
     def from_json(cls, data: dict) -> TensorMeta:
         return cls(
-            tuple(data["shape"]),
+            tuple(_list(data["shape"], "shape")),
             dtype_from_name(data["dtype"]),
-            tuple(data["stride"]),
+            tuple(_list(data["stride"], "stride")),
             data["requires_grad"],
         )
 
@@ -205,6 +215,8 @@ class Graph:
     ):
         self.dag = nx.DiGraph()
         for node in nodes:
+            if node.name in self.dag:
+                raise ArtifactError(f"two nodes are named {node.name!r}")
             self.dag.add_node(node.name, node=node)
         for node in self.nodes:
             for src in node.inputs:
@@ -255,6 +267,66 @@ class Graph:
     def value_bytes(self, name: str) -> int:
         meta = self[name].meta
         return meta.nbytes if isinstance(meta, TensorMeta) else 0
+
+    # -- invariants ---------------------------------------------------------------------------
+    def lint(self, where: str = "") -> None:
+        """Check the invariants the later steps rely on, in one pass, as ``torch.fx``'s
+        ``Graph.lint`` does; raise :class:`ArtifactError` naming the first field that breaks one.
+
+        Names that become Python identifiers in generated code are identifiers autopipe could
+        have made; module names are dotted identifiers; operators are real torch operators called
+        with arguments their schemas accept; nodes come in program order; every value a stage
+        could exchange is a tensor; units cover the operators exactly once."""
+        _lint_model(self.model, where)
+        require(
+            isinstance(self.signature, list) and all(map(is_identifier, self.signature)),
+            f"{where}signature",
+            self.signature,
+            "a list of argument names",
+        )
+        for table, kind in ((self.params, "params"), (self.buffers, "buffers")):
+            for canonical, info in table.items():
+                _lint_state(info, f"{where}{kind}[{canonical!r}]")
+        held = [n for info in [*self.params.values(), *self.buffers.values()] for n in info.names]
+        require(len(set(held)) == len(held), f"{where}params", held, "names of one tensor each")
+        require(isinstance(self.constants, dict), f"{where}constants", self.constants, "an object")
+        for name, value in self.constants.items():
+            require(is_value_name(name), f"{where}constants", name, _IDENTIFIER)
+            _lint_tensor(value, f"{where}constants[{name!r}]")
+        seen: set[str] = set()
+        for position, node in enumerate(self.nodes):
+            _lint_node(self, node, seen, f"{where}nodes[{position}] ({node.name!r})")
+            seen.add(node.name)
+        for field_name, names in (("inputs", self.inputs), ("outputs", self.outputs)):
+            require(isinstance(names, list), f"{where}{field_name}", names, "a list of node names")
+            for name in names:
+                require(
+                    isinstance(name, str) and name in self.dag,
+                    f"{where}{field_name}",
+                    name,
+                    "the name of a node",
+                )
+                require(
+                    self[name].tensor_meta is not None,
+                    f"{where}{field_name}",
+                    name,
+                    "a tensor value with shape and dtype",
+                )
+        declared = {n.name for n in self.nodes if n.kind == "input"}
+        require(
+            set(self.inputs) == declared and len(self.inputs) == len(declared),
+            f"{where}inputs",
+            self.inputs,
+            f"the input nodes, each once ({sorted(declared)})",
+        )
+        _lint_units(self, where)
+        if self.loss is not None:
+            require(
+                len(self.loss.outputs) == 1 and len(self.loss.inputs) == len(self.outputs) + 1,
+                "loss",
+                self.loss.inputs,
+                "a graph from the model's outputs and a target to one loss value",
+            )
 
     # -- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -312,60 +384,74 @@ class Graph:
 
     @classmethod
     def from_json(cls, data: dict) -> Graph:
+        """The graph an ``autopipe.graph`` payload describes, checked with :meth:`lint`."""
         try:
-            scopes = [tuple(Scope(*s) for s in scope) for scope in data["scopes"]]
-            nodes = [
-                Node(
-                    name=r["name"],
-                    kind=r["kind"],
-                    target=r.get("target", ""),
-                    args=tuple(decode(r.get("args", []))),
-                    kwargs={k: decode(v) for k, v in r.get("kwargs", {}).items()},
-                    meta=_decode_meta(r.get("meta")),
-                    scope=scopes[r["scope"]] if "scope" in r else (),
-                    context=tuple(tuple(c) for c in decode(r.get("context", []))),
-                    unit=r.get("unit", -1),
-                )
-                for r in data["nodes"]
-            ]
-            params = {
-                p["names"][0]: ParamInfo(
-                    tuple(p["names"]),
-                    tuple(p["shape"]),
-                    dtype_from_name(p["dtype"]),
-                    p["requires_grad"],
-                    p["owner"],
-                )
-                for p in data["params"]
-            }
-            buffers = {
-                b["names"][0]: BufferInfo(
-                    tuple(b["names"]),
-                    tuple(b["shape"]),
-                    dtype_from_name(b["dtype"]),
-                    b["persistent"],
-                    b["owner"],
-                    b.get("value"),
-                )
-                for b in data["buffers"]
-            }
-            units = [Unit(i, u["label"], u["nodes"]) for i, u in enumerate(data["units"])]
-            return cls(
-                nodes,
-                inputs=data["inputs"],
-                outputs=data["outputs"],
-                signature=data["signature"],
-                params=params,
-                buffers=buffers,
-                constants=data["constants"],
-                model=data["model"],
-                units=units,
-                loss=cls.from_json(data["loss"]) if "loss" in data else None,
+            return cls._from_json(data)
+        except KeyError as exc:
+            problem = f"malformed (a field {exc} is missing)"
+        except (TypeError, ValueError, IndexError, AttributeError) as exc:
+            problem = f"malformed ({type(exc).__name__}: {exc})"
+        except ArtifactError as exc:
+            problem = f"invalid: {exc}"
+        raise ArtifactError(
+            f"the graph artefact is {problem}; write it again with `autopipe trace`"
+        )
+
+    @classmethod
+    def _from_json(cls, data: dict, where: str = "") -> Graph:
+        scopes = [tuple(Scope(*s) for s in _list(scope, "scope")) for scope in data["scopes"]]
+        nodes = [
+            Node(
+                name=r["name"],
+                kind=r["kind"],
+                target=r.get("target", ""),
+                args=tuple(decode(_list(r.get("args", []), "a node's args"))),
+                kwargs={k: decode(v) for k, v in r.get("kwargs", {}).items()},
+                meta=_decode_meta(r.get("meta")),
+                scope=scopes[_index(r["scope"])] if "scope" in r else (),
+                context=tuple(tuple(c) for c in decode(r.get("context", []))),
+                unit=r.get("unit", -1),
             )
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise ArtifactError(
-                f"graph artefact is malformed ({exc!r}); run `autopipe trace` again"
-            ) from exc
+            for r in _list(data["nodes"], "nodes")
+        ]
+        params = {
+            p["names"][0]: ParamInfo(
+                tuple(_list(p["names"], "a parameter's names")),
+                tuple(_list(p["shape"], "a parameter's shape")),
+                dtype_from_name(p["dtype"]),
+                p["requires_grad"],
+                p["owner"],
+            )
+            for p in data["params"]
+        }
+        buffers = {
+            b["names"][0]: BufferInfo(
+                tuple(_list(b["names"], "a buffer's names")),
+                tuple(_list(b["shape"], "a buffer's shape")),
+                dtype_from_name(b["dtype"]),
+                b["persistent"],
+                b["owner"],
+                b.get("value"),
+            )
+            for b in data["buffers"]
+        }
+        units = [
+            Unit(i, u["label"], u["nodes"]) for i, u in enumerate(_list(data["units"], "units"))
+        ]
+        graph = cls(
+            nodes,
+            inputs=data["inputs"],
+            outputs=data["outputs"],
+            signature=data["signature"],
+            params=params,
+            buffers=buffers,
+            constants=data["constants"],
+            model=data["model"],
+            units=units,
+            loss=cls._from_json(data["loss"], "loss.") if "loss" in data else None,
+        )
+        graph.lint(where)
+        return graph
 
     def json_text(self) -> str:
         """The text of the graph artefact, computed once: a graph is not changed after tracing."""
@@ -374,11 +460,16 @@ class Graph:
         return self._json_text
 
     def save(self, path) -> None:
+        check_replaceable(path, GRAPH_KIND)
         atomic_write_text(path, self.json_text())
 
     @classmethod
     def load(cls, path) -> Graph:
-        return cls.from_json(read_artifact(path, GRAPH_KIND))
+        data = read_artifact(path, GRAPH_KIND)
+        try:
+            return cls.from_json(data)
+        except ArtifactError as exc:
+            raise ArtifactError(f"{path}: {exc}") from None
 
 
 # -- argument encoding ------------------------------------------------------------------------
@@ -473,7 +564,10 @@ def decode(value: Any) -> Any:
     if tag == "dtype":
         return dtype_from_name(payload)
     if tag == "device":
-        return torch.device(payload)
+        try:
+            return torch.device(payload)
+        except (RuntimeError, TypeError):
+            raise ArtifactError(f"unknown device {payload!r} in artefact") from None
     if tag == "layout":
         return {v: k for k, v in _LAYOUTS.items()}[payload]
     if tag == "memory_format":
@@ -537,3 +631,277 @@ def decode_tensor(data: dict, device: torch.device | str = "cpu") -> torch.Tenso
     values = [decode(v) for v in data["data"]]
     dtype_ = dtype_from_name(data["dtype"])
     return torch.tensor(values, dtype=dtype_, device=device).reshape(data["shape"])
+
+
+# -- invariants (Graph.lint) ------------------------------------------------------------------
+_IDENTIFIER = "a Python identifier autopipe could have made (not a keyword or a reserved name)"
+_NODE_KINDS = ("input", "param", "buffer", "constant", "call")
+_SIZES = "a list of sizes (integers of at least 0)"
+
+
+def _list(value: Any, field: str) -> list:
+    require(isinstance(value, list), field, value, "a list")
+    return value
+
+
+def _index(value: Any) -> int:
+    require(is_int(value, 0), "a node's scope", value, "an index into scopes")
+    return value
+
+
+def _lint_model(model: Any, where: str) -> None:
+    require(isinstance(model, dict), f"{where}model", model, "an object")
+    require(is_class_name(model.get("class")), f"{where}model.class", model.get("class"), "a class")
+    source = model.get("source")
+    require(source is None or is_text(source), f"{where}model.source", source, "a model spec")
+    on_meta = model.get("on_meta", False)
+    require(isinstance(on_meta, bool), f"{where}model.on_meta", on_meta, "true or false")
+    ranges = model.get("input_ranges", {})
+    require(
+        isinstance(ranges, dict) and all(is_int(v) for v in ranges.values()),
+        f"{where}model.input_ranges",
+        ranges,
+        "an object of integers by input name",
+    )
+    depth = model.get("depth")
+    require(depth is None or is_int(depth, 0), f"{where}model.depth", depth, "null or a depth")
+    blocks = model.get("basic_blocks", [])
+    require(
+        isinstance(blocks, list) and all(map(is_text, blocks)),
+        f"{where}model.basic_blocks",
+        blocks,
+        "a list of class names",
+    )
+
+
+def _lint_state(info: ParamInfo | BufferInfo, field: str) -> None:
+    require(
+        bool(info.names) and all(map(is_fqn, info.names)),
+        f"{field}.names",
+        list(info.names),
+        "a list of module names (dot-separated identifiers or numbers)",
+    )
+    require(all(is_int(s, 0) for s in info.shape), f"{field}.shape", list(info.shape), _SIZES)
+    flag = "requires_grad" if isinstance(info, ParamInfo) else "persistent"
+    value = getattr(info, flag)
+    require(isinstance(value, bool), f"{field}.{flag}", value, "true or false")
+    require(is_class_name(info.owner), f"{field}.owner", info.owner, "a class")
+    if isinstance(info, BufferInfo) and info.value is not None:
+        tensor = _lint_tensor(info.value, f"{field}.value")
+        require(
+            tuple(tensor.shape) == info.shape and tensor.dtype == info.dtype,
+            f"{field}.value",
+            info.value,
+            f"a tensor of the buffer's shape {list(info.shape)} and dtype",
+        )
+
+
+def _lint_tensor(data: Any, field: str) -> torch.Tensor:
+    """A tensor literal (:func:`encode_tensor`) checked by decoding it."""
+    require(
+        isinstance(data, dict) and sorted(data) == ["data", "dtype", "shape"],
+        field,
+        data,
+        "a tensor literal {shape, dtype, data}",
+    )
+    shape, values = data["shape"], data["data"]
+    require(isinstance(shape, list) and all(is_int(s, 0) for s in shape), field, shape, _SIZES)
+    count = math.prod(shape)
+    require(
+        isinstance(values, list) and len(values) == count,
+        f"{field}.data",
+        values,
+        f"a list of {count} values",
+    )
+    try:
+        return decode_tensor(data)
+    except (ArtifactError, RuntimeError, TypeError, ValueError, OverflowError) as exc:
+        raise ArtifactError(f"{field} is not a tensor literal ({exc})") from None
+
+
+def _lint_node(graph: Graph, node: Node, seen: set[str], field: str) -> None:
+    require(is_value_name(node.name), f"{field}.name", node.name, _IDENTIFIER)
+    require(node.kind in _NODE_KINDS, f"{field}.kind", node.kind, f"one of {_NODE_KINDS}")
+    for ref in iter_refs((node.args, node.kwargs)):
+        require(ref.name in seen, f"{field}.args", ref.name, "a node defined before this one")
+    _lint_meta(node.meta, f"{field}.meta")
+    for level in node.scope:
+        require(
+            is_text(level.key) and is_fqn(level.fqn) and is_class_name(level.cls),
+            f"{field}.scope",
+            [level.key, level.fqn, level.cls],
+            "a [key, module name, class] triple",
+        )
+    for entry in node.context:
+        require(_is_mode(entry), f"{field}.context", entry, "a grad or autocast mode")
+    if node.kind == "call":
+        _lint_call(graph, node, field)
+        return
+    require(
+        not node.args and not node.kwargs and not node.context,
+        field,
+        node.args,
+        "a placeholder: it has no arguments",
+    )
+    require(node.tensor_meta is not None, f"{field}.meta", node.meta, "tensor metadata")
+    if node.kind == "param":
+        known = any(node.target in info.names for info in graph.params.values())
+        require(known, f"{field}.target", node.target, "the name of a parameter in params")
+    elif node.kind == "buffer":
+        info = next((b for b in graph.buffers.values() if node.target in b.names), None)
+        require(info is not None, f"{field}.target", node.target, "a buffer in buffers")
+        require(
+            info.persistent or info.value is not None,
+            f"{field}.target",
+            node.target,
+            "a buffer the pipeline can rebuild (a non-persistent buffer needs its value)",
+        )
+    elif node.kind == "constant":
+        require(
+            node.target == node.name and node.name in graph.constants,
+            f"{field}.target",
+            node.target,
+            "the node's own name, a key of constants",
+        )
+
+
+def _lint_call(graph: Graph, node: Node, field: str) -> None:
+    require(
+        is_int(node.unit, 0) and node.unit < len(graph.units),
+        f"{field}.unit",
+        node.unit,
+        f"a unit index below {len(graph.units)}",
+    )
+    if node.target == "getitem":
+        source, index = node.args if len(node.args) == 2 else (None, None)
+        require(
+            isinstance(source, Ref)
+            and is_int(index, 0)
+            and not node.kwargs
+            and isinstance(graph[source.name].meta, tuple)
+            and index < len(graph[source.name].meta),
+            f"{field}.args",
+            list(node.args),
+            "[an operator with several outputs, the index of one]",
+        )
+        return
+    op = op_overload(node.target)
+    require(
+        op is not None,
+        f"{field}.target",
+        node.target,
+        "a torch operator NAMESPACE.NAME.OVERLOAD (a custom one needs its library imported)",
+    )
+    arguments = op._schema.arguments
+    positional = [a for a in arguments if not a.kwarg_only]
+    given = {a.name for a in positional[: len(node.args)]} | set(node.kwargs)
+    missing = [a.name for a in arguments if a.name not in given and not a.has_default_value()]
+    require(
+        len(node.args) <= len(positional) and not missing,
+        f"{field}.args",
+        list(node.args),
+        f"the arguments of {node.target} ({op._schema})",
+    )
+    names = {a.name for a in arguments} - {a.name for a in positional[: len(node.args)]}
+    for key in node.kwargs:
+        require(
+            is_identifier(key) and key in names,
+            f"{field}.kwargs",
+            key,
+            f"an argument of {node.target}",
+        )
+    by_name = {a.name: a for a in arguments}
+    for argument, value in [
+        *zip(positional, node.args),
+        *((by_name[key], value) for key, value in node.kwargs.items()),
+    ]:
+        require(
+            _fits(value, argument.real_type),
+            f"{field}.args",
+            value,
+            f"a value for {argument.name} ({argument.real_type}) of {node.target}",
+        )
+
+
+#: Python types of argument values, by the kind of schema type they are passed as
+_SCALAR_TYPES: dict[str, tuple[type, ...]] = {
+    "IntType": (int,),
+    "SymIntType": (int,),
+    "FloatType": (int, float),
+    "NumberType": (int, float),
+    "BoolType": (bool,),
+    "StringType": (str,),
+    "DeviceObjType": (torch.device,),
+    "ScalarTypeType": (torch.dtype,),
+    "LayoutType": (torch.layout,),
+    "MemoryFormatType": (torch.memory_format,),
+}
+
+
+def _fits(value: Any, type_: Any) -> bool:
+    """Whether ``value`` can be passed where an operator's schema says ``type_`` (a JIT type)."""
+    kind = type_.kind()
+    if kind == "OptionalType":
+        return value is None or _fits(value, type_.getElementType())
+    if kind == "ListType":
+        element = type_.getElementType()
+        return isinstance(value, list) and all(_fits(v, element) for v in value)
+    if kind == "TensorType":  # a value, or a Python number torch turns into a tensor
+        return isinstance(value, (Ref, int, float))
+    if kind not in _SCALAR_TYPES:
+        return True  # a type traced graphs do not pass; torch checks it when the code runs
+    if isinstance(value, bool) and kind not in ("BoolType", "NumberType"):
+        return False
+    return isinstance(value, _SCALAR_TYPES[kind])
+
+
+def _is_mode(entry: tuple) -> bool:
+    """``("grad", enabled)`` or ``("autocast", device_type, dtype or None, enabled)``."""
+    if entry[:1] == ("grad",):
+        return len(entry) == 2 and isinstance(entry[1], bool)
+    return (
+        entry[:1] == ("autocast",)
+        and len(entry) == 4
+        and is_text(entry[1])
+        and (entry[2] is None or isinstance(entry[2], torch.dtype))
+        and isinstance(entry[3], bool)
+    )
+
+
+def _lint_meta(meta: Any, field: str) -> None:
+    if isinstance(meta, tuple):
+        for item in meta:
+            require(not isinstance(item, tuple), field, item, "tensor metadata")
+            _lint_meta(item, field)
+    elif meta is not None:
+        require(
+            all(is_int(s, 0) for s in meta.shape)
+            and len(meta.stride) == len(meta.shape)
+            and all(is_int(s, 0) for s in meta.stride)
+            and isinstance(meta.requires_grad, bool),
+            field,
+            _encode_meta(meta),
+            "tensor metadata {shape, dtype, stride, requires_grad}",
+        )
+
+
+def _lint_units(graph: Graph, where: str) -> None:
+    listed: set[str] = set()
+    for unit in graph.units:
+        field = f"{where}units[{unit.index}]"
+        require(is_text(unit.label), f"{field}.label", unit.label, "a one-line label")
+        require(bool(_list(unit.nodes, f"{field}.nodes")), f"{field}.nodes", [], "non-empty")
+        for name in unit.nodes:
+            require(
+                isinstance(name, str)
+                and name in graph.dag
+                and graph[name].kind == "call"
+                and graph[name].unit == unit.index
+                and name not in listed,
+                f"{field}.nodes",
+                name,
+                f"an operator of unit {unit.index}, listed once",
+            )
+            listed.add(name)
+    unlisted = [node.name for node in graph.calls if node.name not in listed]
+    require(not unlisted, f"{where}units", unlisted[:3], "a list covering every operator")

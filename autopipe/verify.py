@@ -18,8 +18,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .checks import check_tolerance
 from .codegen import edited_files
-from .errors import ArtifactError, AutopipeError, VerificationError
+from .codegen.package import MANIFEST
+from .errors import AutopipeError, VerificationError
 from .runtime.support import stage_state
 from .spec import Example
 
@@ -86,11 +88,13 @@ class VerifyReport:
 
 
 def check_files(path: str | Path) -> list[str] | None:
-    """Files of a generated package edited since generation; None if it has no manifest."""
-    try:
-        return edited_files(path)
-    except ArtifactError:
+    """Files of a generated package edited since generation; None if it has no manifest.
+    Raises :class:`ArtifactError` for a manifest autopipe did not write."""
+    if not Path(path).is_dir():
+        raise AutopipeError(f"{path} is not a directory; give the --out of `autopipe compile`")
+    if not (Path(path) / MANIFEST).exists():
         return None
+    return edited_files(path)
 
 
 def verify(
@@ -98,6 +102,8 @@ def verify(
 ) -> VerifyReport:
     """Compare the pipeline in ``path`` with ``example.model`` on the example microbatch, and
     its files with the manifest written when it was generated."""
+    check_tolerance(rtol, "--rtol")
+    check_tolerance(atol, "--atol")
     package = load_pipeline(path)
     pipeline = package.PIPELINE
     model = example.model

@@ -9,9 +9,12 @@ from pathlib import Path
 
 import black
 import pytest
+import torch
+import torch.distributed as dist
 
 from autopipe.codegen.package import BLACK_MODE
 from autopipe.compiler import CompileOptions, compile_spec
+from autopipe.runtime.parallel import Layout
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = "tests/models.py"
@@ -83,3 +86,27 @@ def torchrun(
             f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
         )
     return result
+
+
+ONE_PROCESS = Layout(
+    torch.device("cpu"), pp_size=1, dp_size=1, pp_rank=0, dp_rank=0, pp_group=None, dp_group=None
+)
+
+
+def training_state(package, num_stages):
+    """Every stage of a package with an AdamW optimizer and a constant LR schedule."""
+    stages = {i: package.build_stage(i) for i in range(num_stages)}
+    optimizers = {i: torch.optim.AdamW(m.parameters()) for i, m in stages.items()}
+    schedulers = {
+        i: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for i, o in optimizers.items()
+    }
+    return stages, optimizers, schedulers
+
+
+@pytest.fixture
+def single_process_group(tmp_path):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()

@@ -50,6 +50,14 @@ def gpt2_batch(step: int, microbatches: int = 4):
     return (ids,), {"labels": ids.clone()}
 
 
+def gpt2_batch_with_ignored_labels(step: int, microbatches: int = 4):
+    """gpt2_batch, but step 1's labels are all the ignore index: its loss is 0 / 0 = NaN."""
+    args, kwargs = gpt2_batch(step, microbatches)
+    if step == 1:
+        kwargs["labels"] = torch.full_like(kwargs["labels"], -100)
+    return args, kwargs
+
+
 def gpt2_batch_slowly(step: int, microbatches: int = 4):
     """gpt2_batch, a quarter of a second late: gives a test time to kill a rank mid-run."""
     import time

@@ -12,7 +12,14 @@ import torch
 
 from autopipe.cli import main as autopipe
 from autopipe.compiler import CompileOptions, compile_spec
-from autopipe.errors import ArtifactError, OutputExistsError, PartitionError, SpecError, TraceError
+from autopipe.errors import (
+    ArtifactError,
+    OutputExistsError,
+    PartitionError,
+    SpecError,
+    TraceError,
+    WriteError,
+)
 from autopipe.graph import Graph
 from autopipe.profiling.profile import Profile
 from autopipe.spec import load_example
@@ -90,13 +97,17 @@ def test_untraceable_operation(tmp_path):
 
 def test_existing_output_dir_refused(tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "mine.txt").write_text("keep me")
+    compile_model("mlp", out, 2)
+    before = _files(out)
     with pytest.raises(OutputExistsError, match="already exists; pass --force"):
-        compile_model("mlp", out, 2)
-    assert (out / "mine.txt").read_text() == "keep me"
-    compile_model("mlp", out, 2, force=True)
-    assert not (out / "mine.txt").exists() and (out / "train.py").exists()
+        compile_model("mlp", out, 3)
+    assert _files(out) == before
+    compile_model("mlp", out, 3, force=True)
+    assert (out / "stage2.py").exists()
+
+
+def _files(directory):
+    return {p: p.read_bytes() for p in directory.rglob("*") if p.is_file()}
 
 
 def test_failed_generation_leaves_nothing_half_written(tmp_path, monkeypatch):
@@ -104,7 +115,7 @@ def test_failed_generation_leaves_nothing_half_written(tmp_path, monkeypatch):
 
     out = tmp_path / "out"
     compile_model("mlp", out, 2)
-    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    before = _files(out)
     original = package.Path.write_text
     calls = []
 
@@ -115,12 +126,10 @@ def test_failed_generation_leaves_nothing_half_written(tmp_path, monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(package.Path, "write_text", failing_write)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(WriteError, match=f"cannot write {out}: disk full .*{out} is unchanged"):
         compile_spec(spec("mlp"), out, CompileOptions(stages=3), force=True)
     monkeypatch.undo()
-    assert {
-        p: p.read_bytes() for p in out.rglob("*") if p.is_file()
-    } == before  # old pipeline intact
+    assert _files(out) == before  # old pipeline intact
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary leftovers
 
 

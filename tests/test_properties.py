@@ -4,15 +4,26 @@ autopipe's own errors. Never a wrong pipeline."""
 
 from __future__ import annotations
 
+import ast
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from autopipe.compiler import CompileOptions, compile_example
+from autopipe.compiler import (
+    CompileOptions,
+    compile_example,
+    compile_spec,
+    generate_step,
+    load_graph,
+)
 from autopipe.errors import AutopipeError
-from autopipe.partitioning import METHODS
+from autopipe.partitioning import METHODS, Partition
+from autopipe.profiling.profile import graph_digest
 from autopipe.spec import Example
 from autopipe.verify import verify
 
@@ -104,3 +115,112 @@ def test_random_dag_models_compile_to_equivalent_pipelines(
         return
     report = verify(out, Example(model, (x,)))
     assert report.ok, report.summary()
+
+
+# -- corrupted artefacts ----------------------------------------------------------------------
+INJECTIONS = [
+    "__import__('os').system('touch PWNED')",
+    "x\nimport os",
+    'x"""',
+    "x; y",
+    "self",
+    "1abc",
+    "a.b",
+    "../x",
+    "aten.linear.default(x)",
+]
+WRONG_VALUES = [None, True, False, -1, 10**9, 1.5, "", [], {}, [INJECTIONS[0]], {"ref": "x"}]
+
+
+@pytest.fixture(scope="module")
+def mlp_artifacts(tmp_path_factory) -> Path:
+    """The artefacts folder of the 2-stage MLP, compiled once."""
+    from conftest import ROOT
+
+    out = tmp_path_factory.mktemp("mlp") / "pipe"
+    compile_spec(f"{ROOT}/tests/models.py:mlp", out, CompileOptions(stages=2), report=False)
+    return out / "artifacts"
+
+
+def _paths(value, prefix: tuple = ()) -> list[tuple]:
+    """Every path into a JSON value (keys and list indices), the value itself excluded."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return []
+    paths = []
+    for key, child in items:
+        paths.append(prefix + (key,))
+        paths.extend(_paths(child, prefix + (key,)))
+    return paths
+
+
+def _corrupted(text: str, kind: str, position: int, choice: int) -> str:
+    """``text`` truncated, or with the value at a path (picked by ``position``) deleted (a list
+    item is replaced instead), replaced by a value of another type or a number out of range
+    (``WRONG_VALUES``), or by a name that is no identifier (``INJECTIONS``)."""
+    if kind == "truncate":
+        return text[: position % len(text)]
+    data = json.loads(text)
+    paths = _paths(data)
+    path = paths[position % len(paths)]
+    parent = data
+    for key in path[:-1]:
+        parent = parent[key]
+    if kind == "delete" and isinstance(parent, dict):
+        del parent[path[-1]]
+    else:
+        values = INJECTIONS if kind == "inject" else WRONG_VALUES
+        parent[path[-1]] = values[choice % len(values)]
+    return json.dumps(data)
+
+
+def _runs_no_injected_code(source: str) -> bool:
+    """No ``__import__`` or ``.system`` and no ``import os`` in the code (strings may hold them)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name) and node.id == "__import__":
+            return False
+        if isinstance(node, ast.Attribute) and node.attr == "system":
+            return False
+        if isinstance(node, ast.Import) and any(a.name == "os" for a in node.names):
+            return False
+    return True
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    name=st.sampled_from(["graph", "partition"]),
+    kind=st.sampled_from(["truncate", "replace", "inject", "delete"]),
+    position=st.integers(0, 10**6),
+    choice=st.integers(0, 100),
+)
+def test_corrupted_artefacts_give_a_clear_error_and_write_nothing(
+    tmp_path_factory, mlp_artifacts, name, kind, position, choice
+):
+    """A corrupted graph.json or partition.json is refused with one of autopipe's errors when
+    loaded or generated, and leaves nothing behind; one that is accepted (a harmless change)
+    generates Python that parses and runs no injected code."""
+    folder = tmp_path_factory.mktemp("corrupt")
+    for artefact in ("graph", "partition"):
+        text = (mlp_artifacts / f"{artefact}.json").read_text()
+        if artefact == name:
+            text = _corrupted(text, kind, position, choice)
+        (folder / f"{artefact}.json").write_text(text)
+    out = folder / "out"
+    try:
+        graph = load_graph(folder / "graph.json")
+        part = Partition.load(folder / "partition.json")
+        part.graph_digest = graph_digest(graph)  # let a corrupted graph reach code generation
+        generate_step(graph, part, out)
+    except AutopipeError as exc:
+        assert str(exc)
+        assert sorted(p.name for p in folder.iterdir()) == ["graph.json", "partition.json"]
+        return
+    for path in out.glob("*.py"):  # the generated modules (runtime/ is copied verbatim)
+        assert _runs_no_injected_code(path.read_text()), path

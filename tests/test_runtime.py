@@ -19,11 +19,19 @@ import torch.distributed as dist
 import models
 from autopipe.cli import main as autopipe_main
 from autopipe.runtime import train_state
-from autopipe.runtime.parallel import Layout
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline
 
-from conftest import ROOT, compile_model, spec, start_torchrun, torchrun, torchrun_env
+from conftest import (
+    ONE_PROCESS,
+    ROOT,
+    compile_model,
+    spec,
+    start_torchrun,
+    torchrun,
+    torchrun_env,
+    training_state,
+)
 from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
 
 
@@ -283,6 +291,8 @@ def test_killed_rank_resumes_to_the_same_weights(tmp_path):
         r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())
     }  # noqa: E731
     assert losses(log) == losses(tmp_path / "full.jsonl")
+    # the steps trained after the last checkpoint are trained again, and logged once
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(12))
 
     # autopipe merge: the checkpoint as one original-model state_dict, in both formats
     for name in ("merged.pt", "merged.safetensors"):
@@ -296,76 +306,12 @@ def test_killed_rank_resumes_to_the_same_weights(tmp_path):
     assert all(torch.equal(merged[k], full[k]) for k in full)
 
 
-ONE_PROCESS = Layout(
-    torch.device("cpu"), pp_size=1, dp_size=1, pp_rank=0, dp_rank=0, pp_group=None, dp_group=None
-)
-
-
-def _training_state(package, num_stages):
-    """Every stage of a package with an AdamW optimizer and a constant LR schedule."""
-    stages = {i: package.build_stage(i) for i in range(num_stages)}
-    optimizers = {i: torch.optim.AdamW(m.parameters()) for i, m in stages.items()}
-    schedulers = {
-        i: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for i, o in optimizers.items()
-    }
-    return stages, optimizers, schedulers
-
-
-@pytest.fixture
-def single_process_group(tmp_path):
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
-
-
-def test_crash_while_checkpointing_keeps_the_previous_checkpoint(
-    tmp_path, monkeypatch, single_process_group
-):
-    out = tmp_path / "pipe"
-    compile_model("gpt2", out, 2)
-    package = load_pipeline(out)
-    stages, optimizers, schedulers = _training_state(package, 2)
-    root = tmp_path / "ckpt"
-    checkpoints = train_state.TrainingCheckpoints(root, package.PIPELINE, ONE_PROCESS, keep=3)
-    checkpoints.save(1, stages, optimizers, schedulers)
-    before, _ = train_state.merge_checkpoint(root)
-
-    with torch.no_grad():
-        for m in stages.values():
-            for p in m.parameters():
-                p.add_(1.0)
-    written = []
-
-    def crash_after_one_file(obj, path):
-        if written:
-            raise OSError("disk full")
-        written.append(path)
-        torch.save(obj, path)
-
-    monkeypatch.setattr(train_state, "_save", crash_after_one_file)
-    with pytest.raises(OSError):
-        checkpoints.save(2, stages, optimizers, schedulers)
-    assert (root / "latest").read_text().strip() == "step-00000001"
-    assert checkpoints.latest() == root / "step-00000001"
-    after, manifest = train_state.merge_checkpoint(root)
-    assert manifest["step"] == 1
-    assert all(torch.equal(before[k], after[k]) for k in before)
-
-    # the next save replaces the half-written one and moves `latest`
-    monkeypatch.undo()
-    checkpoints.save(2, stages, optimizers, schedulers)
-    assert checkpoints.latest() == root / "step-00000002"
-    assert not list(root.glob(".*partial"))
-
-
 def test_checkpoint_of_another_pipeline_is_refused(tmp_path, single_process_group):
     first, second = tmp_path / "a", tmp_path / "b"
     compile_model("gpt2", first, 2)
     compile_model("gpt2", second, 3)
     a, b = load_pipeline(first), load_pipeline(second)
-    stages, optimizers, schedulers = _training_state(a, 2)
+    stages, optimizers, schedulers = training_state(a, 2)
     saved = train_state.TrainingCheckpoints(
         tmp_path / "ckpt", a.PIPELINE, ONE_PROCESS, keep=0
     ).save(1, stages, optimizers, schedulers)
@@ -442,6 +388,8 @@ def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
         stopped = time.monotonic()
         assert run.wait(timeout=60) != 0
     assert time.monotonic() - stopped < 60
+    said = (tmp_path / "stderr").read_text()
+    assert "stopped (SIGINT" in said or "stopped (SIGTERM" in said, said[-3000:]
     assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
     state, manifest = train_state.merge_checkpoint(ckpt)
     assert manifest["step"] >= 2

@@ -26,7 +26,7 @@ def literal(value: Any, ref: Callable[[Ref], str]) -> str:
     """Source text for an argument value."""
     if isinstance(value, Ref):
         return ref(value)
-    if isinstance(value, str) and '"' not in value and "\\" not in value:
+    if isinstance(value, str) and value.isprintable() and '"' not in value and "\\" not in value:
         return f'"{value}"'  # black's quotes
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return repr(value)

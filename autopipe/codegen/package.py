@@ -9,13 +9,13 @@ import json
 import os
 import shutil
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import black
 import jinja2
 
-from ..artifacts import ARTIFACT_VERSION, dumps
+from ..artifacts import ARTIFACT_VERSION, dumps, write_error
 from ..errors import ArtifactError, OutputExistsError
 from ..graph import Graph, ParamInfo, Ref, dtype_name
 from ..partitioning import Partition, default_schedule
@@ -32,6 +32,7 @@ RUNTIME_MODULES = (
     "checkpoint.py",
     "options.py",
     "data.py",
+    "guards.py",
     "parallel.py",
     "train_state.py",
     "metrics.py",
@@ -315,6 +316,8 @@ def _canonical(graph: Graph, name: str) -> str:
 
 
 MANIFEST = "manifest.json"
+#: suffixes of the files `autopipe report` writes under report/
+_REPORT = (".html", ".svg", ".png")
 
 
 def with_manifest(files: dict[str, str]) -> dict[str, str]:
@@ -326,16 +329,53 @@ def with_manifest(files: dict[str, str]) -> dict[str, str]:
     return {**files, MANIFEST: json.dumps(manifest, indent=1) + "\n"}
 
 
+def read_manifest(directory: str | os.PathLike) -> dict[str, str]:
+    """The file digests of the manifest autopipe wrote in a generated package, by relative path.
+    Raises :class:`ArtifactError` unless it is autopipe's and every path stays inside
+    ``directory`` (no ``..``, no absolute path, no symbolic link leading out)."""
+    directory = Path(directory)
+    path = directory / MANIFEST
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"{path} is missing or unreadable ({exc})") from None
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != "autopipe.manifest"
+        or data.get("version") != ARTIFACT_VERSION
+        or not isinstance(data.get("files"), dict)
+    ):
+        raise ArtifactError(f"{path} is not a manifest of this autopipe version")
+    root = directory.resolve()
+    for rel, digest in data["files"].items():
+        inside = _is_plain_relative(rel) and (directory / rel).resolve().is_relative_to(root)
+        if not inside or not _is_digest(digest):
+            raise ArtifactError(
+                f"{path} lists {rel!r}, which is not a file inside {directory} with its SHA-256; "
+                "the manifest was not written by autopipe"
+            )
+    return data["files"]
+
+
+def _is_plain_relative(rel: Any) -> bool:
+    """``rel`` is a normalised relative POSIX path without ``..``: ``runtime/driver.py``."""
+    if not isinstance(rel, str) or not rel.isprintable() or "\\" in rel:
+        return False
+    pure = PurePosixPath(rel)
+    return not pure.is_absolute() and pure.as_posix() == rel and ".." not in pure.parts
+
+
+def _is_digest(value: Any) -> bool:
+    return (
+        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    )
+
+
 def edited_files(directory: str | os.PathLike) -> list[str]:
     """Files of a generated package that differ from its manifest (changed, missing or added
-    beside the generated ones), by relative path; raises if there is no readable manifest."""
+    beside the generated ones), by relative path; raises if there is no valid manifest."""
     directory = Path(directory)
-    try:
-        digests = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))["files"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ArtifactError(
-            f"{directory / MANIFEST} is missing or unreadable ({exc}); regenerate the pipeline"
-        ) from None
+    digests = read_manifest(directory)
     edited = []
     for rel, digest in digests.items():
         path = directory / rel
@@ -351,36 +391,103 @@ def edited_files(directory: str | os.PathLike) -> list[str]:
 
 def write_package(out: str | os.PathLike, files: dict[str, str], force: bool = False) -> Path:
     """Write ``files`` as directory ``out`` all at once: into a temporary sibling first, then
-    moved into place, so a failure never leaves a half-written pipeline behind."""
+    moved into place, so a failure (a full disk, say) never leaves a half-written pipeline
+    behind and keeps the one ``out`` held before."""
     out = Path(out)
     check_output_dir(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the package is meant to be shared
+    existed = out.exists()
+    tmp: Path | None = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the package is meant to be shared
         for rel, text in sorted(files.items()):
             path = tmp / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _move_into_place(tmp, out)
+    except OSError as exc:
+        kept = f"{out} is unchanged" if existed else f"{out} was not created"
+        raise write_error(out, exc, kept) from exc
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already when it was moved into place
     return out
 
 
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; a directory ``out`` is moved aside first and deleted only once
+    ``tmp`` took its place (put back if that fails)."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+    try:
+        os.replace(out, old / out.name)
+    except BaseException:
+        old.rmdir()
+        raise
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(old / out.name, out)
+        old.rmdir()
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def check_output_dir(out: Path, force: bool) -> None:
-    if out.exists() and not force:
+    """Refuse an ``out`` that writing a package there would lose something in. Allowed: a path
+    that does not exist, an empty directory, and with ``force`` a package autopipe generated
+    (a valid manifest) holding nothing but its files, its report and Python caches."""
+    if out.is_symlink():
         raise OutputExistsError(
-            f"{out} already exists; pass --force to replace it (it is replaced only once the new pipeline is complete)"
+            f"{out} is a symbolic link; give the directory it points to, or another path, as --out"
         )
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError(f"{out} exists and is not a directory")
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not out.is_dir():
+        raise OutputExistsError(
+            f"{out} exists and is not a directory; autopipe will not replace it, even with "
+            "--force. Choose another --out"
+        )
+    try:
+        digests = read_manifest(out)
+    except ArtifactError:
+        raise OutputExistsError(
+            f"{out} already exists and is not a pipeline autopipe generated (no valid {MANIFEST}); "
+            "autopipe will not replace it, even with --force. Choose another --out, or empty it "
+            "yourself"
+        ) from None
+    if not force:
+        raise OutputExistsError(
+            f"{out} already exists; pass --force to replace it (it is replaced only once the new "
+            "pipeline is complete)"
+        )
+    foreign = _foreign_files(out, digests)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (
+            f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        )
+        raise OutputExistsError(
+            f"{out} holds files autopipe did not write ({shown}); --force replaces only a "
+            f"generated pipeline. Move them out of {out} first"
+        )
+
+
+def _foreign_files(out: Path, digests: dict[str, str]) -> list[str]:
+    """Files under ``out`` autopipe did not write: not in its manifest, not its report, not
+    Python's caches (symbolic links count as files)."""
+    foreign = []
+    for folder, dirs, names in os.walk(out):
+        here = Path(folder)
+        links = [d for d in dirs if (here / d).is_symlink()]
+        for name in sorted(names + links):
+            rel = (here / name).relative_to(out)
+            report = rel.parts[0] == "report" and len(rel.parts) == 2 and rel.suffix in _REPORT
+            cache = "__pycache__" in rel.parts and rel.suffix == ".pyc"
+            if rel.as_posix() not in digests and str(rel) != MANIFEST and not (report or cache):
+                foreign.append(rel.as_posix())
+    return sorted(foreign)

@@ -13,6 +13,7 @@ import math
 
 from collections.abc import Callable
 
+from ..checks import is_int
 from ..errors import DeviceMemoryError, PartitionError
 from ..graph import Graph
 from ..profiling.profile import Profile
@@ -89,13 +90,15 @@ def partition(
     optimizer: str = "adamw",
 ) -> Partition:
     """Split ``graph`` into ``num_stages`` stages on ``num_devices`` devices (default: one each)."""
-    num_devices = num_devices or num_stages
-    if num_stages < 1:
-        raise PartitionError(f"--stages must be at least 1, got {num_stages}")
-    if not 1 <= num_devices <= num_stages:
+    num_devices = num_stages if num_devices is None else num_devices
+    if not is_int(num_stages, 1):
+        raise PartitionError(f"--stages must be at least 1, got {num_stages!r}")
+    if not (is_int(num_devices, 1) and num_devices <= num_stages):
         raise PartitionError(
-            f"--devices must be between 1 and the number of stages ({num_stages}), got {num_devices}"
+            f"--devices must be between 1 and the number of stages ({num_stages}), got {num_devices!r}"
         )
+    if microbatches is not None and not is_int(microbatches, 1):
+        raise PartitionError(f"--microbatches must be at least 1, got {microbatches!r}")
     if method not in METHODS:
         raise PartitionError(f"unknown method {method!r}; available: {', '.join(sorted(METHODS))}")
     if schedule is not None and schedule not in SCHEDULES:

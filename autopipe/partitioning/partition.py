@@ -3,13 +3,37 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..artifacts import read_artifact, write_artifact
+from ..checks import is_int, is_number, is_text, require
 from ..errors import ArtifactError, PartitionError
 from ..graph import Graph
+from ..mutation import order_edges
 from ..profiling.profile import graph_digest
+from ..runtime.options import MULTI_STAGE, SCHEDULES, SINGLE_STAGE
+from ..runtime.options import placement as torch_placement
 
 PARTITION_KIND = "partition"
+#: per-stage cost lists (runtime.schedule.PipelineCosts fields): stage counts less the offset
+_STAGE_COSTS = {
+    "forward": 0,
+    "backward": 0,
+    "activations": 0,
+    "static_memory": 0,
+    "send_forward": 1,
+    "send_backward": 1,
+}
+_PREDICTED_STAGE = (
+    "forward",
+    "backward",
+    "comm_forward",
+    "comm_backward",
+    "memory",
+    "parameters",
+    "communication",
+    "time",
+)
 
 
 @dataclass
@@ -30,12 +54,127 @@ class Partition:
         return len(self.device_of_stage)
 
     def check_graph(self, graph: Graph) -> None:
+        """Check that the partition belongs to ``graph`` and that every data edge and every
+        in-place write's order goes to the same or a later stage (no cycle between stages)."""
         if self.graph_digest != graph_digest(graph) or len(self.stage_of_unit) != len(graph.units):
             raise ArtifactError(
                 "the partition was made for a different graph; run `autopipe partition` on this graph again"
             )
-        if sorted(set(self.stage_of_unit)) != list(range(self.num_stages)):
-            raise PartitionError(f"the partition leaves some of its {self.num_stages} stages empty")
+        edges = [
+            (src, n.name) for n in graph.calls for src in n.inputs if graph[src].kind == "call"
+        ]
+        for before, after in edges + order_edges(graph):
+            first, then = graph[before].unit, graph[after].unit
+            if self.stage_of_unit[first] > self.stage_of_unit[then]:
+                raise PartitionError(
+                    f"unit {then} ({graph.units[then].label}, stage {self.stage_of_unit[then]}) "
+                    f"must run after unit {first} ({graph.units[first].label}), which the partition "
+                    f"puts in the later stage {self.stage_of_unit[first]}: the stages would form a "
+                    "cycle. Run `autopipe partition` again, or move the units so that stage "
+                    "numbers never decrease along the model's data flow"
+                )
+
+    def validate(self) -> None:
+        """Check the partition on its own: stage and device numbers, settings, costs.
+        Raises :class:`ArtifactError` naming the first field that is wrong."""
+        require(is_text(self.method), "method", self.method, "a method name")
+        require(is_text(self.graph_digest), "graph_digest", self.graph_digest, "a digest")
+        stages, devices = self.num_stages, len(set(self.device_of_stage))
+        require(stages >= 1, "device_of_stage", self.device_of_stage, "a list of 1 or more ranks")
+        for unit, stage in enumerate(self.stage_of_unit):
+            require(
+                0 <= stage < stages,
+                f"stage_of_unit[{unit}]",
+                stage,
+                f"a stage of the partition's {stages} (0 .. {stages - 1})",
+            )
+        empty = sorted(set(range(stages)) - set(self.stage_of_unit))
+        if empty:
+            raise ArtifactError(f"stage_of_unit leaves stage(s) {empty} without units")
+        for stage, device in enumerate(self.device_of_stage):
+            require(
+                0 <= device < devices,
+                f"device_of_stage[{stage}]",
+                device,
+                f"one of the partition's {devices} device ranks, numbered 0 .. {devices - 1}",
+            )
+        require(
+            all(is_int(s) and 0 <= s < stages for s in self.recompute)
+            and len(set(self.recompute)) == len(self.recompute),
+            "recompute",
+            self.recompute,
+            f"a list of distinct stages (0 .. {stages - 1})",
+        )
+        self._validate_settings()
+        require(isinstance(self.costs, dict), "costs", self.costs, "an object")
+        if self.costs:
+            require(
+                set(self.costs) == {*_STAGE_COSTS, "memory_capacity"},
+                "costs",
+                sorted(self.costs),
+                f"the per-stage costs {sorted({*_STAGE_COSTS, 'memory_capacity'})}",
+            )
+            for key, offset in _STAGE_COSTS.items():
+                _require_numbers(self.costs[key], f"costs.{key}", stages - offset)
+            capacity = self.costs["memory_capacity"]
+            require(is_number(capacity, 0, strict=True), "costs.memory_capacity", capacity, "> 0")
+        self._validate_predicted()
+
+    def _validate_settings(self) -> None:
+        settings = self.settings
+        require(isinstance(settings, dict), "settings", settings, "an object")
+        microbatches = settings.get("microbatches")
+        require(
+            microbatches is None or is_int(microbatches, 1),
+            "settings.microbatches",
+            microbatches,
+            "a number of microbatches (1 or more)",
+        )
+        for key in ("optimizer", "device", "link", "profile"):
+            value = settings.get(key, "")
+            require(is_text(value), f"settings.{key}", value, "a one-line text")
+        schedule = settings.get("schedule")
+        if schedule is None:
+            return
+        require(schedule in SCHEDULES, "settings.schedule", schedule, f"one of {SCHEDULES}")
+        stages, devices = self.num_stages, len(set(self.device_of_stage))
+        if schedule in SINGLE_STAGE:
+            fits = self.device_of_stage == list(range(stages))
+        elif schedule in MULTI_STAGE:
+            fits = stages % devices == 0 and stages > devices
+            fits = fits and self.device_of_stage == torch_placement(schedule, stages, devices)
+        else:
+            fits = True
+        require(
+            fits,
+            "device_of_stage",
+            self.device_of_stage,
+            f"a placement the {schedule} schedule runs (see `autopipe partition --schedule`)",
+        )
+
+    def _validate_predicted(self) -> None:
+        predicted = self.predicted
+        require(isinstance(predicted, dict), "predicted", predicted, "an object")
+        if not predicted:
+            return
+        for key in ("bottleneck", "lower_bound", "step_time", "bubble"):
+            require(
+                is_number(predicted.get(key), 0), f"predicted.{key}", predicted.get(key), ">= 0"
+            )
+        devices = len(set(self.device_of_stage))
+        _require_numbers(predicted.get("device_memory"), "predicted.device_memory", devices)
+        rows = predicted.get("stages")
+        require(
+            isinstance(rows, list) and len(rows) == self.num_stages,
+            "predicted.stages",
+            rows,
+            f"a list of {self.num_stages} stage costs",
+        )
+        for stage, row in enumerate(rows):
+            require(isinstance(row, dict), f"predicted.stages[{stage}]", row, "an object")
+            for key in _PREDICTED_STAGE:
+                value = row.get(key)
+                require(is_number(value, 0), f"predicted.stages[{stage}].{key}", value, ">= 0")
 
     def to_json(self) -> dict:
         return {
@@ -51,25 +190,55 @@ class Partition:
 
     @classmethod
     def from_json(cls, data: dict) -> Partition:
+        """The partition a ``autopipe.partition`` payload describes, checked with :meth:`validate`."""
         try:
-            return cls(
+            part = cls(
                 method=data["method"],
-                stage_of_unit=[int(s) for s in data["stage_of_unit"]],
-                device_of_stage=[int(d) for d in data["device_of_stage"]],
+                stage_of_unit=_ints(data["stage_of_unit"], "stage_of_unit"),
+                device_of_stage=_ints(data["device_of_stage"], "device_of_stage"),
                 graph_digest=data["graph_digest"],
                 settings=data.get("settings", {}),
                 predicted=data.get("predicted", {}),
                 costs=data.get("costs", {}),
-                recompute=[int(s) for s in data.get("recompute", [])],
+                recompute=_ints(data.get("recompute", []), "recompute"),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+            part.validate()
+        except KeyError as exc:
             raise ArtifactError(
-                f"partition artefact is malformed ({exc!r}); run `autopipe partition` again"
-            ) from exc
+                f"the partition artefact has no {exc}; run `autopipe partition` again"
+            ) from None
+        except ArtifactError as exc:
+            raise ArtifactError(
+                f"the partition artefact is invalid: {exc}; run `autopipe partition` again"
+            ) from None
+        return part
 
     def save(self, path) -> None:
         write_artifact(path, PARTITION_KIND, self.to_json())
 
     @classmethod
     def load(cls, path) -> Partition:
-        return cls.from_json(read_artifact(path, PARTITION_KIND))
+        data = read_artifact(path, PARTITION_KIND)
+        try:
+            return cls.from_json(data)
+        except ArtifactError as exc:
+            raise ArtifactError(f"{path}: {exc}") from None
+
+
+def _ints(value: Any, field_name: str) -> list[int]:
+    require(
+        isinstance(value, list) and all(is_int(v, 0) for v in value),
+        field_name,
+        value,
+        "a list of integers of at least 0",
+    )
+    return value
+
+
+def _require_numbers(value: Any, field_name: str, length: int) -> None:
+    require(
+        isinstance(value, list) and len(value) == length and all(is_number(v, 0) for v in value),
+        field_name,
+        value,
+        f"a list of {length} numbers of at least 0",
+    )

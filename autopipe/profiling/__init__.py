@@ -8,9 +8,7 @@ from ..spec import Example
 from .analytic import profile_analytic
 from .devices import KNOWN_DEVICES, DeviceSpec, device_spec, with_link
 from .measured import profile_measured
-from .profile import Profile, UnitCost
-
-PROFILE_MODES = ("analytic", "measured")
+from .profile import PROFILE_MODES, Profile, UnitCost
 
 
 def profile(

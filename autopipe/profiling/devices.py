@@ -9,11 +9,15 @@ device in the same fields.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from ..checks import is_number, is_text
 from ..errors import AutopipeError
 
 GB = 1e9
@@ -44,20 +48,59 @@ class DeviceSpec:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> DeviceSpec:
+    def from_json(cls, data: dict, where: str = "device spec") -> DeviceSpec:
+        """The spec ``data`` describes, every field checked (``where`` names it in errors)."""
+        if not isinstance(data, dict):
+            raise AutopipeError(f"{where} must be a JSON object, got {type(data).__name__}")
         required = {"name", "flops", "memory_bandwidth", "memory", "link_bandwidth"}
         missing = sorted(required - set(data))
         if missing:
             raise AutopipeError(
-                f"device spec is missing {', '.join(missing)} (needs {', '.join(sorted(required))})"
+                f"{where} is missing {', '.join(missing)} (needs {', '.join(sorted(required))})"
             )
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
             raise AutopipeError(
-                f"device spec has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+                f"{where} has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
+        for name, (ok, rule) in _FIELD_RULES.items():
+            if name in data and not ok(data[name]):
+                raise AutopipeError(f"{where}: {name} must be {rule}, got {data[name]!r}")
+        flops = data["flops"]
+        bad = next((k for k, v in flops.items() if not is_number(v, 0, strict=True)), None)
+        if bad is not None:
+            raise AutopipeError(
+                f"{where}: flops[{bad!r}] must be a finite number of FLOP/s > 0, got {flops[bad]!r}"
+            )
+        if not {"default", "float32"} & set(flops):
+            raise AutopipeError(f'{where}: flops needs a "default" or "float32" entry')
         return cls(**data)
+
+
+def _positive(value: Any) -> bool:
+    return is_number(value, 0, strict=True)
+
+
+def _fraction(value: Any) -> bool:
+    return _positive(value) and value <= 1
+
+
+#: field -> (check, what it must be); flops values are checked on their own
+_FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "name": (lambda v: is_text(v) and bool(v), "a non-empty one-line name"),
+    "flops": (
+        lambda v: isinstance(v, dict) and bool(v) and all(map(is_text, v)),
+        'an object of FLOP/s by dtype name ({"float32": ..., "default": ...})',
+    ),
+    "memory_bandwidth": (_positive, "a finite number of bytes/s > 0"),
+    "memory": (_positive, "a finite number of bytes > 0"),
+    "link_bandwidth": (_positive, "a finite number of bytes/s > 0"),
+    "link": (is_text, "a one-line description"),
+    "compute_efficiency": (_fraction, "a fraction in (0, 1]"),
+    "memory_efficiency": (_fraction, "a fraction in (0, 1]"),
+    "kernel_overhead": (lambda v: is_number(v, 0), "a finite number of seconds >= 0"),
+}
 
 
 def _gpu(
@@ -112,33 +155,43 @@ DEFAULT_DEVICE = "h100"
 
 def device_spec(name_or_path: str | None = None) -> DeviceSpec:
     """A spec by table name (case-insensitive) or from a JSON file."""
+    if name_or_path is not None and not isinstance(name_or_path, str):
+        raise AutopipeError(f"a device spec is a name or a JSON file, got {name_or_path!r}")
     key = (name_or_path or DEFAULT_DEVICE).strip()
     if key.lower() in KNOWN_DEVICES:
         return KNOWN_DEVICES[key.lower()]
     path = Path(key)
     if path.suffix == ".json" or path.is_file():
         try:
-            return DeviceSpec.from_json(json.loads(path.read_text(encoding="utf-8")))
+            data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise AutopipeError(f"device spec file {key} does not exist") from None
-        except (json.JSONDecodeError, TypeError) as exc:
+        except (OSError, ValueError) as exc:
             raise AutopipeError(f"device spec file {key} is not a valid spec: {exc}") from None
+        return DeviceSpec.from_json(data, f"device spec file {key}")
     known = ", ".join(spec.name for spec in KNOWN_DEVICES.values())
     raise AutopipeError(f"unknown device {key!r}; known devices: {known}; or give a JSON spec file")
 
 
-def with_link(spec: DeviceSpec, link: str | None) -> DeviceSpec:
+def link_bandwidth(link: str | float) -> tuple[float, str]:
+    """Bytes/s and a label for ``--link``: a known link name or a bandwidth in GB/s."""
+    if isinstance(link, str) and link.strip().lower() in KNOWN_LINKS:
+        return KNOWN_LINKS[link.strip().lower()], link.strip().lower()
+    try:
+        gbps = float(link) if isinstance(link, (str, int, float)) else math.nan
+    except ValueError:
+        gbps = math.nan
+    if isinstance(link, bool) or not is_number(gbps, 0, strict=True):
+        raise AutopipeError(
+            f"--link {link!r} is neither a known link ({', '.join(KNOWN_LINKS)}) nor a bandwidth "
+            "in GB/s greater than 0"
+        )
+    return gbps * GB, f"{link} GB/s"
+
+
+def with_link(spec: DeviceSpec, link: str | float | None) -> DeviceSpec:
     """The spec with its stage-to-stage link replaced (``--link ib-ndr`` or a GB/s number)."""
-    if not link:
+    if link is None or link == "":
         return spec
-    if link.lower() in KNOWN_LINKS:
-        bandwidth, label = KNOWN_LINKS[link.lower()], link.lower()
-    else:
-        try:
-            bandwidth, label = float(link) * GB, f"{link} GB/s"
-        except ValueError:
-            raise AutopipeError(
-                f"unknown link {link!r}; give one of {', '.join(KNOWN_LINKS)} or a bandwidth in GB/s"
-            ) from None
-    data = spec.to_json() | {"link_bandwidth": bandwidth, "link": label}
-    return DeviceSpec.from_json(data)
+    bandwidth, label = link_bandwidth(link)
+    return DeviceSpec.from_json(spec.to_json() | {"link_bandwidth": bandwidth, "link": label})

@@ -6,11 +6,13 @@ import hashlib
 from dataclasses import asdict, dataclass
 
 from ..artifacts import read_artifact, write_artifact
-from ..errors import ArtifactError
+from ..checks import is_number, is_text, require
+from ..errors import ArtifactError, AutopipeError
 from ..graph import Graph
 from .devices import DeviceSpec
 
 PROFILE_KIND = "profile"
+PROFILE_MODES = ("analytic", "measured")
 
 
 @dataclass
@@ -32,6 +34,9 @@ class UnitCost:
     @property
     def time(self) -> float:
         return self.forward + self.backward
+
+
+_UNIT_FIELDS = set(UnitCost.__dataclass_fields__)
 
 
 @dataclass
@@ -60,25 +65,51 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: dict) -> Profile:
+        """The profile a ``autopipe.profile`` payload describes, every field checked."""
         try:
-            return cls(
-                mode=data["mode"],
-                device=DeviceSpec.from_json(data["device"]),
-                units=[UnitCost(**u) for u in data["units"]],
-                graph_digest=data["graph_digest"],
-                measured_on=data.get("measured_on", ""),
-            )
-        except (KeyError, TypeError) as exc:
+            require(data["mode"] in PROFILE_MODES, "mode", data["mode"], f"one of {PROFILE_MODES}")
+            require(is_text(data["graph_digest"]), "graph_digest", data["graph_digest"], "a digest")
+            measured_on = data.get("measured_on", "")
+            require(is_text(measured_on), "measured_on", measured_on, "a device name")
+            units = data["units"]
+            require(isinstance(units, list), "units", units, "a list of unit costs")
+            for index, unit in enumerate(units):
+                require(
+                    isinstance(unit, dict)
+                    and set(unit) <= _UNIT_FIELDS
+                    and {"forward", "backward"} <= set(unit)
+                    and all(is_number(v, 0) for v in unit.values()),
+                    f"units[{index}]",
+                    unit,
+                    f"costs >= 0 with fields {sorted(_UNIT_FIELDS)}",
+                )
+            device = DeviceSpec.from_json(data["device"], "device")
+        except KeyError as exc:
             raise ArtifactError(
-                f"profile artefact is malformed ({exc!r}); run `autopipe profile` again"
-            ) from exc
+                f"the profile artefact has no {exc}; run `autopipe profile` again"
+            ) from None
+        except AutopipeError as exc:
+            raise ArtifactError(
+                f"the profile artefact is invalid: {exc}; run `autopipe profile` again"
+            ) from None
+        return cls(
+            mode=data["mode"],
+            device=device,
+            units=[UnitCost(**u) for u in units],
+            graph_digest=data["graph_digest"],
+            measured_on=measured_on,
+        )
 
     def save(self, path) -> None:
         write_artifact(path, PROFILE_KIND, self.to_json())
 
     @classmethod
     def load(cls, path) -> Profile:
-        return cls.from_json(read_artifact(path, PROFILE_KIND))
+        data = read_artifact(path, PROFILE_KIND)
+        try:
+            return cls.from_json(data)
+        except ArtifactError as exc:
+            raise ArtifactError(f"{path}: {exc}") from None
 
 
 def graph_digest(graph: Graph) -> str:

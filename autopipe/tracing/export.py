@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import keyword
+import io
 import os
+import re
+import sys
 import traceback
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses import FakeTensorMode
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
+from ..checks import RESERVED
 from ..errors import TraceError
 from ..graph import (
     BufferInfo,
@@ -29,10 +31,10 @@ from ..graph import (
     encode,
     encode_tensor,
 )
-from ..interpreter import empty_placeholder, resolve_target, run_node
+from ..interpreter import resolve_target
 from ..meta import buffers_on_meta
 from ..spec import Example
-from .units import group_units, signature, unit_workloads
+from .units import group_units, replay
 
 #: Operators dropped from the graph: they only check metadata recorded at trace time (and would
 #: pin the traced device into the generated code).
@@ -42,17 +44,6 @@ _DROPPED_OPS = {
     "aten._assert_async.msg",
     "aten.sym_constrain_range_for_size.default",
     "aten.sym_constrain_range.default",
-}
-#: Names the generated code uses itself; graph values are renamed away from them.
-_RESERVED = set(keyword.kwlist) | {
-    "torch",
-    "aten",
-    "nn",
-    "self",
-    "device",
-    "float",
-    "math",
-    "Scope",
 }
 #: Constants larger than this are not embedded in the graph (they would bloat the generated code).
 _MAX_CONSTANT_ELEMENTS = 1 << 16
@@ -82,7 +73,7 @@ def trace(
     try:
         with (
             buffers_on_meta(model) if on_meta else contextlib.nullcontext()
-        ), custom_functions_refused():
+        ), custom_functions_refused(), partial_graph_held_back():
             exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except TraceError:
         raise
@@ -121,6 +112,23 @@ _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
     for m in (torch, inspect, pytree)  # torch, the standard library
 ) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+
+
+@contextlib.contextmanager
+def partial_graph_held_back() -> Iterator[None]:
+    """Pass on what ``torch.export`` writes to stderr, less the partial graph it prints when
+    tracing fails: the :class:`TraceError` names the user's line instead."""
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException as exc:
+        partial = getattr(exc, "partial_fx_graph", None)
+        sys.stderr.write(
+            held.getvalue().replace(f"{partial}\n", "") if partial else held.getvalue()
+        )
+        raise
+    sys.stderr.write(held.getvalue())
 
 
 @contextlib.contextmanager
@@ -173,20 +181,51 @@ def _trace_error(exc: Exception, model: torch.nn.Module) -> TraceError:
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     name = type(exc).__name__
     if "data-dependent" in str(exc) or "GuardOnDataDependent" in name or "DataDependent" in name:
-        return TraceError(
-            f"the model has data-dependent control flow at {where}:{code}\n"
-            "autopipe captures one graph for all inputs, so a Python branch or size cannot depend "
-            "on tensor values. Options: compute both sides and select with torch.where; pass the "
-            "value that decides the branch as a fixed (non-tensor) input of the example; or move "
-            "the code out of the model's forward. torch.cond traces, but autopipe cannot yet "
-            "generate code for it, and --basic-blocks only groups traced operators: it cannot hide "
-            f"a branch from the tracer. (torch.export: {message})"
-        )
+        return _data_dependent("control flow", where, code, f"torch.export: {message}")
     return TraceError(
         f"torch.export cannot trace the model at {where}:{code}\n{name}: {message}\n"
         "Make this code traceable (see https://pytorch.org/docs/stable/export.html), or build the "
         "model so that it does not run it."
     )
+
+
+def _data_dependent(what: str, where: str, code: str, detail: str) -> TraceError:
+    """The error for control flow or shapes that depend on tensor values, at the user's line."""
+    return TraceError(
+        f"the model has data-dependent {what} at {where}:{code}\n"
+        "autopipe captures one graph for all inputs, so a Python branch or size cannot depend "
+        "on tensor values. Options: compute both sides and select with torch.where (a mask "
+        "instead of nonzero or boolean indexing); pass the value that decides the branch or size "
+        "as a fixed (non-tensor) input of the example; or move the code out of the model's "
+        "forward. torch.cond traces, but autopipe cannot yet generate code for it, and "
+        "--basic-blocks only groups traced operators: it cannot hide a branch from the tracer. "
+        f"({detail})"
+    )
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in .*\n(?P<code>.*)')
+
+
+def _symbolic_size_error(node: fx.Node) -> TraceError | None:
+    """A :class:`TraceError` naming the user's line if ``node`` produces a value whose size
+    depends on tensor values (``nonzero``, boolean indexing, ``.item()``), else None."""
+    value = node.meta.get("val")
+    if not any(map(_is_symbolic, value if isinstance(value, (list, tuple)) else [value])):
+        return None
+    frames = [
+        m for m in _FRAME.finditer(node.meta.get("stack_trace") or "") if _is_user_file(m["file"])
+    ]
+    where = f"{frames[-1]['file']}:{frames[-1]['line']}" if frames else "the model's forward"
+    code = f"\n    {frames[-1]['code'].strip()}" if frames and frames[-1]["code"].strip() else ""
+    detail = f"the size or value {node.target} returns depends on the input's values"
+    return _data_dependent("shapes", where, code, detail)
+
+
+def _is_symbolic(value: Any) -> bool:
+    """A number, or a tensor size, that torch.export only knows as a symbol."""
+    if isinstance(value, torch.Tensor):
+        return not all(isinstance(size, int) for size in value.shape)
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 # -- conversion -------------------------------------------------------------------------------
@@ -204,7 +243,7 @@ class _Converter:
         self.constants: dict[str, Any] = {}
 
     def fresh(self, name: str) -> str:
-        base = name if name.isidentifier() and name not in _RESERVED else f"v_{name}"
+        base = name if name.isidentifier() and name not in RESERVED else f"v_{name}"
         base = "".join(c if c.isalnum() or c == "_" else "_" for c in base)
         candidate, i = base, 0
         while candidate in self.taken:
@@ -302,6 +341,9 @@ class _Converter:
         if target is _getitem and isinstance(self.names.get(node.args[0]), tuple):
             self.names[node] = self.names[node.args[0]][node.args[1]]  # output of an inlined region
             return
+        error = _symbolic_size_error(node)
+        if error is not None:
+            raise error
         if target is _getitem:
             name = "getitem"
         elif not isinstance(target, torch._ops.OpOverload):
@@ -571,46 +613,27 @@ def _integer_input_ranges(example: Example) -> dict[str, int]:
 
 def _propagate_requires_grad(graph: Graph) -> None:
     """Find which values need gradients by running each unit on fake tensors with autograd, in
-    program order (a unit's inputs already carry their flags). Structurally identical units (the
-    layers of a transformer) run once. Doubles as a check that every node of the IR can run
-    outside ``torch.export``."""
-    device = torch.device("cpu")
-    known: dict[str, list] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        for work in unit_workloads(graph):
-            key = signature(graph, work)
-            if key not in known:
-                env = {
-                    name: empty_placeholder(graph, graph[name], device)
-                    for name in work.inputs + work.state
-                }
-                for name in work.inputs:  # received values are not leaves: in-place ops stay legal
-                    env[name] = env[name].clone() if env[name].requires_grad else env[name]
-                for node in work.nodes:
-                    try:
-                        env[node.name] = run_node(node, env, device)
-                    except Exception as exc:
-                        raise TraceError(
-                            f"operator {node.target} (node {node.name}, in {node.scope_label or 'forward'}) "
-                            f"cannot be re-run from the captured graph: {type(exc).__name__}: {exc}"
-                        ) from exc
-                known[key] = [_grad_flags(env[node.name]) for node in work.nodes]
-            for node, flags in zip(work.nodes, known[key]):
-                if isinstance(node.meta, TensorMeta):
-                    node.meta = _with_grad(node.meta, flags)
-                elif isinstance(node.meta, tuple):
-                    node.meta = tuple(
-                        _with_grad(m, f) if isinstance(m, TensorMeta) else m
-                        for m, f in zip(node.meta, flags)
-                    )
+    program order (a unit's inputs already carry their flags). Doubles as a check that every
+    node of the IR can run outside ``torch.export``."""
 
+    def failure(node: Node, exc: Exception) -> TraceError:
+        return TraceError(
+            f"operator {node.target} (node {node.name}, in {node.scope_label or 'forward'}) "
+            f"cannot be re-run from the captured graph: {type(exc).__name__}: {exc}"
+        )
 
-def _grad_flags(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.requires_grad
-    if isinstance(value, (list, tuple)):
-        return tuple(isinstance(v, torch.Tensor) and v.requires_grad for v in value)
-    return False
+    for node, produced in replay(graph, failure):
+        if isinstance(node.meta, TensorMeta):
+            node.meta = _with_grad(node.meta, getattr(produced, "requires_grad", False))
+        elif isinstance(node.meta, tuple):
+            node.meta = tuple(
+                (
+                    _with_grad(m, getattr(p, "requires_grad", False))
+                    if isinstance(m, TensorMeta)
+                    else m
+                )
+                for m, p in zip(node.meta, produced)
+            )
 
 
 def _with_grad(meta: TensorMeta, requires_grad: bool) -> TensorMeta:

@@ -8,10 +8,18 @@ with the same grouping key, so units never form cycles and a module called twice
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
-from ..errors import TraceError
+import torch
+from torch._subclasses import FakeTensorMode
+
+from ..errors import ArtifactError, TraceError
 from ..graph import Graph, Node, Scope, TensorMeta, Unit, map_refs
+from ..interpreter import empty_placeholder, run_node
 
 
 def group_key(
@@ -138,3 +146,88 @@ def signature(graph: Graph, work: UnitWorkload) -> str:
         )
     parts.append(tuple(local[name] for name in work.outputs))
     return repr(parts)
+
+
+def replay(
+    graph: Graph, failure: Callable[[Node, Exception], Exception]
+) -> Iterator[tuple[Node, Any]]:
+    """Run every unit on fake tensors with autograd, in program order, and yield each operator
+    with the metadata of what it produces (a :class:`TensorMeta`, a tuple of them or None).
+    Structurally identical units (the layers of a transformer) run once. A unit's inputs carry
+    the autograd flags recorded when it starts, so a caller may update them as it goes. A node
+    that cannot run raises ``failure(node, exception)``."""
+    device = torch.device("cpu")
+    known: dict[str, list] = {}
+    for work in unit_workloads(graph):
+        key = signature(graph, work)
+        if key not in known:
+            placeholders = [graph[name] for name in work.inputs + work.state]
+            env: dict[str, Any] = {}
+            with FakeTensorMode(allow_non_fake_inputs=True), _fake_tensor_log_quiet():
+                for position, node in enumerate(placeholders + work.nodes):
+                    try:
+                        env[node.name] = (
+                            run_node(node, env, device)
+                            if position >= len(placeholders)
+                            else _placeholder(graph, node, node.name in work.inputs, device)
+                        )
+                    except Exception as exc:
+                        raise failure(node, exc) from exc
+                known[key] = [_produced(env[node.name]) for node in work.nodes]
+        yield from zip(work.nodes, known[key])
+
+
+@contextlib.contextmanager
+def _fake_tensor_log_quiet() -> Iterator[None]:
+    """Silence the traceback FakeTensorMode logs for an operator that fails: the caller reports
+    the failure itself."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = disabled
+
+
+def _placeholder(graph: Graph, node: Node, received: bool, device: torch.device) -> torch.Tensor:
+    """An empty tensor for a value a unit reads; a received one is no leaf, so that in-place
+    operators on it stay legal."""
+    value = empty_placeholder(graph, node, device)
+    return value.clone() if received and value.requires_grad else value
+
+
+def _produced(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return TensorMeta.of(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_produced(v) if isinstance(v, torch.Tensor) else None for v in value)
+    return None
+
+
+def check_replay(graph: Graph) -> None:
+    """Check that every operator of a graph read from an artefact runs on the values it reads
+    and produces the shape, dtype and autograd flag the graph records: an edited artefact must
+    not become a pipeline that fails, or trains wrongly, later. Raises :class:`ArtifactError`."""
+
+    def failure(node: Node, exc: Exception) -> ArtifactError:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return ArtifactError(
+            f"node {node.name} ({node.target or node.kind}) cannot run on the values the graph "
+            f"records: {type(exc).__name__}: {message}"
+        )
+
+    for node, produced in replay(graph, failure):
+        if _summary(node.meta) != _summary(produced):
+            raise ArtifactError(
+                f"node {node.name} ({node.target}) produces {_summary(produced)}, but the graph "
+                f"records {_summary(node.meta)}"
+            )
+
+
+def _summary(meta: Any) -> Any:
+    """Shape, dtype and autograd flag of value metadata (strides may differ between runs)."""
+    if isinstance(meta, TensorMeta):
+        return (list(meta.shape), str(meta.dtype).removeprefix("torch."), meta.requires_grad)
+    if isinstance(meta, tuple):
+        return tuple(_summary(m) for m in meta)
+    return None

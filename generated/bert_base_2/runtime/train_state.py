@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from torch import nn
 
 from .checkpoint import Checkpoint, CheckpointError, save_safetensors
 from .data import PipelineRunError
+from .guards import agree, describe_write_error
 from .parallel import Layout
 from .support import stage_state
 
@@ -41,8 +44,8 @@ def load_weights(
     original-model checkpoint, reading nothing else: a rank holds about its stages' size."""
     try:
         checkpoint = Checkpoint(path)
-    except CheckpointError as exc:
-        raise PipelineRunError(f"--load: {exc}") from None
+    except CheckpointError as exc:  # every rank opens the same file and finds the same
+        raise PipelineRunError(f"--load: {exc}", every_rank=True) from None
     mapped: set[str] = set()
     for index, stage in stages.items():
         wanted = stage.state_dict()
@@ -54,7 +57,10 @@ def load_weights(
             ) from None
         own = {}
         for key, source in names.items():
-            tensor = checkpoint[source]
+            try:
+                tensor = checkpoint[source]
+            except CheckpointError as exc:
+                raise PipelineRunError(f"--load: {exc}") from None
             if tuple(tensor.shape) != tuple(wanted[key].shape):
                 raise PipelineRunError(
                     f"--load: {source} in {path} has shape {list(tensor.shape)}, stage {index} expects {list(wanted[key].shape)}"
@@ -126,6 +132,10 @@ def fingerprint(pipeline: dict) -> str:
     return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 
+#: names of complete checkpoints inside a checkpoint directory
+STEP_NAME = re.compile(r"step-\d{8}")
+
+
 class TrainingCheckpoints:
     """The checkpoints of one run in ``root``; every rank holds one of these."""
 
@@ -136,20 +146,26 @@ class TrainingCheckpoints:
         self.keep = keep
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None."""
-        pointer = self.root / "latest"
-        if not pointer.is_file():
-            return None
-        path = self.root / pointer.read_text(encoding="utf-8").strip()
-        if not (path / MANIFEST).is_file():
+        return latest_checkpoint(self.root)
+
+    def named(self, name: str) -> Path:
+        """Checkpoint ``name`` (``step-N`` or N) of this directory, checked intact."""
+        if name.isdigit():
+            name = f"step-{int(name):08d}"
+        path = self.root / name
+        if not STEP_NAME.fullmatch(name) or not path.is_dir():
             raise PipelineRunError(
-                f"{pointer} names {path.name}, which is not a complete checkpoint; point it at "
-                f"one of {', '.join(p.name for p in self.complete()) or 'nothing'}"
+                f"--resume-from {name}: {self.root} has no such checkpoint; it has "
+                f"{', '.join(p.name for p in complete_checkpoints(self.root)) or 'none'}",
+                every_rank=True,
+            )
+        problem = damage(path)
+        if problem:
+            raise PipelineRunError(
+                f"checkpoint {path} is damaged ({problem}); {_intact_hint(self.root, path)}",
+                every_rank=True,
             )
         return path
-
-    def complete(self) -> list[Path]:
-        return sorted(p.parent for p in self.root.glob(f"step-*/{MANIFEST}"))
 
     def save(
         self,
@@ -158,14 +174,62 @@ class TrainingCheckpoints:
         optimizers: dict[int, torch.optim.Optimizer],
         schedulers: dict[int, Any],
     ) -> Path:
-        """Checkpoint the state after ``step`` optimizer steps; collective over all ranks."""
+        """Checkpoint the state after ``step`` optimizer steps; collective over all ranks. If any
+        rank cannot write, nothing of this step is kept and every rank raises PipelineRunError;
+        the previous checkpoint stays ``latest``."""
         final = self.root / f"step-{step:08d}"
         partial = self.root / f".step-{step:08d}.partial"
+        problem = None
         if dist.get_rank() == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
+            problem = self._attempt(lambda: self._start(partial), partial)
+        self._check(agree(problem), step, partial)
+        problem = self._attempt(
+            lambda: self._write_own(partial, stages, optimizers, schedulers), partial
+        )
+        self._check(agree(problem), step, partial)
+        if dist.get_rank() == 0:
+            problem = self._attempt(lambda: self._publish(step, partial, final), partial)
+        self._check(agree(problem), step, partial)
+        return final
+
+    @staticmethod
+    def _attempt(write: Callable[[], None], where: Path) -> str | None:
+        try:
+            write()
+        except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError
+            return describe_write_error(exc, where)
+        return None
+
+    def _check(self, problem: str | None, step: int, partial: Path) -> None:
+        if problem is None:
+            return
+        if dist.get_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir()
-        dist.barrier()
+        latest = self.root / "latest"
+        kept = latest.read_text(encoding="utf-8").strip() if latest.is_file() else None
+        raise PipelineRunError(
+            f"the checkpoint of step {step} could not be written ({problem}); nothing of it was "
+            + (
+                f"kept, and {self.root / kept} is still the latest checkpoint: make room, then "
+                "rerun with --resume"
+                if kept
+                else "kept (there is no earlier checkpoint)"
+            ),
+            every_rank=True,
+        )
+
+    def _start(self, partial: Path) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+
+    def _write_own(
+        self,
+        partial: Path,
+        stages: dict[int, nn.Module],
+        optimizers: dict[int, torch.optim.Optimizer],
+        schedulers: dict[int, Any],
+    ) -> None:
         if self.layout.dp_rank == 0:
             for index, stage in stages.items():
                 state = {
@@ -175,34 +239,41 @@ class TrainingCheckpoints:
                 }
                 _save(state, partial / f"stage{index}.pt")
         _save({"rng": _rng_state(self.layout.device)}, partial / f"rank{self.layout.rank}.pt")
-        dist.barrier()
-        if dist.get_rank() == 0:
-            manifest = {
-                "format": FORMAT,
-                "version": VERSION,
-                "step": step,
-                "pipeline": fingerprint(self.pipeline),
-                "model": self.pipeline["model"],
-                "stages": len(self.pipeline["stages"]),
-                "dp": self.layout.dp_size,
-                "world_size": dist.get_world_size(),
-                "aliases": self.pipeline["aliases"],
-            }
-            (partial / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-            _fsync(partial / MANIFEST)
-            if final.exists():  # left by a run that died before pointing `latest` at it
-                shutil.rmtree(final)
-            os.replace(partial, final)
-            pointer = self.root / ".latest.tmp"
+
+    def _publish(self, step: int, partial: Path, final: Path) -> None:
+        """Rank 0: the manifest (with every file's size), then ``partial`` -> ``final`` and
+        ``latest`` -> ``final`` by renames, then old checkpoints pruned."""
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "pipeline": fingerprint(self.pipeline),
+            "model": self.pipeline["model"],
+            "stages": len(self.pipeline["stages"]),
+            "dp": self.layout.dp_size,
+            "world_size": dist.get_world_size(),
+            "aliases": self.pipeline["aliases"],
+            "files": {p.name: p.stat().st_size for p in sorted(partial.iterdir())},
+        }
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        _fsync(partial / MANIFEST)
+        if final.exists():  # left by a run that died before pointing `latest` at it
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        pointer = self.root / ".latest.tmp"
+        try:
             pointer.write_text(final.name + "\n", encoding="utf-8")
             _fsync(pointer)
             os.replace(pointer, self.root / "latest")
             _fsync(self.root)
-            if self.keep:
-                for old in self.complete()[: -self.keep]:
+        except BaseException:  # `latest` still names the previous checkpoint: keep it that way
+            pointer.unlink(missing_ok=True)
+            shutil.rmtree(final, ignore_errors=True)
+            raise
+        if self.keep:
+            for old in complete_checkpoints(self.root)[: -self.keep]:
+                if old != final:  # the one `latest` names is never pruned
                     shutil.rmtree(old)
-        dist.barrier()
-        return final
 
     def restore_weights(self, path: Path, stages: dict[int, nn.Module]) -> dict:
         """Fill this rank's stages (built with ``meta_state``) from checkpoint ``path``; returns
@@ -234,13 +305,75 @@ class TrainingCheckpoints:
             schedulers[index].load_state_dict(state["scheduler"])
         rank_file = path / f"rank{self.layout.rank}.pt"
         if manifest["world_size"] == dist.get_world_size() and rank_file.is_file():
-            _set_rng_state(torch.load(rank_file, weights_only=True)["rng"], self.layout.device)
+            _set_rng_state(_load(rank_file, "cpu")["rng"], self.layout.device)
         return manifest["step"]
 
     def _stage_file(self, path: Path, index: int) -> dict:
-        return torch.load(
-            path / f"stage{index}.pt", map_location=self.layout.device, weights_only=True, mmap=True
+        return _load(path / f"stage{index}.pt", self.layout.device)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint ``root/latest`` names, or None if there is none yet; refuses one that is
+    damaged, naming the newest intact one to resume from instead."""
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        name = f"<unreadable: {exc}>"
+    if not STEP_NAME.fullmatch(name):
+        raise PipelineRunError(
+            f"{pointer} holds {name[:80]!r}, not the name of a checkpoint (step-NNNNNNNN); "
+            f"{_intact_hint(root)}",
+            every_rank=True,
         )
+    path = root / name
+    problem = damage(path)
+    if problem:
+        raise PipelineRunError(
+            f"the latest checkpoint {path} is damaged ({problem}); {_intact_hint(root, path)}",
+            every_rank=True,
+        )
+    return path
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint directories of ``root`` with a manifest, oldest first (not checked further)."""
+    found = (p.parent for p in root.glob(f"step-*/{MANIFEST}"))
+    return sorted(p for p in found if STEP_NAME.fullmatch(p.name))
+
+
+def _intact_hint(root: Path, damaged: Path | None = None) -> str:
+    intact = [p for p in complete_checkpoints(root) if p != damaged and damage(p) is None]
+    if not intact:
+        return f"no intact checkpoint is left in {root}"
+    name = intact[-1].name
+    return (
+        f"the newest intact checkpoint is {name}: train.py --resume-from {name} continues from "
+        f"it, autopipe merge {intact[-1]} reads it"
+    )
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with checkpoint directory ``path`` (a missing or unreadable manifest, a
+    missing file, a file of another size than written), or None. Checks sizes only: cheap."""
+    try:
+        manifest = read_manifest(path)
+    except PipelineRunError as exc:
+        return str(exc)
+    files = manifest.get("files")
+    if files is None:  # written before sizes were recorded
+        files = {f"stage{i}.pt": None for i in range(manifest["stages"])}
+    for name, size in sorted(files.items()):
+        if not re.fullmatch(r"(stage|rank)\d+\.pt", name):
+            return f"its manifest names a file {name[:80]!r} that a checkpoint never holds"
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if size is not None and file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, {size} were written"
+    return None
 
 
 def read_manifest(path: Path) -> dict:
@@ -248,11 +381,18 @@ def read_manifest(path: Path) -> dict:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise PipelineRunError(f"{path} is not a readable autopipe checkpoint ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise PipelineRunError(f"{path / MANIFEST} does not hold a checkpoint manifest")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise PipelineRunError(
             f"{path} is a {manifest.get('format')} version {manifest.get('version')} checkpoint; "
             f"this runtime reads {FORMAT} version {VERSION}"
         )
+    for key, kind in (("step", int), ("stages", int), ("world_size", int), ("aliases", list)):
+        if not isinstance(manifest.get(key), kind):
+            raise PipelineRunError(
+                f"{path / MANIFEST}: {key!r} is missing or not a {kind.__name__}"
+            )
     return manifest
 
 
@@ -261,16 +401,27 @@ def merge_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     latest, or ``DIR/step-N``), and its manifest."""
     path = Path(path)
     if not (path / MANIFEST).is_file() and (path / "latest").is_file():
-        path = path / (path / "latest").read_text(encoding="utf-8").strip()
+        path = latest_checkpoint(path)
+    problem = damage(path)
+    if problem:
+        raise PipelineRunError(f"checkpoint {path} is damaged ({problem})")
     manifest = read_manifest(path)
     state: dict[str, torch.Tensor] = {}
     for index in range(manifest["stages"]):
-        stage_file = path / f"stage{index}.pt"
-        if not stage_file.is_file():
-            raise PipelineRunError(f"{path} misses {stage_file.name}: the checkpoint is incomplete")
-        state.update(torch.load(stage_file, map_location="cpu", weights_only=True)["model"])
+        state.update(_load(path / f"stage{index}.pt", "cpu")["model"])
     expand_aliases(state, manifest["aliases"])
     return state, manifest
+
+
+def _load(path: Path, device: torch.device | str) -> dict:
+    """A checkpoint file, or PipelineRunError naming it when it is truncated or corrupted."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True, mmap=True)
+    except (OSError, RuntimeError, ValueError, EOFError) as exc:
+        raise PipelineRunError(
+            f"{path} cannot be read ({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}); "
+            "the checkpoint is damaged"
+        ) from None
 
 
 def _save(obj: Any, path: Path) -> None:

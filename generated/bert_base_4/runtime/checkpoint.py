@@ -46,15 +46,29 @@ class SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = path
-        with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # lazy, private
         try:
+            with open(path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # lazy, private
             (length,) = struct.unpack("<Q", self._map[:8])
             header = json.loads(self._map[8 : 8 + length])
-        except (struct.error, ValueError, UnicodeDecodeError) as exc:
+            if not isinstance(header, dict):
+                raise ValueError("its header is not a JSON object")
+        except (OSError, struct.error, ValueError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path} is not a safetensors file ({exc})") from None
         header.pop("__metadata__", None)
         self._start = 8 + length
+        size = len(self._map) - self._start
+        for name, entry in header.items():
+            try:
+                begin, end = entry["data_offsets"]
+                ok = 0 <= begin <= end <= size and isinstance(entry["shape"], list)
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise CheckpointError(
+                    f"{path}: the entry of tensor {name} points past the end of the file "
+                    f"({size} data bytes) or is malformed: the file is truncated or corrupted"
+                )
         self._entries = header
 
     def keys(self) -> list[str]:
@@ -80,12 +94,15 @@ class TorchFile:
 
     def __init__(self, path: Path):
         try:
-            self._state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except RuntimeError:  # an old (non-zip) file cannot be mapped
-            self._state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
+            try:
+                self._state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except RuntimeError:  # an old (non-zip) file cannot be mapped
+                self._state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure to unpickle is a bad file
+            first = str(exc).strip().splitlines()[0].split(". ")[0] if str(exc).strip() else ""
             raise CheckpointError(
-                f"{path} is not a torch.save checkpoint ({type(exc).__name__}: {exc})"
+                f"{path} is not a readable torch.save checkpoint ({type(exc).__name__}: "
+                f"{first[:160]}); it may be truncated or corrupted"
             ) from None
         if not isinstance(self._state, dict):
             raise CheckpointError(
@@ -97,6 +114,25 @@ class TorchFile:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._state[name]
+
+
+def _weight_map(index: Path) -> dict[str, Path]:
+    """Tensor name -> shard file of a Hugging Face ``*.index.json``; shards stay in its folder."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index} is not a checkpoint index ({exc})") from None
+    where = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or Path(shard).name != shard:
+            raise CheckpointError(
+                f"{index}: tensor {name} is said to be in {shard!r}, which is not a file of "
+                f"{index.parent}; shards must lie beside the index"
+            )
+        where[name] = index.parent / shard
+    return where
 
 
 def _open_file(path: Path):
@@ -113,8 +149,7 @@ class Checkpoint:
         if path.is_dir():
             indexes = sorted(path.glob("*.index.json"))
             if indexes:
-                weight_map = json.loads(indexes[0].read_text())["weight_map"]
-                self._where = {name: path / shard for name, shard in weight_map.items()}
+                self._where = _weight_map(indexes[0])
             else:
                 singles = [
                     p

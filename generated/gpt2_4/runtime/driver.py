@@ -37,13 +37,23 @@ from torch.distributed.pipelining.schedules import (
 from torch.utils.checkpoint import checkpoint
 
 from .data import DTYPES, Batches, PipelineRunError, tokens_per_sample
+from .guards import (
+    RunLock,
+    agree,
+    describe_write_error,
+    fallback_paths,
+    nonfinite_problem,
+    output_problems,
+)
 from .metrics import Metrics, gather_peak_memory
 from .options import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, parse_args
-from .parallel import GradientSync, init_distributed
+from .parallel import GradientSync, Layout, init_distributed
 from .schedule import PipelineCosts, greedy_orders
 from .train_state import TrainingCheckpoints, gather_weights, load_weights, save_weights
 
 _KINDS = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
+#: microbatches x stages from which building the schedule takes long enough to say so
+LARGE_SCHEDULE = 4096
 
 
 # -- stages -----------------------------------------------------------------------------------
@@ -202,7 +212,45 @@ def lr_factor(args: Any) -> Callable[[int], float]:
     return factor
 
 
-# -- the run ----------------------------------------------------------------------------------
+# -- the run ---------------------------------------------------------------------------------
+def say(message: str) -> None:
+    """A line from global rank 0, for phases that take a while."""
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def check_outputs(args: Any, reporting: bool) -> None:
+    """Every output path this run will write is checked on the ranks that write it, before
+    any training: a run never learns at its end that its work cannot be kept."""
+    problems = output_problems(
+        save=args.save if dist.get_rank() == 0 else None,
+        log_json=args.log_json if reporting else None,
+        checkpoint_dir=args.checkpoint_dir,
+    )
+    problem = agree("; ".join(problems) or None)
+    if problem:
+        raise PipelineRunError(f"{problem}. Nothing was trained.", every_rank=True)
+
+
+def lock_checkpoints(args: Any) -> RunLock | None:
+    """Global rank 0 takes ``--checkpoint-dir``'s lock; every rank stops if it cannot."""
+    if not args.checkpoint_dir:
+        return None
+    lock = RunLock(args.checkpoint_dir)
+    problem = None
+    if dist.get_rank() == 0:
+        try:
+            note = lock.acquire()
+            if note:
+                print(f"{args.checkpoint_dir}: {note}", flush=True)
+        except (PipelineRunError, OSError) as exc:
+            problem = str(exc)
+    problem = agree(problem)
+    if problem:
+        raise PipelineRunError(problem, every_rank=True)
+    return lock
+
+
 def resume_point(checkpoints: TrainingCheckpoints | None, args: Any) -> Path | None:
     """The checkpoint to resume from; refuses to mix a new run into old checkpoints."""
     if checkpoints is None:
@@ -211,6 +259,8 @@ def resume_point(checkpoints: TrainingCheckpoints | None, args: Any) -> Path | N
         for stale in checkpoints.root.glob(".step-*.partial"):  # a save that never finished
             shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
+    if args.resume_from:
+        return checkpoints.named(args.resume_from)
     latest = checkpoints.latest()
     if latest is not None and not args.resume:
         raise PipelineRunError(
@@ -221,14 +271,54 @@ def resume_point(checkpoints: TrainingCheckpoints | None, args: Any) -> Path | N
     return latest
 
 
+def save_trained(
+    state: dict[str, torch.Tensor], args: Any, step: int, checkpoint: Path | None
+) -> None:
+    """Rank 0: ``--save``; if that fails after all, the next place that takes the state, and
+    an error saying where it went: trained weights are never dropped."""
+    failures = []
+    for path in [Path(args.save), *fallback_paths(args.save, args.checkpoint_dir, step)]:
+        try:
+            save_weights(state, path)
+        except (OSError, RuntimeError) as exc:
+            failures.append(f"{path}: {describe_write_error(exc, path)}")
+            continue
+        if not failures:
+            print(f"saved the trained model state_dict to {path}", flush=True)
+            return
+        raise PipelineRunError(
+            f"could not write --save {args.save} ({failures[0].split(': ', 1)[1]}); the trained "
+            f"state_dict was written to {path} instead"
+        )
+    kept = f"; the last checkpoint is {checkpoint}" if checkpoint else ""
+    raise PipelineRunError(
+        f"could not write the trained state_dict anywhere ({'; '.join(failures)}){kept}"
+    )
+
+
 def train(package: ModuleType, args: Any) -> None:
     pipeline = package.PIPELINE
     layout = init_distributed(pipeline, args.device, args.dp, args.timeout)
-    device = layout.device
     torch.manual_seed(args.seed * 1_000_003 + layout.rank)  # dropout streams differ per rank
     specs = pipeline["stages"]
-    num_stages = len(specs)
     local = [i for i, spec in enumerate(specs) if spec["device"] == layout.pp_rank]
+    reporting = len(specs) - 1 in local and layout.dp_rank == 0
+    check_outputs(args, reporting)
+    lock = lock_checkpoints(args)
+    try:
+        _train(package, args, layout, local, reporting)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(
+    package: ModuleType, args: Any, layout: Layout, local: list[int], reporting: bool
+) -> None:
+    pipeline = package.PIPELINE
+    device = layout.device
+    specs = pipeline["stages"]
+    num_stages = len(specs)
     checkpoints = (
         TrainingCheckpoints(args.checkpoint_dir, pipeline, layout, args.keep_checkpoints)
         if args.checkpoint_dir
@@ -240,8 +330,10 @@ def train(package: ModuleType, args: Any) -> None:
         i: package.build_stage(i, device=device, seed=args.seed, meta_state=filled) for i in local
     }
     if resume is not None:
+        say(f"loading the checkpoint {resume}")
         manifest = checkpoints.restore_weights(resume, modules)
     elif args.load:
+        say(f"loading weights from {args.load}")
         load_weights(modules, args.load, pipeline, device)
     optimizers = {i: make_optimizer(args, m) for i, m in modules.items()}
     schedulers = {
@@ -273,6 +365,8 @@ def train(package: ModuleType, args: Any) -> None:
     ]
     is_first, is_last = 0 in modules, num_stages - 1 in modules
     loss_fn = make_loss_fn(package, pipeline, device)
+    if args.microbatches * num_stages >= LARGE_SCHEDULE:
+        say(f"building the {args.schedule} schedule of {args.microbatches} microbatches ...")
     schedule = build_schedule(args.schedule, stages, pipeline, args.microbatches, loss_fn)
     sync = GradientSync(pipeline, layout, modules)
     batches = Batches(pipeline, args)
@@ -280,19 +374,20 @@ def train(package: ModuleType, args: Any) -> None:
     samples = batches.samples
     tokens = tokens_per_sample(pipeline)
     metrics = Metrics(
-        reporting=is_last and layout.dp_rank == 0,
+        reporting=reporting,
         steps=args.steps,
         samples_per_step=samples,
         tokens_per_step=samples * tokens if tokens else None,
         log_json=args.log_json,
         log_every=args.log_every,
-        append=resume is not None,
+        resumed_at=start if resume is not None else None,
     )
     if resume is not None:
         metrics.note(f"resumed from {resume} at step {start}")
     elif args.resume:
         metrics.note(f"no checkpoint in {args.checkpoint_dir} yet: starting at step 0")
     runs = args.microbatches * args.accumulate
+    checkpoint = resume
     try:
         for step in range(start, args.steps):
             began = time.perf_counter()
@@ -316,32 +411,37 @@ def train(package: ModuleType, args: Any) -> None:
             sync.scale(1.0 / runs)  # the mean over this replica's microbatches
             sync.reduce()
             grad_norm = sync.clip(args.clip_grad_norm)
-            lr = next(iter(schedulers.values())).get_last_lr()[0]  # this step's
-            for index, optimizer in optimizers.items():
-                optimizer.step()
-                schedulers[index].step()
-            loss = float("nan")
+            loss = None
             if is_last:
                 mean = torch.stack([l.detach().float() for l in losses]).mean().to(device)
                 if layout.dp_size > 1:
                     dist.all_reduce(mean, group=layout.dp_group)
                     mean /= layout.dp_size
                 loss = mean.item()
+            problem = nonfinite_problem(step, loss, grad_norm, device)
+            if problem and not args.skip_nonfinite:
+                raise PipelineRunError(problem, every_rank=True)
+            lr = next(iter(schedulers.values())).get_last_lr()[0]  # this step's
+            for index, optimizer in optimizers.items():
+                if not problem:
+                    optimizer.step()
+                schedulers[index].step()
             memory = gather_peak_memory(device)
-            metrics.record(step, loss, time.perf_counter() - began, lr, grad_norm, memory)
+            seconds = time.perf_counter() - began
+            loss = float("nan") if loss is None else loss
+            metrics.record(step, loss, seconds, lr, grad_norm, memory, skipped=bool(problem))
             done = step + 1
             if checkpoints and (
                 done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)
             ):
-                path = checkpoints.save(done, modules, optimizers, schedulers)
-                metrics.note(f"checkpoint {path}")
+                checkpoint = checkpoints.save(done, modules, optimizers, schedulers)
+                metrics.note(f"checkpoint {checkpoint}")
     finally:
         metrics.close()
     if args.save:
         state = gather_weights(modules, pipeline, layout)
         if state is not None:
-            save_weights(state, args.save)
-            print(f"saved the trained model state_dict to {args.save}", flush=True)
+            save_trained(state, args, args.steps, checkpoint)
 
 
 def _stop(signum: int, _frame: Any) -> None:
@@ -376,7 +476,7 @@ def main(package: ModuleType, argv: list[str]) -> int:
         return 2
     except KeyboardInterrupt as exc:
         print(
-            f"train.py: rank {rank} stopped ({exc or 'SIGINT'}).{resume_hint}",
+            f"train.py: rank {rank} stopped ({str(exc) or 'SIGINT'}).{resume_hint}",
             file=sys.stderr,
             flush=True,
         )

@@ -7,8 +7,10 @@ the last stage of the first replica reports; every rank contributes its peak mem
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
+from pathlib import Path
 from typing import IO
 
 import torch
@@ -41,22 +43,31 @@ class Metrics:
         tokens_per_step: int | None,
         log_json: str | None,
         log_every: int,
-        append: bool,
+        resumed_at: int | None,
     ):
+        """``resumed_at``: the step a resumed run starts at; the log keeps the steps before it
+        (its later lines were written after the checkpoint, and are trained again)."""
         self.reporting = reporting
         self.steps = steps
         self.samples_per_step = samples_per_step
         self.tokens_per_step = tokens_per_step
         self.log_every = log_every
         self.bar = reporting and sys.stdout.isatty()
-        self.log: IO[str] | None = (
-            open(log_json, "a" if append else "w", encoding="utf-8")
-            if (reporting and log_json)
-            else None
-        )
+        self.log: IO[str] | None = None
+        if reporting and log_json:
+            if resumed_at is not None:
+                _truncate_log(Path(log_json), resumed_at)
+            self.log = open(log_json, "a" if resumed_at is not None else "w", encoding="utf-8")
 
     def record(
-        self, step: int, loss: float, seconds: float, lr: float, grad_norm: float, memory: list[int]
+        self,
+        step: int,
+        loss: float,
+        seconds: float,
+        lr: float,
+        grad_norm: float,
+        memory: list[int],
+        skipped: bool = False,
     ) -> None:
         if not self.reporting:
             return
@@ -71,6 +82,8 @@ class Metrics:
         }
         if self.tokens_per_step:
             entry["tokens_per_s"] = self.tokens_per_step / seconds
+        if skipped:
+            entry["skipped"] = True
         if self.log:
             self.log.write(json.dumps(entry) + "\n")
             self.log.flush()
@@ -91,8 +104,8 @@ class Metrics:
                 end="" if done < self.steps else "\n",
                 flush=True,
             )
-        elif step % self.log_every == 0 or step == self.steps - 1:
-            print(line, flush=True)
+        elif step % self.log_every == 0 or step == self.steps - 1 or skipped:
+            print(line + (" skipped: not finite" if skipped else ""), flush=True)
 
     def note(self, message: str) -> None:
         if self.reporting:
@@ -101,3 +114,20 @@ class Metrics:
     def close(self) -> None:
         if self.log:
             self.log.close()
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Keep the lines of a JSON-lines log for steps before ``step`` (rewritten atomically)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by the crash
+        if isinstance(entry, dict) and isinstance(entry.get("step"), int) and entry["step"] < step:
+            kept.append(line + "\n")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)

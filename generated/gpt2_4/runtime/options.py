@@ -6,6 +6,7 @@ Copied into every generated pipeline as ``runtime/options.py``; it needs only to
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -118,6 +119,12 @@ def parse_args(argv: list[str], pipeline: dict) -> argparse.Namespace:
         help="run the stages under bfloat16 autocast (values between stages stay in their dtype)",
     )
     optim.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip a step whose loss or gradient norm is not finite (default: stop the run there; "
+        "either way such a step never reaches the weights or a checkpoint)",
+    )
+    optim.add_argument(
         "--recompute",
         default="auto",
         metavar="auto|all|none|S,S,...",
@@ -170,6 +177,12 @@ def parse_args(argv: list[str], pipeline: dict) -> argparse.Namespace:
         help="continue from the latest checkpoint in --checkpoint-dir (weights, optimizer, "
         "learning rate, RNG and data position), if there is one",
     )
+    ckpt.add_argument(
+        "--resume-from",
+        metavar="step-N",
+        help="continue from this checkpoint of --checkpoint-dir instead of the latest (e.g. when "
+        "the latest is damaged)",
+    )
 
     logs = parser.add_argument_group("metrics")
     logs.add_argument(
@@ -188,8 +201,16 @@ def parse_args(argv: list[str], pipeline: dict) -> argparse.Namespace:
     for name in ("microbatches", "dp", "accumulate", "log_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.resume_from:
+        args.resume = True
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir, the directory the checkpoints are in")
+    for name in ("lr", "min_lr", "weight_decay", "momentum", "clip_grad_norm", "timeout"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            parser.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+    if args.timeout == 0:
+        parser.error("--timeout must be > 0 seconds")
     args.recompute_stages = recompute_stages(parser, args.recompute, pipeline)
     problem = schedule_problem(args.schedule, pipeline, args.microbatches)
     if problem:

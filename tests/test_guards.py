@@ -1,0 +1,337 @@
+"""A training run never loses good work and never hides a bad step (issue 11): non-finite steps
+stop the run (or are skipped) before they reach weights or checkpoints, outputs are checked before
+the first step, one run owns a checkpoint directory, a failed checkpoint write keeps the previous
+one, damaged checkpoints are named with the intact one to use instead."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopipe.cli import main as autopipe_main
+from autopipe.runtime import driver, train_state
+from autopipe.runtime.checkpoint import Checkpoint, CheckpointError, save_safetensors
+from autopipe.runtime.data import PipelineRunError
+from autopipe.runtime.guards import RunLock
+from autopipe.spec import load_example
+
+from autopipe.verify import load_pipeline
+
+from conftest import (
+    ONE_PROCESS,
+    ROOT,
+    compile_model,
+    spec,
+    start_torchrun,
+    torchrun_command,
+    torchrun_env,
+    training_state,
+)
+
+STEPS = ["--microbatches", "4", "--data", "tests/models.py:gpt2_batch"]
+
+
+@pytest.fixture(scope="module")
+def gpt2_pipe(tmp_path_factory) -> Path:
+    """One 2-stage GPT-2 package shared by the tests of this file (they only run it)."""
+    out = tmp_path_factory.mktemp("guards") / "pipe"
+    compile_model("gpt2", out, 2)
+    return out
+
+
+def run(package: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """train.py on 2 gloo ranks, without raising on failure."""
+    return subprocess.run(
+        torchrun_command(package / "train.py", 2, *args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=torchrun_env(),
+        cwd=ROOT,
+    )
+
+
+def error_of(result: subprocess.CompletedProcess, package: Path) -> str:
+    """train.py's one error line; asserts the run failed without a traceback from the package
+    (torchrun adds its own summary of the failed child, which is not train.py's)."""
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert f'File "{package}' not in result.stderr, result.stderr[-4000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert len(lines) == 1, result.stderr[-4000:]  # said once, by one rank
+    return lines[0]
+
+
+def losses(log: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, log.read_text().splitlines())]
+
+
+@pytest.mark.slow
+def test_diverging_run_stops_and_keeps_the_good_checkpoints(gpt2_pipe, tmp_path):
+    """--lr 1e6 makes step 1 NaN: the run stops there, exit non-zero, naming the step; the
+    checkpoint of step 1 (good weights) stays latest and is never pruned by --keep-checkpoints 1."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    result = run(
+        gpt2_pipe, *STEPS, "--steps", "6", "--lr", "1e6", "--checkpoint-dir", str(ckpt),
+        "--checkpoint-every", "1", "--keep-checkpoints", "1", "--log-json", str(log),
+        "--save", str(tmp_path / "final.pt"),
+    )  # fmt: skip
+    message = error_of(result, gpt2_pipe)
+    assert "step 1: the loss" in message and "not finite" in message and "--lr" in message
+    assert (ckpt / "latest").read_text().strip() == "step-00000001"
+    assert [p.name for p in ckpt.iterdir() if p.name.startswith("step-")] == ["step-00000001"]
+    state, manifest = train_state.merge_checkpoint(ckpt)
+    assert manifest["step"] == 1 and all(torch.isfinite(t).all() for t in state.values())
+    assert [step for step, _ in losses(log)] == [0]  # the bad step is not logged as trained
+    assert not (tmp_path / "final.pt").exists() and not (ckpt / ".lock").exists()
+
+
+@pytest.mark.slow
+def test_all_labels_ignored_is_named_and_can_be_skipped(gpt2_pipe, tmp_path):
+    """A batch whose labels are all -100 has a NaN loss: stopped by default with a hint; with
+    --skip-nonfinite the step is skipped (weights untouched) and the run goes on."""
+    data = ["--microbatches", "4", "--data", "tests/models.py:gpt2_batch_with_ignored_labels"]
+    message = error_of(run(gpt2_pipe, *data, "--steps", "3"), gpt2_pipe)
+    assert "step 1: the loss" in message and "ignore index (-100)" in message
+
+    log = tmp_path / "log.jsonl"
+    ok = run(gpt2_pipe, *data, "--steps", "3", "--skip-nonfinite", "--log-json", str(log))
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r.get("skipped", False) for r in records] == [False, True, False]
+    assert math.isnan(records[1]["loss"]) and all(math.isfinite(r["loss"]) for r in records[::2])
+
+
+@pytest.mark.slow
+def test_output_paths_are_checked_before_the_first_step(gpt2_pipe, tmp_path):
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "a_file").write_text("mine")
+    cases = {
+        ("--save", str(tmp_path / "a_dir")): "is a directory",
+        ("--save", str(tmp_path / "a_file" / "model.pt")): "is a file, not a directory",
+        ("--checkpoint-dir", str(tmp_path / "a_file")): "is a file, not a directory",
+        ("--log-json", "/proc/autopipe/log.jsonl"): "cannot write in /proc",
+    }
+    for (option, value), problem in cases.items():
+        message = error_of(run(gpt2_pipe, *STEPS, "--steps", "2", option, value), gpt2_pipe)
+        assert option in message and problem in message and "Nothing was trained" in message
+        assert "step 0" not in message
+    assert (tmp_path / "a_file").read_text() == "mine" and not any((tmp_path / "a_dir").iterdir())
+
+
+def test_a_failed_final_save_is_written_elsewhere(tmp_path, monkeypatch):
+    """If --save cannot be written at the end after all, the state goes to the checkpoint dir and
+    the error says where; if nothing takes it, the error names the last checkpoint."""
+    state = {"w": torch.arange(4.0)}
+    real = driver.save_weights
+    refused = str(tmp_path / "gone" / "model.pt")
+
+    def save(state, path):
+        if str(path) == refused:
+            raise OSError(28, "No space left on device")
+        real(state, path)
+
+    monkeypatch.setattr(driver, "save_weights", save)
+    args = Namespace(save=refused, checkpoint_dir=str(tmp_path / "ckpt"))
+    with pytest.raises(PipelineRunError) as caught:
+        driver.save_trained(state, args, 7, None)
+    fallback = tmp_path / "ckpt" / "trained-step-7.pt"
+    assert f"could not write --save {refused}" in str(caught.value)
+    assert f"written to {fallback} instead" in str(caught.value)
+    assert torch.equal(torch.load(fallback)["w"], state["w"])
+
+    monkeypatch.setattr(driver, "save_weights", lambda *_: (_ for _ in ()).throw(OSError("bad")))
+    with pytest.raises(PipelineRunError, match="anywhere .* the last checkpoint is ck/step-1"):
+        driver.save_trained(state, args, 7, Path("ck/step-1"))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_dir_belongs_to_one_run(gpt2_pipe, tmp_path):
+    """A second run on a live run's --checkpoint-dir is refused, naming the owner; the first
+    finishes intact; a lock left by a dead process is taken over."""
+    ckpt = tmp_path / "ckpt"
+    slow = ["--microbatches", "4", "--data", "tests/models.py:gpt2_batch_slowly"]
+    with open(tmp_path / "first.err", "w") as errors:
+        first = start_torchrun(
+            gpt2_pipe / "train.py", 2, *slow, "--steps", "40", "--checkpoint-dir", str(ckpt),
+            "--checkpoint-every", "10", stderr=errors,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while not (ckpt / ".lock").exists():
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        owner = json.loads((ckpt / ".lock").read_text())
+        second = run(gpt2_pipe, *STEPS, "--steps", "2", "--checkpoint-dir", str(ckpt), "--resume")
+        message = error_of(second, gpt2_pipe)
+        assert "in use by another training run" in message and f"pid {owner['pid']}" in message
+        assert first.wait(timeout=300) == 0
+    assert (ckpt / "latest").read_text().strip() == "step-00000040"
+    assert not (ckpt / ".lock").exists()
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid names no live process
+    dead = gone.pid
+    (ckpt / ".lock").write_text(json.dumps({**owner, "pid": dead, "start": "0"}))
+    resumed = run(gpt2_pipe, *STEPS, "--steps", "41", "--checkpoint-dir", str(ckpt), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "took over the stale lock" in resumed.stdout
+    assert not (ckpt / ".lock").exists()
+
+
+def test_lock_of_another_host_is_respected(tmp_path):
+    lock = RunLock(tmp_path)
+    (tmp_path / ".lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "start": "1"}))
+    with pytest.raises(PipelineRunError, match="pid 1 on elsewhere .* delete .*\\.lock"):
+        lock.acquire()
+    (tmp_path / ".lock").unlink()
+    assert lock.acquire() is None and lock.held
+    with pytest.raises(PipelineRunError, match="in use"):
+        RunLock(tmp_path).acquire()  # the same process, a second run: refused too
+    lock.release()
+    assert not (tmp_path / ".lock").exists()
+
+
+def _mount_small_disk(path: Path, size: str) -> bool:
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)])
+    return done.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(gpt2_pipe, tmp_path):
+    """--checkpoint-dir on a tiny file system: the first checkpoint fits, the second fills the
+    disk part-way. The run stops saying so, the first checkpoint stays latest and loads, no
+    partial directory and no lock are left."""
+    disk = tmp_path / "disk"
+    if not _mount_small_disk(disk, "1200k"):
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        ckpt = disk / "ckpt"
+        result = run(
+            gpt2_pipe, *STEPS, "--steps", "4", "--checkpoint-dir", str(ckpt),
+            "--checkpoint-every", "1", "--keep-checkpoints", "0",
+        )  # fmt: skip
+        message = error_of(result, gpt2_pipe)
+        assert "the checkpoint of step 2 could not be written" in message
+        assert "is full" in message and "step-00000001 is still the latest" in message
+        assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000001"]
+        state, manifest = train_state.merge_checkpoint(ckpt)
+        assert manifest["step"] == 1
+        load_example(spec("gpt2")).model.load_state_dict(state)
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+def test_injected_write_error_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch, single_process_group
+):
+    """The same fault injected in-process (a write error after one file), where no tmpfs can be
+    mounted: the error names the step and the kept checkpoint; the next save works."""
+    out = tmp_path / "pipe"
+    compile_model("mlp", out, 2)
+    package = load_pipeline(out)
+    stages, optimizers, schedulers = training_state(package, 2)
+    root = tmp_path / "ckpt"
+    checkpoints = train_state.TrainingCheckpoints(root, package.PIPELINE, ONE_PROCESS, keep=3)
+    checkpoints.save(1, stages, optimizers, schedulers)
+    written = []
+
+    def fail_after_one_file(obj, path):
+        if written:
+            raise RuntimeError("[enforce fail at inline_container.cc] . basic_ios::clear")
+        written.append(path)
+        torch.save(obj, path)
+
+    monkeypatch.setattr(train_state, "_save", fail_after_one_file)
+    with pytest.raises(PipelineRunError, match="step 2 could not be written .*basic_ios") as caught:
+        checkpoints.save(2, stages, optimizers, schedulers)
+    assert "step-00000001 is still the latest checkpoint" in str(caught.value)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001"]
+    monkeypatch.undo()
+    assert checkpoints.save(2, stages, optimizers, schedulers) == root / "step-00000002"
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_are_named_with_the_intact_one(gpt2_pipe, tmp_path):
+    """A truncated stage file in the latest checkpoint: --resume, merge and --load refuse it
+    naming the file; --resume-from the previous intact checkpoint continues."""
+    ckpt = tmp_path / "ckpt"
+    first = run(
+        gpt2_pipe, *STEPS, "--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    stage = ckpt / "step-00000004" / "stage1.pt"
+    stage.write_bytes(stage.read_bytes()[:1000])
+
+    message = error_of(
+        run(gpt2_pipe, *STEPS, "--steps", "6", "--checkpoint-dir", str(ckpt), "--resume"),
+        gpt2_pipe,
+    )
+    assert "step-00000004 is damaged (stage1.pt has 1000 bytes" in message
+    assert "--resume-from step-00000002" in message
+    assert autopipe_main(["merge", str(ckpt), "-o", str(tmp_path / "m.pt")]) == 1
+    assert not (tmp_path / "m.pt").exists()
+    message = error_of(run(gpt2_pipe, *STEPS, "--steps", "1", "--load", str(stage)), gpt2_pipe)
+    assert f"--load: {stage} is not a readable torch.save checkpoint" in message
+
+    log = tmp_path / "log.jsonl"
+    again = run(
+        gpt2_pipe, *STEPS, "--steps", "6", "--checkpoint-dir", str(ckpt),
+        "--resume-from", "step-00000002", "--log-json", str(log),
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and [s for s, _ in losses(log)] == [2, 3, 4, 5]
+    assert train_state.merge_checkpoint(ckpt)[1]["step"] == 6
+
+
+def test_damaged_weight_files_are_named(tmp_path):
+    state = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    torch.save(state, tmp_path / "full.pt")
+    save_safetensors(state, tmp_path / "full.safetensors")
+    for name in ("full.pt", "full.safetensors"):
+        data = (tmp_path / name).read_bytes()
+        (tmp_path / f"cut-{name}").write_bytes(data[: len(data) // 2])
+        (tmp_path / f"empty-{name}").write_bytes(b"")
+        for broken in (f"cut-{name}", f"empty-{name}"):
+            with pytest.raises(CheckpointError, match=f"{broken}.*(truncated|not a safetensors)"):
+                Checkpoint(tmp_path / broken)["w"]
+    shards = tmp_path / "hf"
+    shards.mkdir()
+    (shards / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "../full.safetensors"}})
+    )
+    with pytest.raises(CheckpointError, match="not a file of .* shards must lie beside the index"):
+        Checkpoint(shards)
+
+
+def test_merge_never_overwrites(tmp_path, single_process_group):
+    """merge refuses -o inside a checkpoint's step directories and an existing file without
+    --force; the checkpoint stays byte-identical."""
+    compile_model("mlp", tmp_path / "pipe", 2)
+    package = load_pipeline(tmp_path / "pipe")
+    root = tmp_path / "ckpt"
+    stages, optimizers, schedulers = training_state(package, 2)
+    step = train_state.TrainingCheckpoints(root, package.PIPELINE, ONE_PROCESS, keep=0).save(
+        1, stages, optimizers, schedulers
+    )
+    before = {p: p.read_bytes() for p in step.iterdir()}
+    assert autopipe_main(["merge", str(root), "-o", str(step / "stage0.pt")]) == 1
+    assert autopipe_main(["merge", str(step), "-o", str(root / "latest")]) == 1
+    assert autopipe_main(["merge", str(root)]) == 0  # default: ckpt/merged.pt
+    assert autopipe_main(["merge", str(root)]) == 1
+    assert autopipe_main(["merge", str(root), "--force"]) == 0
+    assert {p: p.read_bytes() for p in step.iterdir()} == before
+
+
+@pytest.mark.slow
+def test_a_large_schedule_says_what_it_is_doing(gpt2_pipe):
+    result = run(gpt2_pipe, "--steps", "0", "--microbatches", "4096")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "building the 1f1b schedule of 4096 microbatches" in result.stdout
