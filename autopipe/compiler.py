@@ -178,6 +178,11 @@ def compile_example(
     with phases.phase("trace") as details:
         graph = trace_step(example, options, source, loss)
         details.append(f"{len(graph.calls)} operators in {len(graph.units)} units")
+    if graph.unused_inputs:
+        phases.note(
+            f"the model does not read its input(s) {', '.join(graph.unused_inputs)}: train.py "
+            "accepts them in --data batches and drops them"
+        )
     with phases.phase("profile") as details:
         prof = profile_step(graph, options, example)
         details.append(f"{prof.mode} profile for {prof.device.name}")

@@ -12,6 +12,7 @@ from the file ``autopipe trace`` wrote.
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from collections.abc import Iterable, Iterator
 
 import networkx as nx
 import torch
+from torch import fx
 
 from .artifacts import artifact_text, atomic_write_text, check_replaceable, read_artifact
 from .checks import (
@@ -34,9 +36,13 @@ from .checks import (
 from .errors import ArtifactError
 
 GRAPH_KIND = "graph"
+#: the target of a call of a custom autograd function (see autopipe/functions.py)
+FUNCTION_TARGET = "autopipe.function.default"
 
 NodeKind = str  # "input" | "param" | "buffer" | "constant" | "call" | "output"
 PLACEHOLDER_KINDS = ("input", "param", "buffer", "constant")
+#: The target of a ``torch.cond`` node; its branches are graphs in its arguments (control_flow.py)
+COND = "higher_order.cond"
 
 
 @dataclass(frozen=True)
@@ -212,6 +218,7 @@ class Graph:
         model: dict[str, Any],
         units: list[Unit] | None = None,
         loss: Graph | None = None,
+        functions: dict[str, Any] | None = None,
     ):
         self.dag = nx.DiGraph()
         for node in nodes:
@@ -233,6 +240,8 @@ class Graph:
         self.units = units or []
         #: the traced user loss function (output leaves and target -> scalar), if one was given
         self.loss = loss
+        #: custom autograd functions the graph calls, by name (:class:`autopipe.functions.FunctionDef`)
+        self.functions = functions if functions is not None else {}
         self._json_text: str | None = None
 
     # -- access -------------------------------------------------------------------------------
@@ -268,6 +277,15 @@ class Graph:
         meta = self[name].meta
         return meta.nbytes if isinstance(meta, TensorMeta) else 0
 
+    @property
+    def unused_inputs(self) -> list[str]:
+        """Model inputs no operator reads (an optional mask the model ignores)."""
+        return [
+            name
+            for name in self.inputs
+            if self.dag.out_degree(name) == 0 and name not in self.outputs
+        ]
+
     # -- invariants ---------------------------------------------------------------------------
     def lint(self, where: str = "") -> None:
         """Check the invariants the later steps rely on, in one pass, as ``torch.fx``'s
@@ -293,6 +311,10 @@ class Graph:
         for name, value in self.constants.items():
             require(is_value_name(name), f"{where}constants", name, _IDENTIFIER)
             _lint_tensor(value, f"{where}constants[{name!r}]")
+        if self.functions:
+            from .functions import lint_functions
+
+            lint_functions(self, where)
         seen: set[str] = set()
         for position, node in enumerate(self.nodes):
             _lint_node(self, node, seen, f"{where}nodes[{position}] ({node.name!r})")
@@ -379,6 +401,11 @@ class Graph:
             "scopes": [[[s.key, s.fqn, s.cls] for s in scope] for scope in scopes],
             "units": [{"label": u.label, "nodes": u.nodes} for u in self.units],
             "nodes": nodes,
+            **(
+                {"functions": [f.to_json() for f in self.functions.values()]}
+                if self.functions
+                else {}
+            ),
             **({"loss": self.loss.to_json()} if self.loss is not None else {}),
         }
 
@@ -438,6 +465,19 @@ class Graph:
         units = [
             Unit(i, u["label"], u["nodes"]) for i, u in enumerate(_list(data["units"], "units"))
         ]
+        functions = {}
+        if "functions" in data:
+            from .functions import FunctionDef
+
+            for i, record in enumerate(_list(data["functions"], "functions")):
+                function = FunctionDef.from_json(record, f"{where}functions[{i}]")
+                require(
+                    function.name not in functions,
+                    f"{where}functions[{i}].name",
+                    function.name,
+                    "the name of one function",
+                )
+                functions[function.name] = function
         graph = cls(
             nodes,
             inputs=data["inputs"],
@@ -449,6 +489,7 @@ class Graph:
             model=data["model"],
             units=units,
             loss=cls._from_json(data["loss"], "loss.") if "loss" in data else None,
+            functions=functions,
         )
         graph.lint(where)
         return graph
@@ -543,7 +584,23 @@ def encode(value: Any) -> Any:
         return {"layout": _LAYOUTS[value]}
     if isinstance(value, torch.memory_format):
         return {"memory_format": _MEMORY_FORMATS[value]}
+    if isinstance(value, Graph):  # a branch of torch.cond
+        return {"graph": value.to_json()}
     raise UnsupportedValue(f"{type(value).__name__} value {value!r}")
+
+
+def encode_args(value: Any, names: dict) -> Any:
+    """FX arguments -> IR arguments (:class:`Ref` for nodes), checked to be JSON-encodable."""
+    if isinstance(value, fx.Node):
+        return names[value]
+    if isinstance(value, (list, tuple)):
+        return [encode_args(v, names) for v in value]
+    if isinstance(value, dict):
+        return {k: encode_args(v, names) for k, v in value.items()}
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise UnsupportedValue(f"symbolic value {value} (dynamic shapes are not supported)")
+    encode(value)  # raises UnsupportedValue for anything the IR cannot hold
+    return value
 
 
 def decode(value: Any) -> Any:
@@ -572,6 +629,8 @@ def decode(value: Any) -> Any:
         return {v: k for k, v in _LAYOUTS.items()}[payload]
     if tag == "memory_format":
         return {v: k for k, v in _MEMORY_FORMATS.items()}[payload]
+    if tag == "graph":  # a branch of torch.cond, checked as a graph of its own
+        return Graph._from_json(payload, "branch.")
     raise ArtifactError(f"unknown encoded value {value!r}")
 
 
@@ -672,6 +731,25 @@ def _lint_model(model: Any, where: str) -> None:
         blocks,
         "a list of class names",
     )
+    operators = model.get("operators", {})
+    require(
+        isinstance(operators, dict)
+        and all(
+            is_text(name) and name.count("::") == 1 and is_fqn(module)
+            for name, module in operators.items()
+        ),
+        f"{where}model.operators",
+        operators,
+        "an object of module names by operator (namespace::name)",
+    )
+    for name, module in sorted(operators.items()):  # registers them, for the checks below
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ArtifactError(
+                f"the graph calls the operator {name}, registered by the module {module}, which "
+                f"cannot be imported here ({exc}); install the package that provides it"
+            ) from None
 
 
 def _lint_state(info: ParamInfo | BufferInfo, field: str) -> None:
@@ -772,6 +850,11 @@ def _lint_call(graph: Graph, node: Node, field: str) -> None:
         node.unit,
         f"a unit index below {len(graph.units)}",
     )
+    if node.target == FUNCTION_TARGET:
+        from .functions import lint_call
+
+        lint_call(graph, node, field)
+        return
     if node.target == "getitem":
         source, index = node.args if len(node.args) == 2 else (None, None)
         require(
@@ -784,6 +867,11 @@ def _lint_call(graph: Graph, node: Node, field: str) -> None:
             list(node.args),
             "[an operator with several outputs, the index of one]",
         )
+        return
+    if node.target == COND:
+        from .control_flow import lint_cond
+
+        lint_cond(graph, node, field)
         return
     op = op_overload(node.target)
     require(

@@ -12,8 +12,9 @@ from typing import Any
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
+from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
-from .graph import Graph, Node, map_refs
+from .graph import COND, FUNCTION_TARGET, Graph, Node, map_refs
 
 _OPS: dict[str, Callable] = {"getitem": operator.getitem}
 
@@ -21,11 +22,28 @@ _OPS: dict[str, Callable] = {"getitem": operator.getitem}
 def resolve_target(target: str) -> Callable:
     """The callable an operator name denotes: ``"aten.addmm.default"`` -> ``torch.ops.aten.addmm.default``."""
     fn = _OPS.get(target)
+    if fn is None and target == COND:  # run by run_node; resolved for its schema
+        from .control_flow import SCHEMA
+
+        fn = _OPS[target] = _Cond(SCHEMA)
+    if fn is None and target == FUNCTION_TARGET:
+        from . import functions  # noqa: F401 - registers the operator (for its schema)
     if fn is None:
         namespace, name, overload = target.split(".")
         fn = getattr(getattr(getattr(torch.ops, namespace), name), overload)
         _OPS[target] = fn
     return fn
+
+
+class _Cond:
+    """``torch.ops.higher_order.cond`` as :func:`resolve_target` gives it: its schema says it
+    writes and aliases none of its arguments; :func:`run_node` runs cond nodes itself."""
+
+    def __init__(self, schema: torch._C.FunctionSchema):
+        self._schema = schema
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a cond node runs through autopipe.interpreter.run_node")
 
 
 def replace_devices(value: Any, device: torch.device) -> Any:
@@ -53,21 +71,46 @@ def node_context(context: tuple, device: torch.device) -> contextlib.AbstractCon
     return stack
 
 
-def run_node(node: Node, env: Mapping[str, Any], device: torch.device) -> Any:
-    """Execute one call node with its inputs taken from ``env``."""
+def run_node(
+    node: Node, env: Mapping[str, Any], device: torch.device, functions: Mapping | None = None
+) -> Any:
+    """Execute one call node with its inputs taken from ``env``; ``functions`` are the custom
+    autograd functions of its graph (``Graph.functions``)."""
+    if node.target == COND:
+        from .control_flow import run_cond
+
+        return run_cond(node, env, device)
     fn = resolve_target(node.target)
     args = replace_devices(map_refs(node.args, lambda r: env[r.name]), device)
     kwargs = replace_devices(map_refs(node.kwargs, lambda r: env[r.name]), device)
-    if node.context:
-        with node_context(node.context, device):
-            return fn(*args, **kwargs)
-    return fn(*args, **kwargs)
+    if node.target == FUNCTION_TARGET:  # its traced forward, and backward for autograd
+        from .functions import call_function
+
+        name, inputs = args
+        fn, args = call_function, ((functions or {})[name], inputs, device)
+    try:
+        if node.context:
+            with node_context(node.context, device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    except DynamicOutputShapeException:
+        # on fake tensors, an operator whose output size depends on values (nonzero) has the
+        # size the graph was specialised to at trace time
+        meta = node.tensor_meta
+        if meta is None:
+            raise
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=device)
 
 
-def run_nodes(nodes: Iterable[Node], env: dict[str, Any], device: torch.device) -> dict[str, Any]:
+def run_nodes(
+    nodes: Iterable[Node],
+    env: dict[str, Any],
+    device: torch.device,
+    functions: Mapping | None = None,
+) -> dict[str, Any]:
     """Execute call nodes in order, adding their values to ``env``."""
     for node in nodes:
-        env[node.name] = run_node(node, env, device)
+        env[node.name] = run_node(node, env, device, functions)
     return env
 
 

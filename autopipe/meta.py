@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils import _pytree as pytree
 
 
 @contextlib.contextmanager
@@ -39,16 +42,32 @@ def empty_weights() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def buffers_on_meta(model: nn.Module) -> Iterator[None]:
-    """Temporarily move a model's real buffers to meta (to trace it beside meta parameters)."""
-    moved: list[tuple[nn.Module, str, torch.Tensor]] = []
+def state_as_fake(model: nn.Module, device: torch.device) -> Iterator[Callable[[Any], Any]]:
+    """Temporarily replace a model's parameters and buffers (meta or real) by fake tensors on
+    ``device``, to trace a model built without weights as if it lived there: code that branches
+    on ``tensor.device`` takes the branch the pipeline will run. Yields the function that turns
+    the example's tensors (a pytree) into fake tensors of the same mode."""
+    mode = FakeTensorMode()
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_meta:
+            return FakeTensor(mode, tensor, device)
+        return mode.from_tensor(tensor)
+
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
     for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                swapped.append((module._parameters, name, param))
+                module._parameters[name] = nn.Parameter(
+                    fake(param.detach()), requires_grad=param.requires_grad
+                )
         for name, buffer in list(module._buffers.items()):
-            if buffer is not None and not buffer.is_meta:
-                moved.append((module, name, buffer))
-                module._buffers[name] = buffer.to("meta")
+            if buffer is not None:
+                swapped.append((module._buffers, name, buffer))
+                module._buffers[name] = fake(buffer)
     try:
-        yield
+        yield lambda tree: pytree.tree_map_only(torch.Tensor, fake, tree)
     finally:
-        for module, name, buffer in moved:
-            module._buffers[name] = buffer
+        for table, name, tensor in swapped:
+            table[name] = tensor

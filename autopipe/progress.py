@@ -39,6 +39,11 @@ class Phases:
                 line += "  " + "; ".join(details)
             self.console.print(line, markup=False)
 
+    def note(self, message: str) -> None:
+        """A message shown unless QUIET: something the user should know about the result."""
+        if self.level > QUIET:
+            self.console.print(message, markup=False)
+
     def __call__(self, message: str) -> None:
         """A message shown at VERBOSE level."""
         if self.level >= VERBOSE:

@@ -27,7 +27,8 @@ def _repo_root(monkeypatch):
 
 
 def spec(name: str) -> str:
-    return f"{MODELS}:{name}"
+    """A model of tests/models.py by name, or any spec ``FILE.py:FN`` as it is."""
+    return name if ":" in name else f"{MODELS}:{name}"
 
 
 def compile_model(name: str, out: Path, stages: int, **options):

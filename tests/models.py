@@ -184,6 +184,43 @@ def cnn_batch(step: int, microbatches: int = 4):
     return (x,), {}, torch.randint(0, 5, (BATCH * microbatches,), generator=g)
 
 
+def gpt2_labels_are_ids():
+    """GPT-2 with the causal-LM tutorial idiom: the example passes one tensor object as both
+    input_ids and labels."""
+    model, (ids,), _ = gpt2()
+    return model, (ids,), {"labels": ids}
+
+
+def gpt2_batch_other_labels(step: int, microbatches: int = 4):
+    """Labels that are not the input ids: a pipeline that merged the two inputs would differ."""
+    (ids,), _ = gpt2_batch(step, microbatches)
+    g = torch.Generator().manual_seed(5000 + step)
+    return (ids,), {"labels": torch.randint(0, 97, ids.shape, generator=g)}
+
+
+class MaskIgnored(nn.Module):
+    """Takes an optional mask it never reads, as many models do for some configurations."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(16, 16)
+        self.second = nn.Linear(16, 1)
+
+    def forward(self, x, mask=None):
+        return self.second(torch.tanh(self.first(x))).squeeze(-1)
+
+
+def mask_ignored_with_target():
+    torch.manual_seed(0)
+    x = torch.randn(BATCH * 2, 16)
+    return MaskIgnored(), (x, torch.ones(BATCH * 2, 16)), {}, torch.zeros(BATCH * 2)
+
+
+def mask_ignored_batch(step: int, microbatches: int = 4):
+    (x,), _, target = mlp_batch(step, microbatches)
+    return (x, torch.ones_like(x)), {}, target
+
+
 class SkipMLP(nn.Module):
     """An MLP whose early activations are read by much later layers (long skip connections)."""
 
@@ -268,3 +305,92 @@ def branchy():
 
 def not_a_model():
     return "model", (torch.randn(2),)
+
+
+class ChannelsLastNet(nn.Module):
+    """Convolutions in channels-last memory format, as diffusion UNets run them: a stage
+    boundary must hand the next stage its activation in that format, or results change in
+    the last bits."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU())
+            for _ in range(4)
+        )
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        x = x.contiguous(memory_format=torch.channels_last)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.mean((2, 3)))
+
+
+def channels_last():
+    torch.manual_seed(0)
+    return ChannelsLastNet(), (torch.randn(BATCH, 16, 24, 24),)
+
+
+def channels_last_with_target():
+    model, args = channels_last()
+    return model, args, {}, torch.zeros(BATCH, dtype=torch.long)
+
+
+def channels_last_batch(step: int, microbatches: int = 4):
+    g = torch.Generator().manual_seed(6000 + step)
+    x = torch.randn(BATCH * microbatches, 16, 24, 24, generator=g)
+    return (x,), {}, torch.randint(0, 3, (BATCH * microbatches,), generator=g)
+
+
+class MaskedSum(nn.Module):
+    """Sizes computed from tensor values: the rows a mask selects, and a count read with
+    .item() and used to slice. For this model's data both are fixed (3 of 4 rows marked)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        keep = x[:, 0] > 0
+        selected = self.second(h[keep])  # rows: how many marks are positive
+        count = int(keep.sum().item())
+        return (
+            (selected.sum(0) + h[:count].mean(0))
+            .sum(-1, keepdim=True)
+            .expand(x.shape[0], 1)
+            .squeeze(-1)
+        )
+
+
+def _marked(rows: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    x = torch.randn(rows, 8, generator=generator)
+    x[:, 0] = x[:, 0].abs() + 0.1
+    x[3::4, 0] = -x[3::4, 0]  # every fourth row unmarked: 3 of every 4 selected
+    return x
+
+
+def masked_sum():
+    torch.manual_seed(0)
+    return MaskedSum(), (_marked(4),)
+
+
+def masked_sum_with_target():
+    model, args = masked_sum()
+    return model, args, {}, torch.zeros(4)
+
+
+def masked_sum_batch(step: int, microbatches: int = 4):
+    g = torch.Generator().manual_seed(7000 + step)
+    x = _marked(4 * microbatches, g)
+    return (x,), {}, torch.randn(4 * microbatches, generator=g)
+
+
+def masked_sum_batch_unlike_the_example(step: int, microbatches: int = 4):
+    """masked_sum_batch, but step 1 marks every row: more rows than the pipeline was compiled for."""
+    (x,), _, target = masked_sum_batch(step, microbatches)
+    if step == 1:
+        x[:, 0] = x[:, 0].abs() + 0.1
+    return (x,), {}, target

@@ -87,7 +87,7 @@ def run_pipeline(
         "--microbatches",
         str(MICROBATCHES),
         "--data",
-        f"tests/models.py:{data}",
+        data if ":" in data else f"tests/models.py:{data}",
         "--load",
         str(tmp_path / "init.pt"),
         "--save",

@@ -134,3 +134,14 @@ def test_every_method_matches_model(tmp_path, name, method, stages, devices):
     assert len(set(result.partition.device_of_stage)) == devices
     report = verify(tmp_path / "pipe", load_example(spec(name)), rtol=1e-4, atol=1e-5)
     assert report.ok, report.summary()
+
+
+def test_channels_last_activations_keep_their_layout_across_stages(tmp_path):
+    """Convolutions and group norms in channels-last layout, cut into 3 stages: every value
+    crosses a boundary contiguous and the next stage restores the layout, so outputs and
+    gradients are bit-identical to the model (another layout rounds differently)."""
+    compile_model("channels_last", tmp_path / "pipe", 3)
+    stage = (tmp_path / "pipe" / "stage1.py").read_text()
+    assert "memory_format=torch.channels_last" in stage
+    report = verify(tmp_path / "pipe", load_example(spec("channels_last")), rtol=0, atol=0)
+    assert report.ok, report.summary()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -23,6 +24,7 @@ from autopipe.errors import (
 from autopipe.graph import Graph
 from autopipe.profiling.profile import Profile
 from autopipe.spec import load_example
+from autopipe.verify import verify
 
 from conftest import compile_model, spec
 
@@ -77,6 +79,7 @@ def test_data_dependent_control_flow_names_user_line(tmp_path):
     assert "data-dependent control flow" in message
     assert "tests/models.py:" in message and "if h.sum() > 0:" in message
     assert "torch.where" in message and "fixed (non-tensor) input" in message
+    assert "torch.cond(pred, true_fn, false_fn, (operands,))" in message
     line = next(i for i, text in enumerate(open("tests/models.py"), 1) if "if h.sum() > 0:" in text)
     assert f"models.py:{line}" in message
 
@@ -236,18 +239,22 @@ def test_hand_edited_package_is_reported(tmp_path, capsys):
 
 
 def test_custom_autograd_function_refused(tmp_path):
-    """torch.export keeps only a custom Function's forward; compiling it would silently change
-    the gradients, so it is refused, naming the function and the user's line."""
+    """A custom Function runs its own forward and backward in the pipeline, traced into torch
+    operators (tests/test_functions.py); one whose backward cannot be traced (a Python branch
+    on tensor values here) is refused, naming the function, the user's line and the reason,
+    rather than trained with another gradient."""
     module = tmp_path / "custom_fn.py"
     module.write_text(
         "import torch\n"
         "class Triple(torch.autograd.Function):\n"
         "    @staticmethod\n"
         "    def forward(ctx, x):\n"
+        "        ctx.save_for_backward(x)\n"
         "        return x * 2\n"
         "    @staticmethod\n"
         "    def backward(ctx, grad):\n"
-        "        return grad * 3\n"
+        "        (x,) = ctx.saved_tensors\n"
+        "        return grad * 3 if x.sum() > 0 else grad\n"
         "class M(torch.nn.Module):\n"
         "    def __init__(self):\n"
         "        super().__init__()\n"
@@ -257,13 +264,19 @@ def test_custom_autograd_function_refused(tmp_path):
         "def build():\n"
         "    return M(), (torch.randn(2, 4),)\n"
     )
-    with pytest.raises(TraceError, match=r"custom autograd function Triple at .*custom_fn.py:14"):
+    with pytest.raises(TraceError) as caught:
         compile_spec(f"{module}:build", tmp_path / "out", CompileOptions(stages=2))
+    message = str(caught.value)
+    assert re.search(r"custom autograd function Triple at .*custom_fn.py:16", message), message
+    assert "cannot reproduce its backward" in message, message
+    assert re.search(r"depends on tensor values .*custom_fn.py:10", message), message
     assert not (tmp_path / "out").exists()
     assert torch.autograd.Function.apply.__func__.__module__ == "torch.autograd.function"
 
 
-def test_torch_cond_is_refused_clearly(tmp_path):
+def test_torch_cond_compiles(tmp_path):
+    """torch.cond, which the data-dependent control flow error recommends, compiles: the pipeline
+    matches the model on inputs taking either branch (tests/test_control_flow.py has more)."""
     module = tmp_path / "cond_model.py"
     module.write_text(
         "import torch\n"
@@ -275,9 +288,20 @@ def test_torch_cond_is_refused_clearly(tmp_path):
         "        h = self.a(x)\n"
         "        h = torch.cond(h.sum() > 0, lambda t: t * 2, lambda t: t - 1, (h,))\n"
         "        return self.b(h).sum()\n"
-        "def build():\n"
-        "    return M(), (torch.randn(2, 4),)\n"
+        "def build(scale=100.0):\n"
+        "    torch.manual_seed(0)\n"
+        "    return M(), (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)) * scale,)\n"
+        "def other():\n"
+        "    return build(-100.0)\n"
     )
-    with pytest.raises(TraceError, match="higher-order operator cond"):
-        compile_spec(f"{module}:build", tmp_path / "out", CompileOptions(stages=2))
-    assert not (tmp_path / "out").exists()
+    out = tmp_path / "out"
+    compile_spec(f"{module}:build", out, CompileOptions(stages=2))
+    source = (out / "stage0.py").read_text() + (out / "stage1.py").read_text()
+    assert "torch.cond(" in source and "# true branch of torch.cond at cond_model.py:8" in source
+    taken = set()
+    for name in ("build", "other"):
+        example = load_example(f"{module}:{name}")
+        taken.add(bool(example.model.a(*example.args).sum() > 0))
+        report = verify(out, example)
+        assert report.ok, report.summary()
+    assert taken == {True, False}

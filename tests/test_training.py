@@ -169,3 +169,23 @@ def test_long_skips_with_metis(tmp_path):
         load_example(spec("mlp_with_target")), models.mlp_batch, STEPS, "sgd", 0.1, models.mse
     )
     assert_same_training(pipe, ref)
+
+
+@pytest.mark.slow
+def test_channels_last_layout_trains_like_pytorch(tmp_path):
+    pipe = run_pipeline(
+        tmp_path,
+        "channels_last_with_target",
+        3,
+        "channels_last_batch",
+        loss="tests/models.py:cross_entropy",
+    )
+    ref = reference_training(
+        load_example(spec("channels_last_with_target")),
+        models.channels_last_batch,
+        STEPS,
+        "adamw",
+        1e-3,
+        models.cross_entropy,
+    )
+    assert_same_training(pipe, ref)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import black
 import torch
 
-from ..graph import Graph, Node, Ref, decode_tensor, dtype_name
+from ..graph import COND, FUNCTION_TARGET, Graph, Node, Ref, decode_tensor, dtype_name
 
 BLACK_MODE = black.Mode(line_length=100)
 
@@ -47,7 +47,11 @@ def literal(value: Any, ref: Callable[[Ref], str]) -> str:
 
 def operator_call(node: Node, ref: Callable[[Ref], str]) -> tuple[str, list[str]]:
     """The callable and the argument sources of one call node: ``("aten.addmm.default",
-    ["bias", "x", "weight"])``; a ``getitem`` is ``("x[0]", [])``."""
+    ["bias", "x", "weight"])``; a ``getitem`` is ``("x[0]", [])``; a custom autograd function
+    is ``("GeLUFunction.apply", ["x"])`` (its class: autopipe/codegen/functions.py)."""
+    if node.target == FUNCTION_TARGET:
+        name, inputs = node.args
+        return f"{name}.apply", [ref(r) for r in inputs]
     if node.target == "getitem":
         source, index = node.args
         return f"{ref(source)}[{index}]", []
@@ -175,8 +179,13 @@ def forward_body(
         if node_label != label:
             lines.append(f"{indent}# {node_label}")
             label = node_label
-        fn, args = operator_call(node, ref)
-        call_args = args if node.target != "getitem" else None
-        statement = assignment(node.name, fn, call_args, base + len(indent))
+        if node.target == COND:  # torch.cond(pred, branch functions, operands)
+            from .control_flow import cond_statement
+
+            statement = cond_statement(graph, node, ref, base + len(indent))
+        else:
+            fn, args = operator_call(node, ref)
+            call_args = args if node.target != "getitem" else None
+            statement = assignment(node.name, fn, call_args, base + len(indent))
         lines.extend(indent + line for line in statement)
     return lines

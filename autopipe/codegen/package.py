@@ -14,12 +14,15 @@ from typing import Any
 
 import black
 import jinja2
+import torch
 
 from ..artifacts import ARTIFACT_VERSION, dumps, write_error
 from ..errors import ArtifactError, OutputExistsError
 from ..graph import Graph, ParamInfo, Ref, dtype_name
 from ..partitioning import Partition, default_schedule
 from . import emit
+from .control_flow import branch_functions
+from .functions import function_classes
 from .plan import StagePlan, plan_stages
 
 TEMPLATES = Path(str(importlib.resources.files("autopipe.templates")))
@@ -96,14 +99,21 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
     sources: dict[str, str] = {}
     for plan in plans:
         context = _stage_context(graph, plan, model_class)
+        context["functions"] = [*function_classes(graph, plan.nodes), *context["functions"]]
         bodies[f"stage{plan.index}.py"] = context.pop("body")
         sources[f"stage{plan.index}.py"] = render(
             "stage.py.j2", **common, **context, body=[BODY_MARKER]
         )
-    sources["__init__.py"] = render("__init__.py.j2", **common)
+    sources["__init__.py"] = render(
+        "__init__.py.j2", **common, modules=sorted(set(graph.model.get("operators", {}).values()))
+    )
     sources["train.py"] = render("train.py.j2", **common)
     if graph.loss is not None:
         context = _loss_context(graph.loss, model_class)
+        context["functions"] = [
+            *function_classes(graph.loss, graph.loss.calls),
+            *context.get("functions", []),
+        ]
         bodies["loss.py"] = context.pop("body")
         sources["loss.py"] = render("loss.py.j2", **common, **context, body=[BODY_MARKER])
     files = black_format(sources)
@@ -163,8 +173,36 @@ def _stage_context(graph: Graph, plan: StagePlan, model_class: str) -> dict[str,
         "buffers": _buffer_rows(graph, plan),
         "body": body,
         "returns": [f"{n}.contiguous()" if n in produced else n for n in plan.outputs],
+        "operators": _operators(graph, plan.nodes),
+        "functions": branch_functions(graph, plan.nodes, model_class),  # of torch.cond
+        "formats": _memory_formats(graph, plan.inputs),
         "uses_device": emit.uses_device(plan.nodes) or bool(constant_lines),
     }
+
+
+def _memory_formats(graph: Graph, names: list[str]) -> dict[str, str]:
+    """Stage inputs the model held in a channels-last layout -> that memory format. Values
+    cross a stage boundary contiguous; the receiving stage restores the model's layout, since
+    kernels (convolutions, normalisations) round differently in another one."""
+    formats = {}
+    for name in names:
+        meta = graph[name].tensor_meta
+        if meta is None or len(meta.shape) not in (4, 5):
+            continue
+        dense = torch.empty(meta.shape, device="meta")
+        if tuple(meta.stride) == dense.stride():
+            continue
+        fmt = "channels_last" if len(meta.shape) == 4 else "channels_last_3d"
+        if tuple(meta.stride) == dense.contiguous(memory_format=getattr(torch, fmt)).stride():
+            formats[name] = fmt
+    return formats
+
+
+def _operators(graph: Graph, nodes: list) -> dict[str, str]:
+    """Operators from outside torch the nodes call ("ns::name") -> the module registering them."""
+    providers = graph.model.get("operators", {})
+    used = {n.target.rsplit(".", 1)[0].replace(".", "::") for n in nodes if n.kind == "call"}
+    return {name: providers[name] for name in sorted(used) if name in providers}
 
 
 def _parameter_rows(graph: Graph, plan: StagePlan) -> list[dict[str, Any]]:

@@ -17,11 +17,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..control_flow import worst_branch
 from ..graph import Graph
 from ..interpreter import empty_placeholder
 from .devices import DeviceSpec
 from .profile import Profile, UnitCost, graph_digest
-from ..tracing.units import signature, unit_workloads
+from ..tracing.units import UnitWorkload, signature, unit_workloads
 from .workload import output_bytes, parameter_bytes, run_forward_backward
 
 #: Operators that read only the rows they gather, not their whole (table) input.
@@ -83,30 +84,34 @@ def profile_analytic(graph: Graph, spec: DeviceSpec) -> Profile:
             if key in known:
                 costs.append(known[key])
                 continue
-            forward: list[RooflineMode] = []
-            backward: list[RooflineMode] = []
-            saved = run_forward_backward(
-                graph,
-                work,
-                lambda name: empty_placeholder(graph, graph[name], device),
-                device,
-                partial(_counting, spec, forward),
-                partial(_counting, spec, backward),
-            )
-            fwd = forward[0]
-            bwd = backward[0] if backward else None
-            costs.append(
-                UnitCost(
-                    forward=fwd.time,
-                    backward=bwd.time if bwd else 0.0,
-                    flops_forward=fwd.flops,
-                    flops_backward=bwd.flops if bwd else 0.0,
-                    bytes_forward=fwd.bytes,
-                    bytes_backward=bwd.bytes if bwd else 0,
-                    activations=saved,
-                    outputs=output_bytes(graph, work),
-                    parameters=parameter_bytes(graph, work),
-                )
-            )
+            # a unit holding torch.cond costs as much as its more expensive branch
+            costs.append(worst_branch(work.nodes, partial(_unit_cost, graph, work, spec, device)))
             known[key] = costs[-1]
     return Profile("analytic", spec, costs, graph_digest(graph))
+
+
+def _unit_cost(graph: Graph, work: UnitWorkload, spec: DeviceSpec, device) -> UnitCost:
+    """One unit run forward and backward on fake tensors under the roofline."""
+    forward: list[RooflineMode] = []
+    backward: list[RooflineMode] = []
+    saved = run_forward_backward(
+        graph,
+        work,
+        lambda name: empty_placeholder(graph, graph[name], device),
+        device,
+        partial(_counting, spec, forward),
+        partial(_counting, spec, backward),
+    )
+    fwd = forward[0]
+    bwd = backward[0] if backward else None
+    return UnitCost(
+        forward=fwd.time,
+        backward=bwd.time if bwd else 0.0,
+        flops_forward=fwd.flops,
+        flops_backward=bwd.flops if bwd else 0.0,
+        bytes_forward=fwd.bytes,
+        bytes_backward=bwd.bytes if bwd else 0,
+        activations=saved,
+        outputs=output_bytes(graph, work),
+        parameters=parameter_bytes(graph, work),
+    )

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..control_flow import worst_branch
 from ..graph import Graph, decode_tensor
 from ..interpreter import run_nodes
 from ..spec import Example
@@ -42,27 +43,34 @@ def profile_measured(
     device = device or local_device()
     values = _example_values(graph, example, device)
     with torch.no_grad():
-        run_nodes(graph.calls, values, device)
+        run_nodes(graph.calls, values, device, graph.functions)
     costs = []
     for work in unit_workloads(graph):
-        forward = _median_time(
-            partial(_run, graph, work, values, device, "forward"), warmup, repeats
-        )
-        backward = _median_time(
-            partial(_run, graph, work, values, device, "backward"), warmup, repeats
-        )
-        saved = _run(graph, work, values, device, timed=None)
-        costs.append(
-            UnitCost(
-                forward,
-                backward,
-                activations=saved,
-                outputs=output_bytes(graph, work),
-                parameters=parameter_bytes(graph, work),
-            )
-        )
+        # a unit holding torch.cond costs as much as its more expensive branch (run inline)
+        measure = partial(_measure, graph, work, values, device, warmup, repeats)
+        costs.append(worst_branch(work.nodes, measure))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return Profile("measured", spec, costs, graph_digest(graph), measured_on=name)
+
+
+def _measure(
+    graph: Graph,
+    work: UnitWorkload,
+    values: dict[str, Any],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> UnitCost:
+    forward = _median_time(partial(_run, graph, work, values, device, "forward"), warmup, repeats)
+    backward = _median_time(partial(_run, graph, work, values, device, "backward"), warmup, repeats)
+    saved = _run(graph, work, values, device, timed=None)
+    return UnitCost(
+        forward,
+        backward,
+        activations=saved,
+        outputs=output_bytes(graph, work),
+        parameters=parameter_bytes(graph, work),
+    )
 
 
 class _Timer:

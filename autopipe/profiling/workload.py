@@ -48,7 +48,7 @@ def run_forward_backward(
         return tensor
 
     with forward_mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run_nodes(work.nodes, env, device)
+        run_nodes(work.nodes, env, device, graph.functions)
     outputs = [
         env[n] for n in work.outputs if isinstance(env[n], torch.Tensor) and env[n].requires_grad
     ]

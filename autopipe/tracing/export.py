@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
+import logging
+import math
 import os
 import re
 import sys
@@ -13,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch._functorch.config as fconfig
 from torch import fx
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from torch.utils import _pytree as pytree
@@ -28,12 +32,16 @@ from ..graph import (
     Scope,
     TensorMeta,
     UnsupportedValue,
-    encode,
+    encode_args,
     encode_tensor,
 )
 from ..interpreter import resolve_target
-from ..meta import buffers_on_meta
+from ..meta import state_as_fake
+from ..runtime.support import SPECIALISED_SIZE
 from ..spec import Example
+from .functions import custom_functions_captured, refuse_lost_backwards
+from .operators import operator_provider
+from .control_flow import cond_grad_mode_checked
 from .units import group_units, replay
 
 #: Operators dropped from the graph: they only check metadata recorded at trace time (and would
@@ -45,6 +53,10 @@ _DROPPED_OPS = {
     "aten.sym_constrain_range_for_size.default",
     "aten.sym_constrain_range.default",
 }
+#: Operators that read a number from a tensor's value (``.item()``).
+_READS_A_NUMBER = {"aten.item.default", "aten._local_scalar_dense.default"}
+#: Operators that only check a value at run time (emitted for specialised sizes); kept.
+_RUNTIME_CHECKS = {"aten._assert_async.msg"}
 #: Constants larger than this are not embedded in the graph (they would bloat the generated code).
 _MAX_CONSTANT_ELEMENTS = 1 << 16
 
@@ -65,16 +77,19 @@ def trace(
     on_meta = any(t.is_meta for t in _state_tensors(model))
     input_ranges = _integer_input_ranges(example)
     buffers = _buffer_table(model)  # before tracing: buffers may move to meta for it
-    args, kwargs = example.args, example.kwargs
-    if on_meta:  # weights are not needed to trace; keep every tensor on one device
-        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    args, kwargs = _unaliased(example.args, example.kwargs)
     was_training = model.training
     model.train()
     try:
+        # weights are not needed to trace: a model built on meta is traced with fake tensors on
+        # the CPU, so that its device-dependent code takes the branch a CPU (or GPU) run takes
         with (
-            buffers_on_meta(model) if on_meta else contextlib.nullcontext()
-        ), custom_functions_refused(), partial_graph_held_back():
-            exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+            state_as_fake(model, torch.device("cpu")) if on_meta else contextlib.nullcontext()
+        ) as fake, custom_functions_captured() as functions, partial_graph_held_back():
+            if fake is not None:
+                args, kwargs = fake((args, kwargs))
+            with cond_grad_mode_checked():  # torch.export drops no_grad around a cond
+                exported = _export(model, tuple(args), dict(kwargs), real=fake is None)
     except TraceError:
         raise
     except Exception as exc:  # torch raises many types here; all become one clear error
@@ -82,6 +97,7 @@ def trace(
     finally:
         model.train(was_training)
 
+    refuse_lost_backwards(exported)
     converter = _Converter(exported)
     nodes = converter.convert()
     graph = Graph(
@@ -99,12 +115,92 @@ def trace(
             "input_ranges": {k: v for k, v in input_ranges.items() if k in converter.inputs},
             "depth": depth,
             "basic_blocks": list(basic_blocks),
+            "operators": dict(sorted(converter.operators.items())),
         },
+        functions=functions.definitions(nodes),
     )
     _check_parameters_known(graph)
     graph.units = group_units(graph, depth=depth, basic_blocks=basic_blocks)
     _propagate_requires_grad(graph)
     return graph
+
+
+def _export(
+    model: torch.nn.Module, args: tuple, kwargs: dict, real: bool
+) -> torch.export.ExportedProgram:
+    """``torch.export`` (non-strict). A model whose sizes or branches depend on tensor values
+    (``nonzero``, ``.item()``) is exported again with real tensors propagated beside the fake
+    ones (``real``: the model has weights), which gives every such value on the example; the
+    converter specialises the graph to them and checks them at run time. The model's buffers
+    and the RNG are left as they were."""
+    try:
+        with partial_graph_held_back():
+            exported = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as exc:  # noqa: BLE001 - re-raised unless real values resolve it
+        if not (real and _is_data_dependent(exc)):
+            raise
+        failure: Exception | None = exc
+    else:
+        if not (real and _unbacked_bindings(exported)):
+            return exported
+        failure = None
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    rng = torch.get_rng_state()
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes_log.level
+    shapes_log.setLevel(logging.ERROR)  # it warns of every value it reads from real tensors
+    try:
+        with fconfig.patch(fake_tensor_propagate_real_tensors=True):
+            exported = torch.export.export(model, args, kwargs, strict=False)
+    except Exception:
+        if failure is not None:
+            raise failure from None
+        raise
+    finally:
+        shapes_log.setLevel(level)
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+    branch = next((n for n in exported.graph.nodes if _decides_a_branch(n)), None)
+    if branch is not None:  # a size can be specialised and checked; a branch on values cannot
+        raise failure if failure is not None else _symbolic_size_error(branch)
+    return exported
+
+
+def _decides_a_branch(node: fx.Node) -> bool:
+    """Whether ``node`` reads a truth value or a float from tensor values (``if x.sum() > 0``):
+    specialising to the example's would make the pipeline fail on any other batch."""
+    value = node.meta.get("val")
+    reads = str(node.target) in _READS_A_NUMBER or bool(node.meta.get("unbacked_bindings"))
+    return reads and isinstance(value, (bool, float, torch.SymBool, torch.SymFloat))
+
+
+def _is_data_dependent(exc: BaseException) -> bool:
+    name = type(exc).__name__
+    return "data-dependent" in str(exc) or "DataDependent" in name
+
+
+def _unbacked_bindings(exported: torch.export.ExportedProgram) -> bool:
+    return any(node.meta.get("unbacked_bindings") for node in exported.graph.nodes)
+
+
+def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example inputs with every tensor that shares memory with an earlier one cloned.
+    ``torch.export`` merges aliased inputs into one (``(ids,), {"labels": ids}`` would give a
+    graph reading ``labels`` alone); each model input must stay its own pipeline input."""
+    seen: set[int] = set()
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_meta or tensor.numel() == 0:
+            return tensor
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in seen:
+            return tensor.clone()
+        seen.add(storage)
+        return tensor
+
+    return pytree.tree_map_only(torch.Tensor, own, (tuple(args), dict(kwargs)))
 
 
 # -- export errors ----------------------------------------------------------------------------
@@ -131,34 +227,6 @@ def partial_graph_held_back() -> Iterator[None]:
     sys.stderr.write(held.getvalue())
 
 
-@contextlib.contextmanager
-def custom_functions_refused() -> Iterator[None]:
-    """Refuse user ``torch.autograd.Function``s while tracing: a non-strict export records only
-    their forward, so the pipeline would silently train with autograd's gradient of that forward
-    instead of the custom backward."""
-    original = inspect.getattr_static(torch.autograd.Function, "apply")
-
-    def apply(cls, *args, **kwargs):
-        if not cls.__module__.startswith("torch."):
-            stack = [f for f in traceback.extract_stack()[:-1] if _is_user_file(f.filename)]
-            where = f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "the model's forward"
-            code = f"\n    {stack[-1].line.strip()}" if stack and stack[-1].line else ""
-            raise TraceError(
-                f"the model calls the custom autograd function {cls.__qualname__} at {where}:{code}\n"
-                "torch.export records only its forward, so the pipeline would lose its custom "
-                "backward and train with different gradients. Write it with differentiable torch "
-                "operations (autograd then derives the backward the pipeline runs), or keep it out "
-                "of the model's forward."
-            )
-        return original.__func__(cls, *args, **kwargs)
-
-    torch.autograd.Function.apply = classmethod(apply)
-    try:
-        yield
-    finally:
-        torch.autograd.Function.apply = original
-
-
 def _is_user_file(filename: str) -> bool:
     return not os.path.abspath(filename).startswith(_LIBRARY_DIRS) and not filename.startswith("<")
 
@@ -180,7 +248,7 @@ def _trace_error(exc: Exception, model: torch.nn.Module) -> TraceError:
     code = f"\n    {frame.line.strip()}" if frame and frame.line else ""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     name = type(exc).__name__
-    if "data-dependent" in str(exc) or "GuardOnDataDependent" in name or "DataDependent" in name:
+    if _is_data_dependent(exc):
         return _data_dependent("control flow", where, code, f"torch.export: {message}")
     return TraceError(
         f"torch.export cannot trace the model at {where}:{code}\n{name}: {message}\n"
@@ -191,15 +259,21 @@ def _trace_error(exc: Exception, model: torch.nn.Module) -> TraceError:
 
 def _data_dependent(what: str, where: str, code: str, detail: str) -> TraceError:
     """The error for control flow or shapes that depend on tensor values, at the user's line."""
+    cond = (
+        "write the branch as torch.cond(pred, true_fn, false_fn, (operands,)) with a tensor "
+        "predicate: autopipe compiles both branches and runs the one pred picks (each branch "
+        "returning tensors of the same shapes); "
+        if what == "control flow"
+        else ""
+    )
     return TraceError(
         f"the model has data-dependent {what} at {where}:{code}\n"
         "autopipe captures one graph for all inputs, so a Python branch or size cannot depend "
         "on tensor values. Options: compute both sides and select with torch.where (a mask "
-        "instead of nonzero or boolean indexing); pass the value that decides the branch or size "
-        "as a fixed (non-tensor) input of the example; or move the code out of the model's "
-        "forward. torch.cond traces, but autopipe cannot yet generate code for it, and "
-        "--basic-blocks only groups traced operators: it cannot hide a branch from the tracer. "
-        f"({detail})"
+        f"instead of nonzero or boolean indexing); {cond}pass the value that decides the branch "
+        "or size as a fixed (non-tensor) input of the example; or move the code out of the "
+        "model's forward. --basic-blocks only groups traced operators: it cannot hide a branch "
+        f"from the tracer. ({detail})"
     )
 
 
@@ -212,13 +286,49 @@ def _symbolic_size_error(node: fx.Node) -> TraceError | None:
     value = node.meta.get("val")
     if not any(map(_is_symbolic, value if isinstance(value, (list, tuple)) else [value])):
         return None
+    where, code = _user_line(node)
+    detail = (
+        f"the size or value {node.target} returns depends on the input's values; with real "
+        "weights (not a model built on meta) autopipe compiles it for the example's value"
+    )
+    return _data_dependent("shapes", where, code, detail)
+
+
+def _user_line(node: fx.Node) -> tuple[str, str]:
+    """Where in the user's code ``node`` was traced: ``("file.py:12", "\\n    code")``."""
     frames = [
         m for m in _FRAME.finditer(node.meta.get("stack_trace") or "") if _is_user_file(m["file"])
     ]
-    where = f"{frames[-1]['file']}:{frames[-1]['line']}" if frames else "the model's forward"
+    where = (
+        f"{_short_path(frames[-1]['file'])}:{frames[-1]['line']}"
+        if frames
+        else "the model's forward"
+    )
     code = f"\n    {frames[-1]['code'].strip()}" if frames and frames[-1]["code"].strip() else ""
-    detail = f"the size or value {node.target} returns depends on the input's values"
-    return _data_dependent("shapes", where, code, detail)
+    return where, code
+
+
+def _short_path(filename: str) -> str:
+    """A source file as generated code may name it (no absolute paths in generated files):
+    within an installed package from the package on, else relative to the working directory,
+    else its name."""
+    path = os.path.abspath(filename)
+    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+        if marker in path:
+            return path.rsplit(marker, 1)[1]
+    relative = os.path.relpath(path)
+    return relative if not relative.startswith("..") else os.path.basename(path)
+
+
+def _unbacked_values(exported: torch.export.ExportedProgram) -> dict:
+    """The example's values of the symbols torch.export could not know (sizes and numbers
+    computed from tensor values), when it propagated real tensors; else empty."""
+    for node in exported.graph.nodes:
+        value = node.meta.get("val")
+        mode = getattr(value, "fake_mode", None)
+        if mode is not None and mode.shape_env is not None:
+            return dict(mode.shape_env.real_tensor_prop_unbacked_vals)
+    return {}
 
 
 def _is_symbolic(value: Any) -> bool:
@@ -241,6 +351,11 @@ class _Converter:
         self.inputs: list[str] = []
         self.outputs: list[str] = []
         self.constants: dict[str, Any] = {}
+        #: operators from outside torch ("ns::name") -> the module that registers them
+        self.operators: dict[str, str] = {}
+        #: symbol -> its value on the example, for sizes and numbers computed from tensor values:
+        #: the graph is specialised to them and checks them at run time
+        self.specialised = _unbacked_values(exported)
 
     def fresh(self, name: str) -> str:
         base = name if name.isidentifier() and name not in RESERVED else f"v_{name}"
@@ -341,9 +456,25 @@ class _Converter:
         if target is _getitem and isinstance(self.names.get(node.args[0]), tuple):
             self.names[node] = self.names[node.args[0]][node.args[1]]  # output of an inlined region
             return
-        error = _symbolic_size_error(node)
-        if error is not None:
-            raise error
+        value = node.meta.get("val")
+        if name in _READS_A_NUMBER:  # .item(): specialised to the example's value, and checked
+            number = self._concrete(value) if _is_symbolic(value) else value
+            if type(number) is not int:
+                raise _symbolic_size_error(node)
+            self.names[node] = number  # a Python number in the generated code
+            self._check(node, self.names[node.args[0]], number, _scope(node), context)
+            return
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            number = self._concrete(value)  # a size, or arithmetic on sizes
+            if number is None:
+                raise _symbolic_size_error(node)
+            self.names[node] = number  # a Python number in the generated code
+            return
+        specialised = isinstance(value, torch.Tensor) and _is_symbolic(value)
+        if specialised and self._concrete_meta(value) is None or not specialised:
+            error = _symbolic_size_error(node)
+            if error is not None:
+                raise error
         if target is _getitem:
             name = "getitem"
         elif not isinstance(target, torch._ops.OpOverload):
@@ -351,6 +482,10 @@ class _Converter:
                 f"the model calls {getattr(target, '__name__', target)!r} (node {node.name}), which "
                 "autopipe cannot put in generated code; only torch operators are supported"
             )
+        else:
+            provider = operator_provider(target)
+            if provider is not None:
+                self.operators[target._schema.name] = provider
         try:
             args = encode_args(node.args, self.names)
             kwargs = encode_args(node.kwargs, self.names)
@@ -364,12 +499,91 @@ class _Converter:
             target=name,
             args=tuple(args),
             kwargs=kwargs,
-            meta=_value_meta(node),
+            meta=self._concrete_meta(value) if specialised else _value_meta(node),
             scope=_scope(node),
             context=context,
         )
         self.names[node] = Ref(ir.name)
         self.nodes.append(ir)
+        if specialised:
+            self._checks(node, ir.scope, context)
+
+    # -- values computed from tensor values, specialised to the example ------------------------
+    def _concrete(self, value: Any) -> int | float | bool | None:
+        """A symbolic number's value on the example, or None if it is not known."""
+        expr = value.node.expr.xreplace(self.specialised)
+        if expr.free_symbols:
+            return None
+        kind = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(value)]
+        return kind(expr)
+
+    def _concrete_meta(self, tensor: torch.Tensor) -> TensorMeta | None:
+        sizes = [s if isinstance(s, int) else self._concrete(s) for s in tensor.shape]
+        strides = [s if isinstance(s, int) else self._concrete(s) for s in tensor.stride()]
+        if None in sizes or None in strides:
+            return None
+        return TensorMeta(tuple(sizes), tensor.dtype, tuple(strides), False)
+
+    def _checks(self, node: fx.Node, scope: tuple, context: tuple) -> None:
+        """Checks that the sizes of ``node``'s value computed from tensor values (the rows
+        ``nonzero`` or a boolean mask yields) are the example's, which the graph is
+        specialised to."""
+        for symbol, path in sorted(node.meta.get("unbacked_bindings", {}).items(), key=str):
+            keys = [getattr(k, "name", getattr(k, "idx", None)) for k in path]
+            if not (len(keys) == 2 and keys[0] == "size" and isinstance(keys[1], int)):
+                raise _symbolic_size_error(node)
+            # the element count, as a tensor: ones summed (sizes are plain ints in eager)
+            meta = self._concrete_meta(node.meta["val"])
+            emit = functools.partial(self._emit, scope=scope, context=context)
+            ones = emit("aten.ones_like.default", (self.names[node],), meta.shape, meta.dtype)
+            count = emit("aten.sum.default", (ones,), (), meta.dtype)
+            self._check(
+                node, count, math.prod(meta.shape), scope, context, self.specialised[symbol]
+            )
+
+    def _check(
+        self,
+        node: fx.Node,
+        observed: Ref,
+        expected: int,
+        scope: tuple,
+        context: tuple,
+        shown: int | None = None,
+    ) -> None:
+        """Nodes that fail loudly at run time unless tensor ``observed`` (one element) equals
+        ``expected``, the example's value the graph was specialised to at ``node``."""
+        where, code = _user_line(node)
+        message = (
+            f"{where}: {code.strip()} computes a size from tensor values "
+            f"({expected if shown is None else shown} on the example), and {SPECIALISED_SIZE}; "
+            "this batch gives another. Compile with an example like your data, or compute the "
+            "size without reading tensor values"
+        )
+        emit = functools.partial(self._emit, scope=scope, context=context)
+        same = emit("aten.eq.Scalar", (observed, expected), (), torch.bool)
+        emit("aten._assert_async.msg", (same, message), None, None)
+
+    def _emit(
+        self,
+        target: str,
+        args: tuple,
+        shape: tuple | None,
+        dtype: torch.dtype | None,
+        *,
+        scope: tuple,
+        context: tuple,
+    ) -> Ref:
+        """Append a call node this converter makes itself, of a value ``shape`` x ``dtype``
+        (None: no value)."""
+        meta = None
+        if shape is not None:
+            meta = TensorMeta.of(
+                torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False
+            )
+        name = self.fresh(target.split(".")[1])
+        node = Node(name, "call", target=target, args=args, meta=meta, scope=scope, context=context)
+        self.nodes.append(node)
+        return Ref(name)
 
     def _inline(self, node: fx.Node, owner: torch.nn.Module, context: tuple) -> None:
         """Inline a ``wrap_with_set_grad_enabled`` / ``wrap_with_autocast`` region."""
@@ -382,10 +596,15 @@ class _Converter:
         elif op == "wrap_with_autocast":
             device_type, dtype_, enabled, _cache, submod_node, *operands = node.args
             entry = ("autocast", device_type, dtype_, bool(enabled))
+        elif op == "cond":  # one node holding both branches
+            from .control_flow import convert_cond
+
+            convert_cond(self, node, owner, context)
+            return
         else:
             raise TraceError(
                 f"the model uses the higher-order operator {op} (node {node.name}); autopipe "
-                "supports torch.no_grad / set_grad_enabled and autocast regions only"
+                "supports torch.cond, torch.no_grad / set_grad_enabled and autocast regions only"
             )
         submodule = getattr(owner, submod_node.target)
         inner_nodes = list(submodule.graph.nodes)
@@ -412,20 +631,6 @@ def _key_name(key: Any) -> str:
         if hasattr(key, attr):
             return str(getattr(key, attr))
     return str(key)
-
-
-def encode_args(value: Any, names: dict) -> Any:
-    """FX arguments -> IR arguments (:class:`Ref` for nodes), checked to be JSON-encodable."""
-    if isinstance(value, fx.Node):
-        return names[value]
-    if isinstance(value, (list, tuple)):
-        return [encode_args(v, names) for v in value]
-    if isinstance(value, dict):
-        return {k: encode_args(v, names) for k, v in value.items()}
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        raise UnsupportedValue(f"symbolic value {value} (dynamic shapes are not supported)")
-    encode(value)  # raises UnsupportedValue for anything the IR cannot hold
-    return value
 
 
 def _tensor_meta(node: fx.Node) -> TensorMeta | None:
@@ -500,7 +705,9 @@ def _drop_dead(nodes: list[Node], outputs: set[str]) -> list[Node]:
     used = set(outputs)
     keep: list[Node] = []
     for node in reversed(nodes):
-        mutates = node.kind == "call" and node.target != "getitem" and _is_mutating(node.target)
+        mutates = node.kind == "call" and (
+            node.target in _RUNTIME_CHECKS or node.target != "getitem" and _is_mutating(node.target)
+        )
         if node.kind != "call" or node.name in used or mutates:
             keep.append(node)
             used.update(node.inputs)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
-from ..graph import Graph
+from ..graph import COND, Graph
 from ..spec import Example
 from .export import trace
 
@@ -73,6 +73,11 @@ def trace_loss(example: Example, loss_fn: Callable) -> Graph:
     if graph.params:
         raise TraceError(
             "the loss function has parameters; autopipe supports loss functions without trainable state"
+        )
+    if any(node.target == COND for node in graph.calls):
+        raise TraceError(
+            "the loss function calls torch.cond; autopipe supports torch.cond in the model's "
+            "forward only. Select with torch.where in the loss function instead."
         )
     target_value = example.target
     if not target_value.is_meta and not target_value.is_floating_point() and target_value.numel():

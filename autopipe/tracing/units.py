@@ -167,7 +167,7 @@ def replay(
                 for position, node in enumerate(placeholders + work.nodes):
                     try:
                         env[node.name] = (
-                            run_node(node, env, device)
+                            run_node(node, env, device, graph.functions)
                             if position >= len(placeholders)
                             else _placeholder(graph, node, node.name in work.inputs, device)
                         )

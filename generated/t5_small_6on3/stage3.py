@@ -154,8 +154,8 @@ class Stage3(nn.Module):
     inputs = (
         "labels",
         "encoder_last_hidden_state",
+        "expand_1",
         "expand_2",
-        "expand_3",
         "unsqueeze_41",
         "to_19",
         "zeros",
@@ -164,8 +164,8 @@ class Stage3(nn.Module):
     outputs = (
         "labels",
         "encoder_last_hidden_state",
+        "expand_1",
         "expand_2",
-        "expand_3",
         "unsqueeze_41",
         "zeros",
         "to_25",
@@ -184,8 +184,8 @@ class Stage3(nn.Module):
         self,
         labels,
         encoder_last_hidden_state,
+        expand_1,
         expand_2,
-        expand_3,
         unsqueeze_41,
         to_19,
         zeros,
@@ -236,23 +236,23 @@ class Stage3(nn.Module):
             mul_36, self.decoder.block[1].layer[0].SelfAttention.q.weight
         )
         # decoder.block.1.layer.0.SelfAttention (T5Attention)
-        view_25 = aten.view.default(linear_46, [8, 32, -1, 64])
-        transpose_32 = aten.transpose.int(view_25, 1, 2)
+        view_24 = aten.view.default(linear_46, [8, 32, -1, 64])
+        transpose_32 = aten.transpose.int(view_24, 1, 2)
         # decoder.block.1.layer.0.SelfAttention.k (Linear)
         linear_47 = aten.linear.default(
             mul_36, self.decoder.block[1].layer[0].SelfAttention.k.weight
         )
         # decoder.block.1.layer.0.SelfAttention (T5Attention)
-        view_26 = aten.view.default(linear_47, [8, 32, -1, 64])
-        transpose_33 = aten.transpose.int(view_26, 1, 2)
+        view_25 = aten.view.default(linear_47, [8, 32, -1, 64])
+        transpose_33 = aten.transpose.int(view_25, 1, 2)
         # decoder.block.1.layer.0.SelfAttention.v (Linear)
         linear_48 = aten.linear.default(
             mul_36, self.decoder.block[1].layer[0].SelfAttention.v.weight
         )
         # decoder.block.1.layer.0.SelfAttention (T5Attention)
-        view_27 = aten.view.default(linear_48, [8, 32, -1, 64])
-        transpose_34 = aten.transpose.int(view_27, 1, 2)
-        where_10 = aten.where.ScalarOther(expand_2, unsqueeze_41, -3.4028234663852886e38)
+        view_26 = aten.view.default(linear_48, [8, 32, -1, 64])
+        transpose_34 = aten.transpose.int(view_26, 1, 2)
+        where_10 = aten.where.ScalarOther(expand_1, unsqueeze_41, -3.4028234663852886e38)
         contiguous_15 = aten.contiguous.default(where_10)
         scaled_dot_product_attention_8 = aten.scaled_dot_product_attention.default(
             transpose_32, transpose_33, transpose_34, contiguous_15, 0.1, scale=1.0
@@ -282,23 +282,23 @@ class Stage3(nn.Module):
             mul_38, self.decoder.block[1].layer[1].EncDecAttention.q.weight
         )
         # decoder.block.1.layer.1.EncDecAttention (T5Attention)
-        view_28 = aten.view.default(linear_50, [8, 32, -1, 64])
-        transpose_36 = aten.transpose.int(view_28, 1, 2)
+        view_27 = aten.view.default(linear_50, [8, 32, -1, 64])
+        transpose_36 = aten.transpose.int(view_27, 1, 2)
         # decoder.block.1.layer.1.EncDecAttention.k (Linear)
         linear_51 = aten.linear.default(
             encoder_last_hidden_state, self.decoder.block[1].layer[1].EncDecAttention.k.weight
         )
         # decoder.block.1.layer.1.EncDecAttention (T5Attention)
-        view_29 = aten.view.default(linear_51, [8, 128, -1, 64])
-        transpose_37 = aten.transpose.int(view_29, 1, 2)
+        view_28 = aten.view.default(linear_51, [8, 128, -1, 64])
+        transpose_37 = aten.transpose.int(view_28, 1, 2)
         # decoder.block.1.layer.1.EncDecAttention.v (Linear)
         linear_52 = aten.linear.default(
             encoder_last_hidden_state, self.decoder.block[1].layer[1].EncDecAttention.v.weight
         )
         # decoder.block.1.layer.1.EncDecAttention (T5Attention)
-        view_30 = aten.view.default(linear_52, [8, 128, -1, 64])
-        transpose_38 = aten.transpose.int(view_30, 1, 2)
-        where_11 = aten.where.ScalarOther(expand_3, zeros, -3.4028234663852886e38)
+        view_29 = aten.view.default(linear_52, [8, 128, -1, 64])
+        transpose_38 = aten.transpose.int(view_29, 1, 2)
+        where_11 = aten.where.ScalarOther(expand_2, zeros, -3.4028234663852886e38)
         scaled_dot_product_attention_9 = aten.scaled_dot_product_attention.default(
             transpose_36, transpose_37, transpose_38, where_11, 0.1, scale=1.0
         )
@@ -351,23 +351,23 @@ class Stage3(nn.Module):
             mul_42, self.decoder.block[2].layer[0].SelfAttention.q.weight
         )
         # decoder.block.2.layer.0.SelfAttention (T5Attention)
-        view_31 = aten.view.default(linear_56, [8, 32, -1, 64])
-        transpose_40 = aten.transpose.int(view_31, 1, 2)
+        view_30 = aten.view.default(linear_56, [8, 32, -1, 64])
+        transpose_40 = aten.transpose.int(view_30, 1, 2)
         # decoder.block.2.layer.0.SelfAttention.k (Linear)
         linear_57 = aten.linear.default(
             mul_42, self.decoder.block[2].layer[0].SelfAttention.k.weight
         )
         # decoder.block.2.layer.0.SelfAttention (T5Attention)
-        view_32 = aten.view.default(linear_57, [8, 32, -1, 64])
-        transpose_41 = aten.transpose.int(view_32, 1, 2)
+        view_31 = aten.view.default(linear_57, [8, 32, -1, 64])
+        transpose_41 = aten.transpose.int(view_31, 1, 2)
         # decoder.block.2.layer.0.SelfAttention.v (Linear)
         linear_58 = aten.linear.default(
             mul_42, self.decoder.block[2].layer[0].SelfAttention.v.weight
         )
         # decoder.block.2.layer.0.SelfAttention (T5Attention)
-        view_33 = aten.view.default(linear_58, [8, 32, -1, 64])
-        transpose_42 = aten.transpose.int(view_33, 1, 2)
-        where_12 = aten.where.ScalarOther(expand_2, unsqueeze_41, -3.4028234663852886e38)
+        view_32 = aten.view.default(linear_58, [8, 32, -1, 64])
+        transpose_42 = aten.transpose.int(view_32, 1, 2)
+        where_12 = aten.where.ScalarOther(expand_1, unsqueeze_41, -3.4028234663852886e38)
         contiguous_18 = aten.contiguous.default(where_12)
         scaled_dot_product_attention_10 = aten.scaled_dot_product_attention.default(
             transpose_40, transpose_41, transpose_42, contiguous_18, 0.1, scale=1.0
@@ -397,15 +397,15 @@ class Stage3(nn.Module):
             mul_44, self.decoder.block[2].layer[1].EncDecAttention.q.weight
         )
         # decoder.block.2.layer.1.EncDecAttention (T5Attention)
-        view_34 = aten.view.default(linear_60, [8, 32, -1, 64])
-        transpose_44 = aten.transpose.int(view_34, 1, 2)
+        view_33 = aten.view.default(linear_60, [8, 32, -1, 64])
+        transpose_44 = aten.transpose.int(view_33, 1, 2)
         # decoder.block.2.layer.1.EncDecAttention.k (Linear)
         linear_61 = aten.linear.default(
             encoder_last_hidden_state, self.decoder.block[2].layer[1].EncDecAttention.k.weight
         )
         # decoder.block.2.layer.1.EncDecAttention (T5Attention)
-        view_35 = aten.view.default(linear_61, [8, 128, -1, 64])
-        transpose_45 = aten.transpose.int(view_35, 1, 2)
+        view_34 = aten.view.default(linear_61, [8, 128, -1, 64])
+        transpose_45 = aten.transpose.int(view_34, 1, 2)
         # decoder.block.2.layer.1.EncDecAttention.v (Linear)
         linear_62 = aten.linear.default(
             encoder_last_hidden_state, self.decoder.block[2].layer[1].EncDecAttention.v.weight
@@ -413,8 +413,8 @@ class Stage3(nn.Module):
         return (
             labels,
             encoder_last_hidden_state,
+            expand_1,
             expand_2,
-            expand_3,
             unsqueeze_41,
             zeros,
             to_25.contiguous(),

@@ -142,8 +142,8 @@ class Stage4(nn.Module):
     inputs = (
         "labels",
         "encoder_last_hidden_state",
+        "expand_1",
         "expand_2",
-        "expand_3",
         "unsqueeze_41",
         "zeros",
         "to_25",
@@ -154,8 +154,8 @@ class Stage4(nn.Module):
     outputs = (
         "labels",
         "encoder_last_hidden_state",
+        "expand_1",
         "expand_2",
-        "expand_3",
         "unsqueeze_41",
         "zeros",
         "to_31",
@@ -172,8 +172,8 @@ class Stage4(nn.Module):
         self,
         labels,
         encoder_last_hidden_state,
+        expand_1,
         expand_2,
-        expand_3,
         unsqueeze_41,
         zeros,
         to_25,
@@ -182,9 +182,9 @@ class Stage4(nn.Module):
         linear_62,
     ):
         # decoder.block.2.layer.1.EncDecAttention (T5Attention)
-        view_36 = aten.view.default(linear_62, [8, 128, -1, 64])
-        transpose_46 = aten.transpose.int(view_36, 1, 2)
-        where_13 = aten.where.ScalarOther(expand_3, zeros, -3.4028234663852886e38)
+        view_35 = aten.view.default(linear_62, [8, 128, -1, 64])
+        transpose_46 = aten.transpose.int(view_35, 1, 2)
+        where_13 = aten.where.ScalarOther(expand_2, zeros, -3.4028234663852886e38)
         scaled_dot_product_attention_11 = aten.scaled_dot_product_attention.default(
             transpose_44, transpose_45, transpose_46, where_13, 0.1, scale=1.0
         )
@@ -237,23 +237,23 @@ class Stage4(nn.Module):
             mul_48, self.decoder.block[3].layer[0].SelfAttention.q.weight
         )
         # decoder.block.3.layer.0.SelfAttention (T5Attention)
-        view_37 = aten.view.default(linear_66, [8, 32, -1, 64])
-        transpose_48 = aten.transpose.int(view_37, 1, 2)
+        view_36 = aten.view.default(linear_66, [8, 32, -1, 64])
+        transpose_48 = aten.transpose.int(view_36, 1, 2)
         # decoder.block.3.layer.0.SelfAttention.k (Linear)
         linear_67 = aten.linear.default(
             mul_48, self.decoder.block[3].layer[0].SelfAttention.k.weight
         )
         # decoder.block.3.layer.0.SelfAttention (T5Attention)
-        view_38 = aten.view.default(linear_67, [8, 32, -1, 64])
-        transpose_49 = aten.transpose.int(view_38, 1, 2)
+        view_37 = aten.view.default(linear_67, [8, 32, -1, 64])
+        transpose_49 = aten.transpose.int(view_37, 1, 2)
         # decoder.block.3.layer.0.SelfAttention.v (Linear)
         linear_68 = aten.linear.default(
             mul_48, self.decoder.block[3].layer[0].SelfAttention.v.weight
         )
         # decoder.block.3.layer.0.SelfAttention (T5Attention)
-        view_39 = aten.view.default(linear_68, [8, 32, -1, 64])
-        transpose_50 = aten.transpose.int(view_39, 1, 2)
-        where_14 = aten.where.ScalarOther(expand_2, unsqueeze_41, -3.4028234663852886e38)
+        view_38 = aten.view.default(linear_68, [8, 32, -1, 64])
+        transpose_50 = aten.transpose.int(view_38, 1, 2)
+        where_14 = aten.where.ScalarOther(expand_1, unsqueeze_41, -3.4028234663852886e38)
         contiguous_21 = aten.contiguous.default(where_14)
         scaled_dot_product_attention_12 = aten.scaled_dot_product_attention.default(
             transpose_48, transpose_49, transpose_50, contiguous_21, 0.1, scale=1.0
@@ -283,23 +283,23 @@ class Stage4(nn.Module):
             mul_50, self.decoder.block[3].layer[1].EncDecAttention.q.weight
         )
         # decoder.block.3.layer.1.EncDecAttention (T5Attention)
-        view_40 = aten.view.default(linear_70, [8, 32, -1, 64])
-        transpose_52 = aten.transpose.int(view_40, 1, 2)
+        view_39 = aten.view.default(linear_70, [8, 32, -1, 64])
+        transpose_52 = aten.transpose.int(view_39, 1, 2)
         # decoder.block.3.layer.1.EncDecAttention.k (Linear)
         linear_71 = aten.linear.default(
             encoder_last_hidden_state, self.decoder.block[3].layer[1].EncDecAttention.k.weight
         )
         # decoder.block.3.layer.1.EncDecAttention (T5Attention)
-        view_41 = aten.view.default(linear_71, [8, 128, -1, 64])
-        transpose_53 = aten.transpose.int(view_41, 1, 2)
+        view_40 = aten.view.default(linear_71, [8, 128, -1, 64])
+        transpose_53 = aten.transpose.int(view_40, 1, 2)
         # decoder.block.3.layer.1.EncDecAttention.v (Linear)
         linear_72 = aten.linear.default(
             encoder_last_hidden_state, self.decoder.block[3].layer[1].EncDecAttention.v.weight
         )
         # decoder.block.3.layer.1.EncDecAttention (T5Attention)
-        view_42 = aten.view.default(linear_72, [8, 128, -1, 64])
-        transpose_54 = aten.transpose.int(view_42, 1, 2)
-        where_15 = aten.where.ScalarOther(expand_3, zeros, -3.4028234663852886e38)
+        view_41 = aten.view.default(linear_72, [8, 128, -1, 64])
+        transpose_54 = aten.transpose.int(view_41, 1, 2)
+        where_15 = aten.where.ScalarOther(expand_2, zeros, -3.4028234663852886e38)
         scaled_dot_product_attention_13 = aten.scaled_dot_product_attention.default(
             transpose_52, transpose_53, transpose_54, where_15, 0.1, scale=1.0
         )
@@ -352,23 +352,23 @@ class Stage4(nn.Module):
             mul_54, self.decoder.block[4].layer[0].SelfAttention.q.weight
         )
         # decoder.block.4.layer.0.SelfAttention (T5Attention)
-        view_43 = aten.view.default(linear_76, [8, 32, -1, 64])
-        transpose_56 = aten.transpose.int(view_43, 1, 2)
+        view_42 = aten.view.default(linear_76, [8, 32, -1, 64])
+        transpose_56 = aten.transpose.int(view_42, 1, 2)
         # decoder.block.4.layer.0.SelfAttention.k (Linear)
         linear_77 = aten.linear.default(
             mul_54, self.decoder.block[4].layer[0].SelfAttention.k.weight
         )
         # decoder.block.4.layer.0.SelfAttention (T5Attention)
-        view_44 = aten.view.default(linear_77, [8, 32, -1, 64])
-        transpose_57 = aten.transpose.int(view_44, 1, 2)
+        view_43 = aten.view.default(linear_77, [8, 32, -1, 64])
+        transpose_57 = aten.transpose.int(view_43, 1, 2)
         # decoder.block.4.layer.0.SelfAttention.v (Linear)
         linear_78 = aten.linear.default(
             mul_54, self.decoder.block[4].layer[0].SelfAttention.v.weight
         )
         # decoder.block.4.layer.0.SelfAttention (T5Attention)
-        view_45 = aten.view.default(linear_78, [8, 32, -1, 64])
-        transpose_58 = aten.transpose.int(view_45, 1, 2)
-        where_16 = aten.where.ScalarOther(expand_2, unsqueeze_41, -3.4028234663852886e38)
+        view_44 = aten.view.default(linear_78, [8, 32, -1, 64])
+        transpose_58 = aten.transpose.int(view_44, 1, 2)
+        where_16 = aten.where.ScalarOther(expand_1, unsqueeze_41, -3.4028234663852886e38)
         contiguous_24 = aten.contiguous.default(where_16)
         scaled_dot_product_attention_14 = aten.scaled_dot_product_attention.default(
             transpose_56, transpose_57, transpose_58, contiguous_24, 0.1, scale=1.0
@@ -400,8 +400,8 @@ class Stage4(nn.Module):
         return (
             labels,
             encoder_last_hidden_state,
+            expand_1,
             expand_2,
-            expand_3,
             unsqueeze_41,
             zeros,
             to_31.contiguous(),

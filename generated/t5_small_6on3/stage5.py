@@ -124,8 +124,8 @@ class Stage5(nn.Module):
     inputs = (
         "labels",
         "encoder_last_hidden_state",
+        "expand_1",
         "expand_2",
-        "expand_3",
         "unsqueeze_41",
         "zeros",
         "to_31",
@@ -143,8 +143,8 @@ class Stage5(nn.Module):
         self,
         labels,
         encoder_last_hidden_state,
+        expand_1,
         expand_2,
-        expand_3,
         unsqueeze_41,
         zeros,
         to_31,
@@ -152,23 +152,23 @@ class Stage5(nn.Module):
     ):
         device = labels.device
         # decoder.block.4.layer.1.EncDecAttention (T5Attention)
-        view_46 = aten.view.default(linear_80, [8, 32, -1, 64])
-        transpose_60 = aten.transpose.int(view_46, 1, 2)
+        view_45 = aten.view.default(linear_80, [8, 32, -1, 64])
+        transpose_60 = aten.transpose.int(view_45, 1, 2)
         # decoder.block.4.layer.1.EncDecAttention.k (Linear)
         linear_81 = aten.linear.default(
             encoder_last_hidden_state, self.decoder.block[4].layer[1].EncDecAttention.k.weight
         )
         # decoder.block.4.layer.1.EncDecAttention (T5Attention)
-        view_47 = aten.view.default(linear_81, [8, 128, -1, 64])
-        transpose_61 = aten.transpose.int(view_47, 1, 2)
+        view_46 = aten.view.default(linear_81, [8, 128, -1, 64])
+        transpose_61 = aten.transpose.int(view_46, 1, 2)
         # decoder.block.4.layer.1.EncDecAttention.v (Linear)
         linear_82 = aten.linear.default(
             encoder_last_hidden_state, self.decoder.block[4].layer[1].EncDecAttention.v.weight
         )
         # decoder.block.4.layer.1.EncDecAttention (T5Attention)
-        view_48 = aten.view.default(linear_82, [8, 128, -1, 64])
-        transpose_62 = aten.transpose.int(view_48, 1, 2)
-        where_17 = aten.where.ScalarOther(expand_3, zeros, -3.4028234663852886e38)
+        view_47 = aten.view.default(linear_82, [8, 128, -1, 64])
+        transpose_62 = aten.transpose.int(view_47, 1, 2)
+        where_17 = aten.where.ScalarOther(expand_2, zeros, -3.4028234663852886e38)
         scaled_dot_product_attention_15 = aten.scaled_dot_product_attention.default(
             transpose_60, transpose_61, transpose_62, where_17, 0.1, scale=1.0
         )
@@ -221,23 +221,23 @@ class Stage5(nn.Module):
             mul_60, self.decoder.block[5].layer[0].SelfAttention.q.weight
         )
         # decoder.block.5.layer.0.SelfAttention (T5Attention)
-        view_49 = aten.view.default(linear_86, [8, 32, -1, 64])
-        transpose_64 = aten.transpose.int(view_49, 1, 2)
+        view_48 = aten.view.default(linear_86, [8, 32, -1, 64])
+        transpose_64 = aten.transpose.int(view_48, 1, 2)
         # decoder.block.5.layer.0.SelfAttention.k (Linear)
         linear_87 = aten.linear.default(
             mul_60, self.decoder.block[5].layer[0].SelfAttention.k.weight
         )
         # decoder.block.5.layer.0.SelfAttention (T5Attention)
-        view_50 = aten.view.default(linear_87, [8, 32, -1, 64])
-        transpose_65 = aten.transpose.int(view_50, 1, 2)
+        view_49 = aten.view.default(linear_87, [8, 32, -1, 64])
+        transpose_65 = aten.transpose.int(view_49, 1, 2)
         # decoder.block.5.layer.0.SelfAttention.v (Linear)
         linear_88 = aten.linear.default(
             mul_60, self.decoder.block[5].layer[0].SelfAttention.v.weight
         )
         # decoder.block.5.layer.0.SelfAttention (T5Attention)
-        view_51 = aten.view.default(linear_88, [8, 32, -1, 64])
-        transpose_66 = aten.transpose.int(view_51, 1, 2)
-        where_18 = aten.where.ScalarOther(expand_2, unsqueeze_41, -3.4028234663852886e38)
+        view_50 = aten.view.default(linear_88, [8, 32, -1, 64])
+        transpose_66 = aten.transpose.int(view_50, 1, 2)
+        where_18 = aten.where.ScalarOther(expand_1, unsqueeze_41, -3.4028234663852886e38)
         contiguous_27 = aten.contiguous.default(where_18)
         scaled_dot_product_attention_16 = aten.scaled_dot_product_attention.default(
             transpose_64, transpose_65, transpose_66, contiguous_27, 0.1, scale=1.0
@@ -267,23 +267,23 @@ class Stage5(nn.Module):
             mul_62, self.decoder.block[5].layer[1].EncDecAttention.q.weight
         )
         # decoder.block.5.layer.1.EncDecAttention (T5Attention)
-        view_52 = aten.view.default(linear_90, [8, 32, -1, 64])
-        transpose_68 = aten.transpose.int(view_52, 1, 2)
+        view_51 = aten.view.default(linear_90, [8, 32, -1, 64])
+        transpose_68 = aten.transpose.int(view_51, 1, 2)
         # decoder.block.5.layer.1.EncDecAttention.k (Linear)
         linear_91 = aten.linear.default(
             encoder_last_hidden_state, self.decoder.block[5].layer[1].EncDecAttention.k.weight
         )
         # decoder.block.5.layer.1.EncDecAttention (T5Attention)
-        view_53 = aten.view.default(linear_91, [8, 128, -1, 64])
-        transpose_69 = aten.transpose.int(view_53, 1, 2)
+        view_52 = aten.view.default(linear_91, [8, 128, -1, 64])
+        transpose_69 = aten.transpose.int(view_52, 1, 2)
         # decoder.block.5.layer.1.EncDecAttention.v (Linear)
         linear_92 = aten.linear.default(
             encoder_last_hidden_state, self.decoder.block[5].layer[1].EncDecAttention.v.weight
         )
         # decoder.block.5.layer.1.EncDecAttention (T5Attention)
-        view_54 = aten.view.default(linear_92, [8, 128, -1, 64])
-        transpose_70 = aten.transpose.int(view_54, 1, 2)
-        where_19 = aten.where.ScalarOther(expand_3, zeros, -3.4028234663852886e38)
+        view_53 = aten.view.default(linear_92, [8, 128, -1, 64])
+        transpose_70 = aten.transpose.int(view_53, 1, 2)
+        where_19 = aten.where.ScalarOther(expand_2, zeros, -3.4028234663852886e38)
         scaled_dot_product_attention_17 = aten.scaled_dot_product_attention.default(
             transpose_68, transpose_69, transpose_70, where_19, 0.1, scale=1.0
         )
@@ -339,7 +339,7 @@ class Stage5(nn.Module):
         logits = aten.linear.default(mul_67, self.lm_head.weight)
         # T5ForConditionalGeneration (model)
         to_37 = aten.to.dtype_layout(labels, dtype=torch.int64, layout=torch.strided, device=device)
-        view_55 = aten.view.default(logits, [-1, 32128])
-        view_56 = aten.view.default(to_37, [-1])
-        loss = aten.cross_entropy_loss.default(view_55, view_56)
+        view_54 = aten.view.default(logits, [-1, 32128])
+        view_55 = aten.view.default(to_37, [-1])
+        loss = aten.cross_entropy_loss.default(view_54, view_55)
         return (loss.contiguous(), logits.contiguous(), encoder_last_hidden_state)

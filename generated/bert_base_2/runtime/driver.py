@@ -49,6 +49,7 @@ from .metrics import Metrics, gather_peak_memory
 from .options import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, parse_args
 from .parallel import GradientSync, Layout, init_distributed
 from .schedule import PipelineCosts, greedy_orders
+from .support import SPECIALISED_SIZE, MissingOperatorError
 from .train_state import TrainingCheckpoints, gather_weights, load_weights, save_weights
 
 _KINDS = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
@@ -186,7 +187,8 @@ def build_schedule(
 
 # -- optimisation -----------------------------------------------------------------------------
 def make_optimizer(args: Any, module: nn.Module) -> torch.optim.Optimizer:
-    params = [p for p in module.parameters() if p.requires_grad]
+    # one group, empty for a stage without trainable parameters (torch refuses an empty list)
+    params = [{"params": [p for p in module.parameters() if p.requires_grad]}]
     if args.optimizer == "sgd":
         return torch.optim.SGD(
             params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
@@ -450,6 +452,17 @@ def _stop(signum: int, _frame: Any) -> None:
     )
 
 
+def _failed_size_check(exc: BaseException | None) -> str | None:
+    """The message of a generated size check that failed, found along the exception's causes
+    (torch's pipeline stages wrap what a stage raises), or None."""
+    while exc is not None:
+        for line in str(exc).splitlines():
+            if SPECIALISED_SIZE in line:
+                return line.strip()
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _lost_peer(exc: BaseException) -> bool:
     """Whether an error means another rank died or stopped answering."""
     text = str(exc)
@@ -474,6 +487,9 @@ def main(package: ModuleType, argv: list[str]) -> int:
         if not (exc.every_rank and rank != "0"):
             print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except MissingOperatorError as exc:
+        print(f"train.py: error: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return 2
     except KeyboardInterrupt as exc:
         print(
             f"train.py: rank {rank} stopped ({str(exc) or 'SIGINT'}).{resume_hint}",
@@ -481,7 +497,11 @@ def main(package: ModuleType, argv: list[str]) -> int:
             flush=True,
         )
         return 130
-    except Exception as exc:  # noqa: BLE001 - only communication failures are explained here
+    except Exception as exc:  # noqa: BLE001 - lost peers and failed size checks are explained
+        unlike = _failed_size_check(exc)
+        if unlike:  # a batch unlike the example, caught by a stage's check
+            print(f"train.py: error: rank {rank}: {unlike}", file=sys.stderr, flush=True)
+            return 2
         if not _lost_peer(exc):
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

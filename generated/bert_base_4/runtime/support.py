@@ -5,10 +5,32 @@ Copied into every generated pipeline as ``runtime/support.py``; it needs only to
 
 from __future__ import annotations
 
+import importlib
 import zlib
 
 import torch
 from torch import nn
+
+#: in the message of the checks generated code makes of sizes computed from tensor values
+SPECIALISED_SIZE = "the pipeline was compiled for that size"
+
+
+class MissingOperatorError(ImportError):
+    """A stage calls an operator from outside torch whose module cannot be imported."""
+
+
+def require_operators(operators: dict[str, str]) -> None:
+    """Import the modules that register the operators from outside torch a stage calls
+    (``"namespace::name"`` -> module), or say which package is missing."""
+    for name, module in operators.items():
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise MissingOperatorError(
+                f"this pipeline calls the operator {name}, which the module {module} registers, "
+                f"and that module cannot be imported ({exc}); install the package that provides "
+                f"it (e.g. pip install {module.split('.')[0]})"
+            ) from None
 
 
 class ModuleScope(nn.Module):

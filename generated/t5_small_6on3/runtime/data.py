@@ -86,6 +86,8 @@ class Batches:
 
     def __init__(self, pipeline: dict, args: Any):
         self.pipeline = pipeline
+        #: the inputs the first stage takes, in its order; model inputs nothing reads are dropped
+        self.names = pipeline["stages"][0]["inputs"]
         self.microbatches = args.microbatches
         self.parts = args.accumulate * args.dp  # pipeline runs per step over all replicas
         self.seed = args.seed
@@ -115,7 +117,7 @@ class Batches:
         return self.rows * per_row
 
     def __call__(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """``(inputs in PIPELINE["inputs"] order, target or None)`` of the whole step."""
+        """``(the first stage's inputs, target or None)`` of the whole step."""
         if self.dataset is not None:
             return self._from_dataset(step)
         if self.fn is None:
@@ -139,7 +141,7 @@ class Batches:
 
     def _inputs(self, bound: dict, step: int, target: Any) -> tuple[list[torch.Tensor], Any]:
         inputs = []
-        for name in self.pipeline["inputs"]:
+        for name in self.names:
             if name not in bound or not isinstance(bound[name], torch.Tensor):
                 raise PipelineRunError(
                     f"--data batch of step {step} has no tensor for input {name!r}"
@@ -205,7 +207,7 @@ class Batches:
         ranges = self.pipeline.get("input_ranges", {})
         inputs = [
             self._random(self.pipeline["values"][n], ranges.get(n, 1), generator)
-            for n in self.pipeline["inputs"]
+            for n in self.names
         ]
         loss = self.pipeline["loss"]
         target = (

@@ -1,0 +1,100 @@
+"""Sizes computed from tensor values (nonzero, boolean masks, .item() used as a size): compiled
+for the example's value, with a check in the generated code that fails loudly when a batch
+disagrees (issue 12). Branches on tensor values are still refused (tests/test_errors.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import models
+from autopipe.spec import load_example
+from autopipe.verify import load_pipeline, verify
+
+from conftest import compile_model, spec
+from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
+
+
+def _run_stages(package, x):
+    values = {"x": x}
+    for index in range(len(package.PIPELINE["stages"])):
+        stage = package.build_stage(index)
+        stage.load_state_dict(
+            {k: v for k, v in load_example(spec("masked_sum")).model.state_dict().items()},
+            strict=False,
+        )
+        outputs = stage(*[values[n] for n in stage.inputs])
+        values.update(zip(stage.outputs, outputs))
+    return values
+
+
+def test_sizes_from_tensor_values_are_specialised_and_checked(tmp_path):
+    compile_model("masked_sum", tmp_path / "pipe", 2)
+    source = "".join(p.read_text() for p in sorted((tmp_path / "pipe").glob("stage*.py")))
+    assert source.count("aten._assert_async.msg(") == 2  # the mask's rows and the .item() count
+    assert "computes a size from tensor values (3 on the example)" in source
+    example = load_example(spec("masked_sum"))
+    report = verify(tmp_path / "pipe", example, rtol=0, atol=0)
+    assert report.ok, report.summary()
+
+    package = load_pipeline(tmp_path / "pipe")
+    (x,) = example.args
+    _run_stages(package, x.clone())  # the example's sizes pass the checks
+    other = x.clone()
+    other[0] = -other[0].abs() - 1  # one row fewer is selected
+    with pytest.raises(RuntimeError, match="computes a size from tensor values"):
+        _run_stages(package, other)
+
+
+@pytest.mark.slow
+def test_specialised_sizes_train_like_pytorch(tmp_path):
+    """Fresh batches whose values keep the sizes the model computes train exactly."""
+    pipe = run_pipeline(
+        tmp_path,
+        "masked_sum_with_target",
+        2,
+        "masked_sum_batch",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.1",
+        loss="tests/models.py:mse",
+    )
+    ref = reference_training(
+        load_example(spec("masked_sum_with_target")),
+        models.masked_sum_batch,
+        STEPS,
+        "sgd",
+        0.1,
+        models.mse,
+    )
+    assert_same_training(pipe, ref)
+
+
+@pytest.mark.slow
+def test_a_batch_unlike_the_example_stops_train_py_clearly(tmp_path):
+    from conftest import torchrun_command, torchrun_env, ROOT
+    import subprocess
+
+    compile_model("masked_sum_with_target", tmp_path / "pipe", 2, loss="tests/models.py:mse")
+    result = subprocess.run(
+        torchrun_command(
+            tmp_path / "pipe" / "train.py",
+            2,
+            "--steps",
+            "3",
+            "--microbatches",
+            "4",
+            "--data",
+            "tests/models.py:masked_sum_batch_unlike_the_example",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=torchrun_env(),
+        cwd=ROOT,
+    )
+    assert result.returncode != 0
+    assert "step 0 loss" in result.stdout and "step 1 loss" not in result.stdout
+    assert f'File "{tmp_path / "pipe"}' not in result.stderr, result.stderr[-3000:]
+    assert "train.py: error: rank 0: tests/models.py:" in result.stderr
+    assert "the pipeline was compiled for that size" in result.stderr
