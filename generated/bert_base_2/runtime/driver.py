@@ -46,7 +46,7 @@ from .guards import (
     output_problems,
 )
 from .metrics import Metrics, gather_peak_memory
-from .options import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, parse_args
+from .options import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, TrainConfig, parse_config
 from .parallel import GradientSync, Layout, init_distributed
 from .schedule import PipelineCosts, greedy_orders
 from .support import SPECIALISED_SIZE, MissingOperatorError
@@ -186,28 +186,32 @@ def build_schedule(
 
 
 # -- optimisation -----------------------------------------------------------------------------
-def make_optimizer(args: Any, module: nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(config: TrainConfig, module: nn.Module) -> torch.optim.Optimizer:
     # one group, empty for a stage without trainable parameters (torch refuses an empty list)
     params = [{"params": [p for p in module.parameters() if p.requires_grad]}]
-    if args.optimizer == "sgd":
+    if config.optimizer == "sgd":
         return torch.optim.SGD(
-            params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
+            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
         )
-    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
 
-def lr_factor(args: Any) -> Callable[[int], float]:
+def lr_factor(config: TrainConfig) -> Callable[[int], float]:
     """Multiplier of --lr after ``step`` optimizer steps: linear warm-up, then decay."""
-    floor = args.min_lr / args.lr if args.lr else 0.0
+    floor = config.min_lr / config.lr if config.lr else 0.0
 
     def factor(step: int) -> float:
-        if step < args.warmup_steps:
-            return (step + 1) / args.warmup_steps
-        if args.lr_decay == "constant":
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        if config.lr_decay == "constant":
             return 1.0
-        progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+        progress = min(
+            1.0, (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        )
         shape = (
-            1 - progress if args.lr_decay == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+            1 - progress
+            if config.lr_decay == "linear"
+            else 0.5 * (1 + math.cos(math.pi * progress))
         )
         return floor + (1 - floor) * shape
 
@@ -221,30 +225,30 @@ def say(message: str) -> None:
         print(message, flush=True)
 
 
-def check_outputs(args: Any, reporting: bool) -> None:
+def check_outputs(config: TrainConfig, reporting: bool) -> None:
     """Every output path this run will write is checked on the ranks that write it, before
     any training: a run never learns at its end that its work cannot be kept."""
     problems = output_problems(
-        save=args.save if dist.get_rank() == 0 else None,
-        log_json=args.log_json if reporting else None,
-        checkpoint_dir=args.checkpoint_dir,
+        save=config.save if dist.get_rank() == 0 else None,
+        log_json=config.log_json if reporting else None,
+        checkpoint_dir=config.checkpoint_dir,
     )
     problem = agree("; ".join(problems) or None)
     if problem:
         raise PipelineRunError(f"{problem}. Nothing was trained.", every_rank=True)
 
 
-def lock_checkpoints(args: Any) -> RunLock | None:
+def lock_checkpoints(config: TrainConfig) -> RunLock | None:
     """Global rank 0 takes ``--checkpoint-dir``'s lock; every rank stops if it cannot."""
-    if not args.checkpoint_dir:
+    if not config.checkpoint_dir:
         return None
-    lock = RunLock(args.checkpoint_dir)
+    lock = RunLock(config.checkpoint_dir)
     problem = None
     if dist.get_rank() == 0:
         try:
             note = lock.acquire()
             if note:
-                print(f"{args.checkpoint_dir}: {note}", flush=True)
+                print(f"{config.checkpoint_dir}: {note}", flush=True)
         except (PipelineRunError, OSError) as exc:
             problem = str(exc)
     problem = agree(problem)
@@ -253,7 +257,7 @@ def lock_checkpoints(args: Any) -> RunLock | None:
     return lock
 
 
-def resume_point(checkpoints: TrainingCheckpoints | None, args: Any) -> Path | None:
+def resume_point(checkpoints: TrainingCheckpoints | None, config: TrainConfig) -> Path | None:
     """The checkpoint to resume from; refuses to mix a new run into old checkpoints."""
     if checkpoints is None:
         return None
@@ -261,10 +265,10 @@ def resume_point(checkpoints: TrainingCheckpoints | None, args: Any) -> Path | N
         for stale in checkpoints.root.glob(".step-*.partial"):  # a save that never finished
             shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
-    if args.resume_from:
-        return checkpoints.named(args.resume_from)
+    if config.resume_from:
+        return checkpoints.named(config.resume_from)
     latest = checkpoints.latest()
-    if latest is not None and not args.resume:
+    if latest is not None and not config.resume:
         raise PipelineRunError(
             f"{checkpoints.root} already holds checkpoints (latest: {latest.name}); pass --resume "
             "to continue from it, or give another --checkpoint-dir",
@@ -274,12 +278,12 @@ def resume_point(checkpoints: TrainingCheckpoints | None, args: Any) -> Path | N
 
 
 def save_trained(
-    state: dict[str, torch.Tensor], args: Any, step: int, checkpoint: Path | None
+    state: dict[str, torch.Tensor], config: TrainConfig, step: int, checkpoint: Path | None
 ) -> None:
     """Rank 0: ``--save``; if that fails after all, the next place that takes the state, and
     an error saying where it went: trained weights are never dropped."""
     failures = []
-    for path in [Path(args.save), *fallback_paths(args.save, args.checkpoint_dir, step)]:
+    for path in [Path(config.save), *fallback_paths(config.save, config.checkpoint_dir, step)]:
         try:
             save_weights(state, path)
         except (OSError, RuntimeError) as exc:
@@ -289,7 +293,7 @@ def save_trained(
             print(f"saved the trained model state_dict to {path}", flush=True)
             return
         raise PipelineRunError(
-            f"could not write --save {args.save} ({failures[0].split(': ', 1)[1]}); the trained "
+            f"could not write --save {config.save} ({failures[0].split(': ', 1)[1]}); the trained "
             f"state_dict was written to {path} instead"
         )
     kept = f"; the last checkpoint is {checkpoint}" if checkpoint else ""
@@ -298,63 +302,63 @@ def save_trained(
     )
 
 
-def train(package: ModuleType, args: Any) -> None:
+def train(package: ModuleType, config: TrainConfig) -> None:
     pipeline = package.PIPELINE
-    layout = init_distributed(pipeline, args.device, args.dp, args.timeout)
-    torch.manual_seed(args.seed * 1_000_003 + layout.rank)  # dropout streams differ per rank
+    layout = init_distributed(pipeline, config.device, config.dp, config.timeout)
+    torch.manual_seed(config.seed * 1_000_003 + layout.rank)  # dropout streams differ per rank
     specs = pipeline["stages"]
     local = [i for i, spec in enumerate(specs) if spec["device"] == layout.pp_rank]
     reporting = len(specs) - 1 in local and layout.dp_rank == 0
-    check_outputs(args, reporting)
-    lock = lock_checkpoints(args)
+    check_outputs(config, reporting)
+    lock = lock_checkpoints(config)
     try:
-        _train(package, args, layout, local, reporting)
+        _train(package, config, layout, local, reporting)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _train(
-    package: ModuleType, args: Any, layout: Layout, local: list[int], reporting: bool
+    package: ModuleType, config: TrainConfig, layout: Layout, local: list[int], reporting: bool
 ) -> None:
     pipeline = package.PIPELINE
     device = layout.device
     specs = pipeline["stages"]
     num_stages = len(specs)
     checkpoints = (
-        TrainingCheckpoints(args.checkpoint_dir, pipeline, layout, args.keep_checkpoints)
-        if args.checkpoint_dir
+        TrainingCheckpoints(config.checkpoint_dir, pipeline, layout, config.keep_checkpoints)
+        if config.checkpoint_dir
         else None
     )
-    resume = resume_point(checkpoints, args)
-    filled = resume is not None or args.load is not None  # parameters stay on meta until then
+    resume = resume_point(checkpoints, config)
+    filled = resume is not None or config.load is not None  # parameters stay on meta until then
     modules = {
-        i: package.build_stage(i, device=device, seed=args.seed, meta_state=filled) for i in local
+        i: package.build_stage(i, device=device, seed=config.seed, meta_state=filled) for i in local
     }
     if resume is not None:
         say(f"loading the checkpoint {resume}")
         manifest = checkpoints.restore_weights(resume, modules)
-    elif args.load:
-        say(f"loading weights from {args.load}")
-        load_weights(modules, args.load, pipeline, device)
-    optimizers = {i: make_optimizer(args, m) for i, m in modules.items()}
+    elif config.load:
+        say(f"loading weights from {config.load}")
+        load_weights(modules, config.load, pipeline, device)
+    optimizers = {i: make_optimizer(config, m) for i, m in modules.items()}
     schedulers = {
-        i: torch.optim.lr_scheduler.LambdaLR(o, lr_factor(args)) for i, o in optimizers.items()
+        i: torch.optim.lr_scheduler.LambdaLR(o, lr_factor(config)) for i, o in optimizers.items()
     }
     start = (
         checkpoints.restore_training(resume, manifest, optimizers, schedulers)
         if resume is not None
         else 0
     )
-    autocast = device.type if args.bf16 else None
+    autocast = device.type if config.bf16 else None
     stages = [
         PipelineStage(
             StageRunner(
                 modules[i],
                 [DTYPES[pipeline["values"][n]["dtype"]] for n in specs[i]["outputs"]],
                 autocast=autocast,
-                recompute=i in args.recompute_stages,
-                fresh_outputs=args.schedule in SPLIT_BACKWARD,
+                recompute=i in config.recompute,
+                fresh_outputs=config.schedule in SPLIT_BACKWARD,
             ),
             i,
             num_stages,
@@ -367,52 +371,54 @@ def _train(
     ]
     is_first, is_last = 0 in modules, num_stages - 1 in modules
     loss_fn = make_loss_fn(package, pipeline, device)
-    if args.microbatches * num_stages >= LARGE_SCHEDULE:
-        say(f"building the {args.schedule} schedule of {args.microbatches} microbatches ...")
-    schedule = build_schedule(args.schedule, stages, pipeline, args.microbatches, loss_fn)
+    if config.microbatches * num_stages >= LARGE_SCHEDULE:
+        say(f"building the {config.schedule} schedule of {config.microbatches} microbatches ...")
+    schedule = build_schedule(config.schedule, stages, pipeline, config.microbatches, loss_fn)
     sync = GradientSync(pipeline, layout, modules)
-    batches = Batches(pipeline, args)
+    batches = Batches(pipeline, config)
     needs_target = is_last and "module" in pipeline["loss"]
     samples = batches.samples
     tokens = tokens_per_sample(pipeline)
     metrics = Metrics(
         reporting=reporting,
-        steps=args.steps,
+        steps=config.steps,
         samples_per_step=samples,
         tokens_per_step=samples * tokens if tokens else None,
-        log_json=args.log_json,
-        log_every=args.log_every,
+        log_json=config.log_json,
+        log_every=config.log_every,
         resumed_at=start if resume is not None else None,
     )
     if resume is not None:
         metrics.note(f"resumed from {resume} at step {start}")
-    elif args.resume:
-        metrics.note(f"no checkpoint in {args.checkpoint_dir} yet: starting at step 0")
-    runs = args.microbatches * args.accumulate
+    elif config.resume:
+        metrics.note(f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0")
+    runs = config.microbatches * config.accumulate
     checkpoint = resume
     try:
-        for step in range(start, args.steps):
+        for step in range(start, config.steps):
             began = time.perf_counter()
             for optimizer in optimizers.values():
                 optimizer.zero_grad(set_to_none=True)
             losses: list[torch.Tensor] = []
             batch = batches(step) if (is_first or needs_target) else None
-            for round_ in range(args.accumulate):
+            for round_ in range(config.accumulate):
                 inputs, target = (
-                    batches.part(batch, round_ * args.dp + layout.dp_rank) if batch else ([], None)
+                    batches.part(batch, round_ * config.dp + layout.dp_rank)
+                    if batch
+                    else ([], None)
                 )
                 kwargs: dict[str, Any] = {}
                 run_losses: list[torch.Tensor] = []  # the schedule refills it every run
                 if is_last:
                     if target is None:  # the loss is a model output
-                        target = torch.zeros(args.microbatches)
+                        target = torch.zeros(config.microbatches)
                     kwargs = {"target": target.to(device), "losses": run_losses}
                     kwargs["return_outputs"] = False
                 schedule.step(*[t.to(device) for t in inputs] if is_first else [], **kwargs)
                 losses += run_losses
             sync.scale(1.0 / runs)  # the mean over this replica's microbatches
             sync.reduce()
-            grad_norm = sync.clip(args.clip_grad_norm)
+            grad_norm = sync.clip(config.clip_grad_norm)
             loss = None
             if is_last:
                 mean = torch.stack([l.detach().float() for l in losses]).mean().to(device)
@@ -421,7 +427,7 @@ def _train(
                     mean /= layout.dp_size
                 loss = mean.item()
             problem = nonfinite_problem(step, loss, grad_norm, device)
-            if problem and not args.skip_nonfinite:
+            if problem and not config.skip_nonfinite:
                 raise PipelineRunError(problem, every_rank=True)
             lr = next(iter(schedulers.values())).get_last_lr()[0]  # this step's
             for index, optimizer in optimizers.items():
@@ -434,16 +440,17 @@ def _train(
             metrics.record(step, loss, seconds, lr, grad_norm, memory, skipped=bool(problem))
             done = step + 1
             if checkpoints and (
-                done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)
+                done == config.steps
+                or (config.checkpoint_every and done % config.checkpoint_every == 0)
             ):
                 checkpoint = checkpoints.save(done, modules, optimizers, schedulers)
                 metrics.note(f"checkpoint {checkpoint}")
     finally:
         metrics.close()
-    if args.save:
+    if config.save:
         state = gather_weights(modules, pipeline, layout)
         if state is not None:
-            save_trained(state, args, args.steps, checkpoint)
+            save_trained(state, config, config.steps, checkpoint)
 
 
 def _stop(signum: int, _frame: Any) -> None:
@@ -473,16 +480,16 @@ def _lost_peer(exc: BaseException) -> bool:
 
 
 def main(package: ModuleType, argv: list[str]) -> int:
-    args = parse_args(argv, package.PIPELINE)
+    config = parse_config(argv, package.PIPELINE)
     rank = os.environ.get("RANK", "0")
     resume_hint = (
-        f" Checkpoints written so far are complete: rerun with --resume to continue from {args.checkpoint_dir}/latest."
-        if args.checkpoint_dir
+        f" Checkpoints written so far are complete: rerun with --resume to continue from {config.checkpoint_dir}/latest."
+        if config.checkpoint_dir
         else ""
     )
     signal.signal(signal.SIGTERM, _stop)  # torchrun stops every rank with SIGTERM
     try:
-        train(package, args)
+        train(package, config)
     except PipelineRunError as exc:
         if not (exc.every_rank and rank != "0"):
             print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
@@ -507,7 +514,7 @@ def main(package: ModuleType, argv: list[str]) -> int:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(
             f"train.py: error: rank {rank} lost contact with another rank, which died or stopped "
-            f"answering within --timeout {args.timeout:g} s ({first[:200]}).{resume_hint}",
+            f"answering within --timeout {config.timeout:g} s ({first[:200]}).{resume_hint}",
             file=sys.stderr,
             flush=True,
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -32,7 +33,47 @@ def num_devices(pipeline: dict) -> int:
     return len({stage["device"] for stage in pipeline["stages"]})
 
 
-def parse_args(argv: list[str], pipeline: dict) -> argparse.Namespace:
+@dataclass(frozen=True)
+class TrainConfig:
+    """train.py's command line, parsed and checked once (see ``parse_config``)."""
+
+    # run
+    steps: int
+    microbatches: int
+    schedule: str
+    dp: int
+    device: str
+    seed: int
+    timeout: float
+    # optimisation
+    optimizer: str
+    lr: float
+    weight_decay: float
+    momentum: float
+    warmup_steps: int
+    lr_decay: str
+    min_lr: float
+    clip_grad_norm: float | None
+    accumulate: int
+    bf16: bool
+    skip_nonfinite: bool
+    recompute: frozenset[int]  # the stages whose activations are recomputed in backward
+    # data and weights
+    data: str | None
+    load: str | None
+    save: str | None
+    # checkpoints
+    checkpoint_dir: str | None
+    checkpoint_every: int
+    keep_checkpoints: int
+    resume: bool
+    resume_from: str | None
+    # metrics
+    log_json: str | None
+    log_every: int
+
+
+def parse_config(argv: list[str], pipeline: dict) -> TrainConfig:
     num_stages, ranks = len(pipeline["stages"]), num_devices(pipeline)
     parser = argparse.ArgumentParser(
         prog="train.py",
@@ -211,11 +252,11 @@ def parse_args(argv: list[str], pipeline: dict) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
     if args.timeout == 0:
         parser.error("--timeout must be > 0 seconds")
-    args.recompute_stages = recompute_stages(parser, args.recompute, pipeline)
+    args.recompute = frozenset(recompute_stages(parser, args.recompute, pipeline))
     problem = schedule_problem(args.schedule, pipeline, args.microbatches)
     if problem:
         parser.error(problem)
-    return args
+    return TrainConfig(**vars(args))
 
 
 def recompute_stages(parser: argparse.ArgumentParser, value: str, pipeline: dict) -> set[int]:

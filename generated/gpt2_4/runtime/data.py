@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .options import TrainConfig
+
 DTYPES = {
     name: getattr(torch, name)
     for name in (
@@ -84,21 +86,21 @@ class Batches:
     """The whole batch of each step: from ``--data`` (a step function or a Dataset factory) or
     synthetic, checked against the pipeline's inputs."""
 
-    def __init__(self, pipeline: dict, args: Any):
+    def __init__(self, pipeline: dict, config: TrainConfig):
         self.pipeline = pipeline
         #: the inputs the first stage takes, in its order; model inputs nothing reads are dropped
         self.names = pipeline["stages"][0]["inputs"]
-        self.microbatches = args.microbatches
-        self.parts = args.accumulate * args.dp  # pipeline runs per step over all replicas
-        self.seed = args.seed
+        self.microbatches = config.microbatches
+        self.parts = config.accumulate * config.dp  # pipeline runs per step over all replicas
+        self.seed = config.seed
         self.fn = self.dataset = None
-        if args.data:
-            fn = load_function(args.data)
+        if config.data:
+            fn = load_function(config.data)
             if _takes_no_arguments(fn):
                 self.dataset = fn()
                 if not isinstance(self.dataset, torch.utils.data.Dataset):
                     raise PipelineRunError(
-                        f"--data {args.data}: a function without arguments must return a "
+                        f"--data {config.data}: a function without arguments must return a "
                         f"torch.utils.data.Dataset, got {type(self.dataset).__name__}"
                     )
             else:
