@@ -394,3 +394,24 @@ def masked_sum_batch_unlike_the_example(step: int, microbatches: int = 4):
     if step == 1:
         x[:, 0] = x[:, 0].abs() + 0.1
     return (x,), {}, target
+
+
+class ThirdPartyInCond(nn.Module):
+    """An operator registered by another module, called in a torch.cond branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 1)
+
+    def forward(self, x):
+        from custom_ops import twice
+
+        h = torch.tanh(self.first(x))
+        h = torch.cond(h.sum() > 0, lambda t: twice(t), lambda t: t - 1, (h,))
+        return self.second(h).squeeze(-1)
+
+
+def third_party_in_cond():
+    torch.manual_seed(0)
+    return ThirdPartyInCond(), (torch.randn(4, 8),)

@@ -9,8 +9,9 @@ import models
 from autopipe.compiler import CompileOptions, compile_spec
 from autopipe.progress import NORMAL, Phases
 from autopipe.spec import load_example
+from autopipe.verify import verify
 
-from conftest import spec
+from conftest import compile_model, spec
 from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
 
 
@@ -60,3 +61,14 @@ def test_an_input_the_model_ignores_is_accepted_and_dropped(tmp_path, capsys):
         models.mse,
     )
     assert_same_training(pipe, ref)
+
+
+def test_an_operator_from_another_module_is_imported_by_its_stage(tmp_path):
+    """Called inside a torch.cond branch, the operator's module still reaches the stage's
+    OPERATORS, which the stage imports when it is built."""
+    compile_model("third_party_in_cond", tmp_path / "pipe", 2)
+    stages = "".join(p.read_text() for p in sorted((tmp_path / "pipe").glob("stage*.py")))
+    assert '"autopipe_test::twice": "custom_ops",' in stages
+    assert "require_operators(OPERATORS)" in stages
+    report = verify(tmp_path / "pipe", load_example(spec("third_party_in_cond")), rtol=0, atol=0)
+    assert report.ok, report.summary()

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 
 from ..artifacts import ARTIFACT_VERSION, dumps, write_error
 from ..errors import ArtifactError, OutputExistsError
-from ..graph import Graph, ParamInfo, Ref, dtype_name
+from ..graph import COND, Graph, ParamInfo, Ref, dtype_name
 from ..partitioning import Partition, default_schedule
 from . import emit
 from .control_flow import branch_functions
@@ -199,10 +200,21 @@ def _memory_formats(graph: Graph, names: list[str]) -> dict[str, str]:
 
 
 def _operators(graph: Graph, nodes: list) -> dict[str, str]:
-    """Operators from outside torch the nodes call ("ns::name") -> the module registering them."""
+    """Operators from outside torch the nodes call, in torch.cond branches too ("ns::name") ->
+    the module registering them."""
     providers = graph.model.get("operators", {})
-    used = {n.target.rsplit(".", 1)[0].replace(".", "::") for n in nodes if n.kind == "call"}
+    used = {n.target.rsplit(".", 1)[0].replace(".", "::") for n in _calls(nodes)}
     return {name: providers[name] for name in sorted(used) if name in providers}
+
+
+def _calls(nodes: list) -> Iterator:
+    for node in nodes:
+        if node.kind != "call":
+            continue
+        yield node
+        if node.target == COND:
+            for branch in node.args[1:3]:
+                yield from _calls(branch.nodes)
 
 
 def _parameter_rows(graph: Graph, plan: StagePlan) -> list[dict[str, Any]]:
