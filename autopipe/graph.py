@@ -98,6 +98,19 @@ class TensorMeta:
         )
 
 
+def value_meta(value: Any) -> Any:
+    """The metadata of a traced value: a :class:`TensorMeta`, a tuple of them (None for
+    non-tensors) for a tuple of values, or None."""
+    if isinstance(value, torch.Tensor):
+        return TensorMeta.of(value, requires_grad=False)
+    if isinstance(value, (list, tuple)):
+        return tuple(
+            TensorMeta.of(v, requires_grad=False) if isinstance(v, torch.Tensor) else None
+            for v in value
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Scope:
     """One level of a node's module scope: the call ``key`` (unique per module call), the module's

@@ -21,23 +21,15 @@ from autopipe.spec import load_example
 from autopipe.tracing.units import unit_workloads
 from autopipe.verify import load_pipeline, verify
 
-from conftest import assert_black_formatted, torchrun
-from pipelines import MICROBATCHES, STEPS, assert_same_training, reference_training
+from conftest import assert_black_formatted, compile_model
+from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
 
 SPECS = "tests/cond_models.py"
 LOSS = f"{SPECS}:mse"
 
 
 def compile_cond(out, stages: int, name: str = "cond_true", **options):
-    result = compile_spec(
-        f"{SPECS}:{name}",
-        out,
-        CompileOptions(stages=stages, **options),
-        loss=LOSS,
-        report=False,
-    )
-    assert_black_formatted(out)
-    return result
+    return compile_model(f"{SPECS}:{name}", out, stages, loss=LOSS, **options)
 
 
 def stage_sources(out) -> str:
@@ -179,37 +171,18 @@ def test_analytic_cost_is_the_more_expensive_branch(tmp_path):
 def test_cond_trains_like_pytorch(tmp_path, schedule, recompute):
     """Microbatches of alternating sign take both branches in every step; with activations
     recomputed in backward too."""
-    out = tmp_path / "pipe"
-    compile_cond(out, 2)
-    example = load_example(f"{SPECS}:cond_true")
-    torch.save(example.model.state_dict(), tmp_path / "init.pt")
-    log, saved = tmp_path / "log.jsonl", tmp_path / "trained.pt"
-    torchrun(
-        out / "train.py",
+    pipe = run_pipeline(
+        tmp_path,
+        f"{SPECS}:cond_true",
         2,
-        "--steps",
-        str(STEPS),
-        "--microbatches",
-        str(MICROBATCHES),
-        "--data",
         f"{SPECS}:cond_batch",
         "--schedule",
         schedule,
         "--recompute",
         recompute,
-        "--optimizer",
-        "adamw",
-        "--lr",
-        "0.001",
-        "--load",
-        str(tmp_path / "init.pt"),
-        "--save",
-        str(saved),
-        "--log-json",
-        str(log),
+        loss=LOSS,
     )
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    pipe = [r["loss"] for r in records], torch.load(saved, weights_only=True)
+    example = load_example(f"{SPECS}:cond_true")
     reference = load_example(f"{SPECS}:cond_true")
     ref = reference_training(
         reference, cond_models.cond_batch, STEPS, "adamw", 1e-3, cond_models.mse

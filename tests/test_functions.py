@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import function_models
-from autopipe.compiler import CompileOptions, compile_spec, load_graph
+from autopipe.compiler import load_graph
 from autopipe.errors import ArtifactError, TraceError
 from autopipe.functions import FUNCTION_TARGET
 from autopipe.graph import Graph, Ref
@@ -22,19 +22,14 @@ from autopipe.spec import load_example
 from autopipe.tracing.export import trace
 from autopipe.verify import verify
 
-from conftest import assert_black_formatted, torchrun
-from pipelines import MICROBATCHES, STEPS, assert_same_training, reference_training
+from conftest import compile_model
+from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
 
 MODELS = "tests/function_models.py"
 
 
 def _compile(name: str, out, stages: int = 2, **options):
-    loss = options.pop("loss", None)
-    result = compile_spec(
-        f"{MODELS}:{name}", out, CompileOptions(stages=stages, **options), loss=loss, report=False
-    )
-    assert_black_formatted(out)
-    return result
+    return compile_model(f"{MODELS}:{name}", out, stages, **options)
 
 
 def _gradients(model, args):
@@ -241,34 +236,18 @@ def test_profiles_run_the_custom_backward():
 def test_training_with_custom_functions_matches_pytorch(tmp_path):
     """train.py on 2 gloo ranks trains exactly as plain PyTorch does with the functions' own
     backwards (in the stages and in the loss): same losses, same weights."""
-    out = tmp_path / "pipe"
-    _compile("function_mlp", out, loss=f"{MODELS}:rounded_mse")
-    assert "class RoundSTE(torch.autograd.Function):" in (out / "loss.py").read_text()
-    example = load_example(f"{MODELS}:function_mlp")
-    torch.save(example.model.state_dict(), tmp_path / "init.pt")
-    log, saved = tmp_path / "log.jsonl", tmp_path / "trained.pt"
-    torchrun(
-        out / "train.py",
+    pipe = run_pipeline(
+        tmp_path,
+        f"{MODELS}:function_mlp",
         2,
-        "--steps",
-        str(STEPS),
-        "--microbatches",
-        str(MICROBATCHES),
-        "--data",
         f"{MODELS}:batch",
         "--optimizer",
         "sgd",
         "--lr",
         "0.1",
-        "--load",
-        str(tmp_path / "init.pt"),
-        "--save",
-        str(saved),
-        "--log-json",
-        str(log),
+        loss=f"{MODELS}:rounded_mse",
     )
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    pipe = [r["loss"] for r in records], torch.load(saved, weights_only=True)
+    assert "class RoundSTE(torch.autograd.Function):" in (tmp_path / "pipe" / "loss.py").read_text()
     ref = reference_training(
         load_example(f"{MODELS}:function_mlp"),
         function_models.batch,

@@ -34,6 +34,7 @@ from ..graph import (
     UnsupportedValue,
     encode_args,
     encode_tensor,
+    value_meta,
 )
 from ..interpreter import resolve_target
 from ..meta import state_as_fake
@@ -639,15 +640,7 @@ def _tensor_meta(node: fx.Node) -> TensorMeta | None:
 
 
 def _value_meta(node: fx.Node) -> Any:
-    value = node.meta.get("val")
-    if isinstance(value, torch.Tensor):
-        return TensorMeta.of(value, requires_grad=False)
-    if isinstance(value, (list, tuple)):
-        return tuple(
-            TensorMeta.of(v, requires_grad=False) if isinstance(v, torch.Tensor) else None
-            for v in value
-        )
-    return None
+    return value_meta(node.meta.get("val"))
 
 
 def _scope(node: fx.Node) -> tuple[Scope, ...]:

@@ -43,6 +43,7 @@ from ..graph import (
     dtype_name,
     encode_args,
     encode_tensor,
+    value_meta,
 )
 from ..mutation import alias_chain, written_values
 
@@ -619,7 +620,7 @@ def _convert(traced: fx.GraphModule, input_names: list[str], qualname: str) -> t
                 kwargs = encode_args(node.kwargs, names)
             except UnsupportedValue as exc:
                 raise _Unrepresentable(f"operator {op} has an argument autopipe cannot hold: {exc}")
-            meta = _meta(value)
+            meta = value_meta(value)
             name = fresh(node.name)
             node_ = Node(name, "call", target=op, args=tuple(args), kwargs=kwargs, meta=meta)
             node_.context = tuple(modes)
@@ -677,17 +678,6 @@ def _switch_mode(node: fx.Node, modes: list[tuple]) -> bool:
             modes.append(("grad", True))
         return True
     return False
-
-
-def _meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return TensorMeta.of(value, requires_grad=False)
-    if isinstance(value, (list, tuple)):
-        return tuple(
-            TensorMeta.of(v, requires_grad=False) if isinstance(v, torch.Tensor) else None
-            for v in value
-        )
-    return None
 
 
 def _live_calls(nodes: list[Node], outputs: list[str]) -> set[str]:
