@@ -38,6 +38,7 @@ from ..graph import (
 )
 from ..interpreter import resolve_target
 from ..meta import state_as_fake
+from ..runtime.data import first_line
 from ..runtime.support import SPECIALISED_SIZE
 from ..spec import Example
 from .functions import custom_functions_captured, refuse_lost_backwards
@@ -247,7 +248,7 @@ def _trace_error(exc: Exception, model: torch.nn.Module) -> TraceError:
         f"{frame.filename}:{frame.lineno}" if frame else f"the forward of {type(model).__name__}"
     )
     code = f"\n    {frame.line.strip()}" if frame and frame.line else ""
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    message = first_line(exc)
     name = type(exc).__name__
     if _is_data_dependent(exc):
         return _data_dependent("control flow", where, code, f"torch.export: {message}")

@@ -36,7 +36,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from .data import DTYPES, Batches, PipelineRunError, tokens_per_sample
+from .data import DTYPES, Batches, PipelineRunError, first_line, tokens_per_sample
 from .guards import (
     RunLock,
     agree,
@@ -511,10 +511,9 @@ def main(package: ModuleType, argv: list[str]) -> int:
             return 2
         if not _lost_peer(exc):
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(
             f"train.py: error: rank {rank} lost contact with another rank, which died or stopped "
-            f"answering within --timeout {config.timeout:g} s ({first[:200]}).{resume_hint}",
+            f"answering within --timeout {config.timeout:g} s ({first_line(exc)[:200]}).{resume_hint}",
             file=sys.stderr,
             flush=True,
         )

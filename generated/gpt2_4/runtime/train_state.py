@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import Checkpoint, CheckpointError, save_safetensors
-from .data import PipelineRunError
+from .data import PipelineRunError, first_line
 from .guards import agree, describe_write_error
 from .parallel import Layout
 from .support import stage_state
@@ -419,8 +419,7 @@ def _load(path: Path, device: torch.device | str) -> dict:
         return torch.load(path, map_location=device, weights_only=True, mmap=True)
     except (OSError, RuntimeError, ValueError, EOFError) as exc:
         raise PipelineRunError(
-            f"{path} cannot be read ({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}); "
-            "the checkpoint is damaged"
+            f"{path} cannot be read ({first_line(exc)}); the checkpoint is damaged"
         ) from None
 
 

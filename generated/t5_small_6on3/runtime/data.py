@@ -46,6 +46,12 @@ class PipelineRunError(RuntimeError):
         self.every_rank = every_rank
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message in one line (its first), or its type's name when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def load_function(spec: str, option: str = "--data") -> Callable:
     """Import ``FILE.py:FN`` or ``package.module:FN``."""
     location, _, name = spec.rpartition(":")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .data import PipelineRunError
+from .data import PipelineRunError, first_line
 
 
 def agree(problem: str | None) -> str | None:
@@ -38,7 +38,7 @@ def agree(problem: str | None) -> str | None:
 
 def describe_write_error(exc: BaseException, where: Path) -> str:
     """A write error in words: torch's writers say 'iostream error' when a disk is full."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = first_line(exc)
     try:
         free = shutil.disk_usage(_existing_ancestor(where)).free
     except OSError:
