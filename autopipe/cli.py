@@ -83,6 +83,12 @@ def _trace_options(parser: argparse.ArgumentParser) -> None:
         help="module classes kept whole in one unit (e.g. GPT2Block)",
     )
     group.add_argument(
+        "--inline-blocks",
+        action="store_true",
+        default=None,
+        help="generate every operator inline in the stages' forward, with no block submodules",
+    )
+    group.add_argument(
         "--loss",
         metavar="FILE.py:FN",
         help="loss FN(output, target) to train with; the model function then returns (model, args, kwargs, target)",

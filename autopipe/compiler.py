@@ -40,6 +40,7 @@ class CompileOptions:
     method: str = DEFAULT_METHOD
     depth: int | None = None
     basic_blocks: tuple[str, ...] = ()
+    inline_blocks: bool = False  # no block submodules: every operator in the stage's forward
     device: str | None = None  # device spec: table name or JSON file
     link: str | None = None
     schedule: str | None = None  # default: 1f1b for one stage per device, auto otherwise
@@ -73,6 +74,8 @@ class CompileOptions:
             raise AutopipeError(
                 f"basic_blocks must be a tuple of class names, got {self.basic_blocks!r}"
             )
+        if not isinstance(self.inline_blocks, bool):
+            raise AutopipeError(f"inline_blocks must be True or False, got {self.inline_blocks!r}")
         if self.link is not None:
             link_bandwidth(self.link)
 
@@ -107,7 +110,11 @@ def trace_step(
     loss: str | Callable | None = None,
 ) -> Graph:
     graph = trace(
-        example, depth=options.depth, basic_blocks=tuple(options.basic_blocks), source=source
+        example,
+        depth=options.depth,
+        basic_blocks=tuple(options.basic_blocks),
+        inline_blocks=options.inline_blocks,
+        source=source,
     )
     if loss is not None:
         loss_fn = load_function(loss, "loss spec") if isinstance(loss, str) else loss

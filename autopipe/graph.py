@@ -744,6 +744,8 @@ def _lint_model(model: Any, where: str) -> None:
         blocks,
         "a list of class names",
     )
+    inline = model.get("inline_blocks", False)
+    require(isinstance(inline, bool), f"{where}model.inline_blocks", inline, "true or false")
     operators = model.get("operators", {})
     require(
         isinstance(operators, dict)

@@ -13,13 +13,13 @@ from torch.nn import functional as F
 BATCH = 2
 
 
-def gpt2():
+def gpt2(layers: int = 3):
     """GPT-2 with tied input embedding and LM head, trained on its own loss (labels)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     config = GPT2Config(
-        n_layer=3,
+        n_layer=layers,
         n_embd=32,
         n_head=4,
         vocab_size=97,
@@ -42,6 +42,12 @@ def gpt2_meta():
     with torch.device("meta"):
         model, args, kwargs = gpt2()
     return model, args, kwargs
+
+
+def gpt2_meta_24():
+    """GPT-2 with 24 layers on the meta device (how long generated code is)."""
+    with torch.device("meta"):
+        return gpt2(layers=24)
 
 
 def gpt2_batch(step: int, microbatches: int = 4):

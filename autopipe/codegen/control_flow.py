@@ -35,15 +35,17 @@ def _function_names(graph: Graph, node: Node) -> tuple[str, str]:
     return f"_cond_true_{index}", f"_cond_false_{index}"
 
 
-def cond_statement(graph: Graph, node: Node, ref: Callable[[Ref], str], indent: int) -> list[str]:
-    """``name = torch.cond(pred, _cond_true_K, _cond_false_K, (operands...))`` as black lays it
-    out at ``indent`` spaces."""
+def cond_statement(
+    graph: Graph, node: Node, ref: Callable[[Ref], str], indent: int, target: str
+) -> list[str]:
+    """``target = torch.cond(pred, _cond_true_K, _cond_false_K, (operands...))`` as black lays
+    it out at ``indent`` spaces."""
     pred, _, _, operands = node.args
     true_name, false_name = _function_names(graph, node)
     values = [ref(o) for o in operands]
     tuple_src = f"({values[0]},)" if len(values) == 1 else f"({', '.join(values)})"
     call = f"torch.cond({ref(pred)}, {true_name}, {false_name}, {tuple_src})"
-    return emit.black_statement(f"{node.name} = {call}", indent)
+    return emit.black_statement(f"{target} = {call}", indent)
 
 
 def branch_functions(graph: Graph, nodes: list[Node], model_class: str) -> list[str]:
@@ -70,7 +72,8 @@ def _function(branch: Graph, name: str, side: str, model_class: str) -> str:
     for constant in constants:
         expression = f"{emit.tensor_expression(branch.constants[constant])}.to(device)"
         lines += [f"    {line}" for line in emit.assignment(constant, expression, None, 4)]
-    body = emit.forward_body(branch, calls, lambda r: r.name, model_class, base=4)
+    label = lambda node: emit.scope_label(node, model_class)  # noqa: E731
+    body = emit.forward_body(branch, calls, lambda r: r.name, label, base=4)
     lines += [f"    {line}" for line in body]
     outputs = branch.outputs
     returned = f"({outputs[0]},)" if len(outputs) == 1 else f"({', '.join(outputs)})"

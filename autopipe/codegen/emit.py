@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable
 
@@ -159,33 +160,69 @@ def tensor_expression(data: dict) -> str:
     return f"torch.tensor({values}, dtype={dtype_src}).reshape({shape})"
 
 
+@dataclass(frozen=True)
+class ModuleCall:
+    """A statement of a forward that calls a submodule: ``targets = module(args)``."""
+
+    label: str  # the module's original scope, for the comment above the call
+    targets: tuple[str, ...]
+    module: str  # ``self.transformer.h[3]``
+    args: tuple[str, ...]
+
+    def statement(self, indent: int) -> list[str]:
+        call = f"{self.module}({', '.join(self.args)})"
+        if len(self.targets) == 1:
+            return assignment(self.targets[0], self.module, list(self.args), indent)
+        if not self.targets:
+            return black_statement(call, indent)
+        return black_statement(f"{', '.join(self.targets)} = {call}", indent)
+
+
 def forward_body(
-    graph: Graph, nodes: list[Node], ref: Callable[[Ref], str], model_class: str, base: int = 8
+    graph: Graph,
+    items: list[Node | ModuleCall],
+    ref: Callable[[Ref], str],
+    label: Callable[[Node], str],
+    base: int = 8,
+    target: Callable[[str], str] = str,
 ) -> list[str]:
-    """Source lines of a forward pass over ``nodes`` (to be indented by ``base``), commented with
-    their module scopes and wrapped in the grad / autocast modes they were traced under."""
+    """Source lines of a forward pass over ``items`` (to be indented by ``base``): operators
+    assigned to ``target(node.name)``, commented with ``label(node)`` (their module scope) and
+    wrapped in the grad / autocast modes they were traced under, and submodule calls."""
     lines: list[str] = []
-    label = None
+    current = None
     context: tuple = ()
     indent = ""
-    for node in nodes:
-        node_label = node.scope_label or f"{model_class} (model)"
+    for item in items:
+        if isinstance(item, ModuleCall):
+            context, indent = (), ""
+            lines.append(f"# {item.label}")
+            lines.extend(item.statement(base))
+            current = None
+            continue
+        node = item
         if node.context != context:
             context = node.context
             indent = "    " if context else ""
             if context:
                 lines.append(f"with {context_managers(context)}:")
-            label = None
-        if node_label != label:
+            current = None
+        node_label = label(node)
+        if node_label != current:
             lines.append(f"{indent}# {node_label}")
-            label = node_label
+            current = node_label
         if node.target == COND:  # torch.cond(pred, branch functions, operands)
             from .control_flow import cond_statement
 
-            statement = cond_statement(graph, node, ref, base + len(indent))
+            statement = cond_statement(graph, node, ref, base + len(indent), target(node.name))
         else:
             fn, args = operator_call(node, ref)
             call_args = args if node.target != "getitem" else None
-            statement = assignment(node.name, fn, call_args, base + len(indent))
+            statement = assignment(target(node.name), fn, call_args, base + len(indent))
         lines.extend(indent + line for line in statement)
     return lines
+
+
+def scope_label(node: Node, model_class: str) -> str:
+    """``fqn (Class)`` of a node's innermost module; ``Model (model)`` for the model's own code."""
+    return node.scope_label or f"{model_class} (model)"

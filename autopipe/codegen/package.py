@@ -19,11 +19,21 @@ import torch
 
 from ..artifacts import ARTIFACT_VERSION, dumps, write_error
 from ..errors import ArtifactError, OutputExistsError
-from ..graph import COND, Graph, ParamInfo, Ref, dtype_name
+from ..graph import COND, Graph, Node, ParamInfo, Ref, dtype_name
 from ..partitioning import Partition, default_schedule
 from . import emit
+from ..tracing.blocks import block_calls
+from .blocks import (
+    Submodule,
+    call_statement,
+    class_definition,
+    class_source,
+    name_classes,
+    stage_submodules,
+)
 from .control_flow import branch_functions
 from .functions import function_classes
+from .names import value_names
 from .plan import StagePlan, plan_stages
 
 TEMPLATES = Path(str(importlib.resources.files("autopipe.templates")))
@@ -96,14 +106,47 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
         "num_devices": len(set(device_of_stage)),
         "stage_classes": [f"Stage{plan.index}" for plan in plans],
     }
+    calls = block_calls(graph)
+    submodules = {
+        plan.index: stage_submodules(graph, plan.nodes, plan.state_names, calls) for plan in plans
+    }
+    every = [sub for plan in plans for sub in submodules[plan.index]]
+    boundary = [name for plan in plans for name in plan.inputs + plan.outputs]
+    names = value_names(graph, [(sub.fqn, sub.outputs) for sub in every], boundary)
+    rows = {}  # stage -> its own (parameter rows, buffer rows); its blocks hold the rest
+    for plan in plans:
+        parameters, buffers = _parameter_rows(graph, plan), _buffer_rows(graph, plan)
+        for sub in submodules[plan.index]:
+            own = [_relative(row, sub.fqn) for row in parameters], [
+                _relative(row, sub.fqn) for row in buffers
+            ]
+            sub.source = class_source(graph, sub, plan.state_names, *map(_present, own))
+        rows[plan.index] = tuple(
+            [
+                row
+                for row in table
+                if not any(_inside(row, sub.fqn) for sub in submodules[plan.index])
+            ]
+            for table in (parameters, buffers)
+        )
+    classes = name_classes(every)
     bodies: dict[str, list[str]] = {}
     sources: dict[str, str] = {}
     for plan in plans:
-        context = _stage_context(graph, plan, model_class)
+        context = _stage_context(graph, plan, model_class, submodules[plan.index], names)
+        context["parameters"], context["buffers"] = rows[plan.index]
         context["functions"] = [*function_classes(graph, plan.nodes), *context["functions"]]
         bodies[f"stage{plan.index}.py"] = context.pop("body")
         sources[f"stage{plan.index}.py"] = render(
             "stage.py.j2", **common, **context, body=[BODY_MARKER]
+        )
+    if classes:
+        definitions = [
+            class_definition(name, first, [s.fqn for s in every if s.class_name == name])
+            for name, first in classes
+        ]
+        sources["blocks.py"] = render(
+            "blocks.py.j2", **common, classes=definitions, example=every[0].fqn
         )
     sources["__init__.py"] = render(
         "__init__.py.j2", **common, modules=sorted(set(graph.model.get("operators", {}).values()))
@@ -123,7 +166,7 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
             f"        {BODY_MARKER}\n",
             "".join(f"        {line}\n" if line else "\n" for line in body),
         )
-    files["pipeline.json"] = dumps(pipeline_description(graph, plans, part))
+    files["pipeline.json"] = dumps(pipeline_description(graph, plans, part, names))
     for module in RUNTIME_MODULES:
         files[f"runtime/{module}"] = (RUNTIME / module).read_text(encoding="utf-8")
     return files
@@ -138,17 +181,29 @@ def _loss_context(loss: Graph, model_class: str) -> dict[str, Any]:
     ]
     return {
         "inputs": loss.inputs,
-        "body": constant_lines + emit.forward_body(loss, calls, lambda r: r.name, "loss function"),
+        "body": constant_lines
+        + emit.forward_body(
+            loss, calls, lambda r: r.name, lambda node: emit.scope_label(node, "loss function")
+        ),
         "output": loss.outputs[0],
         "uses_device": emit.uses_device(calls) or bool(constant_lines),
     }
 
 
-def _stage_context(graph: Graph, plan: StagePlan, model_class: str) -> dict[str, Any]:
+def _stage_context(
+    graph: Graph,
+    plan: StagePlan,
+    model_class: str,
+    submodules: list[Submodule],
+    names: dict[str, str],
+) -> dict[str, Any]:
     state_refs = {name: emit.attribute_path(held) for name, held in plan.state_names.items()}
 
+    def rename(name: str) -> str:
+        return names.get(name, name)
+
     def ref(r: Ref) -> str:
-        return state_refs.get(r.name, r.name)
+        return state_refs.get(r.name) or rename(r.name)
 
     used_constants = dict.fromkeys(
         src for node in plan.nodes for src in node.inputs if graph[src].kind == "constant"
@@ -160,8 +215,18 @@ def _stage_context(graph: Graph, plan: StagePlan, model_class: str) -> dict[str,
             name, f"{emit.tensor_expression(graph.constants[name])}.to(device)", None, 8
         )
     ]
-    body = constant_lines + emit.forward_body(graph, plan.nodes, ref, model_class)
+    calls = {sub.call.nodes[0]: sub for sub in submodules}
+    inside = {name for sub in submodules for name in sub.call.nodes}
+    items: list[Node | emit.ModuleCall] = []
+    for node in plan.nodes:
+        if node.name in calls:
+            items.append(call_statement(calls[node.name], lambda n: ref(Ref(n)), rename))
+        elif node.name not in inside:
+            items.append(node)
+    label = lambda node: emit.scope_label(node, model_class)  # noqa: E731
+    body = constant_lines + emit.forward_body(graph, items, ref, label, target=rename)
     produced = {n.name for n in plan.nodes}
+    operators = _operators(graph, plan.nodes)
     first, final = plan.nodes[0], plan.nodes[-1]
     summary = (
         f"{len(plan.nodes)} operators, from {first.scope_label or model_class} "
@@ -169,15 +234,24 @@ def _stage_context(graph: Graph, plan: StagePlan, model_class: str) -> dict[str,
     )
     return {
         "stage": plan,
+        "inputs": [rename(n) for n in plan.inputs],
+        "outputs": [rename(n) for n in plan.outputs],
+        "cloned_inputs": [rename(n) for n in plan.cloned_inputs],
         "summary": summary,
-        "parameters": _parameter_rows(graph, plan),
-        "buffers": _buffer_rows(graph, plan),
         "body": body,
-        "returns": [f"{n}.contiguous()" if n in produced else n for n in plan.outputs],
-        "operators": _operators(graph, plan.nodes),
+        "returns": [
+            f"{rename(n)}.contiguous()" if n in produced else rename(n) for n in plan.outputs
+        ],
+        "operators": operators,
         "functions": branch_functions(graph, plan.nodes, model_class),  # of torch.cond
-        "formats": _memory_formats(graph, plan.inputs),
+        "formats": {rename(n): f for n, f in _memory_formats(graph, plan.inputs).items()},
         "uses_device": emit.uses_device(plan.nodes) or bool(constant_lines),
+        "blocks": [(sub.fqn, sub.class_name) for sub in submodules],
+        "support": sorted(
+            ["build_state", "init_state"]
+            + (["add_submodule"] if submodules else [])
+            + (["require_operators"] if operators else [])
+        ),
     }
 
 
@@ -215,6 +289,19 @@ def _calls(nodes: list) -> Iterator:
         if node.target == COND:
             for branch in node.args[1:3]:
                 yield from _calls(branch.nodes)
+
+
+def _inside(row: dict[str, Any], fqn: str) -> bool:
+    return row["name"].startswith(fqn + ".")
+
+
+def _relative(row: dict[str, Any], fqn: str) -> dict[str, Any] | None:
+    """A state row of the block ``fqn`` under its name within the block, or None."""
+    return {**row, "name": row["name"].removeprefix(fqn + ".")} if _inside(row, fqn) else None
+
+
+def _present(rows: list) -> list:
+    return [row for row in rows if row is not None]
 
 
 def _parameter_rows(graph: Graph, plan: StagePlan) -> list[dict[str, Any]]:
@@ -270,15 +357,18 @@ def _init_rule(name: str, info: ParamInfo) -> str:
     return "normal:0.02" if name == canonical else f"normal:0.02:{canonical}"
 
 
-def pipeline_description(graph: Graph, plans: list[StagePlan], part: Partition) -> dict[str, Any]:
-    """The JSON-compatible ``PIPELINE`` dict of a generated package."""
-    names = dict.fromkeys(
+def pipeline_description(
+    graph: Graph, plans: list[StagePlan], part: Partition, names: dict[str, str]
+) -> dict[str, Any]:
+    """The JSON-compatible ``PIPELINE`` dict of a generated package (values under their
+    generated ``names``)."""
+    exchanged = dict.fromkeys(
         graph.inputs + [n for p in plans for n in p.inputs + p.outputs] + graph.outputs
     )
     values = {}
-    for name in names:
+    for name in exchanged:
         meta = graph[name].tensor_meta
-        values[name] = {
+        values[names.get(name, name)] = {
             "shape": list(meta.shape),
             "dtype": dtype_name(meta.dtype),
             "requires_grad": meta.requires_grad,
@@ -307,8 +397,8 @@ def pipeline_description(graph: Graph, plans: list[StagePlan], part: Partition) 
         "outputs": graph.outputs,
         "stages": [
             {
-                "inputs": p.inputs,
-                "outputs": p.outputs,
+                "inputs": [names.get(n, n) for n in p.inputs],
+                "outputs": [names.get(n, n) for n in p.outputs],
                 "device": p.device,
                 "module": f"stage{p.index}",
                 "recompute": p.index in part.recompute,

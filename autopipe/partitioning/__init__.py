@@ -18,6 +18,7 @@ from ..errors import DeviceMemoryError, PartitionError
 from ..graph import Graph
 from ..profiling.profile import Profile
 from .acyclic import solve_acyclic
+from .blocks import align_to_blocks
 from .cost import CostModel, Prediction
 from .dp import solve_contiguous
 from .metis import solve_metis
@@ -130,12 +131,13 @@ def partition(
     except DeviceMemoryError:  # recomputation may make room: search as if every stage did
         recomputing = model.assuming_recomputation()
         stage_of_unit, device_of_stage = solve(recomputing, num_stages, num_devices, placement)
+    schedule = schedule or default_schedule(device_of_stage)
+    stage_of_unit = align_to_blocks(model, stage_of_unit, device_of_stage, schedule)
     model.check_monotone(stage_of_unit)
     if sorted(set(stage_of_unit)) != list(range(num_stages)):
         raise PartitionError(
             f"method {method} did not produce {num_stages} non-empty stages (a bug: please report)"
         )
-    schedule = schedule or default_schedule(device_of_stage)
     recompute, prediction = plan_recompute(model, stage_of_unit, device_of_stage, schedule)
     costs = model.pipeline_costs(stage_of_unit, device_of_stage, recompute)
     return Partition(

@@ -33,12 +33,29 @@ def require_operators(operators: dict[str, str]) -> None:
             ) from None
 
 
-class ModuleScope(nn.Module):
-    """Stands for one module of the original model, so that a stage's parameters keep their
-    original fully-qualified names. ``scope[0]`` reaches a child named ``"0"``."""
+class IndexedModule(nn.Module):
+    """A module whose children named ``"0"``, ``"1"`` ... are reached as ``module[0]``."""
 
     def __getitem__(self, key) -> nn.Module:
         return self._modules[str(key)]
+
+
+class ModuleScope(IndexedModule):
+    """Stands for a module of the original model that the stage does not call, so that the
+    stage's parameters keep their original fully-qualified names."""
+
+
+class Block(IndexedModule):
+    """Base class of the generated block classes (blocks.py): a block of the original model,
+    called by the stage, holding its parameters and buffers (``PARAMETERS`` / ``BUFFERS``,
+    named within the block)."""
+
+    PARAMETERS: dict = {}
+    BUFFERS: dict = {}
+
+    def __init__(self, device="cpu", meta_state: bool = False):
+        super().__init__()
+        build_state(self, self.PARAMETERS, self.BUFFERS, device, meta_state)
 
 
 def _parent(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -71,7 +88,7 @@ def build_state(
     for name, (shape, dtype, persistent, rule) in buffers.items():
         parent, leaf = _parent(root, name)
         if isinstance(rule, torch.Tensor):
-            tensor = rule.to(device)
+            tensor = rule.to(device, copy=True)  # never shared between stages or blocks
         else:
             tensor = torch.empty(shape, dtype=dtype, device=state_device)
         parent.register_buffer(leaf, tensor, persistent=persistent)
@@ -79,17 +96,24 @@ def build_state(
 
 @torch.no_grad()
 def init_state(root: nn.Module, parameters: dict, buffers: dict, seed: int = 0) -> None:
-    """Initialise a stage deterministically: every tensor is drawn from a generator seeded by
-    ``seed`` and its name, so a parameter gets the same values whatever the partition.
+    """Initialise a stage and its blocks deterministically: every tensor is drawn from a
+    generator seeded by ``seed`` and its full name, so a parameter gets the same values whatever
+    the partition.
 
     This is autopipe's generic initialisation (normal(0, 0.02) weights, zero biases, unit norm
     scales), not the model's own: load a checkpoint of the original model to start from that.
     """
-    for name, (_shape, _dtype, _requires_grad, rule) in parameters.items():
-        _fill(root.get_parameter(name), rule, seed, name)
-    for name, (_shape, _dtype, _persistent, rule) in buffers.items():
-        if isinstance(rule, str):
-            _fill(root.get_buffer(name), rule, seed, name)
+    tables = [("", root, parameters, buffers)] + [
+        (f"{fqn}.", block, block.PARAMETERS, block.BUFFERS)
+        for fqn, block in root.named_modules()
+        if isinstance(block, Block)
+    ]
+    for prefix, module, parameters, buffers in tables:
+        for name, (_shape, _dtype, _requires_grad, rule) in parameters.items():
+            _fill(module.get_parameter(name), rule, seed, prefix + name)
+        for name, (_shape, _dtype, _persistent, rule) in buffers.items():
+            if isinstance(rule, str):
+                _fill(module.get_buffer(name), rule, seed, prefix + name)
 
 
 def _fill(tensor: torch.Tensor, rule: str, seed: int, name: str) -> None:
@@ -123,3 +147,10 @@ def stage_state(
             raise KeyError(key)
         own[key] = state[found]
     return own
+
+
+def add_submodule(root: nn.Module, fqn: str, module: nn.Module) -> None:
+    """Place ``module`` at the fully-qualified name ``fqn`` under ``root`` (a block of the
+    original model at its original name: ``transformer.h.3``)."""
+    parent, leaf = _parent(root, fqn)
+    parent.add_module(leaf, module)

@@ -68,12 +68,14 @@ def trace(
     *,
     depth: int | None = None,
     basic_blocks: tuple[str, ...] = (),
+    inline_blocks: bool = False,
     source: str | None = None,
 ) -> Graph:
     """Trace ``example.model`` on its example microbatch into a :class:`Graph`.
 
     The model is traced in training mode (that is the graph a pipeline trains); ``depth`` and
-    ``basic_blocks`` decide how nodes are grouped into units.
+    ``basic_blocks`` decide how nodes are grouped into units; ``basic_blocks`` and
+    ``inline_blocks`` which module calls stages hold as submodules (autopipe/tracing/blocks.py).
     """
     model = example.model
     on_meta = any(t.is_meta for t in _state_tensors(model))
@@ -117,6 +119,7 @@ def trace(
             "input_ranges": {k: v for k, v in input_ranges.items() if k in converter.inputs},
             "depth": depth,
             "basic_blocks": list(basic_blocks),
+            "inline_blocks": inline_blocks,
             "operators": dict(sorted(converter.operators.items())),
         },
         functions=functions.definitions(nodes),

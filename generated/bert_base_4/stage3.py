@@ -9,104 +9,13 @@ Generated code: regenerate it rather than editing it (`autopipe verify` reports 
 import torch
 from torch import nn
 
-from .runtime.support import build_state, init_state
+from .blocks import BertLayer
+from .runtime.support import add_submodule, build_state, init_state
 
 aten = torch.ops.aten
 
 #: Parameters of this stage: original name -> (shape, dtype, requires_grad, initialisation).
 PARAMETERS = {
-    "bert.encoder.layer.10.attention.output.LayerNorm.bias": ((768,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.10.attention.output.LayerNorm.weight": (
-        (768,),
-        torch.float32,
-        True,
-        "ones",
-    ),
-    "bert.encoder.layer.10.attention.output.dense.bias": ((768,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.10.attention.output.dense.weight": (
-        (768, 768),
-        torch.float32,
-        True,
-        "normal:0.02",
-    ),
-    "bert.encoder.layer.10.attention.self.key.bias": ((768,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.10.attention.self.key.weight": (
-        (768, 768),
-        torch.float32,
-        True,
-        "normal:0.02",
-    ),
-    "bert.encoder.layer.10.attention.self.query.bias": ((768,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.10.attention.self.query.weight": (
-        (768, 768),
-        torch.float32,
-        True,
-        "normal:0.02",
-    ),
-    "bert.encoder.layer.10.attention.self.value.bias": ((768,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.10.attention.self.value.weight": (
-        (768, 768),
-        torch.float32,
-        True,
-        "normal:0.02",
-    ),
-    "bert.encoder.layer.10.intermediate.dense.bias": ((3072,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.10.intermediate.dense.weight": (
-        (3072, 768),
-        torch.float32,
-        True,
-        "normal:0.02",
-    ),
-    "bert.encoder.layer.10.output.LayerNorm.bias": ((768,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.10.output.LayerNorm.weight": ((768,), torch.float32, True, "ones"),
-    "bert.encoder.layer.10.output.dense.bias": ((768,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.10.output.dense.weight": ((768, 3072), torch.float32, True, "normal:0.02"),
-    "bert.encoder.layer.11.attention.output.LayerNorm.bias": ((768,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.11.attention.output.LayerNorm.weight": (
-        (768,),
-        torch.float32,
-        True,
-        "ones",
-    ),
-    "bert.encoder.layer.11.attention.output.dense.bias": ((768,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.11.attention.output.dense.weight": (
-        (768, 768),
-        torch.float32,
-        True,
-        "normal:0.02",
-    ),
-    "bert.encoder.layer.11.attention.self.key.bias": ((768,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.11.attention.self.key.weight": (
-        (768, 768),
-        torch.float32,
-        True,
-        "normal:0.02",
-    ),
-    "bert.encoder.layer.11.attention.self.query.bias": ((768,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.11.attention.self.query.weight": (
-        (768, 768),
-        torch.float32,
-        True,
-        "normal:0.02",
-    ),
-    "bert.encoder.layer.11.attention.self.value.bias": ((768,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.11.attention.self.value.weight": (
-        (768, 768),
-        torch.float32,
-        True,
-        "normal:0.02",
-    ),
-    "bert.encoder.layer.11.intermediate.dense.bias": ((3072,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.11.intermediate.dense.weight": (
-        (3072, 768),
-        torch.float32,
-        True,
-        "normal:0.02",
-    ),
-    "bert.encoder.layer.11.output.LayerNorm.bias": ((768,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.11.output.LayerNorm.weight": ((768,), torch.float32, True, "ones"),
-    "bert.encoder.layer.11.output.dense.bias": ((768,), torch.float32, True, "zeros"),
-    "bert.encoder.layer.11.output.dense.weight": ((768, 3072), torch.float32, True, "normal:0.02"),
     "cls.predictions.decoder.bias": ((30522,), torch.float32, True, "zeros"),
     "cls.predictions.decoder.weight": (
         (30522, 768),
@@ -128,179 +37,30 @@ class Stage3(nn.Module):
     """Stage 3: 55 operators, from bert.encoder.layer.10.attention.self.query (Linear) to BertForMaskedLM."""
 
     #: Names of the values this stage takes and returns, in order (see PIPELINE["values"]).
-    inputs = ("labels", "expand_2", "layer_norm_20")
+    inputs = ("labels", "bert_expand", "bert_encoder_layer_9_out")
     outputs = ("loss", "logits")
 
     def __init__(self, device="cpu", init=True, seed=0, meta_state=False):
         super().__init__()
+        # blocks, as submodules at their original names (classes in blocks.py)
+        add_submodule(self, "bert.encoder.layer.10", BertLayer(device, meta_state))
+        add_submodule(self, "bert.encoder.layer.11", BertLayer(device, meta_state))
         build_state(self, PARAMETERS, BUFFERS, device, meta_state)
         if init and not meta_state:
             init_state(self, PARAMETERS, BUFFERS, seed)
 
-    def forward(self, labels, expand_2, layer_norm_20):
-        # bert.encoder.layer.10.attention.self.query (Linear)
-        linear_60 = aten.linear.default(
-            layer_norm_20,
-            self.bert.encoder.layer[10].attention.self.query.weight,
-            self.bert.encoder.layer[10].attention.self.query.bias,
+    def forward(self, labels, bert_expand, bert_encoder_layer_9_out):
+        # bert.encoder.layer.10 (BertLayer)
+        bert_encoder_layer_10_out = self.bert.encoder.layer[10](
+            bert_encoder_layer_9_out, bert_expand
         )
-        # bert.encoder.layer.10.attention.self (BertSelfAttention)
-        view_30 = aten.view.default(linear_60, [8, 128, -1, 64])
-        transpose_40 = aten.transpose.int(view_30, 1, 2)
-        # bert.encoder.layer.10.attention.self.key (Linear)
-        linear_61 = aten.linear.default(
-            layer_norm_20,
-            self.bert.encoder.layer[10].attention.self.key.weight,
-            self.bert.encoder.layer[10].attention.self.key.bias,
-        )
-        # bert.encoder.layer.10.attention.self (BertSelfAttention)
-        view_31 = aten.view.default(linear_61, [8, 128, -1, 64])
-        transpose_41 = aten.transpose.int(view_31, 1, 2)
-        # bert.encoder.layer.10.attention.self.value (Linear)
-        linear_62 = aten.linear.default(
-            layer_norm_20,
-            self.bert.encoder.layer[10].attention.self.value.weight,
-            self.bert.encoder.layer[10].attention.self.value.bias,
-        )
-        # bert.encoder.layer.10.attention.self (BertSelfAttention)
-        view_32 = aten.view.default(linear_62, [8, 128, -1, 64])
-        transpose_42 = aten.transpose.int(view_32, 1, 2)
-        scaled_dot_product_attention_10 = aten.scaled_dot_product_attention.default(
-            transpose_40, transpose_41, transpose_42, expand_2, 0.1, scale=0.125
-        )
-        reshape_20 = aten.reshape.default(scaled_dot_product_attention_10, [8, -1, 128, 64])
-        transpose_43 = aten.transpose.int(reshape_20, 1, 2)
-        contiguous_10 = aten.contiguous.default(transpose_43)
-        reshape_21 = aten.reshape.default(contiguous_10, [8, 128, -1])
-        # bert.encoder.layer.10.attention.output.dense (Linear)
-        linear_63 = aten.linear.default(
-            reshape_21,
-            self.bert.encoder.layer[10].attention.output.dense.weight,
-            self.bert.encoder.layer[10].attention.output.dense.bias,
-        )
-        # bert.encoder.layer.10.attention.output.dropout (Dropout)
-        dropout_21 = aten.dropout.default(linear_63, 0.1, True)
-        # bert.encoder.layer.10.attention.output (BertSelfOutput)
-        add_24 = aten.add.Tensor(dropout_21, layer_norm_20)
-        # bert.encoder.layer.10.attention.output.LayerNorm (LayerNorm)
-        layer_norm_21 = aten.layer_norm.default(
-            add_24,
-            [768],
-            self.bert.encoder.layer[10].attention.output.LayerNorm.weight,
-            self.bert.encoder.layer[10].attention.output.LayerNorm.bias,
-            1e-12,
-            False,
-        )
-        # bert.encoder.layer.10.intermediate.dense (Linear)
-        linear_64 = aten.linear.default(
-            layer_norm_21,
-            self.bert.encoder.layer[10].intermediate.dense.weight,
-            self.bert.encoder.layer[10].intermediate.dense.bias,
-        )
-        # bert.encoder.layer.10.intermediate.intermediate_act_fn (GELUActivation)
-        gelu_10 = aten.gelu.default(linear_64)
-        # bert.encoder.layer.10.output.dense (Linear)
-        linear_65 = aten.linear.default(
-            gelu_10,
-            self.bert.encoder.layer[10].output.dense.weight,
-            self.bert.encoder.layer[10].output.dense.bias,
-        )
-        # bert.encoder.layer.10.output.dropout (Dropout)
-        dropout_22 = aten.dropout.default(linear_65, 0.1, True)
-        # bert.encoder.layer.10.output (BertOutput)
-        add_25 = aten.add.Tensor(dropout_22, layer_norm_21)
-        # bert.encoder.layer.10.output.LayerNorm (LayerNorm)
-        layer_norm_22 = aten.layer_norm.default(
-            add_25,
-            [768],
-            self.bert.encoder.layer[10].output.LayerNorm.weight,
-            self.bert.encoder.layer[10].output.LayerNorm.bias,
-            1e-12,
-            False,
-        )
-        # bert.encoder.layer.11.attention.self.query (Linear)
-        linear_66 = aten.linear.default(
-            layer_norm_22,
-            self.bert.encoder.layer[11].attention.self.query.weight,
-            self.bert.encoder.layer[11].attention.self.query.bias,
-        )
-        # bert.encoder.layer.11.attention.self (BertSelfAttention)
-        view_33 = aten.view.default(linear_66, [8, 128, -1, 64])
-        transpose_44 = aten.transpose.int(view_33, 1, 2)
-        # bert.encoder.layer.11.attention.self.key (Linear)
-        linear_67 = aten.linear.default(
-            layer_norm_22,
-            self.bert.encoder.layer[11].attention.self.key.weight,
-            self.bert.encoder.layer[11].attention.self.key.bias,
-        )
-        # bert.encoder.layer.11.attention.self (BertSelfAttention)
-        view_34 = aten.view.default(linear_67, [8, 128, -1, 64])
-        transpose_45 = aten.transpose.int(view_34, 1, 2)
-        # bert.encoder.layer.11.attention.self.value (Linear)
-        linear_68 = aten.linear.default(
-            layer_norm_22,
-            self.bert.encoder.layer[11].attention.self.value.weight,
-            self.bert.encoder.layer[11].attention.self.value.bias,
-        )
-        # bert.encoder.layer.11.attention.self (BertSelfAttention)
-        view_35 = aten.view.default(linear_68, [8, 128, -1, 64])
-        transpose_46 = aten.transpose.int(view_35, 1, 2)
-        scaled_dot_product_attention_11 = aten.scaled_dot_product_attention.default(
-            transpose_44, transpose_45, transpose_46, expand_2, 0.1, scale=0.125
-        )
-        reshape_22 = aten.reshape.default(scaled_dot_product_attention_11, [8, -1, 128, 64])
-        transpose_47 = aten.transpose.int(reshape_22, 1, 2)
-        contiguous_11 = aten.contiguous.default(transpose_47)
-        reshape_23 = aten.reshape.default(contiguous_11, [8, 128, -1])
-        # bert.encoder.layer.11.attention.output.dense (Linear)
-        linear_69 = aten.linear.default(
-            reshape_23,
-            self.bert.encoder.layer[11].attention.output.dense.weight,
-            self.bert.encoder.layer[11].attention.output.dense.bias,
-        )
-        # bert.encoder.layer.11.attention.output.dropout (Dropout)
-        dropout_23 = aten.dropout.default(linear_69, 0.1, True)
-        # bert.encoder.layer.11.attention.output (BertSelfOutput)
-        add_26 = aten.add.Tensor(dropout_23, layer_norm_22)
-        # bert.encoder.layer.11.attention.output.LayerNorm (LayerNorm)
-        layer_norm_23 = aten.layer_norm.default(
-            add_26,
-            [768],
-            self.bert.encoder.layer[11].attention.output.LayerNorm.weight,
-            self.bert.encoder.layer[11].attention.output.LayerNorm.bias,
-            1e-12,
-            False,
-        )
-        # bert.encoder.layer.11.intermediate.dense (Linear)
-        linear_70 = aten.linear.default(
-            layer_norm_23,
-            self.bert.encoder.layer[11].intermediate.dense.weight,
-            self.bert.encoder.layer[11].intermediate.dense.bias,
-        )
-        # bert.encoder.layer.11.intermediate.intermediate_act_fn (GELUActivation)
-        gelu_11 = aten.gelu.default(linear_70)
-        # bert.encoder.layer.11.output.dense (Linear)
-        linear_71 = aten.linear.default(
-            gelu_11,
-            self.bert.encoder.layer[11].output.dense.weight,
-            self.bert.encoder.layer[11].output.dense.bias,
-        )
-        # bert.encoder.layer.11.output.dropout (Dropout)
-        dropout_24 = aten.dropout.default(linear_71, 0.1, True)
-        # bert.encoder.layer.11.output (BertOutput)
-        add_27 = aten.add.Tensor(dropout_24, layer_norm_23)
-        # bert.encoder.layer.11.output.LayerNorm (LayerNorm)
-        layer_norm_24 = aten.layer_norm.default(
-            add_27,
-            [768],
-            self.bert.encoder.layer[11].output.LayerNorm.weight,
-            self.bert.encoder.layer[11].output.LayerNorm.bias,
-            1e-12,
-            False,
+        # bert.encoder.layer.11 (BertLayer)
+        bert_encoder_layer_11_out = self.bert.encoder.layer[11](
+            bert_encoder_layer_10_out, bert_expand
         )
         # cls.predictions.transform.dense (Linear)
         linear_72 = aten.linear.default(
-            layer_norm_24,
+            bert_encoder_layer_11_out,
             self.cls.predictions.transform.dense.weight,
             self.cls.predictions.transform.dense.bias,
         )

@@ -1,0 +1,51 @@
+"""Stage boundaries at block boundaries: a stage holds a block whole (as a submodule it can
+shard, recompute or compile, see autopipe/codegen/blocks.py) unless splitting it pays."""
+
+from __future__ import annotations
+
+from ..tracing.blocks import block_calls
+from .cost import CostModel
+
+#: a boundary inside a block moves to a block boundary when that makes the predicted step at
+#: most this much slower
+TOLERANCE = 0.10
+
+
+def align_to_blocks(
+    model: CostModel, stage_of_unit: list[int], device_of_stage: list[int], schedule: str
+) -> list[int]:
+    """``stage_of_unit`` with every block cut by a stage boundary moved whole into one of the
+    stages it spans (the one predicting the fastest step), where the order stays valid, no stage
+    empties, no device runs out of memory that did not before, and the step is at most
+    ``TOLERANCE`` slower than the given assignment's."""
+    graph = model.graph
+    stage_of_unit = list(stage_of_unit)
+    num_stages = max(stage_of_unit) + 1
+    base = model.evaluate(stage_of_unit, device_of_stage, schedule)
+    limit = base.step_time * (1 + TOLERANCE)
+    capacity = model.device.memory
+    fits = [m <= capacity for m in base.device_memory]
+    for call in block_calls(graph):
+        units = sorted({graph[name].unit for name in call.nodes})
+        spanned = sorted({stage_of_unit[u] for u in units})
+        if len(spanned) < 2:
+            continue
+        best = None
+        for stage in spanned:
+            candidate = list(stage_of_unit)
+            for unit in units:
+                candidate[unit] = stage
+            if len(set(candidate)) < num_stages or not _ordered(model, candidate):
+                continue
+            prediction = model.evaluate(candidate, device_of_stage, schedule)
+            room = all(m <= capacity or not ok for m, ok in zip(prediction.device_memory, fits))
+            if room and prediction.step_time <= limit:
+                if best is None or prediction.step_time < best[0]:
+                    best = (prediction.step_time, candidate)
+        if best is not None:
+            stage_of_unit = best[1]
+    return stage_of_unit
+
+
+def _ordered(model: CostModel, stage_of_unit: list[int]) -> bool:
+    return all(stage_of_unit[u] <= stage_of_unit[v] for u, v in model.dag.edges)
