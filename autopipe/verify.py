@@ -21,7 +21,8 @@ from torch.utils import _pytree as pytree
 from .checks import check_tolerance
 from .codegen import edited_files
 from .codegen.package import MANIFEST
-from .errors import AutopipeError, VerificationError
+from .errors import ArtifactError, AutopipeError, VerificationError
+from .runtime.pipeline import Pipeline, PipelineFormatError, Stage
 from .runtime.support import stage_state
 from .spec import Example
 
@@ -105,7 +106,10 @@ def verify(
     check_tolerance(rtol, "--rtol")
     check_tolerance(atol, "--atol")
     package = load_pipeline(path)
-    pipeline = package.PIPELINE
+    try:
+        pipeline = Pipeline.from_json(package.PIPELINE)
+    except PipelineFormatError as exc:
+        raise ArtifactError(f"{Path(path) / 'pipeline.json'}: {exc}") from None
     model = example.model
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         raise AutopipeError(
@@ -114,10 +118,10 @@ def verify(
     model.train()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     stages = []
-    for i in range(len(pipeline["stages"])):
+    for i in range(pipeline.num_stages):
         stage = package.build_stage(i, device="cpu", init=False)
         try:
-            stage.load_state_dict(stage_state(stage, state, pipeline["aliases"]))
+            stage.load_state_dict(stage_state(stage, state, pipeline.aliases))
         except KeyError as exc:
             raise AutopipeError(
                 f"the model's state_dict has no entry {exc}; is this the model the pipeline was compiled from?"
@@ -132,15 +136,15 @@ def verify(
         if isinstance(leaf, torch.Tensor)
     ]
     torch.manual_seed(seed)
-    env = dict(zip(pipeline["signature"], example.args)) | dict(example.kwargs)
+    env = dict(zip(pipeline.signature, example.args)) | dict(example.kwargs)
     records = _forward_stages(pipeline, stages, env)
-    actual = [env[name] for name in pipeline["outputs"]]
+    actual = [env[name] for name in pipeline.outputs]
     if len(actual) != len(expected):
         raise VerificationError(
             f"the pipeline returns {len(actual)} outputs, the model {len(expected)}"
         )
     report = VerifyReport(edited=check_files(path))
-    for name, a, e in zip(pipeline["outputs"], actual, expected):
+    for name, a, e in zip(pipeline.outputs, actual, expected):
         report.comparisons.append(_compare("output", name, a, e, rtol, atol))
     # back-propagate the same random projection of the outputs through both
     weights = _projection_weights(expected, seed)
@@ -148,12 +152,12 @@ def verify(
     if terms:
         torch.stack(terms).sum().backward()
     output_grads: dict[str, torch.Tensor] = {}
-    for name, w in zip(pipeline["outputs"], weights):
+    for name, w in zip(pipeline.outputs, weights):
         if w is not None:
             output_grads[name] = output_grads.get(name, 0) + w
     _backward_stages(records, output_grads)
     reference_grads = {name: p.grad for name, p in model.named_parameters(remove_duplicate=False)}
-    aliases = {name: group for group in pipeline["aliases"] for name in group}
+    aliases = {name: group for group in pipeline.aliases for name in group}
     pipeline_grads: dict[str, torch.Tensor] = {}
     for stage in stages:
         for name, param in stage.named_parameters():
@@ -193,42 +197,37 @@ def _projection_weights(outputs: list[torch.Tensor], seed: int) -> list[torch.Te
 
 
 def _forward_stages(
-    pipeline: dict, stages: list, env: dict[str, Any]
-) -> list[tuple[dict, list, tuple]]:
+    pipeline: Pipeline, stages: list, env: dict[str, Any]
+) -> list[tuple[Stage, list, tuple]]:
     """Run the stages as the pipeline runtime does: each on fresh leaf tensors carrying the
     autograd flags of the pipeline description. Adds the outputs to ``env``."""
-    values = pipeline["values"]
     records = []
-    for spec, stage in zip(pipeline["stages"], stages):
+    for spec, stage in zip(pipeline.stages, stages):
         inputs = []
-        for name in spec["inputs"]:
-            tensor = env[name].detach()
-            inputs.append(
-                tensor.requires_grad_(values[name]["requires_grad"] and tensor.is_floating_point())
-            )
+        for value in pipeline.received(spec):
+            tensor = env[value.name].detach()
+            inputs.append(tensor.requires_grad_(value.requires_grad and tensor.is_floating_point()))
         outputs = stage(*inputs)
-        if not isinstance(outputs, tuple) or len(outputs) != len(spec["outputs"]):
+        if not isinstance(outputs, tuple) or len(outputs) != len(spec.outputs):
             raise VerificationError(
-                f"a stage returned {type(outputs).__name__}; expected a tuple of {len(spec['outputs'])} tensors"
+                f"a stage returned {type(outputs).__name__}; expected a tuple of {len(spec.outputs)} tensors"
             )
-        env.update(zip(spec["outputs"], outputs))
+        env.update(zip(spec.outputs, outputs))
         records.append((spec, inputs, outputs))
     return records
 
 
 def _backward_stages(
-    records: list[tuple[dict, list, tuple]], grads: dict[str, torch.Tensor]
+    records: list[tuple[Stage, list, tuple]], grads: dict[str, torch.Tensor]
 ) -> None:
     """Backward from the last stage to the first, handing input gradients to the stage before."""
     for spec, inputs, outputs in reversed(records):
         pairs = [
-            (o, grads[n])
-            for n, o in zip(spec["outputs"], outputs)
-            if n in grads and o.requires_grad
+            (o, grads[n]) for n, o in zip(spec.outputs, outputs) if n in grads and o.requires_grad
         ]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        grads = {n: i.grad for n, i in zip(spec["inputs"], inputs) if i.grad is not None}
+        grads = {n: i.grad for n, i in zip(spec.inputs, inputs) if i.grad is not None}
 
 
 def _compare(

@@ -37,6 +37,7 @@ from autopipe.partitioning import Partition, partition
 from autopipe.partitioning.cost import CostModel
 from autopipe.profiling import device_spec, profile
 from autopipe.profiling.profile import graph_digest
+from autopipe.runtime.pipeline import Pipeline
 from autopipe.spec import Example
 
 logging.set_verbosity_error()
@@ -274,12 +275,13 @@ def cpu_check(devices: int = 4, rounds: int = 15) -> None:
                 out,
             )
             package = load_pipeline(out)
+            pipeline = Pipeline.from_json(package.PIPELINE)
             stages = []
             for k in range(devices):
                 stage = package.build_stage(k, init=False)
-                stage.load_state_dict(stage_state(stage, state, package.PIPELINE["aliases"]))
+                stage.load_state_dict(stage_state(stage, state, pipeline.aliases))
                 stages.append(stage)
-            runs.append((names, package.PIPELINE, stages, [[] for _ in range(devices)]))
+            runs.append((names, pipeline, stages, [[] for _ in range(devices)]))
         for _ in range(rounds + 2):
             for _names, pipeline, stages, samples in runs:
                 for k, seconds in enumerate(_time_stages(pipeline, stages, example)):
@@ -309,21 +311,20 @@ def cpu_check(devices: int = 4, rounds: int = 15) -> None:
     )
 
 
-def _time_stages(pipeline: dict, stages: list, example: Example) -> list[float]:
+def _time_stages(pipeline: Pipeline, stages: list, example: Example) -> list[float]:
     """One forward + backward of every stage, chained on the example microbatch, in seconds."""
-    env = dict(zip(pipeline["signature"], example.args)) | example.kwargs
+    env = dict(zip(pipeline.signature, example.args)) | example.kwargs
     times = []
-    for spec, stage in zip(pipeline["stages"], stages):
+    for spec, stage in zip(pipeline.stages, stages):
         inputs = [
-            env[n].detach().requires_grad_(pipeline["values"][n]["requires_grad"])
-            for n in spec["inputs"]
+            env[v.name].detach().requires_grad_(v.requires_grad) for v in pipeline.received(spec)
         ]
         begin = time.perf_counter()
         outputs = stage(*inputs)
         grads = [(o, torch.ones_like(o)) for o in outputs if o.requires_grad]
         torch.autograd.backward([o for o, _ in grads], [g for _, g in grads])
         times.append(time.perf_counter() - begin)
-        env.update(zip(spec["outputs"], [o.detach() for o in outputs]))
+        env.update(zip(spec.outputs, [o.detach() for o in outputs]))
     return times
 
 

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopipe.compiler import CompileOptions, compile_example
 from autopipe.profiling.calibrate import calibrate
+from autopipe.runtime.pipeline import Pipeline
 from autopipe.runtime.support import stage_state
 from autopipe.spec import as_example
 from autopipe.verify import load_pipeline
@@ -111,19 +112,19 @@ def models():
 
 def measure(package, model, example, repeats: int = 9) -> list[tuple[float, int]]:
     """(median seconds, peak live bytes) of each stage's forward + backward, chained."""
-    pipeline = package.PIPELINE
+    pipeline = Pipeline.from_json(package.PIPELINE)
     state = model.state_dict()
-    env = dict(zip(pipeline["signature"], example.args)) | example.kwargs
+    env = dict(zip(pipeline.signature, example.args)) | example.kwargs
     results = []
-    for index, spec in enumerate(pipeline["stages"]):
-        stage = package.build_stage(index, init=False)
-        stage.load_state_dict(stage_state(stage, state, pipeline["aliases"]))
+    for spec in pipeline.stages:
+        stage = package.build_stage(spec.index, init=False)
+        stage.load_state_dict(stage_state(stage, state, pipeline.aliases))
         params = sum(p.numel() * p.element_size() for p in stage.parameters())
         samples, peak = [], 0
         for run in range(repeats + 1):
             inputs = [
-                env[n].detach().requires_grad_(pipeline["values"][n]["requires_grad"])
-                for n in spec["inputs"]
+                env[v.name].detach().requires_grad_(v.requires_grad)
+                for v in pipeline.received(spec)
             ]
             stage.zero_grad(set_to_none=True)
             tracker = LiveBytes(params) if run == 0 else None
@@ -136,7 +137,7 @@ def measure(package, model, example, repeats: int = 9) -> list[tuple[float, int]
                 peak = tracker.peak
             else:
                 samples.append(time.perf_counter() - start)
-        env.update(zip(spec["outputs"], [o.detach() for o in outputs]))
+        env.update(zip(spec.outputs, [o.detach() for o in outputs]))
         results.append((statistics.median(samples), peak))
     return results
 

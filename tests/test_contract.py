@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
+from autopipe.runtime.pipeline import Pipeline
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline
 
@@ -33,6 +34,7 @@ def test_pipeline_description(compiled):
     pipeline = load_pipeline(out).PIPELINE
     json.dumps(pipeline)  # JSON-compatible
     assert pipeline == json.loads((out / "pipeline.json").read_text())
+    assert Pipeline.from_json(pipeline).to_json() == pipeline  # the typed contract reads it all
     # inputs: forward's parameter names of the example's tensors
     bound = inspect.signature(example.model.forward).bind(*example.args, **example.kwargs).arguments
     assert pipeline["inputs"] == [k for k, v in bound.items() if isinstance(v, torch.Tensor)]

@@ -9,7 +9,6 @@ import json
 import math
 import subprocess
 import time
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,8 @@ from autopipe.runtime import driver, train_state
 from autopipe.runtime.checkpoint import Checkpoint, CheckpointError, save_safetensors
 from autopipe.runtime.data import PipelineRunError
 from autopipe.runtime.guards import RunLock
+from autopipe.runtime.options import parse_config
+from autopipe.runtime.pipeline import Pipeline
 from autopipe.spec import load_example
 
 from autopipe.verify import load_pipeline
@@ -139,7 +140,11 @@ def test_a_failed_final_save_is_written_elsewhere(tmp_path, monkeypatch):
         real(state, path)
 
     monkeypatch.setattr(driver, "save_weights", save)
-    args = Namespace(save=refused, checkpoint_dir=str(tmp_path / "ckpt"))
+    gallery = json.loads((ROOT / "generated" / "gpt2_4" / "pipeline.json").read_text())
+    args = parse_config(
+        ["--save", refused, "--checkpoint-dir", str(tmp_path / "ckpt")],
+        Pipeline.from_json(gallery),
+    )
     with pytest.raises(PipelineRunError) as caught:
         driver.save_trained(state, args, 7, None)
     fallback = tmp_path / "ckpt" / "trained-step-7.pt"

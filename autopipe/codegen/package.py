@@ -43,6 +43,7 @@ RUNTIME_MODULES = (
     "__init__.py",
     "support.py",
     "schedule.py",
+    "pipeline.py",
     "checkpoint.py",
     "options.py",
     "data.py",

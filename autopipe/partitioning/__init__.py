@@ -27,6 +27,7 @@ from .partition import Partition
 from .refine import looped_devices
 from ..runtime.options import MULTI_STAGE
 from ..runtime.options import placement as torch_placement
+from ..runtime.pipeline import default_microbatches
 from .simulator import SCHEDULES
 
 
@@ -148,7 +149,7 @@ def partition(
         recompute=sorted(recompute),
         settings={
             "schedule": schedule,
-            "microbatches": microbatches or 2 * num_stages,
+            "microbatches": microbatches or default_microbatches(num_stages),
             "optimizer": optimizer,
             "device": profile.device.name,
             "link": profile.device.link,

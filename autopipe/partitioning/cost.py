@@ -22,6 +22,7 @@ from ..graph import Graph, TensorMeta
 from ..mutation import order_edges
 from ..profiling.devices import DeviceSpec
 from ..profiling.profile import Profile
+from ..runtime.pipeline import default_microbatches
 from .simulator import PipelineCosts, Simulation, schedule_orders, simulate
 
 #: Bytes of state per parameter byte: weight + gradient (+ two Adam moments).
@@ -288,7 +289,7 @@ class CostModel:
             device_of_stage if device_of_stage is not None else list(range(num_stages))
         )
         costs = self.pipeline_costs(stage_of_unit, device_of_stage, recompute)
-        microbatches = self.microbatches or 2 * num_stages
+        microbatches = self.microbatches or default_microbatches(num_stages)
         schedule = schedule or self.schedule
         simulation = self.simulate(costs, schedule, microbatches)
         stages = []

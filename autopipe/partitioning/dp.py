@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..errors import DeviceMemoryError, PartitionError
+from ..runtime.pipeline import default_microbatches
 from .cost import CostModel, in_flight
 
 
@@ -47,7 +48,7 @@ def _solve(model: CostModel, num_stages: int) -> list[int]:
     cut_forward[1:n] = torch.tensor(moved_forward, dtype=dtype) / bandwidth
     cut_backward[1:n] = torch.tensor(moved_backward, dtype=dtype) / bandwidth
     capacity = model.device.memory
-    microbatches = model.microbatches or 2 * num_stages
+    microbatches = model.microbatches or default_microbatches(num_stages)
     positions = torch.arange(n + 1)
 
     def stage_costs(k: int, rows: slice, ends: slice) -> torch.Tensor:

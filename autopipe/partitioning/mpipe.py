@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+from ..runtime.pipeline import default_microbatches
 from .acyclic import solve_acyclic
 from .cost import CostModel
 from .dp import solve_contiguous
@@ -134,7 +135,7 @@ def _weight(model: CostModel, units: list[int]) -> float:
 
 def _memory(model: CostModel, units: list[int], num_stages: int) -> float:
     """Static memory plus activations of as many microbatches as a first 1F1B stage holds."""
-    in_flight = min(num_stages, model.microbatches or 2 * num_stages)
+    in_flight = min(num_stages, model.microbatches or default_microbatches(num_stages))
     return sum(
         model.param_bytes[u] * model.state_factor() + model.activations[u] * in_flight
         for u in units

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from ..errors import PartitionError
+from ..runtime.pipeline import default_microbatches
 from .cost import CostModel, in_flight, stage_time
 
 _EPS = 1e-12
@@ -33,7 +34,7 @@ class Assignment:
         self.size = [0] * self.num_stages
         for unit, s in enumerate(self.stage):
             self._add(unit, s, +1)
-        microbatches = model.microbatches or 2 * self.num_stages
+        microbatches = model.microbatches or default_microbatches(self.num_stages)
         self.in_flight = [
             in_flight(s, self.num_stages, model.schedule, microbatches)
             for s in range(self.num_stages)

@@ -19,6 +19,7 @@ from ..graph import Graph
 from ..partitioning import Partition
 from ..partitioning.simulator import Simulation, schedule_orders, simulate
 from ..profiling import Profile
+from ..runtime.pipeline import Pipeline, PipelineFormatError
 from ..runtime.schedule import PipelineCosts
 
 ARTIFACTS = "artifacts"
@@ -52,7 +53,7 @@ class ReportData:
     """A compiled pipeline: its description, artefacts, and what the cost model predicts."""
 
     directory: Path
-    pipeline: dict
+    pipeline: Pipeline
     graph: Graph
     partition: Partition
     profile: Profile | None = None
@@ -68,9 +69,13 @@ class ReportData:
             )
         artifacts = directory / ARTIFACTS
         profile_path = artifacts / "profile.json"
+        try:
+            pipeline = Pipeline.from_json(read_artifact(directory / "pipeline.json", PIPELINE_KIND))
+        except PipelineFormatError as exc:
+            raise ArtifactError(f"{directory / 'pipeline.json'}: {exc}") from None
         data = cls(
             directory=directory,
-            pipeline=read_artifact(directory / "pipeline.json", PIPELINE_KIND),
+            pipeline=pipeline,
             graph=Graph.load(artifacts / "graph.json"),
             partition=Partition.load(artifacts / "partition.json"),
             profile=Profile.load(profile_path) if profile_path.is_file() else None,
@@ -101,11 +106,11 @@ class ReportData:
 
     @property
     def microbatches(self) -> int:
-        return int(self.settings.get("microbatches") or 2 * self.num_stages)
+        return int(self.settings.get("microbatches") or self.pipeline.default_microbatches)
 
     @property
     def model_name(self) -> str:
-        return str(self.pipeline.get("model") or self.graph.model.get("class", "?"))
+        return self.pipeline.model
 
     def stages_on(self, device: int) -> list[int]:
         return [s for s, d in enumerate(self.partition.device_of_stage) if d == device]
@@ -114,11 +119,7 @@ class ReportData:
     @cached_property
     def costs(self) -> PipelineCosts:
         """Per-stage costs of one microbatch, as the partitioner stored them."""
-        stored = self.partition.costs or self.pipeline.get("schedule", {}).get("costs")
-        if not stored:
-            raise ArtifactError(
-                "the partition artefact has no per-stage costs; run `autopipe compile` again"
-            )
+        stored = self.partition.costs or self.pipeline.schedule.costs.to_json()
         return PipelineCosts(**stored, device_of_stage=list(self.partition.device_of_stage))
 
     @cached_property
@@ -166,13 +167,13 @@ class ReportData:
     @cached_property
     def stages(self) -> list[StageRow]:
         part, costs = self.partition, self.predicted.get("stages", [])
-        descriptions = self.pipeline.get("stages", [])
+        descriptions = self.pipeline.stages
         params = self.parameter_counts()
         rows = []
         for s in range(self.num_stages):
             cost = costs[s] if s < len(costs) else {}
             units = [u for u, stage in enumerate(part.stage_of_unit) if stage == s]
-            described = descriptions[s] if s < len(descriptions) else {}
+            described = descriptions[s] if s < len(descriptions) else None
             rows.append(
                 StageRow(
                     stage=s,
@@ -184,8 +185,8 @@ class ReportData:
                     communication=cost.get("communication", 0.0),
                     time=cost.get("time", self.costs.forward[s] + self.costs.backward[s]),
                     memory=cost.get("memory", self.costs.static_memory[s]),
-                    inputs=list(described.get("inputs", [])),
-                    outputs=list(described.get("outputs", [])),
+                    inputs=list(described.inputs) if described else [],
+                    outputs=list(described.outputs) if described else [],
                     first_unit=self.graph.units[units[0]].label if units else "",
                     last_unit=self.graph.units[units[-1]].label if units else "",
                     recompute=s in part.recompute,
@@ -195,7 +196,8 @@ class ReportData:
 
     def value_shape(self, name: str) -> str:
         """``2x64x128`` for a value crossing stages, ``""`` when pipeline.json does not say."""
-        shape = self.pipeline.get("values", {}).get(name, {}).get("shape")
+        value = self.pipeline.values.get(name)
+        shape = value.shape if value else None
         return "x".join(str(d) for d in shape) if shape else ""
 
 

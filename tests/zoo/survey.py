@@ -117,28 +117,27 @@ def _run_standalone(package_dir: str, inputs: str) -> str:
     """In the --standalone process: one package's stages forward and backward."""
     import torch
 
+    from autopipe.runtime.pipeline import Pipeline
     from autopipe.runtime.support import stage_state
     from autopipe.verify import load_pipeline
 
     try:
         package = load_pipeline(package_dir)
-        pipeline = package.PIPELINE
+        pipeline = Pipeline.from_json(package.PIPELINE)
         state, args, kwargs, expected = torch.load(inputs, weights_only=True)
-        env = dict(zip(pipeline["signature"], args)) | dict(kwargs)
-        for i, spec in enumerate(pipeline["stages"]):
-            stage = package.build_stage(i, device="cpu", init=False)
-            stage.load_state_dict(stage_state(stage, state, pipeline["aliases"]))
+        env = dict(zip(pipeline.signature, args)) | dict(kwargs)
+        for spec in pipeline.stages:
+            stage = package.build_stage(spec.index, device="cpu", init=False)
+            stage.load_state_dict(stage_state(stage, state, pipeline.aliases))
             stage.train()
-            values = [env[n].detach() for n in spec["inputs"]]
-            for name, value in zip(spec["inputs"], values):
-                value.requires_grad_(
-                    pipeline["values"][name]["requires_grad"] and value.is_floating_point()
-                )
-            env.update(zip(spec["outputs"], stage(*values)))
-        actual = [env[n] for n in pipeline["outputs"]]
+            values = [env[n].detach() for n in spec.inputs]
+            for meta, value in zip(pipeline.received(spec), values):
+                value.requires_grad_(meta.requires_grad and value.is_floating_point())
+            env.update(zip(spec.outputs, stage(*values)))
+        actual = [env[n] for n in pipeline.outputs]
         for i, (a, e) in enumerate(zip(actual, expected)):
             if not torch.allclose(a.detach().double(), e.double(), rtol=RTOL, atol=ATOL):
-                return f"output {pipeline['outputs'][i]} differs from the model's"
+                return f"output {pipeline.outputs[i]} differs from the model's"
         sum(a.float().sum() for a in actual if a.requires_grad).backward()
         return "ok"
     except Exception as exc:  # noqa: BLE001 - reported to the parent

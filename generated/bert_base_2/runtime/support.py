@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import zlib
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -135,7 +136,7 @@ def _fill(tensor: torch.Tensor, rule: str, seed: int, name: str) -> None:
 
 
 def stage_state(
-    stage: nn.Module, state: dict[str, torch.Tensor], aliases: list[list[str]]
+    stage: nn.Module, state: dict[str, torch.Tensor], aliases: Sequence[Sequence[str]]
 ) -> dict[str, torch.Tensor]:
     """The entries of an original-model ``state_dict`` a stage holds, tied aliases resolved.
     Raises ``KeyError`` naming the first missing entry."""

@@ -19,22 +19,7 @@ from typing import Any
 import torch
 
 from .options import TrainConfig
-
-DTYPES = {
-    name: getattr(torch, name)
-    for name in (
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint8",
-        "bool",
-    )
-}
+from .pipeline import Pipeline, Value
 
 
 class PipelineRunError(RuntimeError):
@@ -92,10 +77,8 @@ class Batches:
     """The whole batch of each step: from ``--data`` (a step function or a Dataset factory) or
     synthetic, checked against the pipeline's inputs."""
 
-    def __init__(self, pipeline: dict, config: TrainConfig):
+    def __init__(self, pipeline: Pipeline, config: TrainConfig):
         self.pipeline = pipeline
-        #: the inputs the first stage takes, in its order; model inputs nothing reads are dropped
-        self.names = pipeline["stages"][0]["inputs"]
         self.microbatches = config.microbatches
         self.parts = config.accumulate * config.dp  # pipeline runs per step over all replicas
         self.seed = config.seed
@@ -120,9 +103,7 @@ class Batches:
     @property
     def samples(self) -> int:
         """Samples in a step's batch: its microbatches times the example microbatch's size."""
-        inputs = self.pipeline["inputs"]
-        per_row = self.pipeline["values"][inputs[0]]["shape"][0] if inputs else 1
-        return self.rows * per_row
+        return self.rows * self.pipeline.samples_per_microbatch
 
     def __call__(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """``(the first stage's inputs, target or None)`` of the whole step."""
@@ -149,24 +130,24 @@ class Batches:
 
     def _inputs(self, bound: dict, step: int, target: Any) -> tuple[list[torch.Tensor], Any]:
         inputs = []
-        for name in self.names:
-            if name not in bound or not isinstance(bound[name], torch.Tensor):
+        for value in self.pipeline.data_inputs:
+            if not isinstance(bound.get(value.name), torch.Tensor):
                 raise PipelineRunError(
-                    f"--data batch of step {step} has no tensor for input {name!r}"
+                    f"--data batch of step {step} has no tensor for input {value.name!r}"
                 )
-            inputs.append(self._check(name, bound[name], self.pipeline["values"][name]))
-        loss = self.pipeline["loss"]
-        if "module" in loss:
+            inputs.append(self._check(bound[value.name], value))
+        loss = self.pipeline.loss
+        if loss.needs_target:
             if not isinstance(target, torch.Tensor):
                 raise PipelineRunError(
                     "this pipeline's loss needs a target: the --data function must return "
                     "(args, kwargs, target), or the dataset's items a 'target' entry"
                 )
-            target = self._check("target", target, loss["target"])
+            target = self._check(target, loss.target)
         return inputs, target
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        signature = self.pipeline["signature"]
+        signature = self.pipeline.signature
         if len(args) > len(signature):
             raise PipelineRunError(
                 f"--data gave {len(args)} positional inputs; forward takes {len(signature)}"
@@ -175,13 +156,13 @@ class Batches:
         bound.update(kwargs)
         return bound
 
-    def _check(self, name: str, tensor: torch.Tensor, meta: dict) -> torch.Tensor:
-        micro = meta["shape"]
+    def _check(self, tensor: torch.Tensor, value: Value) -> torch.Tensor:
+        micro = list(value.shape)
         expected = [micro[0] * self.rows, *micro[1:]] if micro else []
-        if list(tensor.shape) != expected or tensor.dtype != DTYPES[meta["dtype"]]:
+        if list(tensor.shape) != expected or tensor.dtype != value.torch_dtype:
             raise PipelineRunError(
-                f"input {name!r} has shape {list(tensor.shape)} and dtype {str(tensor.dtype).removeprefix('torch.')}; "
-                f"this pipeline expects shape {expected} and dtype {meta['dtype']} per step "
+                f"input {value.name!r} has shape {list(tensor.shape)} and dtype {str(tensor.dtype).removeprefix('torch.')}; "
+                f"this pipeline expects shape {expected} and dtype {value.dtype} per step "
                 f"({self.rows} microbatches of shape {micro}: --microbatches x --accumulate x --dp). "
                 "The pipeline was compiled for that example microbatch: change --microbatches to "
                 "match your batch, or compile again."
@@ -212,35 +193,18 @@ class Batches:
 
     def _synthetic(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        ranges = self.pipeline.get("input_ranges", {})
-        inputs = [
-            self._random(self.pipeline["values"][n], ranges.get(n, 1), generator)
-            for n in self.names
-        ]
-        loss = self.pipeline["loss"]
-        target = (
-            self._random(loss["target"], ranges.get("target", 1), generator)
-            if "module" in loss
-            else None
-        )
+        inputs = [self._random(value, generator) for value in self.pipeline.data_inputs]
+        loss = self.pipeline.loss
+        target = self._random(loss.target, generator) if loss.needs_target else None
         return inputs, target
 
-    def _random(self, meta: dict, high: int, generator: torch.Generator) -> torch.Tensor:
-        micro = meta["shape"]
+    def _random(self, value: Value, generator: torch.Generator) -> torch.Tensor:
+        micro = value.shape
         shape = [micro[0] * self.rows, *micro[1:]]
-        dtype = DTYPES[meta["dtype"]]
+        dtype = value.torch_dtype
         if dtype.is_floating_point:
             return torch.randn(shape, generator=generator).to(dtype)
         if dtype == torch.bool:
             return torch.rand(shape, generator=generator) < 0.5
+        high = self.pipeline.input_ranges.get(value.name, 1)
         return torch.randint(0, max(high, 0) + 1, shape, generator=generator, dtype=dtype)
-
-
-def tokens_per_sample(pipeline: dict) -> int | None:
-    """Tokens in one sample, for language models: the length of an integer input of shape
-    (batch, sequence) such as ``input_ids``; None when the model has none."""
-    for name in pipeline["inputs"]:
-        value = pipeline["values"][name]
-        if len(value["shape"]) == 2 and value["dtype"] in ("int64", "int32"):
-            return value["shape"][1]
-    return None

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .pipeline import Pipeline
+
 #: --schedule names -> torch.distributed.pipelining classes running one stage per rank, in order
 SINGLE_STAGE = {"gpipe": "GPipe", "1f1b": "1F1B"}
 #: ... and running several stages per rank: looped placements (stage s on rank s mod ranks) or V
@@ -26,11 +28,6 @@ SCHEDULES = (*SINGLE_STAGE, *MULTI_STAGE, "auto")
 #: schedules that split each backward into an input part and a weight part (zero bubble)
 SPLIT_BACKWARD = ("interleaved-zero-bubble", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")
-
-
-def num_devices(pipeline: dict) -> int:
-    """Ranks one replica of the pipeline runs on."""
-    return len({stage["device"] for stage in pipeline["stages"]})
 
 
 @dataclass(frozen=True)
@@ -73,11 +70,12 @@ class TrainConfig:
     log_every: int
 
 
-def parse_config(argv: list[str], pipeline: dict) -> TrainConfig:
-    num_stages, ranks = len(pipeline["stages"]), num_devices(pipeline)
+def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
+    num_stages, ranks = pipeline.num_stages, pipeline.num_ranks
+    microbatches = pipeline.default_microbatches
     parser = argparse.ArgumentParser(
         prog="train.py",
-        description=f"Train {pipeline['model'].rsplit('.', 1)[-1]} as a {num_stages}-stage pipeline "
+        description=f"Train {pipeline.model_class} as a {num_stages}-stage pipeline "
         f"(torchrun --nproc-per-node={ranks} train.py; with --dp N, N times as many processes).",
     )
     run = parser.add_argument_group("run")
@@ -85,11 +83,11 @@ def parse_config(argv: list[str], pipeline: dict) -> TrainConfig:
     run.add_argument(
         "--microbatches",
         type=int,
-        default=2 * num_stages,
+        default=microbatches,
         help="microbatches per pipeline run; a step's batch is microbatches x accumulate x dp "
-        f"example microbatches (default {2 * num_stages})",
+        f"example microbatches (default {microbatches})",
     )
-    default_schedule = pipeline["schedule"]["name"]
+    default_schedule = pipeline.schedule.name
     run.add_argument(
         "--schedule",
         choices=SCHEDULES,
@@ -252,40 +250,42 @@ def parse_config(argv: list[str], pipeline: dict) -> TrainConfig:
             parser.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
     if args.timeout == 0:
         parser.error("--timeout must be > 0 seconds")
-    args.recompute = frozenset(recompute_stages(parser, args.recompute, pipeline))
+    args.recompute = recompute_stages(parser, args.recompute, pipeline)
     problem = schedule_problem(args.schedule, pipeline, args.microbatches)
     if problem:
         parser.error(problem)
     return TrainConfig(**vars(args))
 
 
-def recompute_stages(parser: argparse.ArgumentParser, value: str, pipeline: dict) -> set[int]:
-    num_stages = len(pipeline["stages"])
+def recompute_stages(
+    parser: argparse.ArgumentParser, value: str, pipeline: Pipeline
+) -> frozenset[int]:
+    num_stages = pipeline.num_stages
     if value == "auto":
-        return {i for i, stage in enumerate(pipeline["stages"]) if stage.get("recompute")}
+        return pipeline.recomputed
     if value == "all":
-        return set(range(num_stages))
+        return frozenset(range(num_stages))
     if value == "none":
-        return set()
+        return frozenset()
     try:
         stages = {int(s) for s in value.split(",")}
     except ValueError:
         parser.error(f"--recompute {value!r}: give auto, all, none or stage numbers like 0,1")
     if not stages <= set(range(num_stages)):
         parser.error(f"--recompute {value!r}: this pipeline has stages 0 to {num_stages - 1}")
-    return stages
+    return frozenset(stages)
 
 
-def schedule_problem(name: str, pipeline: dict, microbatches: int) -> str | None:
+def schedule_problem(name: str, pipeline: Pipeline, microbatches: int) -> str | None:
     """Why schedule ``name`` cannot run this pipeline, naming what would; None if it can."""
-    devices = [stage["device"] for stage in pipeline["stages"]]
-    num_stages, ranks = len(devices), num_devices(pipeline)
+    placed = pipeline.rank_of_stage
+    num_stages, ranks = pipeline.num_stages, pipeline.num_ranks
     if name in SINGLE_STAGE:
-        if devices != list(range(num_stages)):
-            fits = [s for s in MULTI_STAGE if devices == placement(s, num_stages, ranks)]
+        if placed != list(range(num_stages)):
+            fits = [s for s in MULTI_STAGE if placed == placement(s, num_stages, ranks)]
             return (
                 f"--schedule {name} runs one stage per rank, in order, but this pipeline places its "
-                f"{num_stages} stages on ranks {devices}; use --schedule {' or '.join(['auto', *fits])}"
+                f"{num_stages} stages on ranks {placed}; use --schedule {' or '.join(['auto', *fits])}"
             )
         if name == "1f1b" and microbatches < num_stages:
             return (
@@ -294,16 +294,16 @@ def schedule_problem(name: str, pipeline: dict, microbatches: int) -> str | None
             )
     elif name in MULTI_STAGE:
         expected = placement(name, num_stages, ranks)
-        if num_stages % ranks or devices != expected:
+        if num_stages % ranks or placed != expected:
             shape = "V-shaped" if name in V_SHAPED else "looped"
             fits = [
                 s
                 for s in (*SINGLE_STAGE, *MULTI_STAGE)
-                if s != name and devices == placement(s, num_stages, ranks)
+                if s != name and placed == placement(s, num_stages, ranks)
             ]
             return (
                 f"--schedule {name} needs stage s on rank {expected} ({shape}), but this pipeline "
-                f"places its stages on ranks {devices}; use --schedule {' or '.join(['auto', *fits])}, "
+                f"places its stages on ranks {placed}; use --schedule {' or '.join(['auto', *fits])}, "
                 f"or compile with --schedule {name}"
             )
         if name in V_SHAPED and num_stages != 2 * ranks:

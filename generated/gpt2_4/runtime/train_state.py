@@ -18,7 +18,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from .checkpoint import Checkpoint, CheckpointError, save_safetensors
 from .data import PipelineRunError, first_line
 from .guards import agree, describe_write_error
 from .parallel import Layout
+from .pipeline import Pipeline, as_pipeline
 from .support import stage_state
 
 FORMAT, VERSION = "autopipe.checkpoint", 1
@@ -38,10 +39,12 @@ MANIFEST = "checkpoint.json"
 
 # -- original-model weights -------------------------------------------------------------------
 def load_weights(
-    stages: dict[int, nn.Module], path: str, pipeline: dict, device: torch.device
+    stages: dict[int, nn.Module], path: str, pipeline: Pipeline | dict, device: torch.device
 ) -> None:
     """Fill each local stage (built with ``meta_state``) with its own tensors from an
-    original-model checkpoint, reading nothing else: a rank holds about its stages' size."""
+    original-model checkpoint, reading nothing else: a rank holds about its stages' size.
+    ``pipeline``: a Pipeline, or a package's ``PIPELINE`` dict."""
+    pipeline = as_pipeline(pipeline)
     try:
         checkpoint = Checkpoint(path)
     except CheckpointError as exc:  # every rank opens the same file and finds the same
@@ -50,10 +53,10 @@ def load_weights(
     for index, stage in stages.items():
         wanted = stage.state_dict()
         try:
-            names = stage_state(stage, {name: name for name in checkpoint}, pipeline["aliases"])
+            names = stage_state(stage, {name: name for name in checkpoint}, pipeline.aliases)
         except KeyError as exc:
             raise PipelineRunError(
-                f"--load: {path} has no entry {exc} (needed by stage {index}); is it a checkpoint of {pipeline['model']}?"
+                f"--load: {path} has no entry {exc} (needed by stage {index}); is it a checkpoint of {pipeline.model}?"
             ) from None
         own = {}
         for key, source in names.items():
@@ -72,7 +75,7 @@ def load_weights(
         stage.load_state_dict(own, assign=True)
 
 
-def expand_aliases(state: dict[str, torch.Tensor], aliases: list[list[str]]) -> None:
+def expand_aliases(state: dict[str, torch.Tensor], aliases: Sequence[Sequence[str]]) -> None:
     """Add every name of a tied tensor that ``state`` holds under one of its names."""
     for group in aliases:
         held = next((name for name in group if name in state), None)
@@ -82,7 +85,7 @@ def expand_aliases(state: dict[str, torch.Tensor], aliases: list[list[str]]) -> 
 
 
 def gather_weights(
-    stages: dict[int, nn.Module], pipeline: dict, layout: Layout
+    stages: dict[int, nn.Module], pipeline: Pipeline, layout: Layout
 ) -> dict[str, torch.Tensor] | None:
     """The whole original-model ``state_dict`` on rank 0 (``None`` elsewhere), from replica 0."""
     local = (
@@ -97,7 +100,7 @@ def gather_weights(
     merged: dict[str, torch.Tensor] = {}
     for part in gathered:
         merged.update(part)
-    expand_aliases(merged, pipeline["aliases"])
+    expand_aliases(merged, pipeline.aliases)
     return merged
 
 
@@ -119,14 +122,15 @@ def save_weights(state: dict[str, torch.Tensor], path: str | Path) -> None:
 
 
 # -- training checkpoints ---------------------------------------------------------------------
-def fingerprint(pipeline: dict) -> str:
+def fingerprint(pipeline: Pipeline) -> str:
     """Identifies a pipeline's structure: its values and how stages take, return and place them."""
+    data = pipeline.to_json()
     shape = {
-        "inputs": pipeline["inputs"],
-        "outputs": pipeline["outputs"],
-        "values": pipeline["values"],
+        "inputs": data["inputs"],
+        "outputs": data["outputs"],
+        "values": data["values"],
         "stages": [
-            {k: stage[k] for k in ("inputs", "outputs", "device")} for stage in pipeline["stages"]
+            {k: stage[k] for k in ("inputs", "outputs", "device")} for stage in data["stages"]
         ],
     }
     return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
@@ -139,9 +143,10 @@ STEP_NAME = re.compile(r"step-\d{8}")
 class TrainingCheckpoints:
     """The checkpoints of one run in ``root``; every rank holds one of these."""
 
-    def __init__(self, root: str | Path, pipeline: dict, layout: Layout, keep: int):
+    def __init__(self, root: str | Path, pipeline: Pipeline | dict, layout: Layout, keep: int):
+        """``pipeline``: a Pipeline, or a package's ``PIPELINE`` dict."""
         self.root = Path(root)
-        self.pipeline = pipeline
+        self.pipeline = as_pipeline(pipeline)
         self.layout = layout
         self.keep = keep
 
@@ -248,11 +253,11 @@ class TrainingCheckpoints:
             "version": VERSION,
             "step": step,
             "pipeline": fingerprint(self.pipeline),
-            "model": self.pipeline["model"],
-            "stages": len(self.pipeline["stages"]),
+            "model": self.pipeline.model,
+            "stages": self.pipeline.num_stages,
             "dp": self.layout.dp_size,
             "world_size": dist.get_world_size(),
-            "aliases": self.pipeline["aliases"],
+            "aliases": [list(group) for group in self.pipeline.aliases],
             "files": {p.name: p.stat().st_size for p in sorted(partial.iterdir())},
         }
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")

@@ -36,7 +36,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from .data import DTYPES, Batches, PipelineRunError, first_line, tokens_per_sample
+from .data import Batches, PipelineRunError, first_line
 from .guards import (
     RunLock,
     agree,
@@ -48,7 +48,8 @@ from .guards import (
 from .metrics import Metrics, gather_peak_memory
 from .options import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, TrainConfig, parse_config
 from .parallel import GradientSync, Layout, init_distributed
-from .schedule import PipelineCosts, greedy_orders
+from .pipeline import Pipeline, PipelineFormatError
+from .schedule import greedy_orders
 from .support import SPECIALISED_SIZE, MissingOperatorError
 from .train_state import TrainingCheckpoints, gather_weights, load_weights, save_weights
 
@@ -121,31 +122,22 @@ class StageRunner(nn.Module):
         return tuple(fixed)
 
 
-def meta_tensors(pipeline: dict, names: list[str]) -> tuple[torch.Tensor, ...]:
-    tensors = []
-    for name in names:
-        value = pipeline["values"][name]
-        tensor = torch.empty(value["shape"], dtype=DTYPES[value["dtype"]], device="meta")
-        tensors.append(tensor.requires_grad_(value["requires_grad"]))
-    return tuple(tensors)
-
-
-def make_loss_fn(package: ModuleType, pipeline: dict, device: torch.device) -> Callable:
-    loss = pipeline["loss"]
-    if "module" in loss:
-        module = importlib.import_module(f"{package.__name__}.{loss['module']}").Loss().to(device)
+def make_loss_fn(package: ModuleType, pipeline: Pipeline, device: torch.device) -> Callable:
+    loss = pipeline.loss
+    if loss.module is not None:
+        module = importlib.import_module(f"{package.__name__}.{loss.module}").Loss().to(device)
 
         def user_loss(output, target):
             outputs = output if isinstance(output, tuple) else (output,)
             return module(*outputs, target)
 
         return user_loss
-    if loss.get("output") is None:
+    if loss.output is None:
         raise PipelineRunError(
             "the model has no loss output; compile it with --loss FILE.py:FN or give it labels "
             "so that it returns a loss (Hugging Face style)"
         )
-    index = pipeline["outputs"].index(loss["output"])
+    index = pipeline.outputs.index(loss.output)
 
     def output_loss(output, _target):
         outputs = output if isinstance(output, tuple) else (output,)
@@ -155,7 +147,11 @@ def make_loss_fn(package: ModuleType, pipeline: dict, device: torch.device) -> C
 
 
 def build_schedule(
-    name: str, stages: list[PipelineStage], pipeline: dict, microbatches: int, loss_fn: Callable
+    name: str,
+    stages: list[PipelineStage],
+    pipeline: Pipeline,
+    microbatches: int,
+    loss_fn: Callable,
 ) -> _PipelineSchedule:
     """A torch.distributed.pipelining schedule over this rank's stages. Gradients are left
     unscaled (sums over microbatches): the driver scales them once per optimizer step."""
@@ -170,10 +166,7 @@ def build_schedule(
             )
         except (ValueError, AssertionError) as exc:
             raise PipelineRunError(f"--schedule {name} does not fit: {exc}") from None
-    costs = PipelineCosts(
-        **pipeline["schedule"]["costs"], device_of_stage=[s["device"] for s in pipeline["stages"]]
-    )
-    orders = greedy_orders(costs, microbatches)
+    orders = greedy_orders(pipeline.pipeline_costs(), microbatches)
     schedule = _PipelineScheduleRuntime(
         stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
     )
@@ -302,29 +295,25 @@ def save_trained(
     )
 
 
-def train(package: ModuleType, config: TrainConfig) -> None:
-    pipeline = package.PIPELINE
+def train(package: ModuleType, pipeline: Pipeline, config: TrainConfig) -> None:
     layout = init_distributed(pipeline, config.device, config.dp, config.timeout)
     torch.manual_seed(config.seed * 1_000_003 + layout.rank)  # dropout streams differ per rank
-    specs = pipeline["stages"]
-    local = [i for i, spec in enumerate(specs) if spec["device"] == layout.pp_rank]
-    reporting = len(specs) - 1 in local and layout.dp_rank == 0
+    reporting = layout.pp_rank == pipeline.last_rank and layout.dp_rank == 0
     check_outputs(config, reporting)
     lock = lock_checkpoints(config)
     try:
-        _train(package, config, layout, local, reporting)
+        _train(package, pipeline, config, layout, reporting)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _train(
-    package: ModuleType, config: TrainConfig, layout: Layout, local: list[int], reporting: bool
+    package: ModuleType, pipeline: Pipeline, config: TrainConfig, layout: Layout, reporting: bool
 ) -> None:
-    pipeline = package.PIPELINE
     device = layout.device
-    specs = pipeline["stages"]
-    num_stages = len(specs)
+    local = pipeline.stages_on(layout.pp_rank)
+    num_stages = pipeline.num_stages
     checkpoints = (
         TrainingCheckpoints(config.checkpoint_dir, pipeline, layout, config.keep_checkpoints)
         if config.checkpoint_dir
@@ -333,7 +322,8 @@ def _train(
     resume = resume_point(checkpoints, config)
     filled = resume is not None or config.load is not None  # parameters stay on meta until then
     modules = {
-        i: package.build_stage(i, device=device, seed=config.seed, meta_state=filled) for i in local
+        s.index: package.build_stage(s.index, device=device, seed=config.seed, meta_state=filled)
+        for s in local
     }
     if resume is not None:
         say(f"loading the checkpoint {resume}")
@@ -354,20 +344,20 @@ def _train(
     stages = [
         PipelineStage(
             StageRunner(
-                modules[i],
-                [DTYPES[pipeline["values"][n]["dtype"]] for n in specs[i]["outputs"]],
+                modules[s.index],
+                [value.torch_dtype for value in pipeline.returned(s)],
                 autocast=autocast,
-                recompute=i in config.recompute,
+                recompute=s.index in config.recompute,
                 fresh_outputs=config.schedule in SPLIT_BACKWARD,
             ),
-            i,
+            s.index,
             num_stages,
             device,
-            input_args=meta_tensors(pipeline, specs[i]["inputs"]),
-            output_args=meta_tensors(pipeline, specs[i]["outputs"]),
+            input_args=tuple(value.meta_tensor() for value in pipeline.received(s)),
+            output_args=tuple(value.meta_tensor() for value in pipeline.returned(s)),
             group=layout.pp_group,
         )
-        for i in local
+        for s in local
     ]
     is_first, is_last = 0 in modules, num_stages - 1 in modules
     loss_fn = make_loss_fn(package, pipeline, device)
@@ -376,9 +366,9 @@ def _train(
     schedule = build_schedule(config.schedule, stages, pipeline, config.microbatches, loss_fn)
     sync = GradientSync(pipeline, layout, modules)
     batches = Batches(pipeline, config)
-    needs_target = is_last and "module" in pipeline["loss"]
+    needs_target = is_last and pipeline.loss.needs_target
     samples = batches.samples
-    tokens = tokens_per_sample(pipeline)
+    tokens = pipeline.tokens_per_sample
     metrics = Metrics(
         reporting=reporting,
         steps=config.steps,
@@ -480,7 +470,12 @@ def _lost_peer(exc: BaseException) -> bool:
 
 
 def main(package: ModuleType, argv: list[str]) -> int:
-    config = parse_config(argv, package.PIPELINE)
+    try:
+        pipeline = Pipeline.from_json(package.PIPELINE)
+    except PipelineFormatError as exc:
+        print(f"train.py: error: pipeline.json breaks the contract: {exc}", file=sys.stderr)
+        return 2
+    config = parse_config(argv, pipeline)
     rank = os.environ.get("RANK", "0")
     resume_hint = (
         f" Checkpoints written so far are complete: rerun with --resume to continue from {config.checkpoint_dir}/latest."
@@ -489,7 +484,7 @@ def main(package: ModuleType, argv: list[str]) -> int:
     )
     signal.signal(signal.SIGTERM, _stop)  # torchrun stops every rank with SIGTERM
     try:
-        train(package, config)
+        train(package, pipeline, config)
     except PipelineRunError as exc:
         if not (exc.every_rank and rank != "0"):
             print(f"train.py: error: {exc}", file=sys.stderr, flush=True)

@@ -2,8 +2,9 @@
 
 Copied into every generated pipeline as ``runtime/parallel.py``; it needs only torch. The world
 is a 2-D mesh ``(dp, pp)``: ``dp`` replicas of the pipeline, each on ``pp`` consecutive ranks
-(rank = replica x pp + device). Gradients are averaged over the replicas of each stage and summed
-over the copies of each parameter tied across stages.
+(global rank = replica x pp + rank within the replica, the ``Stage.rank`` of the pipeline).
+Gradients are averaged over the replicas of each stage and summed over the copies of each
+parameter tied across stages.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from .data import PipelineRunError
-from .options import num_devices
+from .pipeline import Pipeline
 
 #: elements per data-parallel all-reduce (the flat copy costs this much extra memory)
 BUCKET_ELEMENTS = 1 << 25
@@ -32,7 +33,7 @@ class Layout:
     device: torch.device
     pp_size: int
     dp_size: int
-    pp_rank: int  # the pipeline device (PIPELINE stage "device") this rank plays
+    pp_rank: int  # the rank within its replica: the stages with this ``Stage.rank`` run here
     dp_rank: int  # which replica
     pp_group: Any
     dp_group: Any
@@ -42,10 +43,10 @@ class Layout:
         return self.dp_rank * self.pp_size + self.pp_rank
 
 
-def init_distributed(pipeline: dict, device_kind: str, dp: int, timeout: float) -> Layout:
+def init_distributed(pipeline: Pipeline, device_kind: str, dp: int, timeout: float) -> Layout:
     """Start the process group torchrun prepared and build the (dp, pp) mesh."""
     world = int(os.environ.get("WORLD_SIZE", "0"))
-    pp = num_devices(pipeline)
+    pp = pipeline.num_ranks
     if world == 0:
         raise PipelineRunError(
             f"start train.py with torchrun: torchrun --nproc-per-node={pp * dp} train.py ..."
@@ -95,34 +96,34 @@ class Tie:
 class GradientSync:
     """Reduces the gradients of this rank's stages after the pipeline's backward passes."""
 
-    def __init__(self, pipeline: dict, layout: Layout, stages: dict[int, nn.Module]):
+    def __init__(self, pipeline: Pipeline, layout: Layout, stages: dict[int, nn.Module]):
         self.layout = layout
         self.params = [p for m in stages.values() for p in m.parameters() if p.requires_grad]
         self.ties = self._ties(pipeline, layout, stages)
         # copies of a tied parameter past its first holder do not count towards the norm
-        duplicate = set()
-        for tie in pipeline["tied"]:
-            holders = sorted(tie["holders"].items(), key=lambda item: int(item[0]))
-            for stage, name in holders[1:]:
-                if int(stage) in stages:
-                    duplicate.add(id(stages[int(stage)].get_parameter(name)))
+        duplicate = {
+            id(stages[stage].get_parameter(name))
+            for tie in pipeline.tied
+            for stage, name in tie.later_holders.items()
+            if stage in stages
+        }
         self.norm_params = [p for p in self.params if id(p) not in duplicate]
 
     @staticmethod
-    def _ties(pipeline: dict, layout: Layout, stages: dict[int, nn.Module]) -> list[Tie]:
+    def _ties(pipeline: Pipeline, layout: Layout, stages: dict[int, nn.Module]) -> list[Tie]:
         ties = []
-        for tie in pipeline["tied"]:
-            devices = sorted({pipeline["stages"][int(s)]["device"] for s in tie["holders"]})
+        for tie in pipeline.tied:
+            holding = pipeline.tie_ranks(tie)
             mine = None
             for replica in range(layout.dp_size):  # every rank takes part in every new_group
-                ranks = [replica * layout.pp_size + d for d in devices]
+                ranks = [replica * layout.pp_size + r for r in holding]
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
                 if replica == layout.dp_rank:
                     mine = group
             copies = [
-                stages[int(s)].get_parameter(n)
-                for s, n in sorted(tie["holders"].items())
-                if int(s) in stages
+                stages[stage].get_parameter(name)
+                for stage, name in tie.holders.items()
+                if stage in stages
             ]
             if copies:
                 ties.append(Tie(mine, copies))
