@@ -5,6 +5,7 @@ data (gradients averaged), step by step.
     torchrun --nproc-per-node=2 tests/fsdp_block.py PACKAGE BLOCK_FQN
 """
 
+import os
 import sys
 
 import torch
@@ -81,8 +82,12 @@ def main(package_dir: str, fqn: str) -> None:
         value = value.full_tensor() if isinstance(value, DTensor) else value
         torch.testing.assert_close(value, expected[name], msg=f"{name} after {STEPS} steps")
     if rank == 0:
-        print(f"fully_shard({fqn}): {STEPS} steps exact on {world} ranks")
+        print(f"fully_shard({fqn}): {STEPS} steps exact on {world} ranks", flush=True)
+    dist.barrier()
     dist.destroy_process_group()
+    # gloo's worker threads may abort the interpreter's teardown ("terminate called without an
+    # active exception") after a clean run: leave without it
+    os._exit(0)
 
 
 if __name__ == "__main__":
