@@ -3,6 +3,7 @@
     python benchmarks/runtime.py                 # both GPT-2s, 2 and 4 stages, GPipe and 1F1B
     python benchmarks/runtime.py --quick         # 2 stages only, 7 steps a run (3-4 minutes here)
     python benchmarks/runtime.py --device cuda   # the same on GPUs (NCCL, one GPU per rank)
+    python benchmarks/runtime.py --stage-code    # generated code: blocks vs inline, eager vs compiled
 
 For each model, stage count and schedule, the same global batch (8 microbatches) trains with
 
@@ -33,6 +34,13 @@ the warm-up ones (``--rounds R`` runs the three R times in turn and pools their 
 GPT-2 of examples/gpt2.py (4 layers, n_embd 128, microbatch 2 x 64) and an 8-layer GPT-2 (n_embd
 256, vocab 2048, microbatch 1 x 128), where compute outweighs the stage-to-stage transfers more.
 Timings on a shared CPU are noisy (the load average is printed): compare rows of one run.
+
+``--stage-code`` measures the generated code itself instead: each model compiled into 2 stages with
+block submodules (the default) and with ``--inline-blocks`` (every operator in the stage's forward,
+the first versions' code) as the baseline; every stage's forward + backward (of the sum of squares
+of its outputs) timed alone, in a fresh process with one thread, eager and with train.py's
+``--compile`` (``torch.compile`` of each block, inductor); then train.py's step time without and
+with ``--compile``.
 """
 
 from __future__ import annotations
@@ -293,6 +301,128 @@ def split_points(out: Path) -> tuple[list[str], list[float]]:
     return points, moved
 
 
+STAGE_WORKER = """
+import importlib.util, json, statistics, sys, time
+import torch
+spec = importlib.util.spec_from_file_location("pkg", sys.argv[1] + "/__init__.py",
+                                              submodule_search_locations=[sys.argv[1]])
+package = importlib.util.module_from_spec(spec); sys.modules["pkg"] = package
+spec.loader.exec_module(package)
+from pkg.runtime.driver import compile_stage
+from pkg.runtime.pipeline import Pipeline
+torch.manual_seed(0)
+pipeline = Pipeline.from_json(package.PIPELINE)
+index, reps, compiled = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "compiled"
+stage = package.build_stage(index)
+if compiled:
+    compile_stage(stage, pipeline.stages[index].blocks)
+inputs = []
+for value in pipeline.received(pipeline.stages[index]):
+    tensor = value.meta_tensor()
+    if tensor.dtype.is_floating_point:
+        inputs.append(torch.randn(tensor.shape, dtype=tensor.dtype, requires_grad=True))
+    else:
+        high = pipeline.input_ranges.get(value.name, 2)
+        inputs.append(torch.randint(0, high, tuple(tensor.shape), dtype=tensor.dtype))
+def step():
+    outputs = stage(*inputs)
+    sum(o.float().pow(2).mean() for o in outputs if o.requires_grad).backward()
+for _ in range(3):
+    step()
+times = []
+for _ in range(reps):
+    begin = time.perf_counter(); step(); times.append(time.perf_counter() - begin)
+print(json.dumps({"ms": statistics.median(times) * 1e3}))
+"""
+
+
+def stage_code(args: argparse.Namespace, cases: dict, steps: int, warmup: int) -> None:
+    """The generated code's own speed: per-stage forward + backward with blocks and inline,
+    eager and compiled, and train.py's step time without and with --compile."""
+    import torch
+
+    bindir = Path(sys.executable).parent
+    autopipe, torchrun = str(bindir / "autopipe"), str(bindir / "torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    load_before = os.getloadavg()[0]
+    stage_rows, step_rows = [], []
+    with tempfile.TemporaryDirectory(prefix="autopipe-stage-code-") as tmp:
+        folder = Path(tmp)
+        (folder / "models.py").write_text(MODELS.format(example=str(REPO / "examples" / "gpt2.py")))
+        (folder / "stage_worker.py").write_text(STAGE_WORKER)
+        for label, (function, _) in cases.items():
+            packages = {}
+            for layout, flags in (("inline", ["--inline-blocks"]), ("blocks", [])):
+                out = folder / f"{function}_{layout}"
+                run(
+                    [autopipe, "compile", f"models.py:{function}", "--stages", "2", "--method"]
+                    + ["dp", "--out", str(out), "--force", "--quiet", *flags],
+                    folder,
+                )
+                packages[layout] = out
+            for index in range(2):
+                cells = []
+                for layout, mode in (
+                    ("inline", "eager"),
+                    ("blocks", "eager"),
+                    ("blocks", "compiled"),
+                ):
+                    command = [sys.executable, str(folder / "stage_worker.py")]
+                    command += [str(packages[layout]), str(index), str(args.reps), mode]
+                    cells.append(json.loads(run(command, folder, env).splitlines()[-1])["ms"])
+                stage_rows.append((label, str(index), *cells))
+                print(f"# {label} stage {index}: {cells}", file=sys.stderr)
+            # the two layouts may split at different points: their sums compare whatever the split
+            sums = [sum(row[i] for row in stage_rows[-2:]) for i in (2, 3, 4)]
+            stage_rows.append((label, "both", *sums))
+            times = {}
+            for mode, flags in (("eager", []), ("compiled", ["--compile"])):
+                log = folder / f"{function}.{mode}.jsonl"
+                run(
+                    [torchrun, "--standalone", "--nproc-per-node=2"]
+                    + [
+                        str(packages["blocks"] / "train.py"),
+                        "--device",
+                        "cpu",
+                        "--steps",
+                        str(steps),
+                    ]
+                    + ["--microbatches", str(args.microbatches), "--log-json", str(log), *flags],
+                    folder,
+                    env,
+                )
+                times[mode] = statistics.median(step_times(log, steps, warmup)[0])
+            step_rows.append((label, times["eager"], times["compiled"]))
+    load_after = os.getloadavg()[0]
+    print(
+        f"CPU, {os.cpu_count()} cores, 1 thread per process, torch {torch.__version__}; "
+        f"1-minute load average {load_before:.1f} before, {load_after:.1f} after"
+    )
+    print(
+        f"Per-stage forward + backward, median of {args.reps} (2 stages, method dp; the layouts "
+        "may split at different points, so compare the 'both' rows):"
+    )
+    print(
+        "| model | stage | inline ms (baseline) | blocks ms | blocks / inline "
+        "| blocks compiled ms | compiled / inline |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for label, index, inline, blocks, compiled in stage_rows:
+        print(
+            f"| {label} | {index} | {inline:.2f} | {blocks:.2f} | {blocks / inline:.2f} "
+            f"| {compiled:.2f} | {compiled / inline:.2f} |"
+        )
+    print()
+    print(
+        f"train.py step time, 2 gloo ranks, {args.microbatches} microbatches, median of "
+        f"{steps - warmup} steps after {warmup} (compilation happens in the first steps):"
+    )
+    print("| model | eager step ms (baseline) | --compile step ms | compiled / eager |")
+    print("|---|---|---|---|")
+    for label, eager, compiled in step_rows:
+        print(f"| {label} | {eager * 1e3:.1f} | {compiled * 1e3:.1f} | {compiled / eager:.2f} |")
+
+
 def run(command: list[str], cwd: Path, env: dict | None = None, timeout: float = 1800) -> str:
     """Output of a command; raises with its tail when it fails."""
     result = subprocess.run(
@@ -366,6 +496,14 @@ def main() -> None:
         help="OMP_WAIT_POLICY of the multi-threaded unpartitioned run (default passive: spinning "
         "threads on a shared CPU slow it down several times over)",
     )
+    parser.add_argument(
+        "--stage-code",
+        action="store_true",
+        help="time the generated code instead: stages with blocks vs inline, eager vs compiled",
+    )
+    parser.add_argument(
+        "--reps", type=int, default=30, help="--stage-code: timed forward+backward per stage (30)"
+    )
     args = parser.parse_args()
     steps = args.steps or (7 if args.quick else 20)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
@@ -375,6 +513,9 @@ def main() -> None:
     schedules = args.schedule or ["gpipe", "1f1b"]
     cases = {k: v for k, v in CASES.items() if not args.model or v[0] in args.model}
     microbatches = args.microbatches
+    if args.stage_code:
+        stage_code(args, cases, steps, warmup)
+        return
 
     import torch  # the version and device only; every measurement runs in its own process
 

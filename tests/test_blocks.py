@@ -4,17 +4,23 @@ stage code a fraction of the inline code's length."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
+import models
 from autopipe.codegen import package_files
 from autopipe.compiler import CompileOptions, compile_spec
+from autopipe.runtime.options import parse_config
+from autopipe.runtime.pipeline import Pipeline
+from autopipe.spec import load_example
 from autopipe.verify import load_pipeline
 
-from conftest import ROOT, compile_model, torchrun_env
+from conftest import ROOT, compile_model, spec, torchrun_env
 from models import gpt2
+from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +116,57 @@ def test_stage_code_of_a_24_layer_model_is_a_quarter_of_inline_code(tmp_path):
     assert "blocks.py" in structured and "blocks.py" not in inline
     assert structured["blocks.py"].count("(Block):") == 1  # one class for the 24 layers
     assert lines(structured) * 4 <= lines(inline), (lines(structured), lines(inline))
+
+
+def test_recompute_choices_name_stages_or_blocks(gpt2_package):
+    pipeline = Pipeline.from_json(load_pipeline(gpt2_package).PIPELINE)
+    blocks = [fqn for stage in pipeline.stages for fqn in stage.blocks]
+    assert blocks == [f"transformer.h.{i}" for i in range(3)]  # whole blocks, in program order
+
+    def choice(value):
+        config = parse_config(["--recompute", value], pipeline)
+        return config.recompute, config.recompute_blocks
+
+    assert choice("blocks") == (frozenset(), frozenset(blocks))
+    assert choice("blocks/2") == (frozenset(), frozenset(blocks[::2]))
+    assert choice("blocks:1") == (frozenset(), frozenset(pipeline.stages[1].blocks))
+    assert choice("0") == (frozenset({0}), frozenset())
+    for bad in ("blocks/0", "blocks:7", "blocks/x", "layers"):
+        with pytest.raises(SystemExit):
+            choice(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags", [("--recompute", "blocks/2"), ("--compile", "--recompute", "blocks:1")]
+)
+def test_recompute_by_block_and_compile_train_like_pytorch(tmp_path, flags):
+    """Every other block recomputed in backward; and torch.compile'd blocks (inductor's C++
+    backend on CPU) with one stage's blocks recomputed: the same training as plain PyTorch."""
+    pipe = run_pipeline(tmp_path, "gpt2", 2, "gpt2_batch", *flags)
+    reference = reference_training(
+        load_example(spec("gpt2")), models.gpt2_batch, STEPS, "adamw", 1e-3
+    )
+    assert_same_training(pipe, reference, atol=5e-5 if "--compile" in flags else 2e-5)
+
+
+@pytest.mark.slow
+def test_partitioner_recomputes_the_cheapest_blocks_and_train_follows(tmp_path):
+    """A device too small for any split without recomputation: the partition recomputes blocks,
+    not whole stages, and train.py (--recompute auto) trains exactly like PyTorch with them."""
+    from autopipe.profiling import device_spec
+
+    roomy = compile_model("gpt2", tmp_path / "roomy", 2)
+    # below half the two devices' memory: no split fits without recomputing something
+    total = sum(roomy.partition.predicted["device_memory"])
+    spec_file = tmp_path / "small.json"
+    small = device_spec("h100").to_json() | {"name": "small", "memory": 0.45 * total}
+    spec_file.write_text(json.dumps(small))
+    pipe = run_pipeline(tmp_path, "gpt2", 2, "gpt2_batch", device=str(spec_file))
+    pipeline = Pipeline.from_json(load_pipeline(tmp_path / "pipe").PIPELINE)
+    assert pipeline.recomputed_blocks and not pipeline.recomputed
+    assert pipeline.recomputed_blocks < {b for s in pipeline.stages for b in s.blocks}
+    reference = reference_training(
+        load_example(spec("gpt2")), models.gpt2_batch, STEPS, "adamw", 1e-3
+    )
+    assert_same_training(pipe, reference)

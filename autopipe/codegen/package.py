@@ -167,7 +167,8 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
             f"        {BODY_MARKER}\n",
             "".join(f"        {line}\n" if line else "\n" for line in body),
         )
-    files["pipeline.json"] = dumps(pipeline_description(graph, plans, part, names))
+    blocks_of_stage = {i: [sub.fqn for sub in subs] for i, subs in submodules.items()}
+    files["pipeline.json"] = dumps(pipeline_description(graph, plans, part, names, blocks_of_stage))
     for module in RUNTIME_MODULES:
         files[f"runtime/{module}"] = (RUNTIME / module).read_text(encoding="utf-8")
     return files
@@ -359,7 +360,11 @@ def _init_rule(name: str, info: ParamInfo) -> str:
 
 
 def pipeline_description(
-    graph: Graph, plans: list[StagePlan], part: Partition, names: dict[str, str]
+    graph: Graph,
+    plans: list[StagePlan],
+    part: Partition,
+    names: dict[str, str],
+    blocks_of_stage: dict[int, list[str]],
 ) -> dict[str, Any]:
     """The JSON-compatible ``PIPELINE`` dict of a generated package (values under their
     generated ``names``)."""
@@ -403,6 +408,10 @@ def pipeline_description(
                 "device": p.device,
                 "module": f"stage{p.index}",
                 "recompute": p.index in part.recompute,
+                "blocks": blocks_of_stage[p.index],
+                "recompute_blocks": [
+                    b for b in blocks_of_stage[p.index] if b in part.recompute_blocks
+                ],
             }
             for p in plans
         ],

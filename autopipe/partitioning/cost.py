@@ -22,6 +22,7 @@ from ..graph import Graph, TensorMeta
 from ..mutation import order_edges
 from ..profiling.devices import DeviceSpec
 from ..profiling.profile import Profile
+from ..tracing.blocks import block_calls
 from ..runtime.pipeline import default_microbatches
 from .simulator import PipelineCosts, Simulation, schedule_orders, simulate
 
@@ -109,6 +110,34 @@ def in_flight(stage: int, num_stages: int, schedule: str, microbatches: int) -> 
     return min(num_stages - stage, microbatches)
 
 
+@dataclass(frozen=True)
+class BlockCost:
+    """A block (autopipe/tracing/blocks.py) a stage may recompute on its own: the units it
+    consists of, and the bytes of the values it reads from outside, which recomputing keeps."""
+
+    fqn: str
+    units: tuple[int, ...]
+    inputs: float
+
+
+def block_costs(graph: Graph) -> dict[str, BlockCost]:
+    """The blocks made of whole units (their costs are the units'), by original name."""
+    blocks = {}
+    for call in block_calls(graph):
+        inside = set(call.nodes)
+        units = tuple(sorted({graph[name].unit for name in call.nodes}))
+        if not all(set(graph.units[u].nodes) <= inside for u in units):
+            continue
+        read = {
+            src
+            for name in call.nodes
+            for src in graph[name].inputs
+            if src not in inside and graph[src].kind in ("call", "input")
+        }
+        blocks[call.fqn] = BlockCost(call.fqn, units, float(sum(map(graph.value_bytes, read))))
+    return blocks
+
+
 class CostModel:
     """Per-unit costs of one graph under one profile, and what any stage assignment costs."""
 
@@ -133,6 +162,7 @@ class CostModel:
         self.activations = [u.activations for u in profile.units]
         self.num_units = len(graph.units)
         self.param_bytes = self._parameter_bytes(graph)
+        self.blocks = block_costs(graph)
         self.exchanges = self._exchanges(graph)
         self.dag = self._unit_dag(graph)
         #: stages -> the best contiguous stage_of_unit (dp.solve_contiguous fills it)
@@ -239,9 +269,11 @@ class CostModel:
         stage_of_unit: list[int],
         device_of_stage: list[int],
         recompute: frozenset[int] = frozenset(),
+        recompute_blocks: frozenset[str] = frozenset(),
     ) -> PipelineCosts:
         """Per-stage costs; stages in ``recompute`` keep only their inputs for backward and run
-        their forward again there."""
+        their forward again there, and so do the blocks in ``recompute_blocks`` (by name) in
+        other stages."""
         num_stages = len(device_of_stage)
         forward = [0.0] * num_stages
         backward = [0.0] * num_stages
@@ -261,6 +293,15 @@ class CostModel:
             for s in range(first, end):
                 act_cross[s] += ex.activation
                 grad_cross[s] += ex.gradient
+        for fqn in recompute_blocks:
+            block = self.blocks[fqn]
+            held = {stage_of_unit[u] for u in block.units}
+            if len(held) > 1 or held & recompute:
+                continue  # cut by a stage boundary (inline), or recomputed with its stage
+            s = held.pop()
+            backward[s] += sum(self.forward[u] for u in block.units)
+            kept = sum(self.activations[u] for u in block.units)
+            activations[s] -= max(kept - block.inputs, 0.0)
         for s in recompute:
             backward[s] += forward[s]
             activations[s] = act_cross[s - 1] if s > 0 else 0.0
@@ -282,13 +323,14 @@ class CostModel:
         device_of_stage: list[int] | None = None,
         schedule: str | None = None,
         recompute: frozenset[int] = frozenset(),
+        recompute_blocks: frozenset[str] = frozenset(),
     ) -> Prediction:
         """Stage costs and a simulated step for an assignment of units to stages and devices."""
         num_stages = max(stage_of_unit) + 1
         device_of_stage = (
             device_of_stage if device_of_stage is not None else list(range(num_stages))
         )
-        costs = self.pipeline_costs(stage_of_unit, device_of_stage, recompute)
+        costs = self.pipeline_costs(stage_of_unit, device_of_stage, recompute, recompute_blocks)
         microbatches = self.microbatches or default_microbatches(num_stages)
         schedule = schedule or self.schedule
         simulation = self.simulate(costs, schedule, microbatches)

@@ -48,6 +48,8 @@ class Partition:
     costs: dict = field(default_factory=dict)
     #: stages whose activations are recomputed in backward, to fit device memory
     recompute: list[int] = field(default_factory=list)
+    #: blocks (original names) of other stages recomputed one by one, to fit device memory
+    recompute_blocks: list[str] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:
@@ -104,6 +106,14 @@ class Partition:
             "recompute",
             self.recompute,
             f"a list of distinct stages (0 .. {stages - 1})",
+        )
+        require(
+            isinstance(self.recompute_blocks, list)
+            and all(isinstance(b, str) and b for b in self.recompute_blocks)
+            and len(set(self.recompute_blocks)) == len(self.recompute_blocks),
+            "recompute_blocks",
+            self.recompute_blocks,
+            "a list of distinct block names",
         )
         self._validate_settings()
         require(isinstance(self.costs, dict), "costs", self.costs, "an object")
@@ -186,6 +196,7 @@ class Partition:
             "predicted": self.predicted,
             "costs": self.costs,
             "recompute": self.recompute,
+            "recompute_blocks": self.recompute_blocks,
         }
 
     @classmethod
@@ -201,6 +212,7 @@ class Partition:
                 predicted=data.get("predicted", {}),
                 costs=data.get("costs", {}),
                 recompute=_ints(data.get("recompute", []), "recompute"),
+                recompute_blocks=data.get("recompute_blocks", []),
             )
             part.validate()
         except KeyError as exc:

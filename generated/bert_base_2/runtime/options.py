@@ -53,8 +53,10 @@ class TrainConfig:
     clip_grad_norm: float | None
     accumulate: int
     bf16: bool
+    compile: bool  # torch.compile each block (one compilation per class), or blockless stages
     skip_nonfinite: bool
     recompute: frozenset[int]  # the stages whose activations are recomputed in backward
+    recompute_blocks: frozenset[str]  # blocks (original names) recomputed one by one
     # data and weights
     data: str | None
     load: str | None
@@ -158,6 +160,12 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
         help="run the stages under bfloat16 autocast (values between stages stay in their dtype)",
     )
     optim.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile every block of the stages (one compilation per block class, reused by "
+        "identical blocks) and the stages that hold no block whole",
+    )
+    optim.add_argument(
         "--skip-nonfinite",
         action="store_true",
         help="skip a step whose loss or gradient norm is not finite (default: stop the run there; "
@@ -166,9 +174,11 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
     optim.add_argument(
         "--recompute",
         default="auto",
-        metavar="auto|all|none|S,S,...",
-        help="recompute activations in backward (torch.utils.checkpoint) for these stages; auto: "
-        "the stages the partitioner found short of memory (default auto)",
+        metavar="auto|all|none|S,S|blocks[:S,S|/K]",
+        help="recompute activations in backward (torch.utils.checkpoint): of whole stages (all, "
+        "or stage numbers), or of blocks one by one (blocks: every block; blocks:S,S: the blocks "
+        "of those stages; blocks/K: every K-th block); auto: the stages and blocks the "
+        "partitioner chose to fit device memory (default auto)",
     )
 
     data = parser.add_argument_group("data and weights")
@@ -250,27 +260,60 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
             parser.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
     if args.timeout == 0:
         parser.error("--timeout must be > 0 seconds")
-    args.recompute = recompute_stages(parser, args.recompute, pipeline)
+    args.recompute, args.recompute_blocks = recompute_choice(parser, args.recompute, pipeline)
     problem = schedule_problem(args.schedule, pipeline, args.microbatches)
     if problem:
         parser.error(problem)
     return TrainConfig(**vars(args))
 
 
-def recompute_stages(
+def recompute_choice(
     parser: argparse.ArgumentParser, value: str, pipeline: Pipeline
-) -> frozenset[int]:
-    num_stages = pipeline.num_stages
+) -> tuple[frozenset[int], frozenset[str]]:
+    """The stages recomputed whole and the blocks recomputed one by one that ``--recompute``
+    names: ``auto`` (the partitioner's choice), ``all``, ``none``, stage numbers ``0,2``, ``blocks`` (every block),
+    ``blocks:0,2`` (the blocks of those stages) or ``blocks/K`` (every K-th block along the
+    pipeline: the first, the K+1-th, ...)."""
+    blocks = [fqn for stage in pipeline.stages for fqn in stage.blocks]
+    kind, _, rest = value.partition(":") if ":" in value else value.partition("/")
+    if kind == "blocks":
+        if not blocks:
+            parser.error(
+                f"--recompute {value!r}: this pipeline's stages hold no blocks (compiled with "
+                "--inline-blocks, or the model repeats no module); give stage numbers"
+            )
+        if not rest:
+            return frozenset(), frozenset(blocks)
+        if "/" in value:
+            every = _integer(parser, value, rest)
+            if every < 1:
+                parser.error(f"--recompute {value!r}: K in blocks/K must be at least 1")
+            return frozenset(), frozenset(blocks[::every])
+        stages = _stage_numbers(parser, value, rest, pipeline.num_stages)
+        return frozenset(), frozenset(b for s in stages for b in pipeline.stages[s].blocks)
     if value == "auto":
-        return pipeline.recomputed
+        return pipeline.recomputed, pipeline.recomputed_blocks
     if value == "all":
-        return frozenset(range(num_stages))
+        return frozenset(range(pipeline.num_stages)), frozenset()
     if value == "none":
-        return frozenset()
+        return frozenset(), frozenset()
+    return _stage_numbers(parser, value, value, pipeline.num_stages), frozenset()
+
+
+def _integer(parser: argparse.ArgumentParser, value: str, text: str) -> int:
     try:
-        stages = {int(s) for s in value.split(",")}
+        return int(text)
     except ValueError:
-        parser.error(f"--recompute {value!r}: give auto, all, none or stage numbers like 0,1")
+        parser.error(
+            f"--recompute {value!r}: give auto, all, none, stage numbers like 0,1, blocks, "
+            "blocks:0,1 or blocks/2"
+        )
+
+
+def _stage_numbers(
+    parser: argparse.ArgumentParser, value: str, text: str, num_stages: int
+) -> frozenset[int]:
+    stages = {_integer(parser, value, s) for s in text.split(",")}
     if not stages <= set(range(num_stages)):
         parser.error(f"--recompute {value!r}: this pipeline has stages 0 to {num_stages - 1}")
     return frozenset(stages)

@@ -75,6 +75,40 @@ class KeepBuffers:
                 buffer.copy_(value)
 
 
+def checkpointed(module: nn.Module, forward: Callable) -> Callable:
+    """``forward`` keeping only its inputs for backward, which recomputes the rest; ``module``'s
+    buffers (BatchNorm's running statistics) are left as the first forward set them."""
+
+    def run(*inputs: torch.Tensor) -> Any:
+        return checkpoint(
+            forward,
+            *inputs,
+            use_reentrant=False,
+            context_fn=lambda: (contextlib.nullcontext(), KeepBuffers(module)),
+        )
+
+    return run
+
+
+def recompute_blocks(stage: nn.Module, blocks: frozenset[str]) -> int:
+    """Make the ``blocks`` a stage holds recompute their activations in backward (their forward
+    hooks, and FSDP's, still fire once per call). Returns how many it holds."""
+    held = 0
+    for fqn, module in stage.named_modules():
+        if fqn in blocks:
+            module.forward = checkpointed(module, module.forward)
+            held += 1
+    return held
+
+
+def compile_stage(stage: nn.Module, blocks: tuple[str, ...]) -> None:
+    """``torch.compile`` the forward of each of a stage's ``blocks`` (regional compilation:
+    blocks of one generated class share the compiled code), or of the whole stage when it holds
+    none. Hooks stay outside the compiled code, and recomputation (``checkpointed``) wraps it."""
+    for module in [stage.get_submodule(fqn) for fqn in blocks] or [stage]:
+        module.forward = torch.compile(module.forward)
+
+
 class StageRunner(nn.Module):
     """One stage as the schedule runs it: under bf16 autocast, with its activations recomputed
     in backward, and returning fresh tensors of the pipeline's dtypes (split-backward schedules
@@ -104,12 +138,7 @@ class StageRunner(nn.Module):
         )
         with precision:
             if self.recompute:
-                outputs = checkpoint(
-                    self.stage,
-                    *inputs,
-                    use_reentrant=False,
-                    context_fn=lambda: (contextlib.nullcontext(), KeepBuffers(self.stage)),
-                )
+                outputs = checkpointed(self.stage, self.stage)(*inputs)
             else:
                 outputs = self.stage(*inputs)
         fixed = []
@@ -325,6 +354,13 @@ def _train(
         s.index: package.build_stage(s.index, device=device, seed=config.seed, meta_state=filled)
         for s in local
     }
+    if config.compile:
+        for s in local:
+            compile_stage(modules[s.index], s.blocks)
+        say("torch.compile: each block, and stages without blocks whole (compiled on first use)")
+    if config.recompute_blocks:
+        held = sum(recompute_blocks(m, config.recompute_blocks) for m in modules.values())
+        say(f"recomputing {held} block(s) of this rank's stages in backward")
     if resume is not None:
         say(f"loading the checkpoint {resume}")
         manifest = checkpoints.restore_weights(resume, modules)

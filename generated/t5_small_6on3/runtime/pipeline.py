@@ -150,10 +150,13 @@ class Stage:
     rank: int  # the JSON's "device": the rank of a replica that runs this stage
     module: str  # the package's module defining it: "stage0"
     recompute: bool  # activations recomputed in backward by default (the partitioner's choice)
+    blocks: tuple[str, ...] = ()  # original names of the blocks it holds as submodules, in order
+    recompute_blocks: tuple[str, ...] = ()  # of those, the partitioner's choice to recompute
 
     @classmethod
     def from_json(cls, data: Any, index: int, where: str) -> Stage:
-        _object(data, where, ("inputs", "outputs", "device", "module", "recompute"))
+        keys = ("inputs", "outputs", "device", "module", "recompute", "blocks", "recompute_blocks")
+        _object(data, where, keys)
         return cls(
             index=index,
             inputs=_names(data["inputs"], f"{where}.inputs"),
@@ -165,6 +168,13 @@ class Stage:
             recompute=_check(
                 data["recompute"], f"{where}.recompute", lambda v: isinstance(v, bool), "a bool"
             ),
+            blocks=_names(data["blocks"], f"{where}.blocks"),
+            recompute_blocks=_check(
+                _names(data["recompute_blocks"], f"{where}.recompute_blocks"),
+                f"{where}.recompute_blocks",
+                lambda names: set(names) <= set(data["blocks"]),
+                "names among the stage's blocks",
+            ),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -174,6 +184,8 @@ class Stage:
             "device": self.rank,
             "module": self.module,
             "recompute": self.recompute,
+            "blocks": list(self.blocks),
+            "recompute_blocks": list(self.recompute_blocks),
         }
 
 
@@ -440,6 +452,11 @@ class Pipeline:
     def recomputed(self) -> frozenset[int]:
         """The stages the partitioner chose to recompute (train.py's --recompute auto)."""
         return frozenset(stage.index for stage in self.stages if stage.recompute)
+
+    @property
+    def recomputed_blocks(self) -> frozenset[str]:
+        """The blocks the partitioner chose to recompute one by one (--recompute auto)."""
+        return frozenset(b for stage in self.stages for b in stage.recompute_blocks)
 
     def received(self, stage: Stage) -> list[Value]:
         """The values ``stage`` receives, in its call order."""
