@@ -153,9 +153,8 @@ def _partition_options(parser: argparse.ArgumentParser, *, stages_required: bool
 def _options(args: argparse.Namespace, **overrides) -> CompileOptions:
     fields = {}
     for name in CompileOptions.__dataclass_fields__:
-        key = {"device": "device_spec"}.get(name, name)
-        if hasattr(args, key) and getattr(args, key) is not None:
-            fields[name] = getattr(args, key)
+        if getattr(args, name, None) is not None:
+            fields[name] = getattr(args, name)
     fields.update(overrides)
     fields.setdefault("stages", 1)
     return CompileOptions(**fields)

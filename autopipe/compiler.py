@@ -41,7 +41,7 @@ class CompileOptions:
     depth: int | None = None
     basic_blocks: tuple[str, ...] = ()
     inline_blocks: bool = False  # no block submodules: every operator in the stage's forward
-    device: str | None = None  # device spec: table name or JSON file
+    device_spec: str | None = None  # the hardware model: a table name or a JSON file
     link: str | None = None
     schedule: str | None = None  # default: 1f1b for one stage per device, auto otherwise
     microbatches: int | None = None
@@ -124,7 +124,7 @@ def trace_step(
 
 def target_device(options: CompileOptions) -> DeviceSpec:
     """The device spec the options name, with their link."""
-    return with_link(device_spec(options.device), options.link)
+    return with_link(device_spec(options.device_spec), options.link)
 
 
 def profile_step(graph: Graph, options: CompileOptions, example: Example | None = None) -> Profile:

@@ -166,7 +166,7 @@ def main() -> None:
             example = as_example((model, args, kwargs))
             out = Path(tmp) / name.split()[0]
             result = compile_example(
-                example, out, CompileOptions(stages=STAGES, device=str(spec_file))
+                example, out, CompileOptions(stages=STAGES, device_spec=str(spec_file))
             )
             predicted = result.partition.predicted["stages"]
             measured = measure(load_pipeline(out), model, example)

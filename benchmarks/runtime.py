@@ -39,7 +39,7 @@ Timings on a shared CPU are noisy (the load average is printed): compare rows of
 block submodules (the default) and with ``--inline-blocks`` (every operator in the stage's forward,
 the first versions' code) as the baseline; every stage's forward + backward (of the sum of squares
 of its outputs) timed alone, in a fresh process with one thread, eager and with train.py's
-``--compile`` (``torch.compile`` of each block, inductor); then train.py's step time without and
+``--compile`` (``torch.compile`` of the stage, one compilation per block class, inductor); then train.py's step time without and
 with ``--compile``.
 """
 
@@ -315,7 +315,7 @@ pipeline = Pipeline.from_json(package.PIPELINE)
 index, reps, compiled = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "compiled"
 stage = package.build_stage(index)
 if compiled:
-    compile_stage(stage, pipeline.stages[index].blocks)
+    compile_stage(stage, pipeline.stages[index].blocks, frozenset())
 inputs = []
 for value in pipeline.received(pipeline.stages[index]):
     tensor = value.meta_tensor()

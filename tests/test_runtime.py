@@ -417,7 +417,7 @@ def test_partitioner_switches_on_recomputation_and_train_follows(tmp_path):
     }
     spec_file.write_text(json_.dumps(small))
     pipe = run_pipeline(
-        tmp_path, "gpt2", 2, "gpt2_batch", device=str(spec_file), inline_blocks=True
+        tmp_path, "gpt2", 2, "gpt2_batch", device_spec=str(spec_file), inline_blocks=True
     )
     assert Pipeline.from_json(load_pipeline(tmp_path / "pipe").PIPELINE).recomputed
     assert_same_training(pipe, gpt2_reference())

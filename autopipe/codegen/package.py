@@ -21,6 +21,7 @@ from ..artifacts import ARTIFACT_VERSION, dumps, write_error
 from ..errors import ArtifactError, OutputExistsError
 from ..graph import COND, Graph, Node, ParamInfo, Ref, dtype_name
 from ..partitioning import Partition, default_schedule
+from ..runtime.pipeline import Pipeline
 from . import emit
 from ..tracing.blocks import block_calls
 from .blocks import (
@@ -423,7 +424,7 @@ def pipeline_description(
         "input_ranges": graph.model.get("input_ranges", {})
         | (graph.loss.model.get("input_ranges", {}) if graph.loss is not None else {}),
     }
-    return description
+    return Pipeline.from_json(description).to_json()  # the runtime's contract, checked here
 
 
 def _schedule_description(part: Partition) -> dict[str, Any]:

@@ -53,7 +53,7 @@ class TrainConfig:
     clip_grad_norm: float | None
     accumulate: int
     bf16: bool
-    compile: bool  # torch.compile each block (one compilation per class), or blockless stages
+    compile: bool  # torch.compile each stage, one compilation per block class
     skip_nonfinite: bool
     recompute: frozenset[int]  # the stages whose activations are recomputed in backward
     recompute_blocks: frozenset[str]  # blocks (original names) recomputed one by one
@@ -162,8 +162,9 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
     optim.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile every block of the stages (one compilation per block class, reused by "
-        "identical blocks) and the stages that hold no block whole",
+        help="torch.compile each stage, its blocks as nested compile regions (one compilation "
+        "per block class, reused by identical blocks); a stage with blocks recomputed one by one "
+        "compiles block by block",
     )
     optim.add_argument(
         "--skip-nonfinite",

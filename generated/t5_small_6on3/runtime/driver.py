@@ -101,12 +101,24 @@ def recompute_blocks(stage: nn.Module, blocks: frozenset[str]) -> int:
     return held
 
 
-def compile_stage(stage: nn.Module, blocks: tuple[str, ...]) -> None:
-    """``torch.compile`` the forward of each of a stage's ``blocks`` (regional compilation:
-    blocks of one generated class share the compiled code), or of the whole stage when it holds
-    none. Hooks stay outside the compiled code, and recomputation (``checkpointed``) wraps it."""
-    for module in [stage.get_submodule(fqn) for fqn in blocks] or [stage]:
-        module.forward = torch.compile(module.forward)
+def compile_stage(stage: nn.Module, blocks: tuple[str, ...], recomputed: frozenset[str]) -> None:
+    """``torch.compile`` a stage's forward, its blocks as nested compile regions: each generated
+    block class compiles once and identical blocks reuse it. A stage with blocks recomputed one
+    by one compiles block by block instead (recomputation wraps each compiled block; the code
+    between blocks stays eager), since ``checkpoint`` cannot be traced with its buffer guard."""
+    modules = [stage.get_submodule(fqn) for fqn in blocks]
+    if recomputed.intersection(blocks):
+        for module in modules:
+            module.forward = torch.compile(module.forward)
+        return
+    for cls in {type(module) for module in modules} - _NESTED_REGIONS:
+        cls.forward = torch.compiler.nested_compile_region(cls.forward)
+        _NESTED_REGIONS.add(cls)
+    stage.forward = torch.compile(stage.forward)
+
+
+#: block classes whose forward is a nested compile region (once per process)
+_NESTED_REGIONS: set[type] = set()
 
 
 class StageRunner(nn.Module):
@@ -356,8 +368,8 @@ def _train(
     }
     if config.compile:
         for s in local:
-            compile_stage(modules[s.index], s.blocks)
-        say("torch.compile: each block, and stages without blocks whole (compiled on first use)")
+            compile_stage(modules[s.index], s.blocks, config.recompute_blocks)
+        say("torch.compile: each stage, one compilation per block class (on first use)")
     if config.recompute_blocks:
         held = sum(recompute_blocks(m, config.recompute_blocks) for m in modules.values())
         say(f"recomputing {held} block(s) of this rank's stages in backward")
