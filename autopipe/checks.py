@@ -1,5 +1,5 @@
-"""Checks of values that enter autopipe from outside: names that reach generated code, operator
-names, and the numbers of options and device specs.
+"""Checks of values that enter autopipe from outside: names that reach generated code (and the
+one allocator of fresh names), operator names, and the numbers of options and device specs.
 
 Predicates (``is_*``) answer yes or no; ``check_*`` raise :class:`AutopipeError` and
 :func:`require` an :class:`ArtifactError`, with a message that names the value, what is wrong and
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import keyword
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -27,6 +28,21 @@ RESERVED = frozenset(keyword.kwlist) | {
     "math",
     "Scope",
 }
+
+
+class Namespace:
+    """Hands out names not taken yet: ``view``, then ``view_1``, ``view_2`` ..."""
+
+    def __init__(self, taken: Iterable[str] = ()):
+        self.used = set(taken)
+
+    def claim(self, preferred: str) -> str:
+        candidate, counter = preferred, 0
+        while candidate in self.used:
+            counter += 1
+            candidate = f"{preferred}_{counter}"
+        self.used.add(candidate)
+        return candidate
 
 
 def is_value_name(name: Any) -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 from ..graph import COND, FUNCTION_TARGET, Graph, Node, Ref, TensorMeta
 from ..tracing.blocks import BlockCall
 from . import emit
-from .names import Namespace, identifier, operator_name
+from .names import identifier, namespace, operator_name
 
 
 @dataclass
@@ -131,9 +131,9 @@ def class_source(
     arguments = [local[name] for name in submodule.arguments]
     lines = [
         "#: Parameters: name within the block -> (shape, dtype, requires_grad, initialisation).",
-        *_table("PARAMETERS", parameters, lambda row: json.dumps(row["init"])),
+        *_table("PARAMETERS", parameters, "requires_grad", lambda row: json.dumps(row["init"])),
         "#: Buffers: name within the block -> (shape, dtype, persistent, initialisation or value).",
-        *_table("BUFFERS", buffers, lambda row: row["init"]),
+        *_table("BUFFERS", buffers, "persistent", lambda row: row["init"]),
         "",
         f"def forward(self, {', '.join(arguments)}):",
     ]
@@ -149,12 +149,15 @@ def class_source(
     return "\n".join(f"    {line}" if line else "" for line in lines) + "\n"
 
 
-def _table(name: str, rows: list[dict[str, Any]], init: Callable[[dict], str]) -> list[str]:
+def _table(
+    name: str, rows: list[dict[str, Any]], flag: str, init: Callable[[dict], str]
+) -> list[str]:
+    """``NAME = {"row name": (shape, dtype, flag, initialisation), ...}`` as source lines."""
     if not rows:
         return [f"{name} = {{}}"]
     entries = [
-        f"    {json.dumps(row['name'])}: ({row['shape']}, {row['dtype']}, "
-        f"{row.get('requires_grad', row.get('persistent'))}, {init(row)}),"
+        f"    {json.dumps(row['name'])}: ({row['shape']}, {row['dtype']}, {row[flag]}, "
+        f"{init(row)}),"
         for row in rows
     ]
     return [f"{name} = {{", *entries, "}"]
@@ -164,7 +167,7 @@ def _local_names(graph: Graph, submodule: Submodule) -> dict[str, str]:
     """Readable names inside the block's forward, numbered locally (``view``, ``view_1``):
     model inputs keep their names, the first argument is ``x``, other arguments and values are
     named for the operator producing them."""
-    space = Namespace()
+    space = namespace()
     local: dict[str, str] = {}
     for position, name in enumerate(submodule.arguments):
         if graph[name].kind == "input":

@@ -170,12 +170,11 @@ class ModuleCall:
     args: tuple[str, ...]
 
     def statement(self, indent: int) -> list[str]:
-        call = f"{self.module}({', '.join(self.args)})"
         if len(self.targets) == 1:
             return assignment(self.targets[0], self.module, list(self.args), indent)
-        if not self.targets:
-            return black_statement(call, indent)
-        return black_statement(f"{', '.join(self.targets)} = {call}", indent)
+        call = f"{self.module}({', '.join(self.args)})"
+        targets = f"{', '.join(self.targets)} = " if self.targets else ""
+        return black_statement(targets + call, indent)
 
 
 def forward_body(

@@ -13,25 +13,16 @@ import keyword
 import re
 from collections.abc import Iterable
 
+from ..checks import RESERVED, Namespace
 from ..graph import Graph, Node
 
-#: names a generated forward uses for other things, and Python's builtins (never shadowed)
-RESERVED = frozenset({"self", "device", "torch", "aten", "nn", *dir(builtins)})
+#: names generated code uses for other things, and Python's builtins (never shadowed)
+UNAVAILABLE = RESERVED | set(dir(builtins))
 
 
-class Namespace:
-    """Hands out unique names: ``view``, ``view_1``, ``view_2`` ..."""
-
-    def __init__(self, taken: Iterable[str] = ()):
-        self.used = set(RESERVED) | set(taken)
-
-    def claim(self, preferred: str) -> str:
-        candidate, counter = preferred, 0
-        while candidate in self.used:
-            counter += 1
-            candidate = f"{preferred}_{counter}"
-        self.used.add(candidate)
-        return candidate
+def namespace(taken: Iterable[str] = ()) -> Namespace:
+    """Fresh names for generated code, away from ``taken`` and :data:`UNAVAILABLE`."""
+    return Namespace(UNAVAILABLE | set(taken))
 
 
 def identifier(text: str) -> str:
@@ -55,7 +46,7 @@ def value_names(
     program order) and the values crossing stage boundaries. Other values keep their names, so
     the new ones avoid every name of the graph."""
     kept = set(graph.inputs) | set(graph.outputs)
-    space = Namespace(node.name for node in graph.nodes)
+    space = namespace(node.name for node in graph.nodes)
     names: dict[str, str] = {}
     for fqn, outputs in outputs_of_calls:
         base = f"{identifier(fqn)}_out"

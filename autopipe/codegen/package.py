@@ -119,16 +119,12 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
     for plan in plans:
         parameters, buffers = _parameter_rows(graph, plan), _buffer_rows(graph, plan)
         for sub in submodules[plan.index]:
-            own = [_relative(row, sub.fqn) for row in parameters], [
-                _relative(row, sub.fqn) for row in buffers
-            ]
-            sub.source = class_source(graph, sub, plan.state_names, *map(_present, own))
+            sub.source = class_source(
+                graph, sub, plan.state_names, _rows_of(parameters, sub), _rows_of(buffers, sub)
+            )
+        prefixes = tuple(f"{sub.fqn}." for sub in submodules[plan.index])
         rows[plan.index] = tuple(
-            [
-                row
-                for row in table
-                if not any(_inside(row, sub.fqn) for sub in submodules[plan.index])
-            ]
+            [row for row in table if not row["name"].startswith(prefixes)]
             for table in (parameters, buffers)
         )
     classes = name_classes(every)
@@ -294,17 +290,14 @@ def _calls(nodes: list) -> Iterator:
                 yield from _calls(branch.nodes)
 
 
-def _inside(row: dict[str, Any], fqn: str) -> bool:
-    return row["name"].startswith(fqn + ".")
-
-
-def _relative(row: dict[str, Any], fqn: str) -> dict[str, Any] | None:
-    """A state row of the block ``fqn`` under its name within the block, or None."""
-    return {**row, "name": row["name"].removeprefix(fqn + ".")} if _inside(row, fqn) else None
-
-
-def _present(rows: list) -> list:
-    return [row for row in rows if row is not None]
+def _rows_of(rows: list[dict[str, Any]], block: Submodule) -> list[dict[str, Any]]:
+    """The state rows of a block, named within it."""
+    prefix = f"{block.fqn}."
+    return [
+        {**row, "name": row["name"].removeprefix(prefix)}
+        for row in rows
+        if row["name"].startswith(prefix)
+    ]
 
 
 def _parameter_rows(graph: Graph, plan: StagePlan) -> list[dict[str, Any]]:

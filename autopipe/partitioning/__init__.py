@@ -112,8 +112,8 @@ def _blocks_by_value(
     saved per second of forward recomputed first."""
     ranked = []
     for fqn, block in model.blocks.items():
-        held = {stage_of_unit[u] for u in block.units}
-        if len(held) != 1 or device_of_stage[held.pop()] != device:
+        stage = block.stage(stage_of_unit)
+        if stage is None or device_of_stage[stage] != device:
             continue
         saved = sum(model.activations[u] for u in block.units) - block.inputs
         seconds = sum(model.forward[u] for u in block.units)

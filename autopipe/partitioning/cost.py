@@ -119,6 +119,12 @@ class BlockCost:
     units: tuple[int, ...]
     inputs: float
 
+    def stage(self, stage_of_unit: list[int]) -> int | None:
+        """The stage holding the whole block, or None where a stage boundary cuts it (it is
+        inline there, not a submodule)."""
+        held = {stage_of_unit[u] for u in self.units}
+        return held.pop() if len(held) == 1 else None
+
 
 def block_costs(graph: Graph) -> dict[str, BlockCost]:
     """The blocks made of whole units (their costs are the units'), by original name."""
@@ -295,10 +301,9 @@ class CostModel:
                 grad_cross[s] += ex.gradient
         for fqn in recompute_blocks:
             block = self.blocks[fqn]
-            held = {stage_of_unit[u] for u in block.units}
-            if len(held) > 1 or held & recompute:
-                continue  # cut by a stage boundary (inline), or recomputed with its stage
-            s = held.pop()
+            s = block.stage(stage_of_unit)
+            if s is None or s in recompute:
+                continue  # cut by a stage boundary, or recomputed with its stage
             backward[s] += sum(self.forward[u] for u in block.units)
             kept = sum(self.activations[u] for u in block.units)
             activations[s] -= max(kept - block.inputs, 0.0)

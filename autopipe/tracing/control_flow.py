@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..checks import op_overload
+from ..checks import Namespace, op_overload
 from ..errors import TraceError
 from ..graph import COND, Graph, Node, Ref, TensorMeta, Unit
 
@@ -117,7 +117,7 @@ def _branch(converter: Any, module: fx.GraphModule, cond: fx.Node, side: str, wh
     from .export import _constant_literal, _drop_dead, _move_getitems_after_sources, _tensor_meta
 
     sub = copy.copy(converter)  # the same conversion, into fresh tables
-    sub.nodes, sub.names, sub.taken = [], {}, set()
+    sub.nodes, sub.names, sub.taken = [], {}, Namespace()
     sub.inputs, sub.outputs, sub.constants = [], [], {}
     sub.cond_branch = True
     outputs: list[str] = []

@@ -21,7 +21,7 @@ from torch import fx
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
-from ..checks import RESERVED
+from ..checks import RESERVED, Namespace
 from ..errors import TraceError
 from ..graph import (
     BufferInfo,
@@ -352,7 +352,7 @@ class _Converter:
         self.exported = exported
         self.nodes: list[Node] = []
         self.names: dict[fx.Node, Any] = {}  # fx node -> Ref (or a Python value)
-        self.taken: set[str] = set()
+        self.taken = Namespace()  # value names handed out so far
         self.inputs: list[str] = []
         self.outputs: list[str] = []
         self.constants: dict[str, Any] = {}
@@ -364,13 +364,7 @@ class _Converter:
 
     def fresh(self, name: str) -> str:
         base = name if name.isidentifier() and name not in RESERVED else f"v_{name}"
-        base = "".join(c if c.isalnum() or c == "_" else "_" for c in base)
-        candidate, i = base, 0
-        while candidate in self.taken:
-            i += 1
-            candidate = f"{base}_{i}"
-        self.taken.add(candidate)
-        return candidate
+        return self.taken.claim("".join(c if c.isalnum() or c == "_" else "_" for c in base))
 
     def convert(self) -> list[Node]:
         sig = self.exported.graph_signature

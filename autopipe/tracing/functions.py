@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import functions as ir
-from ..checks import RESERVED
+from ..checks import RESERVED, Namespace
 from ..errors import TraceError
 from ..graph import (
     Graph,
@@ -108,7 +108,7 @@ class FunctionCapture:
             return self._by_content[content]
         base = cls.__name__ if ir.is_function_name(cls.__name__) else f"Function_{cls.__name__}"
         base = base if ir.is_function_name(base) else "CustomFunction"
-        name = _unique(base, set(self.functions))
+        name = Namespace(self.functions).claim(base)
         fdef.name = name
         self.functions[name] = fdef
         self._by_content[content] = name
@@ -126,19 +126,11 @@ class FunctionCapture:
             old = node.args[0]
             if old not in renamed:
                 fdef = self.functions[old]
-                new = old if old not in taken else _unique(old, taken | set(self.functions))
+                new = old if old not in taken else Namespace(taken | set(self.functions)).claim(old)
                 renamed[old] = fdef.name = new
                 used[new] = fdef
             node.args = (renamed[old], *node.args[1:])
         return used
-
-
-def _unique(base: str, taken: set[str]) -> str:
-    name, i = base, 0
-    while name in taken:
-        i += 1
-        name = f"{base}_{i}"
-    return name
 
 
 @contextlib.contextmanager
@@ -563,7 +555,7 @@ def _failure(exc: Exception) -> str:
 
 
 def _convert(traced: fx.GraphModule, input_names: list[str], qualname: str) -> tuple[Graph, list]:
-    taken = set(RESERVED) | {"ctx", "self"}
+    space = Namespace({*RESERVED, "ctx", "self"})
     names: dict[fx.Node, Any] = {}
     nodes: list[Node] = []
     inputs: list[str] = []
@@ -572,13 +564,7 @@ def _convert(traced: fx.GraphModule, input_names: list[str], qualname: str) -> t
 
     def fresh(base: str) -> str:
         base = re.sub(r"\W", "_", base) or "v"
-        base = base if base.isidentifier() and base not in RESERVED else f"v_{base}"
-        name, i = base, 0
-        while name in taken:
-            i += 1
-            name = f"{base}_{i}"
-        taken.add(name)
-        return name
+        return space.claim(base if base.isidentifier() and base not in RESERVED else f"v_{base}")
 
     placeholders = iter(input_names)
     modes: list[tuple] = []  # the autocast / grad modes the next operators run under
