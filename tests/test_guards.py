@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -261,6 +263,30 @@ def test_injected_write_error_keeps_the_previous_checkpoint(
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001"]
     monkeypatch.undo()
     assert checkpoints.save(2, stages, optimizers, schedulers) == root / "step-00000002"
+
+
+def test_a_stop_signal_during_publishing_leaves_latest_complete(
+    tmp_path, monkeypatch, single_process_group
+):
+    """SIGINT arriving while ``latest`` is being replaced (the moment the first CI run of the
+    Ctrl-C test hit) stops the run only after the renames: ``latest`` names a complete step."""
+    compile_model("mlp", tmp_path / "pipe", 2)
+    package = load_pipeline(tmp_path / "pipe")
+    stages, optimizers, schedulers = training_state(package, 2)
+    root = tmp_path / "ckpt"
+    checkpoints = train_state.TrainingCheckpoints(root, package.PIPELINE, ONE_PROCESS, keep=0)
+    checkpoints.save(1, stages, optimizers, schedulers)
+    fsync = train_state._fsync
+
+    def interrupted_after_the_pointer(path):
+        fsync(path)
+        if path == root:  # `latest` was just replaced
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(train_state, "_fsync", interrupted_after_the_pointer)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.save(2, stages, optimizers, schedulers)
+    assert train_state.merge_checkpoint(root)[1]["step"] == 2
 
 
 @pytest.mark.slow

@@ -18,7 +18,10 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Sequence
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -262,19 +265,21 @@ class TrainingCheckpoints:
         }
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         _fsync(partial / MANIFEST)
-        if final.exists():  # left by a run that died before pointing `latest` at it
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        pointer = self.root / ".latest.tmp"
-        try:
-            pointer.write_text(final.name + "\n", encoding="utf-8")
-            _fsync(pointer)
-            os.replace(pointer, self.root / "latest")
-            _fsync(self.root)
-        except BaseException:  # `latest` still names the previous checkpoint: keep it that way
-            pointer.unlink(missing_ok=True)
-            shutil.rmtree(final, ignore_errors=True)
-            raise
+        with _stop_signals_deferred():  # a stop request waits until `latest` is consistent
+            if final.exists():  # left by a run that died before pointing `latest` at it
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            pointer = self.root / ".latest.tmp"
+            try:
+                pointer.write_text(final.name + "\n", encoding="utf-8")
+                _fsync(pointer)
+                os.replace(pointer, self.root / "latest")
+                _fsync(self.root)
+            except BaseException:  # unless `latest` already names it, keep the previous one
+                pointer.unlink(missing_ok=True)
+                if _named_latest(self.root) != final.name:
+                    shutil.rmtree(final, ignore_errors=True)
+                raise
         if self.keep:
             for old in complete_checkpoints(self.root)[: -self.keep]:
                 if old != final:  # the one `latest` names is never pruned
@@ -341,6 +346,29 @@ def latest_checkpoint(root: Path) -> Path | None:
             every_rank=True,
         )
     return path
+
+
+def _named_latest(root: Path) -> str | None:
+    try:
+        return (root / "latest").read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+@contextmanager
+def _stop_signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM arriving inside the block are delivered when it ends (main thread, on
+    systems with signal masks), so a stopped run never leaves half a rename sequence."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not (
+        threading.main_thread()
+    ):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
