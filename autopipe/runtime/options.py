@@ -38,7 +38,8 @@ class TrainConfig:
     steps: int
     microbatches: int
     schedule: str
-    dp: int
+    dp: int  # replicas of each stage
+    dp_shard: int  # ranks each stage's state is sharded over (FSDP2)
     device: str
     seed: int
     timeout: float
@@ -71,6 +72,11 @@ class TrainConfig:
     log_json: str | None
     log_every: int
 
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel ranks per stage (replicas x shards): each trains on its own slice."""
+        return self.dp * self.dp_shard
+
 
 def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
     num_stages, ranks = pipeline.num_stages, pipeline.num_ranks
@@ -78,7 +84,8 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
     parser = argparse.ArgumentParser(
         prog="train.py",
         description=f"Train {pipeline.model_class} as a {num_stages}-stage pipeline "
-        f"(torchrun --nproc-per-node={ranks} train.py; with --dp N, N times as many processes).",
+        f"(torchrun --nproc-per-node={ranks} train.py; with --dp M --dp-shard N, M x N times as "
+        "many processes).",
     )
     run = parser.add_argument_group("run")
     run.add_argument("--steps", type=int, default=10, help="optimizer steps to run (default 10)")
@@ -86,7 +93,7 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
         "--microbatches",
         type=int,
         default=microbatches,
-        help="microbatches per pipeline run; a step's batch is microbatches x accumulate x dp "
+        help="microbatches per pipeline run; a step's batch is microbatches x accumulate x dp x dp-shard "
         f"example microbatches (default {microbatches})",
     )
     default_schedule = pipeline.schedule.name
@@ -101,7 +108,16 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
         type=int,
         default=1,
         metavar="N",
-        help=f"data-parallel replicas of the pipeline; the world size must be {ranks} x N (default 1)",
+        help="data-parallel replicas of each stage, gradients all-reduced while backward runs "
+        "(default 1)",
+    )
+    run.add_argument(
+        "--dp-shard",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard each stage's parameters, gradients and optimizer state over N ranks (FSDP2); "
+        f"with --dp M the world size is {ranks} x M x N (default 1)",
     )
     run.add_argument(
         "--device",
@@ -248,7 +264,7 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
     for name in ("steps", "checkpoint_every", "warmup_steps", "keep_checkpoints"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0")
-    for name in ("microbatches", "dp", "accumulate", "log_every"):
+    for name in ("microbatches", "dp", "dp_shard", "accumulate", "log_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.resume_from:

@@ -80,7 +80,7 @@ class Batches:
     def __init__(self, pipeline: Pipeline, config: TrainConfig):
         self.pipeline = pipeline
         self.microbatches = config.microbatches
-        self.parts = config.accumulate * config.dp  # pipeline runs per step over all replicas
+        self.parts = config.accumulate * config.data_parallel  # pipeline runs per step, all ranks
         self.seed = config.seed
         self.fn = self.dataset = None
         if config.data:
@@ -163,7 +163,7 @@ class Batches:
             raise PipelineRunError(
                 f"input {value.name!r} has shape {list(tensor.shape)} and dtype {str(tensor.dtype).removeprefix('torch.')}; "
                 f"this pipeline expects shape {expected} and dtype {value.dtype} per step "
-                f"({self.rows} microbatches of shape {micro}: --microbatches x --accumulate x --dp). "
+                f"({self.rows} microbatches of shape {micro}: --microbatches x --accumulate x --dp x --dp-shard). "
                 "The pipeline was compiled for that example microbatch: change --microbatches to "
                 "match your batch, or compile again."
             )

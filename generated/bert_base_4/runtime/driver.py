@@ -1,10 +1,11 @@
 """Training driver of generated pipelines, started by ``torchrun ... train.py``.
 
 Copied into every generated pipeline as ``runtime/driver.py``; it needs only torch. Each rank
-builds the stages the pipeline places on it (parameters materialised only there), wraps them in
-``torch.distributed.pipelining.PipelineStage`` and runs one of torch's schedules; then gradients
-are averaged over data-parallel replicas and summed over tied copies, clipped by the global norm,
-and each stage's optimizer steps. ``options`` holds the command line, ``data`` the batches,
+builds the stages the pipeline places on it (parameters materialised only there), shards them
+with FSDP2 over its data-parallel ranks (``--dp``, ``--dp-shard``), wraps them in
+``torch.distributed.pipelining`` stages and runs one of torch's schedules; gradients are
+averaged over the data-parallel ranks during the step's last backward, summed over tied copies,
+clipped by the global norm, and each stage's optimizer steps. ``options`` holds the command line, ``data`` the batches,
 ``parallel`` the process groups, ``train_state`` weights and checkpoints, ``metrics`` the logs.
 """
 
@@ -26,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     _Action,
     _ComputationType,
@@ -47,7 +47,7 @@ from .guards import (
 )
 from .metrics import Metrics, gather_peak_memory
 from .options import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, TrainConfig, parse_config
-from .parallel import GradientSync, Layout, init_distributed
+from .parallel import DataParallelStage, GradientSync, Layout, init_distributed, shard_stage
 from .pipeline import Pipeline, PipelineFormatError
 from .schedule import greedy_orders
 from .support import SPECIALISED_SIZE, MissingOperatorError
@@ -189,7 +189,7 @@ def make_loss_fn(package: ModuleType, pipeline: Pipeline, device: torch.device) 
 
 def build_schedule(
     name: str,
-    stages: list[PipelineStage],
+    stages: list[DataParallelStage],
     pipeline: Pipeline,
     microbatches: int,
     loss_fn: Callable,
@@ -337,7 +337,7 @@ def save_trained(
 
 
 def train(package: ModuleType, pipeline: Pipeline, config: TrainConfig) -> None:
-    layout = init_distributed(pipeline, config.device, config.dp, config.timeout)
+    layout = init_distributed(pipeline, config.device, config.dp, config.dp_shard, config.timeout)
     torch.manual_seed(config.seed * 1_000_003 + layout.rank)  # dropout streams differ per rank
     reporting = layout.pp_rank == pipeline.last_rank and layout.dp_rank == 0
     check_outputs(config, reporting)
@@ -379,6 +379,25 @@ def _train(
     elif config.load:
         say(f"loading weights from {config.load}")
         load_weights(modules, config.load, pipeline, device)
+    autocast = device.type if config.bf16 else None
+    runners = {
+        s.index: StageRunner(
+            modules[s.index],
+            [value.torch_dtype for value in pipeline.returned(s)],
+            autocast=autocast,
+            recompute=s.index in config.recompute,
+            fresh_outputs=config.schedule in SPLIT_BACKWARD,
+        )
+        for s in local
+    }
+    if layout.sharded:
+        for s in local:
+            blocks = [modules[s.index].get_submodule(fqn) for fqn in s.blocks]
+            shard_stage(runners[s.index], blocks, layout, config.bf16)
+        say(
+            f"FSDP2: each stage over {layout.dp_size} data-parallel ranks "
+            f"(--dp {config.dp} replicas x --dp-shard {config.dp_shard} shards)"
+        )
     optimizers = {i: make_optimizer(config, m) for i, m in modules.items()}
     schedulers = {
         i: torch.optim.lr_scheduler.LambdaLR(o, lr_factor(config)) for i, o in optimizers.items()
@@ -388,16 +407,9 @@ def _train(
         if resume is not None
         else 0
     )
-    autocast = device.type if config.bf16 else None
     stages = [
-        PipelineStage(
-            StageRunner(
-                modules[s.index],
-                [value.torch_dtype for value in pipeline.returned(s)],
-                autocast=autocast,
-                recompute=s.index in config.recompute,
-                fresh_outputs=config.schedule in SPLIT_BACKWARD,
-            ),
+        DataParallelStage(
+            runners[s.index],
             s.index,
             num_stages,
             device,
@@ -440,8 +452,10 @@ def _train(
             losses: list[torch.Tensor] = []
             batch = batches(step) if (is_first or needs_target) else None
             for round_ in range(config.accumulate):
+                for stage in stages:  # gradients are reduced in the last round only
+                    stage.final_round = round_ == config.accumulate - 1
                 inputs, target = (
-                    batches.part(batch, round_ * config.dp + layout.dp_rank)
+                    batches.part(batch, round_ * layout.dp_size + layout.dp_rank)
                     if batch
                     else ([], None)
                 )
@@ -454,7 +468,7 @@ def _train(
                     kwargs["return_outputs"] = False
                 schedule.step(*[t.to(device) for t in inputs] if is_first else [], **kwargs)
                 losses += run_losses
-            sync.scale(1.0 / runs)  # the mean over this replica's microbatches
+            sync.scale(1.0 / runs)  # the mean over this rank's microbatches
             sync.reduce()
             grad_norm = sync.clip(config.clip_grad_norm)
             loss = None

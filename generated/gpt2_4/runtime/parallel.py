@@ -1,15 +1,19 @@
 """Process groups of a generated pipeline and the gradient traffic between them.
 
 Copied into every generated pipeline as ``runtime/parallel.py``; it needs only torch. The world
-is a 2-D mesh ``(dp, pp)``: ``dp`` replicas of the pipeline, each on ``pp`` consecutive ranks
-(global rank = replica x pp + rank within the replica, the ``Stage.rank`` of the pipeline).
-Gradients are averaged over the replicas of each stage and summed over the copies of each
-parameter tied across stages.
+is a 3-D mesh ``(dp_replicate, dp_shard, pp)``: each stage runs on ``dp_replicate x dp_shard``
+data-parallel ranks, each pipeline on ``pp`` consecutive ranks (global rank = data-parallel
+rank x pp + rank within the pipeline, the ``Stage.rank`` of the pipeline). With more than one
+data-parallel rank every stage is FSDP2-managed (``fully_shard``, each block then the rest):
+sharded over ``dp_shard``, replicated over ``dp_replicate`` (HSDP when both exceed 1), gradients
+averaged over all of them while the step's last backward runs. Parameters tied across stages are
+summed shard by shard over the copies.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -17,48 +21,62 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
+from torch.distributed.tensor import DTensor
 
 from .data import PipelineRunError
 from .pipeline import Pipeline
 
-#: elements per data-parallel all-reduce (the flat copy costs this much extra memory)
-BUCKET_ELEMENTS = 1 << 25
-
 
 @dataclass
 class Layout:
-    """Where this process sits in the (dp, pp) mesh."""
+    """Where this process sits in the (dp_replicate, dp_shard, pp) mesh."""
 
     device: torch.device
     pp_size: int
-    dp_size: int
-    pp_rank: int  # the rank within its replica: the stages with this ``Stage.rank`` run here
-    dp_rank: int  # which replica
+    dp_size: int  # data-parallel ranks per stage: replicas x shards
+    pp_rank: int  # the rank within its pipeline: the stages with this ``Stage.rank`` run here
+    dp_rank: int  # which data-parallel rank (replica x dp_shard + shard)
     pp_group: Any
-    dp_group: Any
+    dp_group: Any  # every data-parallel rank of this pipeline rank
+    dp_shard: int = 1
+    dp_mesh: DeviceMesh | None = None  # the (dp_replicate, dp_shard) mesh FSDP2 works over
+    shard_group: Any = None  # the ranks this rank's shards are a part of
 
     @property
     def rank(self) -> int:
         return self.dp_rank * self.pp_size + self.pp_rank
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the stages are FSDP2-managed (any data parallelism)."""
+        return self.dp_size > 1
 
-def init_distributed(pipeline: Pipeline, device_kind: str, dp: int, timeout: float) -> Layout:
-    """Start the process group torchrun prepared and build the (dp, pp) mesh."""
+
+def init_distributed(
+    pipeline: Pipeline, device_kind: str, dp: int, dp_shard: int, timeout: float
+) -> Layout:
+    """Start the process group torchrun prepared and build the (dp_replicate, dp_shard, pp) mesh."""
     world = int(os.environ.get("WORLD_SIZE", "0"))
     pp = pipeline.num_ranks
+    wanted = pp * dp * dp_shard
+    flags = f"--dp {dp}" + (f" --dp-shard {dp_shard}" if dp_shard > 1 else "")
     if world == 0:
         raise PipelineRunError(
-            f"start train.py with torchrun: torchrun --nproc-per-node={pp * dp} train.py ..."
+            f"start train.py with torchrun: torchrun --nproc-per-node={wanted} train.py ..."
         )
-    if world != pp * dp:
+    if world != wanted:
         raise PipelineRunError(
             (
-                f"this pipeline runs on {pp} ranks per replica x --dp {dp} = {pp * dp} processes, but "
-                f"torchrun started {world}; use torchrun --nproc-per-node={pp * dp} (or --dp {world // pp})"
+                f"this pipeline runs on {pp} ranks per pipeline x {flags} = {wanted} processes, but "
+                f"torchrun started {world}; use torchrun --nproc-per-node={wanted}, or choose "
+                f"--dp x --dp-shard = {world // pp}"
                 if world % pp == 0
-                else f"this pipeline runs on {pp} ranks per replica (x --dp {dp}), but torchrun started "
-                f"{world}, not a multiple of {pp}; use torchrun --nproc-per-node={pp * dp}"
+                else f"this pipeline runs on {pp} ranks per pipeline (x {flags}), but torchrun "
+                f"started {world}, not a multiple of {pp}; use torchrun --nproc-per-node={wanted}"
             ),
             every_rank=True,
         )
@@ -73,28 +91,81 @@ def init_distributed(pipeline: Pipeline, device_kind: str, dp: int, timeout: flo
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=wait)
-    mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh(
+        device.type, (dp, dp_shard, pp), mesh_dim_names=("dp_replicate", "dp_shard", "pp")
+    )
+    dp_mesh = mesh["dp_replicate", "dp_shard"]
     return Layout(
         device=device,
         pp_size=pp,
-        dp_size=dp,
+        dp_size=dp * dp_shard,
         pp_rank=mesh.get_local_rank("pp"),
-        dp_rank=mesh.get_local_rank("dp"),
+        dp_rank=mesh.get_local_rank("dp_replicate") * dp_shard + mesh.get_local_rank("dp_shard"),
         pp_group=mesh.get_group("pp"),
-        dp_group=mesh.get_group("dp"),
+        dp_group=dp_mesh._flatten("dp").get_group(),
+        dp_shard=dp_shard,
+        dp_mesh=dp_mesh,
+        shard_group=mesh.get_group("dp_shard"),
     )
+
+
+def shard_stage(runner: nn.Module, blocks: Sequence[nn.Module], layout: Layout, bf16: bool) -> None:
+    """FSDP2 over the data-parallel mesh: each block one unit (gathered in its forward, its
+    gradients reduced as its backward ends), then the rest of the stage under ``runner``.
+    Parameters stay gathered between a step's microbatches (torch's pipeline stages keep them
+    for the backward passes); gradients, optimizer state and the stored parameters are sharded.
+    ``bf16``: bf16 compute, fp32 gradient reduction and fp32 stored (master) parameters."""
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
+    for block in blocks:
+        fully_shard(block, mesh=layout.dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(runner, mesh=layout.dp_mesh, reshard_after_forward=False, mp_policy=policy)
+
+
+class DataParallelStage(PipelineStage):
+    """A pipeline stage whose FSDP2 gradient reduction runs once per optimizer step, in the
+    step's last backward: each block's reduction starts as soon as its backward ends and runs
+    while the rest of the backward does. Earlier accumulation rounds (``final_round`` False)
+    only accumulate."""
+
+    final_round = True
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> tuple[tuple[torch.Tensor | None, ...], Any]:
+        if not (
+            isinstance(self.submod, FSDPModule)
+            and last_backward
+            and self.final_round
+            and backward_type == "full"
+        ):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(True)
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        grads = stage_backward(
+            bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
+        )
+        return grads, None
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        if self.final_round:  # reduces what the last backward left (the stage's own group)
+            super().perform_reduce_grad(grad_scale_factor)
 
 
 @dataclass
 class Tie:
-    """One parameter tied across ranks of a replica: its group and this rank's copies."""
+    """One parameter tied across ranks of a pipeline: its group and this rank's copies."""
 
     group: Any
     copies: list[nn.Parameter]
 
 
 class GradientSync:
-    """Reduces the gradients of this rank's stages after the pipeline's backward passes."""
+    """Tied gradients and the global norm of this rank's stages, after the backward passes."""
 
     def __init__(self, pipeline: Pipeline, layout: Layout, stages: dict[int, nn.Module]):
         self.layout = layout
@@ -134,40 +205,28 @@ class GradientSync:
             if p.grad is not None:
                 p.grad.mul_(factor)
 
-    def _buckets(self, size: int = BUCKET_ELEMENTS) -> list[list[torch.Tensor]]:
-        """Gradients in groups of one dtype and at most ``size`` elements (or one tensor)."""
-        buckets: dict[torch.dtype, list[list[torch.Tensor]]] = {}
-        for p in self.params:
-            groups = buckets.setdefault(p.grad.dtype, [[]])
-            if groups[-1] and sum(g.numel() for g in groups[-1]) + p.numel() > size:
-                groups.append([])
-            groups[-1].append(p.grad)
-        return [group for groups in buckets.values() for group in groups]
-
     def reduce(self) -> None:
-        """Average over replicas (one flat all-reduce per dtype), then sum tied copies."""
-        if self.layout.dp_size > 1:
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            for grads in self._buckets():
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=self.layout.dp_group)
-                flat /= self.layout.dp_size
-                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                    g.copy_(part.view_as(g))
+        """Sum the copies of each tied parameter (shard by shard when sharded; FSDP2 already
+        averaged every gradient over the data-parallel ranks)."""
         for tie in self.ties:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tie.copies]
-            total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
+            grads = [_local(p.grad) if p.grad is not None else None for p in tie.copies]
+            present = [g for g in grads if g is not None]
+            total = (
+                torch.stack(present).sum(0)
+                if present
+                else torch.zeros_like(_local(tie.copies[0].data))
+            )
             if tie.group is not None:
                 dist.all_reduce(total, group=tie.group)
             for p in tie.copies:
-                p.grad = total.clone()
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                _local(p.grad).copy_(total)
 
     def clip(self, max_norm: float | None) -> float:
-        """The global gradient norm over every stage of the replica (each tied parameter once);
+        """The global gradient norm over every stage and shard (each tied parameter once);
         gradients scaled down to ``max_norm`` when given, as ``clip_grad_norm_`` would."""
-        grads = [p.grad for p in self.norm_params if p.grad is not None]
+        grads = [_local(p.grad) for p in self.norm_params if p.grad is not None]
         local = (
             torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
             if grads
@@ -175,6 +234,8 @@ class GradientSync:
         )
         local = local.to(self.layout.device)
         dist.all_reduce(local, group=self.layout.pp_group)
+        if self.layout.dp_shard > 1:
+            dist.all_reduce(local, group=self.layout.shard_group)
         norm = local.sqrt()
         if max_norm is not None:
             coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -182,3 +243,8 @@ class GradientSync:
                 if p.grad is not None:
                     p.grad.mul_(coefficient.to(p.grad.dtype))
         return float(norm)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .checkpoint import Checkpoint, CheckpointError, save_safetensors
 from .data import PipelineRunError, first_line
@@ -90,12 +91,14 @@ def expand_aliases(state: dict[str, torch.Tensor], aliases: Sequence[Sequence[st
 def gather_weights(
     stages: dict[int, nn.Module], pipeline: Pipeline, layout: Layout
 ) -> dict[str, torch.Tensor] | None:
-    """The whole original-model ``state_dict`` on rank 0 (``None`` elsewhere), from replica 0."""
-    local = (
-        {k: v.detach().cpu() for stage in stages.values() for k, v in stage.state_dict().items()}
-        if layout.dp_rank == 0
-        else {}
-    )
+    """The whole original-model ``state_dict`` on rank 0 (``None`` elsewhere), collective."""
+    local = {  # sharded tensors are gathered by all the ranks holding a part
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        for stage in stages.values()
+        for k, v in stage.state_dict().items()
+    }
+    if layout.dp_rank != 0:
+        local = {}
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local, gathered, dst=0)
     if dist.get_rank() != 0:
