@@ -95,13 +95,10 @@ ONE_PROCESS = Layout(
 
 
 def training_state(package, num_stages):
-    """Every stage of a package with an AdamW optimizer and a constant LR schedule."""
+    """Every stage of a package with an AdamW optimizer."""
     stages = {i: package.build_stage(i) for i in range(num_stages)}
     optimizers = {i: torch.optim.AdamW(m.parameters()) for i, m in stages.items()}
-    schedulers = {
-        i: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for i, o in optimizers.items()
-    }
-    return stages, optimizers, schedulers
+    return stages, optimizers
 
 
 @pytest.fixture

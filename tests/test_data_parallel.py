@@ -1,18 +1,23 @@
 """Pipeline x data parallelism with FSDP2: stages sharded over --dp-shard ranks, replicated over
 --dp ranks (gradients reduced while the last backward runs), both at once (HSDP); each against
-plain PyTorch on the whole batch, tied GPT-2 embeddings, accumulation and clipping included."""
+plain PyTorch on the whole batch, tied GPT-2 embeddings, accumulation and clipping included.
+DCP checkpoints that resume under other pipelines of the same model and survive a rank killed
+while they are written."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 
 import models
+from autopipe.cli import main as autopipe_main
+from autopipe.runtime import train_state
 from autopipe.spec import load_example
 
-from conftest import spec
+from conftest import compile_model, spec, torchrun
 from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
 
 CLIPPED = (
@@ -89,3 +94,92 @@ def test_bf16_sharded_with_recomputed_blocks(tmp_path):
     )  # fmt: skip
     assert pipe[0] == pytest.approx(gpt2_reference()[0], rel=2e-2)
     assert all(t.dtype == torch.float32 for t in pipe[1].values() if t.is_floating_point())
+
+
+def losses_of(log):
+    return {r["step"]: r["loss"] for r in map(json.loads, log.read_text().splitlines())}
+
+
+@pytest.mark.slow
+def test_checkpoints_reshard_across_pipelines(tmp_path):
+    """Train 2 stages (contiguous DP partition) x --dp-shard 2 for 4 steps with a checkpoint
+    after step 2; resume from that checkpoint in 4 stages on one replica and in 2 Mixed-Pipe
+    stages x --dp 2: steps 2 and 3 have the losses of the uninterrupted run, and merge reads the
+    DCP checkpoint into the original model."""
+    torch.save(load_example(spec("gpt2")).model.state_dict(), tmp_path / "init.pt")
+    data = ["--data", "tests/models.py:gpt2_batch", "--schedule", "gpipe"]
+    first = tmp_path / "first"
+    compile_model("gpt2", first, 2, method="dp")
+    ckpt, log = tmp_path / "ckpt", tmp_path / "full.jsonl"
+    torchrun(
+        first / "train.py", 4, *data, "--steps", "4", "--microbatches", "2", "--dp-shard", "2",
+        "--load", str(tmp_path / "init.pt"), "--checkpoint-dir", str(ckpt),
+        "--checkpoint-every", "2", "--log-json", str(log),
+    )  # fmt: skip
+    full = losses_of(log)
+    assert sorted(full) == [0, 1, 2, 3]
+    for name, stages, flags in (
+        ("four", 4, ["--microbatches", "4"]),
+        ("replicated", 2, ["--microbatches", "2", "--dp", "2"]),
+    ):
+        package = tmp_path / name
+        compile_model("gpt2", package, stages)
+        resumed, resumed_log = tmp_path / f"{name}-ckpt", tmp_path / f"{name}.jsonl"
+        shutil.copytree(ckpt, resumed)
+        result = torchrun(
+            package / "train.py", 4, *data, *flags, "--steps", "4",
+            "--checkpoint-dir", str(resumed), "--resume-from", "step-00000002",
+            "--log-json", str(resumed_log),
+        )  # fmt: skip
+        assert "resumed from" in result.stdout
+        again = losses_of(resumed_log)
+        assert sorted(again) == [2, 3]
+        assert [again[s] for s in (2, 3)] == pytest.approx([full[s] for s in (2, 3)], rel=1e-5)
+
+    assert autopipe_main(["merge", str(ckpt), "-o", str(tmp_path / "merged.pt")]) == 0
+    model = load_example(spec("gpt2")).model
+    model.load_state_dict(torch.load(tmp_path / "merged.pt", weights_only=True))
+
+
+INJECTION = """
+import os, signal
+from torch.distributed.checkpoint import filesystem
+
+write_data = filesystem.FileSystemWriter.write_data
+
+
+def dies_writing_step_2(self, plan, planner):
+    if os.environ.get("RANK") == "1" and "step-00000002" in str(self.path):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return write_data(self, plan, planner)
+
+
+filesystem.FileSystemWriter.write_data = dies_writing_step_2
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_dcp_writes_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """Rank 1 of 2 stages x --dp-shard 2 dies inside DCP's write of step 2 (a fault injected
+    through sitecustomize): the run stops, step 1 stays latest and loads, nothing partial is
+    published, and --resume finishes the run."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(INJECTION)
+    out = tmp_path / "pipe"
+    compile_model("gpt2", out, 2)
+    ckpt = tmp_path / "ckpt"
+    flags = ["--microbatches", "2", "--dp-shard", "2", "--checkpoint-dir", str(ckpt)]
+    flags += ["--checkpoint-every", "1", "--steps", "3"]
+    monkeypatch.setenv("PYTHONPATH", str(hooks))
+    with pytest.raises(AssertionError, match="torchrun failed"):
+        torchrun(out / "train.py", 4, *flags)
+    assert (ckpt / "latest").read_text().strip() == "step-00000001"
+    assert not (ckpt / "step-00000002").exists()
+    state, manifest = train_state.merge_checkpoint(ckpt)
+    assert manifest["step"] == 1 and manifest["dp_shard"] == 2
+    load_example(spec("gpt2")).model.load_state_dict(state)
+    monkeypatch.delenv("PYTHONPATH")
+    result = torchrun(out / "train.py", 4, *flags, "--resume")
+    assert "resumed from" in result.stdout
+    assert train_state.merge_checkpoint(ckpt)[1]["step"] == 3

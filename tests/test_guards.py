@@ -5,6 +5,7 @@ one, damaged checkpoints are named with the intact one to use instead."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -239,30 +240,29 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(gpt2_pipe
 def test_injected_write_error_keeps_the_previous_checkpoint(
     tmp_path, monkeypatch, single_process_group
 ):
-    """The same fault injected in-process (a write error after one file), where no tmpfs can be
+    """The same fault injected in-process (every DCP write fails), where no tmpfs can be
     mounted: the error names the step and the kept checkpoint; the next save works."""
     out = tmp_path / "pipe"
     compile_model("mlp", out, 2)
     package = load_pipeline(out)
-    stages, optimizers, schedulers = training_state(package, 2)
+    stages, optimizers = training_state(package, 2)
     root = tmp_path / "ckpt"
     checkpoints = train_state.TrainingCheckpoints(root, package.PIPELINE, ONE_PROCESS, keep=3)
-    checkpoints.save(1, stages, optimizers, schedulers)
-    written = []
+    checkpoints.save(1, stages, optimizers)
 
-    def fail_after_one_file(obj, path):
-        if written:
-            raise RuntimeError("[enforce fail at inline_container.cc] . basic_ios::clear")
-        written.append(path)
-        torch.save(obj, path)
+    class FullDisk(train_state.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(train_state, "_save", fail_after_one_file)
-    with pytest.raises(PipelineRunError, match="step 2 could not be written .*basic_ios") as caught:
-        checkpoints.save(2, stages, optimizers, schedulers)
+    monkeypatch.setattr(train_state, "FileSystemWriter", FullDisk)
+    with pytest.raises(
+        PipelineRunError, match="step 2 could not be written .*No space left"
+    ) as caught:
+        checkpoints.save(2, stages, optimizers)
     assert "step-00000001 is still the latest checkpoint" in str(caught.value)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001"]
     monkeypatch.undo()
-    assert checkpoints.save(2, stages, optimizers, schedulers) == root / "step-00000002"
+    assert checkpoints.save(2, stages, optimizers) == root / "step-00000002"
 
 
 def test_a_stop_signal_during_publishing_leaves_latest_complete(
@@ -272,10 +272,10 @@ def test_a_stop_signal_during_publishing_leaves_latest_complete(
     Ctrl-C test hit) stops the run only after the renames: ``latest`` names a complete step."""
     compile_model("mlp", tmp_path / "pipe", 2)
     package = load_pipeline(tmp_path / "pipe")
-    stages, optimizers, schedulers = training_state(package, 2)
+    stages, optimizers = training_state(package, 2)
     root = tmp_path / "ckpt"
     checkpoints = train_state.TrainingCheckpoints(root, package.PIPELINE, ONE_PROCESS, keep=0)
-    checkpoints.save(1, stages, optimizers, schedulers)
+    checkpoints.save(1, stages, optimizers)
     fsync = train_state._fsync
 
     def interrupted_after_the_pointer(path):
@@ -285,27 +285,27 @@ def test_a_stop_signal_during_publishing_leaves_latest_complete(
 
     monkeypatch.setattr(train_state, "_fsync", interrupted_after_the_pointer)
     with pytest.raises(KeyboardInterrupt):
-        checkpoints.save(2, stages, optimizers, schedulers)
+        checkpoints.save(2, stages, optimizers)
     assert train_state.merge_checkpoint(root)[1]["step"] == 2
 
 
 @pytest.mark.slow
 def test_damaged_checkpoints_are_named_with_the_intact_one(gpt2_pipe, tmp_path):
-    """A truncated stage file in the latest checkpoint: --resume, merge and --load refuse it
+    """A truncated data file in the latest checkpoint: --resume, merge and --load refuse it
     naming the file; --resume-from the previous intact checkpoint continues."""
     ckpt = tmp_path / "ckpt"
     first = run(
         gpt2_pipe, *STEPS, "--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"
     )
     assert first.returncode == 0, first.stderr[-3000:]
-    stage = ckpt / "step-00000004" / "stage1.pt"
+    stage = ckpt / "step-00000004" / "__1_0.distcp"  # rank 1's shards
     stage.write_bytes(stage.read_bytes()[:1000])
 
     message = error_of(
         run(gpt2_pipe, *STEPS, "--steps", "6", "--checkpoint-dir", str(ckpt), "--resume"),
         gpt2_pipe,
     )
-    assert "step-00000004 is damaged (stage1.pt has 1000 bytes" in message
+    assert "step-00000004 is damaged (__1_0.distcp has 1000 bytes" in message
     assert "--resume-from step-00000002" in message
     assert autopipe_main(["merge", str(ckpt), "-o", str(tmp_path / "m.pt")]) == 1
     assert not (tmp_path / "m.pt").exists()
@@ -348,12 +348,12 @@ def test_merge_never_overwrites(tmp_path, single_process_group):
     compile_model("mlp", tmp_path / "pipe", 2)
     package = load_pipeline(tmp_path / "pipe")
     root = tmp_path / "ckpt"
-    stages, optimizers, schedulers = training_state(package, 2)
+    stages, optimizers = training_state(package, 2)
     step = train_state.TrainingCheckpoints(root, package.PIPELINE, ONE_PROCESS, keep=0).save(
-        1, stages, optimizers, schedulers
+        1, stages, optimizers
     )
     before = {p: p.read_bytes() for p in step.iterdir()}
-    assert autopipe_main(["merge", str(root), "-o", str(step / "stage0.pt")]) == 1
+    assert autopipe_main(["merge", str(root), "-o", str(step / "__0_0.distcp")]) == 1
     assert autopipe_main(["merge", str(step), "-o", str(root / "latest")]) == 1
     assert autopipe_main(["merge", str(root)]) == 0  # default: ckpt/merged.pt
     assert autopipe_main(["merge", str(root)]) == 1

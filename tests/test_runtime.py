@@ -306,18 +306,53 @@ def test_killed_rank_resumes_to_the_same_weights(tmp_path):
     assert all(torch.equal(merged[k], full[k]) for k in full)
 
 
-def test_checkpoint_of_another_pipeline_is_refused(tmp_path, single_process_group):
+def test_checkpoint_reshards_into_another_partition(tmp_path, single_process_group):
+    """A checkpoint of 2 stages fills the 3 stages of another package of the same model (DCP
+    reads each name wherever it lies, the tied lm_head.weight included), optimizer state too."""
     first, second = tmp_path / "a", tmp_path / "b"
     compile_model("gpt2", first, 2)
     compile_model("gpt2", second, 3)
     a, b = load_pipeline(first), load_pipeline(second)
-    stages, optimizers, schedulers = training_state(a, 2)
-    saved = train_state.TrainingCheckpoints(
-        tmp_path / "ckpt", a.PIPELINE, ONE_PROCESS, keep=0
-    ).save(1, stages, optimizers, schedulers)
-    other = train_state.TrainingCheckpoints(tmp_path / "ckpt", b.PIPELINE, ONE_PROCESS, keep=0)
-    with pytest.raises(train_state.PipelineRunError, match="different pipeline"):
-        other.restore_weights(saved, {0: b.build_stage(0, meta_state=True)})
+    stages, optimizers = training_state(a, 2)
+    for index, optimizer in optimizers.items():  # a step, so AdamW has state to keep
+        for p in stages[index].parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+    saved = train_state.TrainingCheckpoints(tmp_path / "ckpt", a.PIPELINE, ONE_PROCESS, 0)
+    path = saved.save(7, stages, optimizers)
+    others = {i: b.build_stage(i, meta_state=True) for i in range(3)}
+    for stage in others.values():
+        train_state.materialise(stage, torch.device("cpu"))
+    other_optimizers = {i: torch.optim.AdamW(m.parameters()) for i, m in others.items()}
+    reader = train_state.TrainingCheckpoints(tmp_path / "ckpt", b.PIPELINE, ONE_PROCESS, 0)
+    assert reader.restore(path, others, other_optimizers) == 7
+    before = {k: v for m in stages.values() for k, v in m.state_dict().items()}
+    after = {k: v for m in others.values() for k, v in m.state_dict().items()}
+    assert set(after) <= set(before) and all(torch.equal(after[k], before[k]) for k in after)
+    moments = {
+        name: optimizers[i].state[p]["exp_avg"]
+        for i, m in stages.items()
+        for name, p in m.named_parameters()
+    }
+    for i, m in others.items():
+        for name, p in m.named_parameters():
+            assert torch.equal(other_optimizers[i].state[p]["exp_avg"], moments[name]), name
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path, single_process_group):
+    compile_model("gpt2", tmp_path / "a", 2)
+    compile_model("mlp", tmp_path / "b", 2)
+    a, b = load_pipeline(tmp_path / "a"), load_pipeline(tmp_path / "b")
+    stages, optimizers = training_state(a, 2)
+    path = train_state.TrainingCheckpoints(tmp_path / "ckpt", a.PIPELINE, ONE_PROCESS, 0).save(
+        1, stages, optimizers
+    )
+    others, other_optimizers = training_state(b, 2)
+    reader = train_state.TrainingCheckpoints(tmp_path / "ckpt", b.PIPELINE, ONE_PROCESS, 0)
+    with pytest.raises(
+        train_state.PipelineRunError, match="has no tensor .* written for another model"
+    ):
+        reader.restore(path, others, other_optimizers)
 
 
 @pytest.mark.slow

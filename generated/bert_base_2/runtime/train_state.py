@@ -2,13 +2,15 @@
 
 Copied into every generated pipeline as ``runtime/train_state.py``; it needs only torch.
 
-A training checkpoint is a directory ``DIR/step-N`` holding, per stage, its state under the
-original model's names with its optimizer and learning-rate scheduler state (``stageS.pt``,
-written by the first replica), per rank its RNG states (``rankR.pt``), and ``checkpoint.json``
-(step, which pipeline, layout, tied names). Ranks write into ``DIR/.step-N.partial``, which
-becomes ``step-N`` by one rename once every file is on disk; ``DIR/latest`` names the newest
-complete one and is replaced atomically. A crash at any point leaves the previous checkpoint as it
-was.
+A training checkpoint is a directory ``DIR/step-N`` written with ``torch.distributed.checkpoint``
+(DCP): every rank writes its own shards in parallel, keyed by the original model's names, the
+model's state under ``model.NAME`` and the optimizer's under ``optimizer.NAME.*``; beside them
+per rank its RNG states (``rankR.pt``) and ``checkpoint.json`` (step, layout, tied names, every
+file's size). Because the names are the original model's, a checkpoint resumes under any pipeline
+of the same model: another number of stages, another partition, other ``--dp``/``--dp-shard``
+(DCP reshards on load). Ranks write into ``DIR/.step-N.partial``, which becomes ``step-N`` by one
+rename once every file is on disk; ``DIR/latest`` names the newest complete one and is replaced
+atomically. A crash at any point leaves the previous checkpoint as it was.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import re
 import shutil
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +30,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -37,8 +49,10 @@ from .parallel import Layout
 from .pipeline import Pipeline, as_pipeline
 from .support import stage_state
 
-FORMAT, VERSION = "autopipe.checkpoint", 1
+FORMAT, VERSION = "autopipe.checkpoint", 2
 MANIFEST = "checkpoint.json"
+#: the files of a checkpoint: DCP's metadata and per-rank data, per-rank RNG states
+CHECKPOINT_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp|rank\d+\.pt")
 
 
 # -- original-model weights -------------------------------------------------------------------
@@ -179,11 +193,7 @@ class TrainingCheckpoints:
         return path
 
     def save(
-        self,
-        step: int,
-        stages: dict[int, nn.Module],
-        optimizers: dict[int, torch.optim.Optimizer],
-        schedulers: dict[int, Any],
+        self, step: int, stages: dict[int, nn.Module], optimizers: dict[int, torch.optim.Optimizer]
     ) -> Path:
         """Checkpoint the state after ``step`` optimizer steps; collective over all ranks. If any
         rank cannot write, nothing of this step is kept and every rank raises PipelineRunError;
@@ -194,9 +204,7 @@ class TrainingCheckpoints:
         if dist.get_rank() == 0:
             problem = self._attempt(lambda: self._start(partial), partial)
         self._check(agree(problem), step, partial)
-        problem = self._attempt(
-            lambda: self._write_own(partial, stages, optimizers, schedulers), partial
-        )
+        problem = self._attempt(lambda: self._write_own(partial, stages, optimizers), partial)
         self._check(agree(problem), step, partial)
         if dist.get_rank() == 0:
             problem = self._attempt(lambda: self._publish(step, partial, final), partial)
@@ -207,8 +215,8 @@ class TrainingCheckpoints:
     def _attempt(write: Callable[[], None], where: Path) -> str | None:
         try:
             write()
-        except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError
-            return describe_write_error(exc, where)
+        except (OSError, RuntimeError, CheckpointException) as exc:  # torch.save: a full disk
+            return describe_write_error(_cause(exc), where)  # is a RuntimeError
         return None
 
     def _check(self, problem: str | None, step: int, partial: Path) -> None:
@@ -239,16 +247,8 @@ class TrainingCheckpoints:
         partial: Path,
         stages: dict[int, nn.Module],
         optimizers: dict[int, torch.optim.Optimizer],
-        schedulers: dict[int, Any],
     ) -> None:
-        if self.layout.dp_rank == 0:
-            for index, stage in stages.items():
-                state = {
-                    "model": stage.state_dict(),
-                    "optimizer": optimizers[index].state_dict(),
-                    "scheduler": schedulers[index].state_dict(),
-                }
-                _save(state, partial / f"stage{index}.pt")
+        dcp.save(training_state(stages, optimizers), storage_writer=FileSystemWriter(partial))
         _save({"rng": _rng_state(self.layout.device)}, partial / f"rank{self.layout.rank}.pt")
 
     def _publish(self, step: int, partial: Path, final: Path) -> None:
@@ -261,7 +261,8 @@ class TrainingCheckpoints:
             "pipeline": fingerprint(self.pipeline),
             "model": self.pipeline.model,
             "stages": self.pipeline.num_stages,
-            "dp": self.layout.dp_size,
+            "dp": self.layout.dp_size // self.layout.dp_shard,
+            "dp_shard": self.layout.dp_shard,
             "world_size": dist.get_world_size(),
             "aliases": [list(group) for group in self.pipeline.aliases],
             "files": {p.name: p.stat().st_size for p in sorted(partial.iterdir())},
@@ -288,41 +289,152 @@ class TrainingCheckpoints:
                 if old != final:  # the one `latest` names is never pruned
                     shutil.rmtree(old)
 
-    def restore_weights(self, path: Path, stages: dict[int, nn.Module]) -> dict:
-        """Fill this rank's stages (built with ``meta_state``) from checkpoint ``path``; returns
-        its manifest. Optimizers are made afterwards, for the parameters this creates."""
-        manifest = read_manifest(path)
-        if manifest["pipeline"] != fingerprint(self.pipeline):
-            raise PipelineRunError(
-                f"checkpoint {path} was written by a different pipeline ({manifest['model']}, "
-                f"{manifest['stages']} stages, fingerprint {manifest['pipeline']}; this one is "
-                f"{fingerprint(self.pipeline)}). Resume with the pipeline that wrote it, or start "
-                "from its weights: autopipe merge, then --load"
-            )
-        for index, stage in stages.items():
-            state = self._stage_file(path, index)["model"]
-            stage.load_state_dict(state, assign=True)
-        return manifest
-
-    def restore_training(
+    def restore(
         self,
         path: Path,
-        manifest: dict,
+        stages: dict[int, nn.Module],
         optimizers: dict[int, torch.optim.Optimizer],
-        schedulers: dict[int, Any],
     ) -> int:
-        """Load optimizer, scheduler and RNG states of checkpoint ``path``; returns its step."""
-        for index, optimizer in optimizers.items():
-            state = self._stage_file(path, index)
-            optimizer.load_state_dict(state["optimizer"])
-            schedulers[index].load_state_dict(state["scheduler"])
+        """Fill this rank's stages (materialised, sharded or not) and their optimizers from
+        checkpoint ``path``, whatever pipeline wrote it, checking every tensor's name, shape and
+        dtype; collective. RNG states too when the layout is the same. Returns its step."""
+        manifest = read_manifest(path)
+        reader = FileSystemReader(path)
+        try:
+            saved = reader.read_metadata().state_dict_metadata
+        except Exception as exc:  # noqa: BLE001 - DCP's reader raises what its storage does
+            raise PipelineRunError(
+                f"checkpoint {path} cannot be read ({first_line(exc)})", every_rank=True
+            ) from None
+        state = {
+            index: training_state({index: stage}, {index: optimizers[index]}, whole=True)
+            for index, stage in stages.items()
+        }
+        request: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # names held twice on this rank
+        for index, parts in state.items():
+            for name, tensor in parts["model"].items():
+                source = self._source(path, saved, manifest, f"model.{name}", index, tensor)
+                _request(request["model"], source, tensor, copies)
+            for name, entries in parts["optimizer"].items():
+                for entry, tensor in entries.items():
+                    key = f"optimizer.{name}.{entry}"
+                    source = self._source(path, saved, manifest, key, index, tensor)
+                    _request(request["optimizer"], source, tensor, copies)
+        try:
+            dcp.load(request, storage_reader=reader)
+        except CheckpointException as exc:
+            raise PipelineRunError(
+                f"checkpoint {path} cannot be read ({first_line(_cause(exc))}); it is damaged",
+                every_rank=True,
+            ) from None
+        with torch.no_grad():
+            for target, value in copies:
+                _local(target).copy_(_local(value))
+        for index, stage in stages.items():
+            set_model_state_dict(stage, state[index]["model"])
+            set_optimizer_state_dict(stage, optimizers[index], state[index]["osd"])
+        same_layout = (
+            manifest["world_size"] == dist.get_world_size()
+            and manifest.get("dp_shard") == self.layout.dp_shard
+            and manifest.get("pipeline") == fingerprint(self.pipeline)
+        )
         rank_file = path / f"rank{self.layout.rank}.pt"
-        if manifest["world_size"] == dist.get_world_size() and rank_file.is_file():
+        if same_layout and rank_file.is_file():
             _set_rng_state(_load(rank_file, "cpu")["rng"], self.layout.device)
         return manifest["step"]
 
-    def _stage_file(self, path: Path, index: int) -> dict:
-        return _load(path / f"stage{index}.pt", self.layout.device)
+    def _source(
+        self, path: Path, saved: dict, manifest: dict, key: str, index: int, tensor: torch.Tensor
+    ) -> str:
+        """The key of checkpoint ``path`` that holds ``key`` (itself, or a tied alias), checked
+        for shape and dtype; names what is missing or different."""
+        kind, _, rest = key.partition(".")
+        name, entry = rest, ""
+        if kind == "optimizer":
+            name, _, entry = rest.rpartition(".")
+        aliases = {n: group for group in manifest["aliases"] for n in group}
+        for candidate in [name, *aliases.get(name, [])]:
+            source = f"{kind}.{candidate}" + (f".{entry}" if entry else "")
+            if source in saved:
+                break
+        else:
+            what = "tensor" if kind == "model" else f"{entry!r} optimizer state of"
+            raise PipelineRunError(
+                f"checkpoint {path} has no {what} {name} (needed by stage {index} of this "
+                f"pipeline): it was written for another model"
+                + (" or with another --optimizer" if kind == "optimizer" else ""),
+                every_rank=True,
+            )
+        meta = saved[source]
+        shape, dtype = list(getattr(meta, "size", [])), getattr(meta, "properties", None)
+        dtype = getattr(dtype, "dtype", None)
+        if shape != list(tensor.shape) or dtype != tensor.dtype:
+            raise PipelineRunError(
+                f"checkpoint {path} holds {source} as {dtype} {shape}; stage {index} of this "
+                f"pipeline has {tensor.dtype} {list(tensor.shape)}: it was written for another "
+                "model",
+                every_rank=True,
+            )
+        return source[len(kind) + 1 :]
+
+
+def training_state(
+    stages: dict[int, nn.Module], optimizers: dict[int, torch.optim.Optimizer], whole: bool = False
+) -> dict[str, Any]:
+    """What a checkpoint holds of these stages: ``{"model": {name: tensor}, "optimizer": {name:
+    {entry: tensor}}}`` under the original model's names (DTensors when sharded), a name held by
+    two local stages once. ``whole``: also ``"osd"``, torch's optimizer state dict of the one
+    stage given, whose tensors the others are (for ``set_optimizer_state_dict``)."""
+    model: dict[str, torch.Tensor] = {}
+    optimizer: dict[str, dict[str, torch.Tensor]] = {}
+    osd: dict[str, Any] = {}
+    for index, stage in stages.items():
+        osd = get_optimizer_state_dict(stage, optimizers[index])
+        for name, tensor in get_model_state_dict(stage).items():
+            if whole or name not in model:
+                model[name] = tensor
+        for name, entries in osd["state"].items():
+            if whole or name not in optimizer:
+                optimizer[name] = entries
+    return {"model": model, "optimizer": optimizer, **({"osd": osd} if whole else {})}
+
+
+def _request(
+    request: dict[str, torch.Tensor],
+    source: str,
+    tensor: torch.Tensor,
+    copies: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Ask DCP to fill ``tensor`` from ``source``; a second tensor of the same source is
+    copied from the first after loading."""
+    if source in request:
+        copies.append((tensor, request[source]))
+    else:
+        request[source] = tensor
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The error a rank met inside DCP, which wraps every rank's in one CheckpointException."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        failure = next(iter(exc.failures.values()))
+        return failure[0] if isinstance(failure, tuple) else failure
+    return exc
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def materialise(module: nn.Module, device: torch.device) -> None:
+    """Allocate, uninitialised, the parameters and buffers a stage built with ``meta_state``
+    left on the meta device (FSDP2-managed ones: only this rank's shard), keeping the buffers
+    that have values; a checkpoint fills the rest."""
+    kept = {name: b for name, b in module.named_buffers() if not b.is_meta}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in kept.items():
+            module.get_buffer(name).copy_(value)
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -398,16 +510,13 @@ def damage(path: Path) -> str | None:
         manifest = read_manifest(path)
     except PipelineRunError as exc:
         return str(exc)
-    files = manifest.get("files")
-    if files is None:  # written before sizes were recorded
-        files = {f"stage{i}.pt": None for i in range(manifest["stages"])}
-    for name, size in sorted(files.items()):
-        if not re.fullmatch(r"(stage|rank)\d+\.pt", name):
+    for name, size in sorted(manifest.get("files", {}).items()):
+        if not CHECKPOINT_FILE.fullmatch(name):
             return f"its manifest names a file {name[:80]!r} that a checkpoint never holds"
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
-        if size is not None and file.stat().st_size != size:
+        if file.stat().st_size != size:
             return f"{name} has {file.stat().st_size} bytes, {size} were written"
     return None
 
@@ -424,7 +533,14 @@ def read_manifest(path: Path) -> dict:
             f"{path} is a {manifest.get('format')} version {manifest.get('version')} checkpoint; "
             f"this runtime reads {FORMAT} version {VERSION}"
         )
-    for key, kind in (("step", int), ("stages", int), ("world_size", int), ("aliases", list)):
+    fields = (
+        ("step", int),
+        ("stages", int),
+        ("world_size", int),
+        ("aliases", list),
+        ("files", dict),
+    )
+    for key, kind in fields:
         if not isinstance(manifest.get(key), kind):
             raise PipelineRunError(
                 f"{path / MANIFEST}: {key!r} is missing or not a {kind.__name__}"
@@ -442,9 +558,21 @@ def merge_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     if problem:
         raise PipelineRunError(f"checkpoint {path} is damaged ({problem})")
     manifest = read_manifest(path)
-    state: dict[str, torch.Tensor] = {}
-    for index in range(manifest["stages"]):
-        state.update(_load(path / f"stage{index}.pt", "cpu")["model"])
+    reader = FileSystemReader(path)
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+        state = {
+            key[len("model.") :]: torch.empty(meta.size, dtype=meta.properties.dtype)
+            for key, meta in saved.items()
+            if key.startswith("model.")
+        }
+        with warnings.catch_warnings():  # reading in one process is what merge is for
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    except Exception as exc:  # noqa: BLE001 - DCP's reader raises what its storage does
+        raise PipelineRunError(
+            f"checkpoint {path} cannot be read ({first_line(exc)}); it is damaged"
+        ) from None
     expand_aliases(state, manifest["aliases"])
     return state, manifest
 

@@ -51,7 +51,13 @@ from .parallel import DataParallelStage, GradientSync, Layout, init_distributed,
 from .pipeline import Pipeline, PipelineFormatError
 from .schedule import greedy_orders
 from .support import SPECIALISED_SIZE, MissingOperatorError
-from .train_state import TrainingCheckpoints, gather_weights, load_weights, save_weights
+from .train_state import (
+    TrainingCheckpoints,
+    gather_weights,
+    load_weights,
+    materialise,
+    save_weights,
+)
 
 _KINDS = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
 #: microbatches x stages from which building the schedule takes long enough to say so
@@ -230,6 +236,15 @@ def make_optimizer(config: TrainConfig, module: nn.Module) -> torch.optim.Optimi
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
 
+def make_scheduler(
+    config: TrainConfig, optimizer: torch.optim.Optimizer, done: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning-rate schedule, positioned after ``done`` optimizer steps."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = config.lr
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config), last_epoch=done - 1)
+
+
 def lr_factor(config: TrainConfig) -> Callable[[int], float]:
     """Multiplier of --lr after ``step`` optimizer steps: linear warm-up, then decay."""
     floor = config.min_lr / config.lr if config.lr else 0.0
@@ -373,10 +388,7 @@ def _train(
     if config.recompute_blocks:
         held = sum(recompute_blocks(m, config.recompute_blocks) for m in modules.values())
         say(f"recomputing {held} block(s) of this rank's stages in backward")
-    if resume is not None:
-        say(f"loading the checkpoint {resume}")
-        manifest = checkpoints.restore_weights(resume, modules)
-    elif config.load:
+    if config.load and resume is None:
         say(f"loading weights from {config.load}")
         load_weights(modules, config.load, pipeline, device)
     autocast = device.type if config.bf16 else None
@@ -398,15 +410,15 @@ def _train(
             f"FSDP2: each stage over {layout.dp_size} data-parallel ranks "
             f"(--dp {config.dp} replicas x --dp-shard {config.dp_shard} shards)"
         )
+    if resume is not None:  # allocated (only its shards, if sharded), filled from the checkpoint
+        for runner in runners.values():
+            materialise(runner, device)
     optimizers = {i: make_optimizer(config, m) for i, m in modules.items()}
-    schedulers = {
-        i: torch.optim.lr_scheduler.LambdaLR(o, lr_factor(config)) for i, o in optimizers.items()
-    }
-    start = (
-        checkpoints.restore_training(resume, manifest, optimizers, schedulers)
-        if resume is not None
-        else 0
-    )
+    start = 0
+    if resume is not None:
+        say(f"loading the checkpoint {resume}")
+        start = checkpoints.restore(resume, modules, optimizers)
+    schedulers = {i: make_scheduler(config, o, start) for i, o in optimizers.items()}
     stages = [
         DataParallelStage(
             runners[s.index],
@@ -495,7 +507,7 @@ def _train(
                 done == config.steps
                 or (config.checkpoint_every and done % config.checkpoint_every == 0)
             ):
-                checkpoint = checkpoints.save(done, modules, optimizers, schedulers)
+                checkpoint = checkpoints.save(done, modules, optimizers)
                 metrics.note(f"checkpoint {checkpoint}")
     finally:
         metrics.close()
