@@ -43,12 +43,21 @@ def clip_was_active(log):
 
 
 @pytest.mark.slow
-def test_two_stages_sharded_over_two_ranks(tmp_path):
-    """--dp-shard 2 on 4 processes: each stage's parameters, gradients and AdamW state in two
-    halves; each shard rank trains on its own 2 of the step's 4 microbatches."""
-    pipe = run_pipeline(
-        tmp_path, "gpt2", 2, "gpt2_batch", "--dp-shard", "2", "--microbatches", "2", nproc=4
-    )
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--dp-shard", "2"),
+        ("--dp-shard", "2", "--gather", "step"),
+        ("--dp", "2", "--no-dp-overlap"),
+    ],
+    ids=["sharded-per-block", "sharded-per-step", "replicated-after-backward"],
+)
+def test_two_stages_on_two_data_parallel_ranks(tmp_path, flags):
+    """4 processes, 2 per stage, each rank training on its own 2 of the step's 4 microbatches:
+    sharded with parameters gathered per block call (gradients reduce-scattered every
+    microbatch) or once per step (reduced once), or replicated with the reduction after the
+    backward instead of during it."""
+    pipe = run_pipeline(tmp_path, "gpt2", 2, "gpt2_batch", *flags, "--microbatches", "2", nproc=4)
     assert_same_training(pipe, gpt2_reference())
 
 

@@ -405,10 +405,11 @@ def _train(
     if layout.sharded:
         for s in local:
             blocks = [modules[s.index].get_submodule(fqn) for fqn in s.blocks]
-            shard_stage(runners[s.index], blocks, layout, config.bf16)
+            shard_stage(runners[s.index], blocks, layout, config.gather, config.bf16)
         say(
             f"FSDP2: each stage over {layout.dp_size} data-parallel ranks "
-            f"(--dp {config.dp} replicas x --dp-shard {config.dp_shard} shards)"
+            f"(--dp {config.dp} replicas x --dp-shard {config.dp_shard} shards"
+            + (f", gathered per {config.gather})" if config.dp_shard > 1 else ")")
         )
     if resume is not None:  # allocated (only its shards, if sharded), filled from the checkpoint
         for runner in runners.values():
@@ -431,6 +432,9 @@ def _train(
         )
         for s in local
     ]
+    for stage in stages:
+        stage.reduce_every_microbatch = config.dp_shard > 1 and config.gather == "block"
+        stage.overlap = config.dp_overlap
     is_first, is_last = 0 in modules, num_stages - 1 in modules
     loss_fn = make_loss_fn(package, pipeline, device)
     if config.microbatches * num_stages >= LARGE_SCHEDULE:

@@ -109,41 +109,45 @@ def init_distributed(
     )
 
 
-def shard_stage(runner: nn.Module, blocks: Sequence[nn.Module], layout: Layout, bf16: bool) -> None:
-    """FSDP2 over the data-parallel mesh: each block one unit (gathered in its forward, its
+def shard_stage(
+    runner: nn.Module, blocks: Sequence[nn.Module], layout: Layout, gather: str, bf16: bool
+) -> None:
+    """FSDP2 over the data-parallel mesh: each block one unit (gathered for its forward, its
     gradients reduced as its backward ends), then the rest of the stage under ``runner``.
-    Parameters stay gathered between a step's microbatches (torch's pipeline stages keep them
-    for the backward passes); gradients, optimizer state and the stored parameters are sharded.
-    ``bf16``: bf16 compute, fp32 gradient reduction and fp32 stored (master) parameters."""
+    ``gather``: "block" frees each unit's gathered parameters after its forward and backward
+    (gathered again for every microbatch), "step" keeps them gathered until the step's last
+    backward. ``bf16``: bf16 compute, fp32 gradient reduction and fp32 stored (master)
+    parameters."""
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if bf16
         else MixedPrecisionPolicy()
     )
-    for block in blocks:
-        fully_shard(block, mesh=layout.dp_mesh, reshard_after_forward=False, mp_policy=policy)
-    fully_shard(runner, mesh=layout.dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    per_block = gather == "block" and layout.dp_shard > 1
+    for module in [*blocks, runner]:
+        fully_shard(module, mesh=layout.dp_mesh, reshard_after_forward=per_block, mp_policy=policy)
 
 
 class DataParallelStage(PipelineStage):
-    """A pipeline stage whose FSDP2 gradient reduction runs once per optimizer step, in the
-    step's last backward: each block's reduction starts as soon as its backward ends and runs
-    while the rest of the backward does. Earlier accumulation rounds (``final_round`` False)
-    only accumulate."""
+    """A pipeline stage that decides when its FSDP2 units reduce their gradients: with
+    ``reduce_every_microbatch`` after each backward (sharded gradients accumulate, 1/N of the
+    memory), otherwise once per optimizer step: during the step's last backward when
+    ``overlap`` (each unit's reduction starts as soon as its backward ends and runs while the
+    rest of the backward does), else after it. Earlier accumulation rounds (``final_round``
+    False) only accumulate."""
 
     final_round = True
+    reduce_every_microbatch = False
+    overlap = True
 
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
     ) -> tuple[tuple[torch.Tensor | None, ...], Any]:
-        if not (
-            isinstance(self.submod, FSDPModule)
-            and last_backward
-            and self.final_round
-            and backward_type == "full"
-        ):
+        last = last_backward and self.final_round
+        reduce_now = self.reduce_every_microbatch or (last and self.overlap)
+        if not (isinstance(self.submod, FSDPModule) and reduce_now and backward_type == "full"):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        self.submod.set_is_last_backward(True)
+        self.submod.set_is_last_backward(last)
         self.submod.set_reshard_after_backward(True)
         self.submod.set_requires_gradient_sync(True)
         grads = stage_backward(
@@ -152,7 +156,7 @@ class DataParallelStage(PipelineStage):
         return grads, None
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        if self.final_round:  # reduces what the last backward left (the stage's own group)
+        if self.final_round or self.reduce_every_microbatch:  # what backward left unreduced
             super().perform_reduce_grad(grad_scale_factor)
 
 

@@ -40,6 +40,8 @@ class TrainConfig:
     schedule: str
     dp: int  # replicas of each stage
     dp_shard: int  # ranks each stage's state is sharded over (FSDP2)
+    gather: str  # sharded parameters gathered per "block" call or once per "step"
+    dp_overlap: bool  # reduce gradients while the step's last backward runs
     device: str
     seed: int
     timeout: float
@@ -118,6 +120,24 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
         metavar="N",
         help="shard each stage's parameters, gradients and optimizer state over N ranks (FSDP2); "
         f"with --dp M the world size is {ranks} x M x N (default 1)",
+    )
+    run.add_argument(
+        "--gather",
+        choices=["block", "step"],
+        default="block",
+        help="with --dp-shard: block gathers each block's parameters for its forward and again "
+        "for its backward and reduce-scatters its gradients after every microbatch (parameters, "
+        "gradients and optimizer state all take 1/N; what autopipe compile --dp-shard plans "
+        "for); step gathers a stage's parameters once per step and reduces its gradients once "
+        "(fewer collectives, but the whole stage's parameters and gradients are held during the "
+        "step) (default block)",
+    )
+    run.add_argument(
+        "--dp-overlap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reduce each block's gradients as soon as its last backward ends, while the rest "
+        "of the backward runs; --no-dp-overlap reduces them all after it (default: overlap)",
     )
     run.add_argument(
         "--device",
