@@ -148,6 +148,15 @@ def _partition_options(parser: argparse.ArgumentParser, *, stages_required: bool
         default="adamw",
         help="optimizer whose state the memory model counts (default adamw)",
     )
+    group.add_argument(
+        "--dp-shard",
+        type=_count(1),
+        default=1,
+        metavar="N",
+        help="plan for each stage's parameters, gradients and optimizer state sharded over N "
+        "data-parallel ranks (train.py --dp-shard N): 1/N of them per rank, plus the largest "
+        "block gathered at a time (default 1)",
+    )
 
 
 def _options(args: argparse.Namespace, **overrides) -> CompileOptions:

@@ -46,6 +46,7 @@ class CompileOptions:
     schedule: str | None = None  # default: 1f1b for one stage per device, auto otherwise
     microbatches: int | None = None
     optimizer: str = "adamw"
+    dp_shard: int = 1  # data-parallel ranks each stage's training state is sharded over
 
     def __post_init__(self) -> None:
         """Check every option, so that a wrong one fails before the expensive steps."""
@@ -59,6 +60,7 @@ class CompileOptions:
                 )
         if self.microbatches is not None:
             check_count(self.microbatches, "--microbatches")
+        check_count(self.dp_shard, "--dp-shard")
         if self.depth is not None:
             check_count(self.depth, "--depth", minimum=0)
         for option, value, choices in (
@@ -141,6 +143,7 @@ def partition_step(graph: Graph, prof: Profile, options: CompileOptions) -> Part
         schedule=options.schedule,
         microbatches=options.microbatches,
         optimizer=options.optimizer,
+        dp_shard=options.dp_shard,
     )
 
 

@@ -50,6 +50,20 @@ def gpt2_meta_24():
         return gpt2(layers=24)
 
 
+def gpt2_wide_meta():
+    """A GPT-2 whose parameters outweigh its activations (width 512, 4 tokens), on meta: the
+    model sharding is for."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=4, n_embd=512, n_head=8, vocab_size=97, n_positions=8, use_cache=False
+    )
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config)
+        ids = torch.zeros((1, 4), dtype=torch.long)
+    return model, (ids,), {"labels": ids.clone()}
+
+
 def gpt2_batch(step: int, microbatches: int = 4):
     g = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, 97, (BATCH * microbatches, 16), generator=g)

@@ -14,6 +14,8 @@ import torch
 
 import models
 from autopipe.cli import main as autopipe_main
+from autopipe.errors import AutopipeError
+from autopipe.profiling import device_spec
 from autopipe.runtime import train_state
 from autopipe.spec import load_example
 
@@ -132,7 +134,7 @@ def test_checkpoints_reshard_across_pipelines(tmp_path):
         ("replicated", 2, ["--microbatches", "2", "--dp", "2"]),
     ):
         package = tmp_path / name
-        compile_model("gpt2", package, stages)
+        compile_model("gpt2", package, stages, dp_shard=2)
         resumed, resumed_log = tmp_path / f"{name}-ckpt", tmp_path / f"{name}.jsonl"
         shutil.copytree(ckpt, resumed)
         result = torchrun(
@@ -141,6 +143,9 @@ def test_checkpoints_reshard_across_pipelines(tmp_path):
             "--log-json", str(resumed_log),
         )  # fmt: skip
         assert "resumed from" in result.stdout
+        # planned for 2 shards, run on whole replicas: train.py says so
+        assert "planned each device's memory for --dp-shard 2" in result.stdout
+        assert "recompile with autopipe compile --dp-shard 1" in result.stdout
         again = losses_of(resumed_log)
         assert sorted(again) == [2, 3]
         assert [again[s] for s in (2, 3)] == pytest.approx([full[s] for s in (2, 3)], rel=1e-5)
@@ -192,3 +197,28 @@ def test_a_rank_killed_while_dcp_writes_keeps_the_previous_checkpoint(tmp_path, 
     result = torchrun(out / "train.py", 4, *flags, "--resume")
     assert "resumed from" in result.stdout
     assert train_state.merge_checkpoint(ckpt)[1]["step"] == 3
+
+
+def test_partition_planned_for_sharding_fits_where_replication_cannot(tmp_path):
+    """A device smaller than one stage's replicated parameters, gradients and AdamW state: the
+    replicated plan is refused with the numbers and the way out; planned with --dp-shard 4 (a
+    quarter of the state per rank, plus one gathered block at a time) it fits, and the package
+    records it."""
+    model = "gpt2_wide_meta"
+    roomy = compile_model(model, tmp_path / "roomy", 2)
+    sharded = compile_model(model, tmp_path / "sharded", 2, dp_shard=4)
+    replicated_state = max(4 * s["parameters"] for s in roomy.partition.predicted["stages"])
+    sharded_peak = max(sharded.partition.predicted["device_memory"])
+    assert sharded_peak < replicated_state
+    small = device_spec("h100").to_json() | {
+        "name": "small",
+        "memory": (sharded_peak + replicated_state) / 2,
+    }
+    spec_file = tmp_path / "small.json"
+    spec_file.write_text(json.dumps(small))
+    with pytest.raises(AutopipeError, match=r"optimizer state (alone )?take .*--dp-shard"):
+        compile_model(model, tmp_path / "refused", 2, device_spec=str(spec_file))
+    assert not (tmp_path / "refused").exists()
+    fits = compile_model(model, tmp_path / "fits", 2, device_spec=str(spec_file), dp_shard=4)
+    assert max(fits.partition.predicted["device_memory"]) <= small["memory"]
+    assert json.loads((tmp_path / "fits" / "pipeline.json").read_text())["dp_shard"] == 4

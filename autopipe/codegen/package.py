@@ -416,6 +416,7 @@ def pipeline_description(
         "aliases": aliases,
         "input_ranges": graph.model.get("input_ranges", {})
         | (graph.loss.model.get("input_ranges", {}) if graph.loss is not None else {}),
+        "dp_shard": part.settings.get("dp_shard", 1),
     }
     return Pipeline.from_json(description).to_json()  # the runtime's contract, checked here
 

@@ -20,7 +20,7 @@ from ..graph import Graph
 from ..profiling.profile import Profile
 from .acyclic import solve_acyclic
 from .blocks import align_to_blocks
-from .cost import CostModel, Prediction
+from .cost import STATE_FACTOR, CostModel, Prediction
 from .dp import solve_contiguous
 from .metis import solve_metis
 from .mpipe import solve_mpipe
@@ -94,15 +94,32 @@ def plan_recompute(
     needed = prediction.device_memory
     worst = max(range(len(needed)), key=needed.__getitem__)
     if needed[worst] > capacity:
-        state = sum(model.param_bytes) * model.state_factor()
         raise PartitionError(
             f"device {worst} needs {needed[worst] / 2**30:.2f} GiB even with its activations "
-            f"recomputed, but {model.device.name} has {capacity / 2**30:.2f} GiB. The model's "
-            f"parameters, gradients and optimizer state alone take {state / 2**30:.2f} GiB: use at "
-            f"least {math.ceil(state / capacity)} devices (more stages and --devices), fewer "
-            "microbatches, or a device with more memory (--device-spec)"
+            f"recomputed, but {model.device.name} has {capacity / 2**30:.2f} GiB. "
+            + state_advice(model)
         )
     return RecomputePlan(stages, blocks, prediction)
+
+
+def state_advice(model: CostModel) -> str:
+    """How much the model's training state takes, and what makes it fit."""
+    state = sum(model.param_bytes) * STATE_FACTOR[model.optimizer]
+    capacity = model.device.memory
+    shards = model.dp_shard
+    sharded = (
+        f", {state / shards / 2**30:.2f} GiB per rank sharded over --dp-shard {shards}"
+        if shards > 1
+        else ""
+    )
+    return (
+        f"The model's parameters, gradients and optimizer state alone take "
+        f"{state / 2**30:.2f} GiB{sharded}: use at least "
+        f"{math.ceil(state / shards / capacity)} devices (more stages and --devices), shard "
+        f"each stage over more ranks (--dp-shard {max(2, 2 * shards)}: about "
+        f"{state / max(2, 2 * shards) / 2**30:.2f} GiB per rank), fewer microbatches, or a "
+        "device with more memory (--device-spec)"
+    )
 
 
 def _blocks_by_value(
@@ -132,8 +149,10 @@ def partition(
     schedule: str | None = None,
     microbatches: int | None = None,
     optimizer: str = "adamw",
+    dp_shard: int = 1,
 ) -> Partition:
-    """Split ``graph`` into ``num_stages`` stages on ``num_devices`` devices (default: one each)."""
+    """Split ``graph`` into ``num_stages`` stages on ``num_devices`` devices (default: one each),
+    each stage's training state sharded over ``dp_shard`` data-parallel ranks."""
     num_devices = num_stages if num_devices is None else num_devices
     if not is_int(num_stages, 1):
         raise PartitionError(f"--stages must be at least 1, got {num_stages!r}")
@@ -143,6 +162,8 @@ def partition(
         )
     if microbatches is not None and not is_int(microbatches, 1):
         raise PartitionError(f"--microbatches must be at least 1, got {microbatches!r}")
+    if not is_int(dp_shard, 1):
+        raise PartitionError(f"--dp-shard must be at least 1, got {dp_shard!r}")
     if method not in METHODS:
         raise PartitionError(f"unknown method {method!r}; available: {', '.join(sorted(METHODS))}")
     if schedule is not None and schedule not in SCHEDULES:
@@ -166,7 +187,12 @@ def partition(
             f"{num_devices} devices use --schedule auto, interleaved-1f1b or looped-bfs"
         )
     model = CostModel(
-        graph, profile, schedule=schedule or "1f1b", microbatches=microbatches, optimizer=optimizer
+        graph,
+        profile,
+        schedule=schedule or "1f1b",
+        microbatches=microbatches,
+        optimizer=optimizer,
+        dp_shard=dp_shard,
     )
     solve = METHODS[method]
     try:
@@ -195,6 +221,7 @@ def partition(
             "schedule": schedule,
             "microbatches": microbatches or default_microbatches(num_stages),
             "optimizer": optimizer,
+            "dp_shard": dp_shard,
             "device": profile.device.name,
             "link": profile.device.link,
             "profile": profile.mode,

@@ -7,7 +7,9 @@ boundaries forward, gradients backward, over the device link; boundaries between
 same device cost nothing. Values are relayed, so a value produced in stage ``p`` and
 read in stage ``c`` crosses every boundary between them. A whole step is simulated under the
 schedule (:mod:`.simulator`). Memory per device: parameters, gradients and optimizer state of its
-stages, plus the activations the schedule keeps alive.
+stages (1/N of them each when sharded over ``--dp-shard N``, plus the parameters FSDP2 gathers
+at once: a stage's own outside its blocks and its largest block's, with their gradients), plus
+the activations the schedule keeps alive.
 """
 
 from __future__ import annotations
@@ -155,6 +157,7 @@ class CostModel:
         schedule: str = "1f1b",
         microbatches: int | None = None,
         optimizer: str = "adamw",
+        dp_shard: int = 1,
     ):
         profile.check_graph(graph)
         self.graph = graph
@@ -162,6 +165,7 @@ class CostModel:
         self.schedule = schedule
         self.microbatches = microbatches
         self.optimizer = optimizer
+        self.dp_shard = dp_shard
         self.forward = [u.forward for u in profile.units]
         self.backward = [u.backward for u in profile.units]
         self.compute = [f + b for f, b in zip(self.forward, self.backward)]
@@ -254,8 +258,33 @@ class CostModel:
             result.append(out)
         return result[0], result[1]
 
-    def state_factor(self) -> int:
-        return STATE_FACTOR[self.optimizer]
+    def state_factor(self) -> float:
+        """Bytes of parameters, gradients and optimizer state a rank holds per parameter byte
+        (its 1/N share when sharded over ``--dp-shard N``)."""
+        return STATE_FACTOR[self.optimizer] / self.dp_shard
+
+    def stage_parameters(self, stage_of_unit: list[int], num_stages: int) -> list[float]:
+        """Parameter bytes per stage, unsharded."""
+        params = [0.0] * num_stages
+        for unit, stage in enumerate(stage_of_unit):
+            params[stage] += self.param_bytes[unit]
+        return params
+
+    def gathered(self, stage_of_unit: list[int], num_stages: int) -> list[float]:
+        """Bytes per stage that FSDP2 holds gathered at once when sharded (``--gather block``):
+        the stage's parameters outside blocks and its largest block's, each with its gradient
+        before the reduce-scatter. Nothing when not sharded."""
+        if self.dp_shard == 1:
+            return [0.0] * num_stages
+        params = self.stage_parameters(stage_of_unit, num_stages)
+        largest, in_blocks = [0.0] * num_stages, [0.0] * num_stages
+        for block in self.blocks.values():
+            stage = block.stage(stage_of_unit)
+            if stage is not None:  # a block cut by a boundary is inline: the stage's own
+                size = sum(self.param_bytes[u] for u in block.units)
+                in_blocks[stage] += size
+                largest[stage] = max(largest[stage], size)
+        return [2 * (params[s] - in_blocks[s] + largest[s]) for s in range(num_stages)]
 
     def lower_bound(self, num_devices: int) -> float:
         return max(sum(self.compute) / num_devices, max(self.compute, default=0.0))
@@ -284,12 +313,12 @@ class CostModel:
         forward = [0.0] * num_stages
         backward = [0.0] * num_stages
         activations = [0.0] * num_stages
-        params = [0.0] * num_stages
         for unit, stage in enumerate(stage_of_unit):
             forward[stage] += self.forward[unit]
             backward[stage] += self.backward[unit]
             activations[stage] += self.activations[unit]
-            params[stage] += self.param_bytes[unit]
+        params = self.stage_parameters(stage_of_unit, num_stages)
+        gathered = self.gathered(stage_of_unit, num_stages)
         act_cross = [0.0] * max(num_stages - 1, 0)
         grad_cross = [0.0] * max(num_stages - 1, 0)
         for ex in self.exchanges:
@@ -315,7 +344,7 @@ class CostModel:
             forward=forward,
             backward=backward,
             activations=activations,
-            static_memory=[p * self.state_factor() for p in params],
+            static_memory=[p * self.state_factor() + g for p, g in zip(params, gathered)],
             send_forward=[b / bandwidth for b in act_cross],
             send_backward=[b / bandwidth for b in grad_cross],
             device_of_stage=list(device_of_stage),
@@ -339,13 +368,14 @@ class CostModel:
         microbatches = self.microbatches or default_microbatches(num_stages)
         schedule = schedule or self.schedule
         simulation = self.simulate(costs, schedule, microbatches)
+        params = self.stage_parameters(stage_of_unit, num_stages)
         stages = []
         for s in range(num_stages):
             adjacent = [b for b in (s - 1, s) if 0 <= b < num_stages - 1]
             comm_forward = sum(costs.link(b, costs.send_forward) for b in adjacent)
             comm_backward = sum(costs.link(b, costs.send_backward) for b in adjacent)
             memory = costs.static_memory[s] + costs.activations[s] * _held(s, simulation)
-            parameters = int(costs.static_memory[s] / self.state_factor())
+            parameters = int(params[s])
             stages.append(
                 StageCost(
                     costs.forward[s],

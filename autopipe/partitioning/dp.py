@@ -132,10 +132,13 @@ def _memory_message(model: CostModel, num_stages: int, microbatches: int) -> str
     state = sum(model.param_bytes) * model.state_factor()
     activations = sum(model.activations) * microbatches
     need = (state + activations) / num_stages / 1024**3
+    sharded = f" (per rank, sharded over --dp-shard {model.dp_shard})" if model.dp_shard > 1 else ""
     return (
         f"no split into {num_stages} stages fits the memory of {model.device.name} "
         f"({model.device.memory / 1024**3:.1f} GiB per device): parameters, gradients and optimizer "
-        f"state take {state / 1024**3:.1f} GiB and activations up to {activations / 1024**3:.1f} GiB, about "
-        f"{need:.1f} GiB per stage. Use at least {math.ceil((state + activations) / model.device.memory)} "
-        "stages, fewer microbatches in flight, or a device with more memory (--device-spec)."
+        f"state take {state / 1024**3:.1f} GiB{sharded} and activations up to "
+        f"{activations / 1024**3:.1f} GiB, about {need:.1f} GiB per stage. Use at least "
+        f"{math.ceil((state + activations) / model.device.memory)} stages, shard the state over "
+        "more ranks (--dp-shard), fewer microbatches in flight, or a device with more memory "
+        "(--device-spec)."
     )

@@ -42,7 +42,7 @@ class Partition:
     stage_of_unit: list[int]
     device_of_stage: list[int]
     graph_digest: str
-    settings: dict = field(default_factory=dict)  # schedule, microbatches, optimizer, device
+    settings: dict = field(default_factory=dict)  # schedule, microbatches, optimizer, dp_shard ...
     predicted: dict = field(default_factory=dict)  # Prediction.to_json()
     #: per-stage costs the ``auto`` schedule orders actions by (runtime.schedule.PipelineCosts fields)
     costs: dict = field(default_factory=dict)
@@ -140,6 +140,8 @@ class Partition:
             microbatches,
             "a number of microbatches (1 or more)",
         )
+        dp_shard = settings.get("dp_shard", 1)
+        require(is_int(dp_shard, 1), "settings.dp_shard", dp_shard, "a number of ranks (1 or more)")
         for key in ("optimizer", "device", "link", "profile"):
             value = settings.get(key, "")
             require(is_text(value), f"settings.{key}", value, "a one-line text")

@@ -149,6 +149,29 @@ class ReportData:
     def state_factor(self) -> int:
         return STATE_FACTOR.get(self.settings.get("optimizer", "adamw"), 4)
 
+    @property
+    def dp_shard(self) -> int:
+        """The data-parallel ranks per stage the partition sharded training state over."""
+        return int(self.settings.get("dp_shard", 1))
+
+    def device_memory_parts(self) -> dict[str, list[float]]:
+        """Static bytes per device in parts: the device's share of its stages' parameters,
+        gradients and optimizer state (1/N each with --dp-shard N), and what FSDP2 holds
+        gathered at once (the largest block's and the stage's own parameters, with gradients)."""
+        parts = {k: [0.0] * self.num_devices for k in ("parameters", "gradients", "optimizer")}
+        parts["gathered"] = [0.0] * self.num_devices
+        factor, shards = self.state_factor, self.dp_shard
+        stages = self.predicted.get("stages", [])
+        for s, device in enumerate(self.partition.device_of_stage):
+            static = self.costs.static_memory[s]
+            known = s < len(stages) and "parameters" in stages[s]
+            share = stages[s]["parameters"] / shards if known else static / factor
+            parts["parameters"][device] += share
+            parts["gradients"][device] += share
+            parts["optimizer"][device] += share * (factor - 2)
+            parts["gathered"][device] += max(static - share * factor, 0.0)
+        return parts
+
     # -- per-stage rows -----------------------------------------------------------------------
     def parameter_counts(self) -> list[int]:
         """Parameters per stage, each counted in the first stage that reads it."""

@@ -30,6 +30,7 @@ COLOURS = {
     "parameters": "#4e79a7",
     "gradients": "#a0cbe8",
     "optimizer": "#59a14f",
+    "gathered": "#bab0ac",
     "activations": "#f28e2b",
 }
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "input backward", "W": "weight backward"}
@@ -244,25 +245,29 @@ def timeline_figure(data: ReportData) -> Figure:
 
 # -- memory -----------------------------------------------------------------------------------
 def memory_figure(data: ReportData) -> Figure:
-    """Predicted peak memory per device, stacked (parameters, gradients, optimizer state,
-    activations), against the device's capacity."""
+    """Predicted peak memory per device, stacked (parameters, gradients, optimizer state, each
+    the device's shard when sharded, what FSDP2 holds gathered, activations), against the
+    device's capacity."""
     static, peak = data.device_static_memory(), data.device_peak_memory()
-    factor, capacity = data.state_factor, data.memory_capacity
+    capacity = data.memory_capacity
     unit, size = _memory_unit(max(max(peak), 1.0))
-    parts = {
-        "parameters": [s / factor for s in static],
-        "gradients": [s / factor for s in static],
-        "optimizer": [s * (factor - 2) / factor for s in static],
-        "activations": [max(p - s, 0.0) for p, s in zip(peak, static)],
+    parts = data.device_memory_parts()
+    parts["activations"] = [max(p - s, 0.0) for p, s in zip(peak, static)]
+    shard = f" (1/{data.dp_shard})" if data.dp_shard > 1 else ""
+    names = {
+        "parameters": f"parameters{shard}",
+        "gradients": f"gradients{shard}",
+        "optimizer": f"optimizer state{shard}",
+        "gathered": "gathered by FSDP2",
+        "activations": "activations (peak)",
     }
-    names = {"optimizer": "optimizer state", "activations": "activations (peak)"}
     with style():
         fig = Figure(figsize=(WIDTH * 0.6, 3.2))
         ax = fig.subplots()
         x = list(range(data.num_devices))
         bottom = [0.0] * len(x)
         for key, values in parts.items():
-            if key == "optimizer" and factor <= 2:
+            if not any(values):
                 continue
             ax.bar(
                 x,

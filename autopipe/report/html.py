@@ -81,7 +81,8 @@ def figures(data: ReportData) -> list[FigureFile]:
             "Memory per device",
             memory_figure(data),
             "Predicted peak memory: parameters, gradients and optimizer state of the device's "
-            "stages, plus the most activations the schedule keeps alive at once.",
+            "stages (its 1/N share with --dp-shard N, plus the parameters and gradients FSDP2 "
+            "holds gathered at once), plus the most activations the schedule keeps alive at once.",
         ),
         (
             "graph",

@@ -355,6 +355,16 @@ def train(package: ModuleType, pipeline: Pipeline, config: TrainConfig) -> None:
     layout = init_distributed(pipeline, config.device, config.dp, config.dp_shard, config.timeout)
     torch.manual_seed(config.seed * 1_000_003 + layout.rank)  # dropout streams differ per rank
     reporting = layout.pp_rank == pipeline.last_rank and layout.dp_rank == 0
+    if config.dp_shard != pipeline.dp_shard:
+        say(
+            f"warning: the partition planned each device's memory for --dp-shard "
+            f"{pipeline.dp_shard}, this run shards over {config.dp_shard}"
+            + (
+                f": it may not fit; recompile with autopipe compile --dp-shard {config.dp_shard}"
+                if config.dp_shard < pipeline.dp_shard
+                else ""
+            )
+        )
     check_outputs(config, reporting)
     lock = lock_checkpoints(config)
     try:

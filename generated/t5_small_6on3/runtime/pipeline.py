@@ -329,13 +329,14 @@ class Pipeline:
     aliases: tuple[tuple[str, ...], ...]  # groups of names of one tensor in the original model
     #: integer inputs (and "target") -> the largest value synthetic batches draw
     input_ranges: dict[str, int]
+    dp_shard: int  # the data-parallel ranks per stage the partition planned memory for
 
     @classmethod
     def from_json(cls, data: Any) -> Pipeline:
         """The description in ``data`` (a package's ``PIPELINE``), checked field by field."""
         where = "pipeline"
         keys = ("format", "version", "model", "signature", "inputs", "outputs", "stages")
-        keys += ("values", "loss", "schedule", "tied", "aliases", "input_ranges")
+        keys += ("values", "loss", "schedule", "tied", "aliases", "input_ranges", "dp_shard")
         _object(data, where, keys)
         if data["format"] != FORMAT:
             raise _fail(f"{where}.format", data["format"], repr(FORMAT))
@@ -379,6 +380,9 @@ class Pipeline:
                 lambda v: isinstance(v, dict) and all(_is_int(x) for x in v.values()),
                 "an object of integers",
             ),
+            dp_shard=_check(
+                data["dp_shard"], f"{where}.dp_shard", lambda v: _is_int(v) and v >= 1, "1 or more"
+            ),
         )
         pipeline._check_references()
         return pipeline
@@ -413,6 +417,7 @@ class Pipeline:
             "tied": [tie.to_json() for tie in self.tied],
             "aliases": [list(group) for group in self.aliases],
             "input_ranges": dict(self.input_ranges),
+            "dp_shard": self.dp_shard,
         }
 
     # -- derived facts ------------------------------------------------------------------------
