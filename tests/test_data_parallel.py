@@ -19,6 +19,8 @@ from autopipe.profiling import device_spec
 from autopipe.runtime import train_state
 from autopipe.spec import load_example
 
+from autopipe.verify import load_pipeline
+
 from conftest import compile_model, spec, torchrun
 from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
 
@@ -61,6 +63,15 @@ def test_two_stages_on_two_data_parallel_ranks(tmp_path, flags):
     backward instead of during it."""
     pipe = run_pipeline(tmp_path, "gpt2", 2, "gpt2_batch", *flags, "--microbatches", "2", nproc=4)
     assert_same_training(pipe, gpt2_reference())
+    package = load_pipeline(tmp_path / "pipe")
+    whole = [  # bytes of a stage's parameters, gradients and AdamW moments
+        4 * sum(p.numel() * p.element_size() for p in package.build_stage(i).parameters())
+        for i in range(2)
+    ]
+    held = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[-1])["state_bytes"]
+    share = 2 if "--dp-shard" in flags else 1
+    for rank, state in enumerate(held):  # rank = data-parallel rank x 2 + stage
+        assert 0.95 <= state / (whole[rank % 2] / share) <= 1.05  # shards split unevenly
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ from .guards import (
     nonfinite_problem,
     output_problems,
 )
-from .metrics import Metrics, gather_peak_memory
+from .metrics import Metrics, gather_per_rank, peak_memory, state_bytes
 from .options import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, TrainConfig, parse_config
 from .parallel import DataParallelStage, GradientSync, Layout, init_distributed, shard_stage
 from .pipeline import Pipeline, PipelineFormatError
@@ -512,10 +512,11 @@ def _train(
                 if not problem:
                     optimizer.step()
                 schedulers[index].step()
-            memory = gather_peak_memory(device)
+            memory = gather_per_rank(peak_memory(device), device)
+            state = gather_per_rank(state_bytes(modules.values(), optimizers.values()), device)
             seconds = time.perf_counter() - began
             loss = float("nan") if loss is None else loss
-            metrics.record(step, loss, seconds, lr, grad_norm, memory, skipped=bool(problem))
+            metrics.record(step, loss, seconds, lr, grad_norm, memory, state, skipped=bool(problem))
             done = step + 1
             if checkpoints and (
                 done == config.steps

@@ -11,10 +11,13 @@ import os
 import resource
 import sys
 from pathlib import Path
+from collections.abc import Iterable
 from typing import IO
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def peak_memory(device: torch.device) -> int:
@@ -24,9 +27,25 @@ def peak_memory(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def gather_peak_memory(device: torch.device) -> list[int]:
-    """Every rank's peak memory, in rank order (collective)."""
-    mine = torch.tensor([peak_memory(device)], dtype=torch.int64, device=device)
+def state_bytes(modules: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Bytes this rank holds of its stages' parameters, gradients and optimizer state (only its
+    shards where FSDP2 shards them)."""
+    params = [p for module in modules for p in module.parameters()]
+    tensors = params + [p.grad for p in params if p.grad is not None]
+    tensors += [
+        value
+        for optimizer in optimizers
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def gather_per_rank(value: int, device: torch.device) -> list[int]:
+    """Every rank's ``value``, in rank order (collective)."""
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return [int(t) for t in every]
@@ -67,8 +86,11 @@ class Metrics:
         lr: float,
         grad_norm: float,
         memory: list[int],
+        state: list[int],
         skipped: bool = False,
     ) -> None:
+        """``memory``: every rank's peak bytes; ``state``: every rank's bytes of parameters,
+        gradients and optimizer state."""
         if not self.reporting:
             return
         entry = {
@@ -79,6 +101,7 @@ class Metrics:
             "lr": lr,
             "grad_norm": grad_norm,
             "peak_memory": memory,
+            "state_bytes": state,
         }
         if self.tokens_per_step:
             entry["tokens_per_s"] = self.tokens_per_step / seconds

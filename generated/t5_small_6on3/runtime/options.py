@@ -275,7 +275,8 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
         "--log-json",
         metavar="PATH",
         help="write one JSON object per step: step, loss, time, samples_per_s, tokens_per_s, lr, "
-        "grad_norm, peak_memory (bytes per rank)",
+        "grad_norm, peak_memory and state_bytes (bytes per rank: the peak, and the parameters, "
+        "gradients and optimizer state held)",
     )
     logs.add_argument(
         "--log-every", type=int, default=1, metavar="N", help="print every N steps (default 1)"
