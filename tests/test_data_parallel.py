@@ -233,3 +233,17 @@ def test_partition_planned_for_sharding_fits_where_replication_cannot(tmp_path):
     fits = compile_model(model, tmp_path / "fits", 2, device_spec=str(spec_file), dp_shard=4)
     assert max(fits.partition.predicted["device_memory"]) <= small["memory"]
     assert json.loads((tmp_path / "fits" / "pipeline.json").read_text())["dp_shard"] == 4
+
+
+@pytest.mark.slow
+def test_sharded_stages_start_from_the_same_weights(tmp_path):
+    """Without --load, sharded stages are built on meta, sharded, then each rank initialises
+    only its shards: the weights equal the unsharded pipeline's initialisation."""
+    out = tmp_path / "pipe"
+    compile_model("gpt2", out, 2)
+    for name, nproc, flags in (("whole", 2, []), ("sharded", 4, ["--dp-shard", "2"])):
+        torchrun(out / "train.py", nproc, "--steps", "0", "--save", str(tmp_path / name), *flags)
+    whole = torch.load(tmp_path / "whole", weights_only=True)
+    sharded = torch.load(tmp_path / "sharded", weights_only=True)
+    assert set(whole) == set(sharded)
+    assert all(torch.equal(whole[k], sharded[k]) for k in whole)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 #: in the message of the checks generated code makes of sizes computed from tensor values
 SPECIALISED_SIZE = "the pipeline was compiled for that size"
@@ -130,9 +131,21 @@ def _fill(tensor: torch.Tensor, rule: str, seed: int, name: str) -> None:
         key = (seed_name or name).encode()  # tied copies share the canonical name
         generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key))
         values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * float(arg)
-        tensor.copy_(values)
+        copy_whole(tensor, values)
     else:
         raise ValueError(f"unknown initialisation rule {rule!r} for {name}")
+
+
+@torch.no_grad()
+def copy_whole(tensor: torch.Tensor, values: torch.Tensor) -> None:
+    """Copy the whole tensor's ``values`` into ``tensor``, or into this rank's shard of it when
+    it is a DTensor (FSDP2): every rank holds the same ``values``, so nothing is sent."""
+    if isinstance(tensor, DTensor):
+        values = distribute_tensor(
+            values.to(tensor.dtype), tensor.device_mesh, tensor.placements, src_data_rank=None
+        ).to_local()
+        tensor = tensor.to_local()
+    tensor.copy_(values)
 
 
 def stage_state(

@@ -59,7 +59,11 @@ class Stage0(nn.Module):
         add_submodule(self, "bert.encoder.layer.6", BertLayer(device, meta_state))
         build_state(self, PARAMETERS, BUFFERS, device, meta_state)
         if init and not meta_state:
-            init_state(self, PARAMETERS, BUFFERS, seed)
+            self.initialise(seed)
+
+    def initialise(self, seed=0):
+        """autopipe's deterministic initialisation (of this rank's shards, when sharded)."""
+        init_state(self, PARAMETERS, BUFFERS, seed)
 
     def forward(self, input_ids, attention_mask, labels):
         device = input_ids.device

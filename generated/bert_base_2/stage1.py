@@ -50,7 +50,11 @@ class Stage1(nn.Module):
         add_submodule(self, "bert.encoder.layer.11", BertLayer(device, meta_state))
         build_state(self, PARAMETERS, BUFFERS, device, meta_state)
         if init and not meta_state:
-            init_state(self, PARAMETERS, BUFFERS, seed)
+            self.initialise(seed)
+
+    def initialise(self, seed=0):
+        """autopipe's deterministic initialisation (of this rank's shards, when sharded)."""
+        init_state(self, PARAMETERS, BUFFERS, seed)
 
     def forward(self, labels, bert_expand, bert_encoder_layer_6_out):
         # bert.encoder.layer.7 (BertLayer)

@@ -34,7 +34,11 @@ class Stage1(nn.Module):
         add_submodule(self, "transformer.h.1", GPT2Block(device, meta_state))
         build_state(self, PARAMETERS, BUFFERS, device, meta_state)
         if init and not meta_state:
-            init_state(self, PARAMETERS, BUFFERS, seed)
+            self.initialise(seed)
+
+    def initialise(self, seed=0):
+        """autopipe's deterministic initialisation (of this rank's shards, when sharded)."""
+        init_state(self, PARAMETERS, BUFFERS, seed)
 
     def forward(self, labels, transformer_expand, transformer_h_0_out):
         # transformer.h.1 (GPT2Block)

@@ -38,7 +38,11 @@ class Stage3(nn.Module):
         add_submodule(self, "transformer.h.3", GPT2Block(device, meta_state))
         build_state(self, PARAMETERS, BUFFERS, device, meta_state)
         if init and not meta_state:
-            init_state(self, PARAMETERS, BUFFERS, seed)
+            self.initialise(seed)
+
+    def initialise(self, seed=0):
+        """autopipe's deterministic initialisation (of this rank's shards, when sharded)."""
+        init_state(self, PARAMETERS, BUFFERS, seed)
 
     def forward(self, labels, transformer_expand, transformer_h_2_out):
         device = labels.device

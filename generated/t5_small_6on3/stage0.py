@@ -37,7 +37,11 @@ class Stage0(nn.Module):
         add_submodule(self, "encoder.block.1", T5Block_2(device, meta_state))
         build_state(self, PARAMETERS, BUFFERS, device, meta_state)
         if init and not meta_state:
-            init_state(self, PARAMETERS, BUFFERS, seed)
+            self.initialise(seed)
+
+    def initialise(self, seed=0):
+        """autopipe's deterministic initialisation (of this rank's shards, when sharded)."""
+        init_state(self, PARAMETERS, BUFFERS, seed)
 
     def forward(self, input_ids, labels):
         device = input_ids.device

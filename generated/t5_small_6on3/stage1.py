@@ -36,7 +36,11 @@ class Stage1(nn.Module):
         add_submodule(self, "encoder.block.4", T5Block_2(device, meta_state))
         build_state(self, PARAMETERS, BUFFERS, device, meta_state)
         if init and not meta_state:
-            init_state(self, PARAMETERS, BUFFERS, seed)
+            self.initialise(seed)
+
+    def initialise(self, seed=0):
+        """autopipe's deterministic initialisation (of this rank's shards, when sharded)."""
+        init_state(self, PARAMETERS, BUFFERS, seed)
 
     def forward(self, labels, encoder_expand, encoder_block_0_out_0, encoder_block_1_out):
         # encoder.block.2 (T5Block)

@@ -51,7 +51,11 @@ class Stage4(nn.Module):
         add_submodule(self, "decoder.block.4", T5Block_4(device, meta_state))
         build_state(self, PARAMETERS, BUFFERS, device, meta_state)
         if init and not meta_state:
-            init_state(self, PARAMETERS, BUFFERS, seed)
+            self.initialise(seed)
+
+    def initialise(self, seed=0):
+        """autopipe's deterministic initialisation (of this rank's shards, when sharded)."""
+        init_state(self, PARAMETERS, BUFFERS, seed)
 
     def forward(
         self,

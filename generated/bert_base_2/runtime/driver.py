@@ -386,9 +386,12 @@ def _train(
         else None
     )
     resume = resume_point(checkpoints, config)
-    filled = resume is not None or config.load is not None  # parameters stay on meta until then
+    load = config.load if resume is None else None
+    # parameters stay on meta until a checkpoint fills them, or until they are sharded: a rank
+    # never holds a whole stage it shards
+    meta = resume is not None or load is not None or layout.sharded
     modules = {
-        s.index: package.build_stage(s.index, device=device, seed=config.seed, meta_state=filled)
+        s.index: package.build_stage(s.index, device=device, seed=config.seed, meta_state=meta)
         for s in local
     }
     if config.compile:
@@ -398,9 +401,9 @@ def _train(
     if config.recompute_blocks:
         held = sum(recompute_blocks(m, config.recompute_blocks) for m in modules.values())
         say(f"recomputing {held} block(s) of this rank's stages in backward")
-    if config.load and resume is None:
-        say(f"loading weights from {config.load}")
-        load_weights(modules, config.load, pipeline, device)
+    if load and not layout.sharded:
+        say(f"loading weights from {load}")
+        load_weights(modules, load, pipeline, device)
     autocast = device.type if config.bf16 else None
     runners = {
         s.index: StageRunner(
@@ -421,9 +424,16 @@ def _train(
             f"(--dp {config.dp} replicas x --dp-shard {config.dp_shard} shards"
             + (f", gathered per {config.gather})" if config.dp_shard > 1 else ")")
         )
-    if resume is not None:  # allocated (only its shards, if sharded), filled from the checkpoint
+    if resume is not None or layout.sharded:  # allocated (only its shards, if sharded)
         for runner in runners.values():
             materialise(runner, device)
+    if layout.sharded and resume is None:
+        if load:
+            say(f"loading weights from {load} (each rank its shards)")
+            load_weights(modules, load, pipeline, device)
+        else:
+            for module in modules.values():
+                module.initialise(config.seed)
     optimizers = {i: make_optimizer(config, m) for i, m in modules.items()}
     start = 0
     if resume is not None:

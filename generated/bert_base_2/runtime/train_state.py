@@ -47,7 +47,7 @@ from .data import PipelineRunError, first_line
 from .guards import agree, describe_write_error
 from .parallel import Layout
 from .pipeline import Pipeline, as_pipeline
-from .support import stage_state
+from .support import copy_whole, stage_state
 
 FORMAT, VERSION = "autopipe.checkpoint", 2
 MANIFEST = "checkpoint.json"
@@ -59,8 +59,9 @@ CHECKPOINT_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp|rank\d+\.pt")
 def load_weights(
     stages: dict[int, nn.Module], path: str, pipeline: Pipeline | dict, device: torch.device
 ) -> None:
-    """Fill each local stage (built with ``meta_state``) with its own tensors from an
-    original-model checkpoint, reading nothing else: a rank holds about its stages' size.
+    """Fill each local stage (built with ``meta_state``, or sharded by FSDP2 and materialised)
+    with its own tensors from an original-model checkpoint, reading nothing else: a rank holds
+    about its stages' size (its shards, one whole tensor at a time, when sharded).
     ``pipeline``: a Pipeline, or a package's ``PIPELINE`` dict."""
     pipeline = as_pipeline(pipeline)
     try:
@@ -70,6 +71,7 @@ def load_weights(
     mapped: set[str] = set()
     for index, stage in stages.items():
         wanted = stage.state_dict()
+        targets = dict(stage.named_parameters()) | dict(stage.named_buffers())
         try:
             names = stage_state(stage, {name: name for name in checkpoint}, pipeline.aliases)
         except KeyError as exc:
@@ -86,11 +88,15 @@ def load_weights(
                 raise PipelineRunError(
                     f"--load: {source} in {path} has shape {list(tensor.shape)}, stage {index} expects {list(wanted[key].shape)}"
                 )
+            if isinstance(wanted[key], DTensor):  # sharded (FSDP2): fill this rank's shard
+                copy_whole(targets[key], tensor)
+                continue
             # on CPU with the right dtype the first user gets the mapped tensor itself (private,
             # copy-on-write); a tied tensor held by several local stages is copied for the others
             own[key] = tensor.to(device=device, dtype=wanted[key].dtype, copy=source in mapped)
             mapped.add(source)
-        stage.load_state_dict(own, assign=True)
+        if own:
+            stage.load_state_dict(own, assign=True)
 
 
 def expand_aliases(state: dict[str, torch.Tensor], aliases: Sequence[Sequence[str]]) -> None:
