@@ -1,10 +1,10 @@
 """What each rank holds with --dp-shard against replicated stages, and what overlapping the
 gradient reduction with the backward buys.
 
-    python benchmarks/data_parallel.py                 # CPU, gloo (about 4 minutes here)
+    python benchmarks/data_parallel.py                 # CPU, gloo (about 7 minutes here)
     python benchmarks/data_parallel.py --device cuda   # NCCL, one GPU per rank (8 GPUs)
 
-A GPT-2 (8 layers, n_embd 512, vocab 4096, microbatch 1 x 128; 29 M parameters) is compiled into
+A GPT-2 (8 layers, n_embd 1024, vocab 4096, microbatch 1 x 128; 105 M parameters) is compiled into
 2 stages (``autopipe compile --method dp --schedule 1f1b --dp-shard 2``), then trained by its train.py under
 torchrun, 2 microbatches per data-parallel rank, AdamW, for ``--steps`` steps:
 
@@ -13,7 +13,7 @@ torchrun, 2 microbatches per data-parallel rank, AdamW, for ``--steps`` steps:
   gathered at a time) and ``--dp-shard 2 --gather step`` (gathered once per step). Per rank:
   ``state_bytes`` from train.py's log (parameters + gradients + optimizer state it holds) and the
   peak memory (CUDA: the most allocated; CPU: the process's peak resident size, which includes
-  the Python and torch runtime, about 0.4 GiB here),
+  the Python and torch runtime, about 0.6 GiB here),
 - time: ``--dp 2`` with the gradient reduction during the last backward (default) against
   ``--no-dp-overlap`` (after it, the previous runtime's behaviour). On CPU, gloo runs collectives
   on the calling thread: there is nothing to overlap with, so expect equal times there.
@@ -44,7 +44,7 @@ logging.set_verbosity_error()
 
 def gpt2():
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=8, n_embd=512, n_head=8, vocab_size=4096, n_positions=128,
+    config = GPT2Config(n_layer=8, n_embd=1024, n_head=16, vocab_size=4096, n_positions=128,
                         use_cache=False, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     ids = torch.randint(0, config.vocab_size, (1, 128))
