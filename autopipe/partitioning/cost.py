@@ -25,6 +25,7 @@ from ..mutation import order_edges
 from ..profiling.devices import DeviceSpec
 from ..profiling.profile import Profile
 from ..tracing.blocks import block_calls
+from ..runtime.options import SPLIT_BACKWARD
 from ..runtime.pipeline import default_microbatches
 from .simulator import PipelineCosts, Simulation, schedule_orders, simulate
 
@@ -271,12 +272,15 @@ class CostModel:
         return params
 
     def gathered(self, stage_of_unit: list[int], num_stages: int) -> list[float]:
-        """Bytes per stage that FSDP2 holds gathered at once when sharded (``--gather block``):
-        the stage's parameters outside blocks and its largest block's, each with its gradient
-        before the reduce-scatter. Nothing when not sharded."""
+        """Bytes per stage that FSDP2 holds gathered at once when sharded, each parameter with
+        its gradient before the reduce-scatter: under train.py's default ``--gather`` the
+        stage's parameters outside blocks and its largest block's, or the whole stage under a
+        split-backward schedule (gathered for the step). Nothing when not sharded."""
         if self.dp_shard == 1:
             return [0.0] * num_stages
         params = self.stage_parameters(stage_of_unit, num_stages)
+        if self.schedule in SPLIT_BACKWARD:
+            return [2 * p for p in params]
         largest, in_blocks = [0.0] * num_stages, [0.0] * num_stages
         for block in self.blocks.values():
             stage = block.stage(stage_of_unit)

@@ -40,7 +40,7 @@ class TrainConfig:
     schedule: str
     dp: int  # replicas of each stage
     dp_shard: int  # ranks each stage's state is sharded over (FSDP2)
-    gather: str  # sharded parameters gathered per "block" call or once per "step"
+    gather: str  # sharded parameters gathered per "block" call or once per "step" (never "auto")
     dp_overlap: bool  # reduce gradients while the step's last backward runs
     device: str
     seed: int
@@ -123,14 +123,14 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
     )
     run.add_argument(
         "--gather",
-        choices=["block", "step"],
-        default="block",
+        choices=["auto", "block", "step"],
+        default="auto",
         help="with --dp-shard: block gathers each block's parameters for its forward and again "
         "for its backward and reduce-scatters its gradients after every microbatch (parameters, "
         "gradients and optimizer state all take 1/N; what autopipe compile --dp-shard plans "
         "for); step gathers a stage's parameters once per step and reduces its gradients once "
         "(fewer collectives, but the whole stage's parameters and gradients are held during the "
-        "step) (default block)",
+        "step); auto: block, or step under the split-backward schedules (default auto)",
     )
     run.add_argument(
         "--dp-overlap",
@@ -302,6 +302,13 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
     problem = schedule_problem(args.schedule, pipeline, args.microbatches)
     if problem:
         parser.error(problem)
+    if args.gather == "auto":
+        args.gather = "step" if args.schedule in SPLIT_BACKWARD else "block"
+    elif args.gather == "block" and args.schedule in SPLIT_BACKWARD:
+        parser.error(
+            f"--gather block does not work with --schedule {args.schedule}: its weight passes "
+            "need each stage's parameters gathered from the input backward on; use --gather step"
+        )
     return TrainConfig(**vars(args))
 
 
