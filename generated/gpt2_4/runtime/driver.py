@@ -374,18 +374,19 @@ def train(package: ModuleType, pipeline: Pipeline, config: TrainConfig) -> None:
             lock.release()
 
 
-def _train(
-    package: ModuleType, pipeline: Pipeline, config: TrainConfig, layout: Layout, reporting: bool
-) -> None:
+def build_stages(
+    package: ModuleType,
+    pipeline: Pipeline,
+    config: TrainConfig,
+    layout: Layout,
+    resume: Path | None,
+) -> tuple[dict[int, nn.Module], dict[int, StageRunner]]:
+    """This rank's stages and the runners the schedule calls: built (on meta while a checkpoint
+    or sharding is to come), compiled and recomputed as asked, FSDP2-managed with data
+    parallelism, and filled by initialisation or ``--load``, or allocated for the checkpoint
+    ``resume`` to fill."""
     device = layout.device
     local = pipeline.stages_on(layout.pp_rank)
-    num_stages = pipeline.num_stages
-    checkpoints = (
-        TrainingCheckpoints(config.checkpoint_dir, pipeline, layout, config.keep_checkpoints)
-        if config.checkpoint_dir
-        else None
-    )
-    resume = resume_point(checkpoints, config)
     load = config.load if resume is None else None
     # parameters stay on meta until a checkpoint fills them, or until they are sharded: a rank
     # never holds a whole stage it shards
@@ -434,6 +435,22 @@ def _train(
         else:
             for module in modules.values():
                 module.initialise(config.seed)
+    return modules, runners
+
+
+def _train(
+    package: ModuleType, pipeline: Pipeline, config: TrainConfig, layout: Layout, reporting: bool
+) -> None:
+    device = layout.device
+    local = pipeline.stages_on(layout.pp_rank)
+    num_stages = pipeline.num_stages
+    checkpoints = (
+        TrainingCheckpoints(config.checkpoint_dir, pipeline, layout, config.keep_checkpoints)
+        if config.checkpoint_dir
+        else None
+    )
+    resume = resume_point(checkpoints, config)
+    modules, runners = build_stages(package, pipeline, config, layout, resume)
     optimizers = {i: make_optimizer(config, m) for i, m in modules.items()}
     start = 0
     if resume is not None:

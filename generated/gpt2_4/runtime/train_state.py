@@ -312,17 +312,14 @@ class TrainingCheckpoints:
             raise PipelineRunError(
                 f"checkpoint {path} cannot be read ({first_line(exc)})", every_rank=True
             ) from None
-        state = {
-            index: training_state({index: stage}, {index: optimizers[index]}, whole=True)
-            for index, stage in stages.items()
-        }
+        state = {i: stage_training_state(m, optimizers[i]) for i, m in stages.items()}
         request: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # names held twice on this rank
-        for index, parts in state.items():
-            for name, tensor in parts["model"].items():
+        for index, (tensors, osd) in state.items():
+            for name, tensor in tensors.items():
                 source = self._source(path, saved, manifest, f"model.{name}", index, tensor)
                 _request(request["model"], source, tensor, copies)
-            for name, entries in parts["optimizer"].items():
+            for name, entries in osd["state"].items():
                 for entry, tensor in entries.items():
                     key = f"optimizer.{name}.{entry}"
                     source = self._source(path, saved, manifest, key, index, tensor)
@@ -338,8 +335,9 @@ class TrainingCheckpoints:
             for target, value in copies:
                 _local(target).copy_(_local(value))
         for index, stage in stages.items():
-            set_model_state_dict(stage, state[index]["model"])
-            set_optimizer_state_dict(stage, optimizers[index], state[index]["osd"])
+            tensors, osd = state[index]
+            set_model_state_dict(stage, tensors)
+            set_optimizer_state_dict(stage, optimizers[index], osd)
         same_layout = (
             manifest["world_size"] == dist.get_world_size()
             and manifest.get("dp_shard") == self.layout.dp_shard
@@ -385,25 +383,28 @@ class TrainingCheckpoints:
         return source[len(kind) + 1 :]
 
 
+def stage_training_state(
+    stage: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """One stage's model state and torch's optimizer state dict of it, keyed by the original
+    model's names (DTensors when sharded; the optimizer's state created if it has none yet)."""
+    return get_model_state_dict(stage), get_optimizer_state_dict(stage, optimizer)
+
+
 def training_state(
-    stages: dict[int, nn.Module], optimizers: dict[int, torch.optim.Optimizer], whole: bool = False
+    stages: dict[int, nn.Module], optimizers: dict[int, torch.optim.Optimizer]
 ) -> dict[str, Any]:
-    """What a checkpoint holds of these stages: ``{"model": {name: tensor}, "optimizer": {name:
-    {entry: tensor}}}`` under the original model's names (DTensors when sharded), a name held by
-    two local stages once. ``whole``: also ``"osd"``, torch's optimizer state dict of the one
-    stage given, whose tensors the others are (for ``set_optimizer_state_dict``)."""
+    """What a checkpoint holds of a rank's stages: ``{"model": {name: tensor}, "optimizer":
+    {name: {entry: tensor}}}``, a name held by two local stages (tied copies) once."""
     model: dict[str, torch.Tensor] = {}
     optimizer: dict[str, dict[str, torch.Tensor]] = {}
-    osd: dict[str, Any] = {}
     for index, stage in stages.items():
-        osd = get_optimizer_state_dict(stage, optimizers[index])
-        for name, tensor in get_model_state_dict(stage).items():
-            if whole or name not in model:
-                model[name] = tensor
+        tensors, osd = stage_training_state(stage, optimizers[index])
+        for name, tensor in tensors.items():
+            model.setdefault(name, tensor)
         for name, entries in osd["state"].items():
-            if whole or name not in optimizer:
-                optimizer[name] = entries
-    return {"model": model, "optimizer": optimizer, **({"osd": osd} if whole else {})}
+            optimizer.setdefault(name, entries)
+    return {"model": model, "optimizer": optimizer}
 
 
 def _request(
