@@ -184,7 +184,8 @@ def cmd_profile(args: argparse.Namespace) -> None:
     prof.save(args.output)
     total = sum(u.time for u in prof.units)
     print(
-        f"profiled {len(prof.units)} units ({prof.mode}, {prof.device.name}): {total * 1e3:.3f} ms forward + backward -> {args.output}"
+        f"profiled {len(prof.units)} units ({prof.source}): {total * 1e3:.3f} ms forward + "
+        f"backward -> {args.output}"
     )
 
 

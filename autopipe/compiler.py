@@ -195,7 +195,7 @@ def compile_example(
         )
     with phases.phase("profile") as details:
         prof = profile_step(graph, options, example)
-        details.append(f"{prof.mode} profile for {prof.device.name}")
+        details.append(prof.source)
     with phases.phase("partition") as details:
         part = partition_step(graph, prof, options)
         predicted = part.predicted

@@ -33,8 +33,8 @@ def format_partition(graph: Graph, part: Partition) -> str:
     rows.append(
         f"bottleneck {bottleneck * 1e3:.3f} ms, lower bound {bound * 1e3:.3f} ms (+{over:.1f}%); "
         f"predicted step {predicted['step_time'] * 1e3:.3f} ms with {settings.get('microbatches')} microbatches, "
-        f"{predicted.get('bubble', 0) * 100:.0f}% bubble ({settings.get('schedule')} schedule, {settings.get('profile')} "
-        f"profile for {settings.get('device')}, method {part.method})"
+        f"{predicted.get('bubble', 0) * 100:.0f}% bubble ({settings.get('schedule')} schedule, "
+        f"{part.profile_source}, method {part.method})"
     )
     if part.recompute:
         rows.append(

@@ -8,7 +8,7 @@ from torch import nn
 
 from autopipe.compiler import CompileOptions, trace_step
 from autopipe.errors import AutopipeError
-from autopipe.profiling import device_spec, profile
+from autopipe.profiling import device_spec, measured, profile
 from autopipe.profiling.devices import DeviceSpec
 from autopipe.spec import Example, load_example
 
@@ -79,11 +79,38 @@ def test_measured_profile_times_every_unit():
     example = load_example(spec("cnn"))
     graph = trace_step(example, CompileOptions(stages=1))
     prof = profile(graph, "measured", device_spec(), example)
-    assert prof.mode == "measured" and prof.measured_on == "cpu"
+    assert prof.mode == "measured" and prof.measured_on.startswith("cpu (")
+    assert prof.source.startswith("measured on cpu (") and "memory and link of H100" in prof.source
     assert len(prof.units) == len(graph.units)
     assert all(u.forward > 0 for u in prof.units)
     conv = next(c for u, c in zip(graph.units, prof.units) if "Conv2d" in u.label)
     assert conv.backward > 0 and conv.activations > 0
+
+
+def test_measured_profile_runs_like_a_rank_and_interleaves_rounds(monkeypatch):
+    """Units are timed with one intra-op thread (what torchrun gives a CPU rank; the caller's
+    setting is restored), round by round: every unit once per round, the median kept."""
+    example = load_example(spec("mlp"))
+    graph = trace_step(example, CompileOptions(stages=1))
+    calls = []
+    run = measured._run
+
+    def recording(graph, work, values, device, timed):
+        calls.append((work.nodes[0].unit, timed, torch.get_num_threads()))
+        return run(graph, work, values, device, timed)
+
+    monkeypatch.setattr(measured, "_run", recording)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        prof = measured.profile_measured(graph, device_spec(), example, warmup=1, repeats=3)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert {threads for _, _, threads in calls} == {1} and "1 thread)" in prof.measured_on
+    forward = [unit for unit, timed, _ in calls if timed == "forward"]
+    units = len(graph.units)
+    assert forward == list(range(units)) * 4  # the warm-up round, then 3 rounds
 
 
 def test_measured_and_analytic_agree_on_memory():
@@ -128,3 +155,15 @@ def test_calibrate_writes_a_usable_spec(tmp_path):
     assert 0 < spec.kernel_overhead < 1e-3 and spec.memory > 1 << 30
     _, graph = linear_graph()
     assert sum(u.time for u in profile(graph, "analytic", spec).units) > 0
+
+
+def test_a_measured_profile_is_reported_as_measured_on_this_machine(tmp_path):
+    """Not "for H100": the partition, the compile summary and the report name the machine the
+    times were measured on, and the spec only for memory and links."""
+    from conftest import compile_model
+
+    result = compile_model("mlp", tmp_path / "pipe", 2, profile="measured", report=True)
+    assert result.partition.settings["measured_on"].startswith("cpu (")
+    source = result.partition.profile_source
+    assert source.startswith("measured on cpu (") and source.endswith("memory and link of H100")
+    assert source in (tmp_path / "pipe" / "report" / "report.html").read_text()

@@ -225,7 +225,8 @@ def partition(
             "device": profile.device.name,
             "link": profile.device.link,
             "profile": profile.mode,
-        },
+        }
+        | ({"measured_on": profile.measured_on} if profile.measured_on else {}),
         predicted=prediction.to_json(),
         costs={
             "forward": costs.forward,

@@ -52,6 +52,15 @@ class Partition:
     recompute_blocks: list[str] = field(default_factory=list)
 
     @property
+    def profile_source(self) -> str:
+        """Where the costs came from: ``analytic profile for H100``, or ``measured on cpu (...,
+        1 thread), memory and link of H100``."""
+        settings = self.settings
+        if settings.get("measured_on"):
+            return f"measured on {settings['measured_on']}, memory and link of {settings.get('device')}"
+        return f"{settings.get('profile', '?')} profile for {settings.get('device')}"
+
+    @property
     def num_stages(self) -> int:
         return len(self.device_of_stage)
 
@@ -142,7 +151,7 @@ class Partition:
         )
         dp_shard = settings.get("dp_shard", 1)
         require(is_int(dp_shard, 1), "settings.dp_shard", dp_shard, "a number of ranks (1 or more)")
-        for key in ("optimizer", "device", "link", "profile"):
+        for key in ("optimizer", "device", "link", "profile", "measured_on"):
             value = settings.get(key, "")
             require(is_text(value), f"settings.{key}", value, "a one-line text")
         schedule = settings.get("schedule")

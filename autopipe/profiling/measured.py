@@ -1,18 +1,22 @@
 """Measured profiling: every unit run forward and backward on the local device.
 
 Inputs are the unit's real inputs from one forward pass of the whole graph on the example
-microbatch (the model's own weights when it has them). Each unit is warmed up, then timed several
-times; the median is kept (CUDA events on GPU, ``time.perf_counter`` on CPU).
+microbatch (the model's own weights when it has them). Units run with the intra-op threads a
+rank will have (on CPU one, as torchrun gives each rank); repetitions are interleaved (round r
+times every unit once), so a slow moment of a busy machine spreads over all units instead of
+inflating one, and each unit keeps the median of its rounds.
 """
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
-from collections.abc import Callable
 
 import torch
 
@@ -36,40 +40,75 @@ def profile_measured(
     example: Example | None = None,
     *,
     warmup: int = 2,
-    repeats: int = 5,
+    repeats: int = 7,
     device: torch.device | None = None,
+    threads: int | None = None,
 ) -> Profile:
-    """Time every unit of ``graph`` on ``device`` (default: CUDA when present, else CPU)."""
+    """Time every unit of ``graph`` on ``device`` (default: CUDA when present, else CPU) with
+    ``threads`` intra-op threads (default on CPU: 1, what each torchrun rank runs with)."""
     device = device or local_device()
-    values = _example_values(graph, example, device)
-    with torch.no_grad():
-        run_nodes(graph.calls, values, device, graph.functions)
-    costs = []
-    for work in unit_workloads(graph):
-        # a unit holding torch.cond costs as much as its more expensive branch (run inline)
-        measure = partial(_measure, graph, work, values, device, warmup, repeats)
-        costs.append(worst_branch(work.nodes, measure))
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return Profile("measured", spec, costs, graph_digest(graph), measured_on=name)
+    threads = threads or (1 if device.type == "cpu" else torch.get_num_threads())
+    with _intra_op_threads(threads):
+        values = _example_values(graph, example, device)
+        with torch.no_grad():
+            run_nodes(graph.calls, values, device, graph.functions)
+        works = unit_workloads(graph)
+        samples = [partial(_sample, graph, work, values, device) for work in works]
+        for _ in range(warmup):
+            for work, sample in zip(works, samples):
+                worst_branch(work.nodes, sample)
+        rounds = [
+            [worst_branch(work.nodes, sample) for work, sample in zip(works, samples)]
+            for _ in range(repeats)
+        ]
+        costs = []
+        for i, work in enumerate(works):
+            saved = partial(_run, graph, work, values, device, timed=None)
+            costs.append(
+                UnitCost(
+                    statistics.median(r[i].forward for r in rounds),
+                    statistics.median(r[i].backward for r in rounds),
+                    activations=worst_branch(work.nodes, saved),
+                    outputs=output_bytes(graph, work),
+                    parameters=parameter_bytes(graph, work),
+                )
+            )
+    return Profile(
+        "measured", spec, costs, graph_digest(graph), measured_on=machine(device, threads)
+    )
 
 
-def _measure(
-    graph: Graph,
-    work: UnitWorkload,
-    values: dict[str, Any],
-    device: torch.device,
-    warmup: int,
-    repeats: int,
-) -> UnitCost:
-    forward = _median_time(partial(_run, graph, work, values, device, "forward"), warmup, repeats)
-    backward = _median_time(partial(_run, graph, work, values, device, "backward"), warmup, repeats)
-    saved = _run(graph, work, values, device, timed=None)
-    return UnitCost(
-        forward,
-        backward,
-        activations=saved,
-        outputs=output_bytes(graph, work),
-        parameters=parameter_bytes(graph, work),
+def machine(device: torch.device, threads: int) -> str:
+    """The device a profile was measured on, in words: ``cpu (x86_64, 1 thread)``."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    plural = "" if threads == 1 else "s"
+    return f"cpu ({platform.processor() or platform.machine()}, {threads} thread{plural})"
+
+
+@contextmanager
+def _intra_op_threads(threads: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass
+class _Sample:
+    """One timing of a unit (a dataclass, so that worst_branch compares field by field)."""
+
+    forward: float
+    backward: float
+
+
+def _sample(
+    graph: Graph, work: UnitWorkload, values: dict[str, Any], device: torch.device
+) -> _Sample:
+    return _Sample(
+        _run(graph, work, values, device, "forward"), _run(graph, work, values, device, "backward")
     )
 
 
@@ -111,12 +150,6 @@ def _run(
     backward_mode: Callable = (lambda: timer) if timed == "backward" else nullcontext
     saved = run_forward_backward(graph, work, fresh, device, forward_mode, backward_mode)
     return timer.elapsed if timed else saved
-
-
-def _median_time(run: Callable[[], float], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        run()
-    return statistics.median(run() for _ in range(repeats))
 
 
 def _example_values(graph: Graph, example: Example | None, device: torch.device) -> dict[str, Any]:

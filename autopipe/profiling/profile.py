@@ -47,6 +47,14 @@ class Profile:
     graph_digest: str
     measured_on: str = ""  # the local device a measured profile ran on
 
+    @property
+    def source(self) -> str:
+        """``analytic profile for H100``, or ``measured on cpu (..., 1 thread), memory and link
+        of H100``: what the times describe."""
+        if self.mode == "measured" and self.measured_on:
+            return f"measured on {self.measured_on}, memory and link of {self.device.name}"
+        return f"{self.mode} profile for {self.device.name}"
+
     def check_graph(self, graph: Graph) -> None:
         if self.graph_digest != graph_digest(graph) or len(self.units) != len(graph.units):
             raise ArtifactError(

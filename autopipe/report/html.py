@@ -113,7 +113,7 @@ def summary_rows(data: ReportData) -> list[tuple[str, str]]:
         ("devices", str(data.num_devices)),
         ("method", data.partition.method),
         ("schedule", f"{data.schedule}, {data.microbatches} microbatches"),
-        ("cost model", f"{settings.get('profile', '?')} profile for {device}"),
+        ("cost model", data.partition.profile_source),
         ("optimizer", str(settings.get("optimizer", "?"))),
         ("predicted step time", f"{predicted.get('step_time', 0.0) * 1e3:.3f} ms"),
         (
