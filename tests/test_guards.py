@@ -289,6 +289,26 @@ def test_a_stop_signal_during_publishing_leaves_latest_complete(
     assert train_state.merge_checkpoint(root)[1]["step"] == 2
 
 
+def test_a_stop_inside_dcp_stops_the_run(tmp_path, monkeypatch, single_process_group):
+    """SIGINT while DCP writes (DCP wraps what a rank meets in a CheckpointException): the run
+    stops as stopped, not as a failed write, and the previous checkpoint stays latest."""
+    compile_model("mlp", tmp_path / "pipe", 2)
+    stages, optimizers = training_state(load_pipeline(tmp_path / "pipe"), 2)
+    root = tmp_path / "ckpt"
+    package = load_pipeline(tmp_path / "pipe")
+    checkpoints = train_state.TrainingCheckpoints(root, package.PIPELINE, ONE_PROCESS, keep=0)
+    checkpoints.save(1, stages, optimizers)
+
+    class Interrupted(train_state.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_state, "FileSystemWriter", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.save(2, stages, optimizers)
+    assert train_state.merge_checkpoint(root)[1]["step"] == 1
+
+
 @pytest.mark.slow
 def test_damaged_checkpoints_are_named_with_the_intact_one(gpt2_pipe, tmp_path):
     """A truncated data file in the latest checkpoint: --resume, merge and --load refuse it

@@ -222,7 +222,10 @@ class TrainingCheckpoints:
         try:
             write()
         except (OSError, RuntimeError, CheckpointException) as exc:  # torch.save: a full disk
-            return describe_write_error(_cause(exc), where)  # is a RuntimeError
+            cause = _cause(exc)  # is a RuntimeError; DCP wraps what a rank met
+            if not isinstance(cause, Exception):  # a stop (SIGINT) inside DCP stops the run
+                raise cause from None
+            return describe_write_error(cause, where)
         return None
 
     def _check(self, problem: str | None, step: int, partial: Path) -> None:

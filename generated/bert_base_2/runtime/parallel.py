@@ -91,6 +91,9 @@ def init_distributed(
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=wait)
+    if dp * dp_shard == 1:  # one pipeline: no data-parallel groups to make
+        mesh = init_device_mesh(device.type, (pp,), mesh_dim_names=("pp",))
+        return Layout(device, pp, 1, mesh.get_local_rank("pp"), 0, mesh.get_group("pp"), None)
     mesh = init_device_mesh(
         device.type, (dp, dp_shard, pp), mesh_dim_names=("dp_replicate", "dp_shard", "pp")
     )
