@@ -586,6 +586,23 @@ def _lost_peer(exc: BaseException) -> bool:
 
 
 def main(package: ModuleType, argv: list[str]) -> int:
+    """train.py's entry point: the exit status. A run that started its process groups ends its
+    process here once they are destroyed: gloo's worker threads can abort the interpreter's
+    own teardown (SIGABRT after a successful run), which torchrun would report as a failure."""
+    try:
+        code = _main(package, argv)
+    finally:
+        started = dist.is_initialized()
+        if started:
+            dist.destroy_process_group()
+    if started:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(package: ModuleType, argv: list[str]) -> int:
     try:
         pipeline = Pipeline.from_json(package.PIPELINE)
     except PipelineFormatError as exc:
@@ -629,7 +646,4 @@ def main(package: ModuleType, argv: list[str]) -> int:
             flush=True,
         )
         return 3
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
