@@ -6,8 +6,8 @@ data-parallel ranks, each pipeline on ``pp`` consecutive ranks (global rank = da
 rank x pp + rank within the pipeline, the ``Stage.rank`` of the pipeline). With more than one
 data-parallel rank every stage is FSDP2-managed (``fully_shard``, each block then the rest):
 sharded over ``dp_shard``, replicated over ``dp_replicate`` (HSDP when both exceed 1), gradients
-averaged over all of them while the step's last backward runs. Parameters tied across stages are
-summed shard by shard over the copies.
+averaged over all of them (see :class:`DataParallelStage` for when). Parameters tied across
+stages are summed shard by shard over the copies.
 """
 
 from __future__ import annotations
@@ -93,7 +93,15 @@ def init_distributed(
         dist.init_process_group("gloo", timeout=wait)
     if dp * dp_shard == 1:  # one pipeline: no data-parallel groups to make
         mesh = init_device_mesh(device.type, (pp,), mesh_dim_names=("pp",))
-        return Layout(device, pp, 1, mesh.get_local_rank("pp"), 0, mesh.get_group("pp"), None)
+        return Layout(
+            device=device,
+            pp_size=pp,
+            dp_size=1,
+            pp_rank=mesh.get_local_rank("pp"),
+            dp_rank=0,
+            pp_group=mesh.get_group("pp"),
+            dp_group=None,
+        )
     mesh = init_device_mesh(
         device.type, (dp, dp_shard, pp), mesh_dim_names=("dp_replicate", "dp_shard", "pp")
     )
