@@ -10,7 +10,7 @@ from ..checks import is_int, is_number, is_text, require
 from ..errors import ArtifactError, PartitionError
 from ..graph import Graph
 from ..mutation import order_edges
-from ..profiling.profile import graph_digest
+from ..profiling.profile import graph_digest, profile_source
 from ..runtime.options import MULTI_STAGE, SCHEDULES, SINGLE_STAGE
 from ..runtime.options import placement as torch_placement
 
@@ -56,9 +56,9 @@ class Partition:
         """Where the costs came from: ``analytic profile for H100``, or ``measured on cpu (...,
         1 thread), memory and link of H100``."""
         settings = self.settings
-        if settings.get("measured_on"):
-            return f"measured on {settings['measured_on']}, memory and link of {settings.get('device')}"
-        return f"{settings.get('profile', '?')} profile for {settings.get('device')}"
+        return profile_source(
+            settings.get("profile", "?"), settings.get("device"), settings.get("measured_on", "")
+        )
 
     @property
     def num_stages(self) -> int:

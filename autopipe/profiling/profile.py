@@ -39,6 +39,14 @@ class UnitCost:
 _UNIT_FIELDS = set(UnitCost.__dataclass_fields__)
 
 
+def profile_source(mode: str, device: str, measured_on: str = "") -> str:
+    """What a profile's times describe: ``analytic profile for H100``, or ``measured on cpu
+    (x86_64, 1 thread), memory and link of H100``."""
+    if measured_on:
+        return f"measured on {measured_on}, memory and link of {device}"
+    return f"{mode} profile for {device}"
+
+
 @dataclass
 class Profile:
     mode: str  # "analytic" | "measured"
@@ -49,11 +57,8 @@ class Profile:
 
     @property
     def source(self) -> str:
-        """``analytic profile for H100``, or ``measured on cpu (..., 1 thread), memory and link
-        of H100``: what the times describe."""
-        if self.mode == "measured" and self.measured_on:
-            return f"measured on {self.measured_on}, memory and link of {self.device.name}"
-        return f"{self.mode} profile for {self.device.name}"
+        """What the times describe (see :func:`profile_source`)."""
+        return profile_source(self.mode, self.device.name, self.measured_on)
 
     def check_graph(self, graph: Graph) -> None:
         if self.graph_digest != graph_digest(graph) or len(self.units) != len(graph.units):

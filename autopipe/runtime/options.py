@@ -75,6 +75,12 @@ class TrainConfig:
     log_every: int
 
     @property
+    def gathers_per_block(self) -> bool:
+        """Whether sharded parameters are gathered per block call and gradients reduce-scattered
+        every microbatch (``--gather block`` with ``--dp-shard`` above 1)."""
+        return self.dp_shard > 1 and self.gather == "block"
+
+    @property
     def data_parallel(self) -> int:
         """Data-parallel ranks per stage (replicas x shards): each trains on its own slice."""
         return self.dp * self.dp_shard

@@ -4,9 +4,10 @@ Copied into every generated pipeline as ``runtime/driver.py``; it needs only tor
 builds the stages the pipeline places on it (parameters materialised only there), shards them
 with FSDP2 over its data-parallel ranks (``--dp``, ``--dp-shard``), wraps them in
 ``torch.distributed.pipelining`` stages and runs one of torch's schedules; gradients are
-averaged over the data-parallel ranks during the step's last backward, summed over tied copies,
-clipped by the global norm, and each stage's optimizer steps. ``options`` holds the command line, ``data`` the batches,
-``parallel`` the process groups, ``train_state`` weights and checkpoints, ``metrics`` the logs.
+averaged over the data-parallel ranks (``parallel.DataParallelStage`` says when), summed over
+tied copies, clipped by the global norm, and each stage's optimizer steps. ``options`` holds the
+command line, ``data`` the batches, ``parallel`` the process groups, ``train_state`` weights and
+checkpoints, ``metrics`` the logs.
 """
 
 from __future__ import annotations
@@ -419,7 +420,7 @@ def build_stages(
     if layout.sharded:
         for s in local:
             blocks = [modules[s.index].get_submodule(fqn) for fqn in s.blocks]
-            shard_stage(runners[s.index], blocks, layout, config.gather, config.bf16)
+            shard_stage(runners[s.index], blocks, layout, config.gathers_per_block, config.bf16)
         say(
             f"FSDP2: each stage over {layout.dp_size} data-parallel ranks "
             f"(--dp {config.dp} replicas x --dp-shard {config.dp_shard} shards"
@@ -470,7 +471,7 @@ def _train(
         for s in local
     ]
     for stage in stages:
-        stage.reduce_every_microbatch = config.dp_shard > 1 and config.gather == "block"
+        stage.reduce_every_microbatch = config.gathers_per_block
         stage.overlap = config.dp_overlap
     is_first, is_last = 0 in modules, num_stages - 1 in modules
     loss_fn = make_loss_fn(package, pipeline, device)

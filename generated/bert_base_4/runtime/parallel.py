@@ -25,10 +25,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
-from torch.distributed.tensor import DTensor
 
 from .data import PipelineRunError
 from .pipeline import Pipeline
+from .support import local_shard
 
 
 @dataclass
@@ -121,12 +121,12 @@ def init_distributed(
 
 
 def shard_stage(
-    runner: nn.Module, blocks: Sequence[nn.Module], layout: Layout, gather: str, bf16: bool
+    runner: nn.Module, blocks: Sequence[nn.Module], layout: Layout, per_block: bool, bf16: bool
 ) -> None:
     """FSDP2 over the data-parallel mesh: each block one unit (gathered for its forward, its
     gradients reduced as its backward ends), then the rest of the stage under ``runner``.
-    ``gather``: "block" frees each unit's gathered parameters after its forward and backward
-    (gathered again for every microbatch), "step" keeps them gathered until the step's last
+    ``per_block``: free each unit's gathered parameters after its forward and backward
+    (gathered again for every microbatch), else keep them gathered until the step's last
     backward. ``bf16``: bf16 compute, fp32 gradient reduction and fp32 stored (master)
     parameters."""
     policy = (
@@ -134,7 +134,6 @@ def shard_stage(
         if bf16
         else MixedPrecisionPolicy()
     )
-    per_block = gather == "block" and layout.dp_shard > 1
     for module in [*blocks, runner]:
         fully_shard(module, mesh=layout.dp_mesh, reshard_after_forward=per_block, mp_policy=policy)
 
@@ -224,24 +223,23 @@ class GradientSync:
         """Sum the copies of each tied parameter (shard by shard when sharded; FSDP2 already
         averaged every gradient over the data-parallel ranks)."""
         for tie in self.ties:
-            grads = [_local(p.grad) if p.grad is not None else None for p in tie.copies]
-            present = [g for g in grads if g is not None]
+            present = [local_shard(p.grad) for p in tie.copies if p.grad is not None]
             total = (
                 torch.stack(present).sum(0)
                 if present
-                else torch.zeros_like(_local(tie.copies[0].data))
+                else torch.zeros_like(local_shard(tie.copies[0].data))
             )
             if tie.group is not None:
                 dist.all_reduce(total, group=tie.group)
             for p in tie.copies:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                _local(p.grad).copy_(total)
+                local_shard(p.grad).copy_(total)
 
     def clip(self, max_norm: float | None) -> float:
         """The global gradient norm over every stage and shard (each tied parameter once);
         gradients scaled down to ``max_norm`` when given, as ``clip_grad_norm_`` would."""
-        grads = [_local(p.grad) for p in self.norm_params if p.grad is not None]
+        grads = [local_shard(p.grad) for p in self.norm_params if p.grad is not None]
         local = (
             torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
             if grads
@@ -258,8 +256,3 @@ class GradientSync:
                 if p.grad is not None:
                     p.grad.mul_(coefficient.to(p.grad.dtype))
         return float(norm)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor, or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -136,6 +136,11 @@ def _fill(tensor: torch.Tensor, rule: str, seed: int, name: str) -> None:
         raise ValueError(f"unknown initialisation rule {rule!r} for {name}")
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 @torch.no_grad()
 def copy_whole(tensor: torch.Tensor, values: torch.Tensor) -> None:
     """Copy the whole tensor's ``values`` into ``tensor``, or into this rank's shard of it when
@@ -144,8 +149,7 @@ def copy_whole(tensor: torch.Tensor, values: torch.Tensor) -> None:
         values = distribute_tensor(
             values.to(tensor.dtype), tensor.device_mesh, tensor.placements, src_data_rank=None
         ).to_local()
-        tensor = tensor.to_local()
-    tensor.copy_(values)
+    local_shard(tensor).copy_(values)
 
 
 def stage_state(

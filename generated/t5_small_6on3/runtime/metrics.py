@@ -17,7 +17,8 @@ from typing import IO
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from .support import local_shard
 
 
 def peak_memory(device: torch.device) -> int:
@@ -39,8 +40,7 @@ def state_bytes(modules: Iterable[nn.Module], optimizers: Iterable[torch.optim.O
         for value in state.values()
         if isinstance(value, torch.Tensor)
     ]
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    return sum(t.numel() * t.element_size() for t in local)
+    return sum(local_shard(t).numel() * t.element_size() for t in tensors)
 
 
 def gather_per_rank(value: int, device: torch.device) -> list[int]:

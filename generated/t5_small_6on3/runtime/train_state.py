@@ -47,7 +47,7 @@ from .data import PipelineRunError, first_line
 from .guards import agree, describe_write_error
 from .parallel import Layout
 from .pipeline import Pipeline, as_pipeline
-from .support import copy_whole, stage_state
+from .support import copy_whole, local_shard, stage_state
 
 FORMAT, VERSION = "autopipe.checkpoint", 2
 MANIFEST = "checkpoint.json"
@@ -233,8 +233,7 @@ class TrainingCheckpoints:
             return
         if dist.get_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        latest = self.root / "latest"
-        kept = latest.read_text(encoding="utf-8").strip() if latest.is_file() else None
+        kept = _named_latest(self.root)
         raise PipelineRunError(
             f"the checkpoint of step {step} could not be written ({problem}); nothing of it was "
             + (
@@ -318,15 +317,17 @@ class TrainingCheckpoints:
         state = {i: stage_training_state(m, optimizers[i]) for i, m in stages.items()}
         request: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # names held twice on this rank
+        aliases = {n: group for group in manifest["aliases"] for n in group}
         for index, (tensors, osd) in state.items():
             for name, tensor in tensors.items():
-                source = self._source(path, saved, manifest, f"model.{name}", index, tensor)
-                _request(request["model"], source, tensor, copies)
+                held = _source(path, saved, aliases.get(name, ()), index, tensor, "model", name)
+                _request(request["model"], held, tensor, copies)
             for name, entries in osd["state"].items():
                 for entry, tensor in entries.items():
-                    key = f"optimizer.{name}.{entry}"
-                    source = self._source(path, saved, manifest, key, index, tensor)
-                    _request(request["optimizer"], source, tensor, copies)
+                    held = _source(
+                        path, saved, aliases.get(name, ()), index, tensor, "optimizer", name, entry
+                    )
+                    _request(request["optimizer"], held, tensor, copies)
         try:
             dcp.load(request, storage_reader=reader)
         except CheckpointException as exc:
@@ -336,7 +337,7 @@ class TrainingCheckpoints:
             ) from None
         with torch.no_grad():
             for target, value in copies:
-                _local(target).copy_(_local(value))
+                local_shard(target).copy_(local_shard(value))
         for index, stage in stages.items():
             tensors, osd = state[index]
             set_model_state_dict(stage, tensors)
@@ -351,39 +352,44 @@ class TrainingCheckpoints:
             _set_rng_state(_load(rank_file, "cpu")["rng"], self.layout.device)
         return manifest["step"]
 
-    def _source(
-        self, path: Path, saved: dict, manifest: dict, key: str, index: int, tensor: torch.Tensor
-    ) -> str:
-        """The key of checkpoint ``path`` that holds ``key`` (itself, or a tied alias), checked
-        for shape and dtype; names what is missing or different."""
-        kind, _, rest = key.partition(".")
-        name, entry = rest, ""
-        if kind == "optimizer":
-            name, _, entry = rest.rpartition(".")
-        aliases = {n: group for group in manifest["aliases"] for n in group}
-        for candidate in [name, *aliases.get(name, [])]:
-            source = f"{kind}.{candidate}" + (f".{entry}" if entry else "")
-            if source in saved:
-                break
-        else:
-            what = "tensor" if kind == "model" else f"{entry!r} optimizer state of"
-            raise PipelineRunError(
-                f"checkpoint {path} has no {what} {name} (needed by stage {index} of this "
-                f"pipeline): it was written for another model"
-                + (" or with another --optimizer" if kind == "optimizer" else ""),
-                every_rank=True,
-            )
-        meta = saved[source]
-        shape, dtype = list(getattr(meta, "size", [])), getattr(meta, "properties", None)
-        dtype = getattr(dtype, "dtype", None)
-        if shape != list(tensor.shape) or dtype != tensor.dtype:
-            raise PipelineRunError(
-                f"checkpoint {path} holds {source} as {dtype} {shape}; stage {index} of this "
-                f"pipeline has {tensor.dtype} {list(tensor.shape)}: it was written for another "
-                "model",
-                every_rank=True,
-            )
-        return source[len(kind) + 1 :]
+
+def _source(
+    path: Path,
+    saved: dict,
+    aliases: Sequence[str],
+    index: int,
+    tensor: torch.Tensor,
+    kind: str,
+    name: str,
+    entry: str = "",
+) -> str:
+    """Where checkpoint ``path`` holds ``kind`` ("model" or "optimizer") state ``name`` (or
+    its ``entry``, an optimizer's ``exp_avg``...): under ``name`` itself or a tied alias, the key
+    without ``kind``. Checks its shape and dtype; names what is missing or different."""
+    suffix = f".{entry}" if entry else ""
+    for candidate in [name, *aliases]:
+        key = f"{kind}.{candidate}{suffix}"
+        if key in saved:
+            break
+    else:
+        what = "tensor" if kind == "model" else f"{entry!r} optimizer state of"
+        raise PipelineRunError(
+            f"checkpoint {path} has no {what} {name} (needed by stage {index} of this "
+            f"pipeline): it was written for another model"
+            + (" or with another --optimizer" if kind == "optimizer" else ""),
+            every_rank=True,
+        )
+    meta = saved[key]
+    shape, dtype = list(getattr(meta, "size", [])), getattr(meta, "properties", None)
+    dtype = getattr(dtype, "dtype", None)
+    if shape != list(tensor.shape) or dtype != tensor.dtype:
+        raise PipelineRunError(
+            f"checkpoint {path} holds {key} as {dtype} {shape}; stage {index} of this "
+            f"pipeline has {tensor.dtype} {list(tensor.shape)}: it was written for another "
+            "model",
+            every_rank=True,
+        )
+    return f"{candidate}{suffix}"
 
 
 def stage_training_state(
@@ -430,10 +436,6 @@ def _cause(exc: BaseException) -> BaseException:
         failure = next(iter(exc.failures.values()))
         return failure[0] if isinstance(failure, tuple) else failure
     return exc
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def materialise(module: nn.Module, device: torch.device) -> None:
