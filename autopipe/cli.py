@@ -16,18 +16,20 @@ from .compiler import (
     generate_step,
     load_graph,
     partition_step,
+    plan_step,
     profile_step,
     trace_step,
 )
 from .checks import is_number
 from .errors import AutopipeError
 from .partitioning import DEFAULT_METHOD, METHODS, Partition
+from .partitioning.search import plan_table
 from .partitioning.simulator import SCHEDULES
 from .progress import NORMAL, QUIET, VERBOSE, Phases
 from .profiling import PROFILE_MODES, Profile
 from .profiling.devices import link_bandwidth
 from .spec import load_example
-from .summary import format_partition
+from .summary import format_partition, format_plans
 from .verify import VerifyReport, check_files, verify
 
 
@@ -159,6 +161,33 @@ def _partition_options(parser: argparse.ArgumentParser, *, stages_required: bool
     )
 
 
+def _search_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("plan search")
+    group.add_argument(
+        "--global-batch",
+        type=_count(1),
+        metavar="B",
+        help="example microbatches per optimizer step, over all data-parallel ranks: the "
+        "search splits them into microbatches, accumulation and shards (default 2 x --devices)",
+    )
+    group.add_argument(
+        "--memory-margin",
+        type=_fraction,
+        default=0.1,
+        metavar="F",
+        help="fraction of each device's memory a plan leaves free (default 0.1)",
+    )
+    return group
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1)."""
+    value = _tolerance(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be less than 1, got {text!r}")
+    return value
+
+
 def _options(args: argparse.Namespace, **overrides) -> CompileOptions:
     fields = {}
     for name in CompileOptions.__dataclass_fields__:
@@ -207,6 +236,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_compile(args: argparse.Namespace) -> None:
+    if args.search and args.devices is None:
+        raise AutopipeError("--search needs --devices: the number of devices to plan for")
+    if not args.search and args.stages is None:
+        raise AutopipeError("--stages is required (or --search with --devices)")
     level = QUIET if args.quiet else VERBOSE if args.verbose else NORMAL
     result = compile_spec(
         args.spec,
@@ -218,10 +251,38 @@ def cmd_compile(args: argparse.Namespace) -> None:
         phases=Phases(level),
     )
     if not args.quiet:
+        if args.search:
+            print(format_plans(result.partition))
         print(format_partition(result.graph, result.partition))
     print(f"wrote {result.partition.num_stages}-stage pipeline to {result.out}")
+    part = result.partition
+    processes = len(set(part.device_of_stage)) * part.settings.get("dp_shard", 1)
+    print(f"train it: torchrun --nproc-per-node={processes} {result.out / 'train.py'} --steps 100")
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    example = load_example(args.spec)
+    options = _options(args, search=True)
+    graph = trace_step(example, options, source=args.spec, loss=args.loss)
+    prof = profile_step(graph, options, example)
+    plans = plan_step(graph, prof, options)
     print(
-        f"train it: torchrun --nproc-per-node={len(set(result.partition.device_of_stage))} {result.out / 'train.py'} --steps 100"
+        f"{len(plans)} plans for {args.devices} devices ({prof.source}), global batch "
+        f"{plans[0].global_batch} example microbatches, best first:"
+    )
+    print(plan_table([plan.to_json() for plan in plans[: args.top]]))
+    best = plans[0]
+    if not best.fits:
+        raise AutopipeError(
+            "no plan fits: use more devices, a smaller --global-batch or --memory-margin, or a "
+            "device with more memory (--device-spec)"
+        )
+    c = best.candidate
+    print(
+        f"best: autopipe compile {args.spec} --out DIR --search --devices {args.devices}"
+        f"{f' --global-batch {args.global_batch}' if args.global_batch else ''}  (= --stages "
+        f"{c.stages} --devices {c.ranks} --schedule {c.schedule} --microbatches {c.microbatches} "
+        f"--accumulate {c.accumulate} --dp-shard {c.dp_shard})"
     )
 
 
@@ -330,8 +391,51 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _trace_options(p)
     _profile_options(p)
-    _partition_options(p)
+    _partition_options(p, stages_required=False)
+    p.add_argument(
+        "--accumulate",
+        type=_count(1),
+        metavar="K",
+        help="pipeline runs per optimizer step train.py defaults to (default 1)",
+    )
+    search = _search_options(p)
+    search.add_argument(
+        "--search",
+        action="store_true",
+        help="search the plan for --devices devices (stages, placement, schedule, microbatches, "
+        "accumulation, recomputation, --dp-shard) and generate the best; see `autopipe plan`",
+    )
     p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser(
+        "plan",
+        help="print the candidate plans for a number of devices, best first",
+        description="Search every plan for --devices devices: --dp-shard degree, stages per "
+        "device, schedule, microbatches and accumulation for --global-batch, and the "
+        "recomputation that makes each fit; partition and simulate each, and print them "
+        "side by side. `autopipe compile --search` generates the best.",
+    )
+    p.add_argument("spec", help=spec_help)
+    p.add_argument(
+        "--devices", type=_count(1), required=True, help="devices to plan for (all of them)"
+    )
+    p.add_argument(
+        "--method",
+        choices=sorted(METHODS),
+        default=DEFAULT_METHOD,
+        help=f"partitioning method (default {DEFAULT_METHOD})",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=["sgd", "adamw"],
+        default="adamw",
+        help="optimizer whose state the memory model counts (default adamw)",
+    )
+    p.add_argument("--top", type=_count(1), default=15, help="plans to print (default 15)")
+    _search_options(p)
+    _trace_options(p)
+    _profile_options(p)
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser(
         "trace",

@@ -11,7 +11,7 @@ from torch import nn
 
 from .artifacts import artifact_text
 from .checks import check_count, is_text
-from .errors import ArtifactError, AutopipeError
+from .errors import ArtifactError, AutopipeError, PartitionError
 from .progress import QUIET, Phases
 from .codegen import check_output_dir, package_files, with_manifest, write_package
 from .graph import Graph
@@ -19,6 +19,7 @@ from .partitioning import DEFAULT_METHOD, METHODS, Partition, partition
 from .partitioning.cost import STATE_FACTOR
 from .partitioning.simulator import SCHEDULES
 from .partitioning.partition import PARTITION_KIND
+from .partitioning.search import Plan, plan_table, search
 from .profiling import PROFILE_MODES, DeviceSpec, Profile, device_spec, profile, with_link
 from .profiling.devices import link_bandwidth
 from .profiling.profile import PROFILE_KIND
@@ -28,6 +29,7 @@ from .tracing.loss import trace_loss
 from .tracing.units import check_replay
 
 ARTIFACTS = "artifacts"
+TOP_PLANS = 10  # plans a searched partition records (the report shows them)
 
 
 @dataclass
@@ -47,11 +49,30 @@ class CompileOptions:
     microbatches: int | None = None
     optimizer: str = "adamw"
     dp_shard: int = 1  # data-parallel ranks each stage's training state is sharded over
+    accumulate: int = 1  # pipeline runs per optimizer step (train.py's default --accumulate)
+    #: search the whole plan for ``devices`` devices instead of taking the options above
+    search: bool = False
+    global_batch: int | None = None  # with search: example microbatches per step (2 x devices)
+    memory_margin: float = 0.1  # with search: the fraction of each device's memory left free
 
     def __post_init__(self) -> None:
         """Check every option, so that a wrong one fails before the expensive steps."""
         check_count(self.stages, "--stages")
-        if self.devices is not None:
+        check_count(self.accumulate, "--accumulate")
+        if self.global_batch is not None:
+            check_count(self.global_batch, "--global-batch")
+        if not (isinstance(self.memory_margin, float | int) and 0 <= self.memory_margin < 1):
+            raise AutopipeError(
+                f"--memory-margin must be a fraction of memory in [0, 1), got {self.memory_margin!r}"
+            )
+        if self.search:
+            if self.devices is None:
+                raise AutopipeError(
+                    "--search needs --devices: the number of devices to plan for (pipeline "
+                    "ranks x --dp-shard)"
+                )
+            check_count(self.devices, "--devices")
+        elif self.devices is not None:
             check_count(self.devices, "--devices")
             if self.devices > self.stages:
                 raise AutopipeError(
@@ -133,8 +154,39 @@ def profile_step(graph: Graph, options: CompileOptions, example: Example | None 
     return profile(graph, options.profile, target_device(options), example)
 
 
+def plan_step(graph: Graph, prof: Profile, options: CompileOptions) -> list[Plan]:
+    """Every plan for ``options.devices`` devices, best first (see :mod:`.partitioning.search`)."""
+    return search(
+        graph,
+        prof,
+        options.devices,
+        global_batch=options.global_batch or 2 * options.devices,
+        method=options.method,
+        optimizer=options.optimizer,
+        margin=options.memory_margin,
+    )
+
+
 def partition_step(graph: Graph, prof: Profile, options: CompileOptions) -> Partition:
-    return partition(
+    """The partition the options ask for; with ``search``, the best plan's, which records the
+    plans it was chosen from."""
+    if options.search:
+        plans = plan_step(graph, prof, options)
+        best = plans[0]
+        if not best.fits:
+            raise PartitionError(
+                f"no plan for {options.devices} devices fits {prof.device.name}'s "
+                f"{prof.device.memory / 2**30:.1f} GiB (less the {options.memory_margin:.0%} "
+                f"margin):\n{plan_table([p.to_json() for p in plans[:TOP_PLANS]])}\nUse more devices, a smaller --global-batch, "
+                "a smaller --memory-margin or a device with more memory (--device-spec)"
+            )
+        return best.partition.with_settings(
+            accumulate=best.candidate.accumulate,
+            global_batch=best.global_batch,
+            memory_margin=options.memory_margin,
+            plans=[plan.to_json() for plan in plans[:TOP_PLANS]],
+        )
+    part = partition(
         graph,
         prof,
         options.stages,
@@ -145,6 +197,7 @@ def partition_step(graph: Graph, prof: Profile, options: CompileOptions) -> Part
         optimizer=options.optimizer,
         dp_shard=options.dp_shard,
     )
+    return part.with_settings(accumulate=options.accumulate) if options.accumulate > 1 else part
 
 
 def generate_step(

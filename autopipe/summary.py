@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from .graph import Graph
+from .graph import Graph, TensorMeta
 from .partitioning import Partition
+from .partitioning.cost import Throughput
+from .partitioning.search import plan_table
 
 
 def stage_span(graph: Graph, stage_of_unit: list[int], stage: int) -> tuple[str, str]:
@@ -28,7 +30,7 @@ def format_partition(graph: Graph, part: Partition) -> str:
             f"{cost['time'] * 1e3:>9.3f} {cost['memory'] / 1024**3:>8.2f}  {first} .. {last}"
         )
     bottleneck, bound = predicted["bottleneck"], predicted["lower_bound"]
-    over = (bottleneck / bound - 1) * 100 if bound else 0.0
+    over = max((bottleneck / bound - 1) * 100, 0.0) if bound else 0.0  # float error: not -0.0
     settings = part.settings
     rows.append(
         f"bottleneck {bottleneck * 1e3:.3f} ms, lower bound {bound * 1e3:.3f} ms (+{over:.1f}%); "
@@ -36,9 +38,89 @@ def format_partition(graph: Graph, part: Partition) -> str:
         f"{predicted.get('bubble', 0) * 100:.0f}% bubble ({settings.get('schedule')} schedule, "
         f"{part.profile_source}, method {part.method})"
     )
+    rows += memory_lines(part)
+    rows.append(throughput_line(graph, part))
     if part.recompute:
         rows.append(
             f"stages {', '.join(map(str, part.recompute))} recompute their activations in backward "
             f"to fit the {settings.get('device')}'s memory (train.py --recompute auto)"
         )
     return "\n".join(rows)
+
+
+def memory_lines(part: Partition) -> list[str]:
+    """Each rank's predicted peak and what it holds then (the fullest ranks, if many)."""
+    peaks = part.predicted.get("memory_peaks", [])
+    capacity = part.costs.get("memory_capacity") if part.costs else None
+    margin = part.settings.get("memory_margin", 0.0)
+    of = f" of {capacity / GiB:.2f} GiB" if capacity else ""
+    if capacity and margin:
+        of = f" of {capacity / (1 - margin) / GiB:.2f} GiB less the {margin:.0%} margin"
+    rows = []
+    shown = sorted(range(len(peaks)), key=lambda r: -sum(peaks[r][k] for k in MEMORY_PARTS))
+    for rank in sorted(shown[:MEMORY_RANKS]):
+        peak = peaks[rank]
+        total = sum(peak[k] for k in MEMORY_PARTS)
+        parts = ", ".join(
+            f"{label} {peak[k] / GiB:.3f}"
+            + (f" ({_count(peak['in_flight'], 'microbatch')})" if k == "activations" else "")
+            for k, label in MEMORY_PARTS.items()
+        )
+        rows.append(f"rank {rank} peak {total / GiB:.3f} GiB{of} at {peak['moment']}: {parts}")
+    return rows
+
+
+def throughput_line(graph: Graph, part: Partition) -> str:
+    """The plan's predicted step, rate and model FLOPs utilisation."""
+    figures = Throughput.of(part.predicted, part.settings, len(set(part.device_of_stage)))
+    tokens = tokens_per_microbatch(graph)
+    rate = figures.microbatches / figures.step_time if figures.step_time else 0.0
+    line = (
+        f"plan: {part.settings.get('microbatches')} microbatches x "
+        f"{part.settings.get('accumulate', 1)} accumulation x {part.settings.get('dp_shard', 1)} "
+        f"shards per step on {figures.devices} devices: {figures.step_time * 1e3:.3f} ms, "
+        f"{rate:.1f} microbatches/s"
+    )
+    if tokens:
+        line += f", {rate * tokens:,.0f} tokens/s"
+    if figures.mfu is not None:
+        line += f", MFU {figures.mfu * 100:.3g}% of {part.settings.get('device')}"
+    return line
+
+
+def tokens_per_microbatch(graph: Graph) -> int | None:
+    """Tokens in the example microbatch for a language model: the size of its first integer
+    (batch, sequence) input; None for other models."""
+    for name in graph.inputs:
+        meta = graph[name].meta
+        if (
+            isinstance(meta, TensorMeta)
+            and len(meta.shape) == 2
+            and not meta.dtype.is_floating_point
+        ):
+            return meta.shape[0] * meta.shape[1]
+    return None
+
+
+def format_plans(part: Partition) -> str:
+    """The plans a searched partition was chosen from, best (the chosen) first."""
+    plans = part.settings.get("plans", [])
+    return f"{len(plans)} best plans searched, #0 chosen:\n" + plan_table(plans)
+
+
+GiB = 1024**3
+MEMORY_RANKS = 8  # ranks whose peak the summary breaks down
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("h") else f"{n} {noun}s"
+
+
+#: MemoryPeak fields -> labels, in the order a peak is told
+MEMORY_PARTS = {
+    "state": "state",
+    "buffers": "buffers",
+    "activations": "activations",
+    "input_gradients": "input grads",
+    "transient": "transient",
+}

@@ -1,207 +1,233 @@
-"""How well the analytic profile predicts real stages, on this CPU.
+"""How well autopipe predicts real training runs, on this CPU.
 
-    python benchmarks/prediction.py
+    python benchmarks/prediction.py            # about 10 minutes on 2 cores
 
-``autopipe calibrate`` measures this machine (one thread) into a device spec; each model is then
-compiled into 4 stages with the *analytic* profile for that spec, and every generated stage is run
-for real, forward and backward on the example microbatch:
+``autopipe calibrate`` measures this machine (one thread, as each torchrun rank has) into a
+device spec. Each of 4 models is compiled with the *analytic* profile for that spec into 4
+plans for 2 ranks and a step of 4 example microbatches, 2 partitions x 2 schedules: 2 stages
+(1f1b, 4 microbatches; gpipe, 2 microbatches x 2 accumulated) and 4 stages looped
+(interleaved-1f1b, 4 microbatches; looped-bfs, 2 x 2); every package's train.py then runs
+with its plan's defaults under torchrun (gloo, 2 processes, one thread each, AdamW):
 
-- time: predicted (sum of the stage's unit costs) against measured (median of 9 runs),
-- memory: predicted (parameters, their gradients, and the activations autograd saves) against the
-  peak bytes of live tensors measured while the stage runs (parameters included), tracked by a
-  dispatch mode that sees every tensor allocated and notices when its storage is freed.
+- peak memory per rank: predicted (``device_memory``: parameters, gradients and AdamW state,
+  receive buffers, the activations and outputs of the microbatches the schedule keeps in
+  flight, gradients of received inputs, the largest transient) against train.py
+  ``--track-memory``: the most bytes of live tensors, counted operator by operator from the
+  stages' allocation through the first two steps,
+- step time: predicted (the simulated step of the schedule's own action order, plus the
+  optimizer step, times the accumulation) against the median of steps 3 to 10 of the same run
+  (after the tracked ones),
+- plan order: for each model, whether the 4 plans rank by measured step time as they rank by
+  predicted step time (Spearman over the 4, averaged over the models).
 
-Reported: Spearman rank correlation and mean absolute percentage error over all stages.
+Reported: Spearman rank correlation and mean absolute percentage error over all runs.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 10
+TRACKED = 2  # the first steps run under the memory tracker (slower); timed after them
+PLANS = [  # (stages, schedule, microbatches, accumulate) on 2 ranks: 4 microbatches a step
+    (2, "1f1b", 4, 1),
+    (2, "gpipe", 2, 2),
+    (4, "interleaved-1f1b", 4, 1),
+    (4, "looped-bfs", 2, 2),
+]
+
+MODELS = '''
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+import transformers as tf
+from transformers.utils import logging
 
-from autopipe.compiler import CompileOptions, compile_example
-from autopipe.profiling.calibrate import calibrate
-from autopipe.runtime.pipeline import Pipeline
-from autopipe.runtime.support import stage_state
-from autopipe.spec import as_example
-from autopipe.verify import load_pipeline
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-STAGES = 4
+logging.set_verbosity_error()
 
 
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of tensor storages alive at once while it is active (plus ``base``)."""
-
-    def __init__(self, base: int = 0):
-        super().__init__()
-        self.live: dict[StorageWeakRef, int] = {}
-        self.base = base
-        self.peak = base
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for ref in [r for r in self.live if r.expired()]:
-            del self.live[ref]
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                self.live.setdefault(StorageWeakRef(storage), storage.nbytes())
-        self.peak = max(self.peak, self.base + sum(self.live.values()))
-        return out
+def _ids(vocab, batch=4, length=128):
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
 
 
-def models():
-    import models as test_models
-    import transformers as tf
-
+def gpt2():
     torch.manual_seed(0)
-    gpt2 = tf.GPT2LMHeadModel(
-        tf.GPT2Config(
-            n_layer=4,
-            n_embd=256,
-            n_head=4,
-            vocab_size=2048,
-            n_positions=128,
-            use_cache=False,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-    )
-    ids = torch.randint(0, 2048, (4, 128))
-    bert = tf.BertForMaskedLM(
-        tf.BertConfig(
-            num_hidden_layers=4,
-            hidden_size=256,
-            num_attention_heads=4,
-            intermediate_size=1024,
-            vocab_size=2048,
-            max_position_embeddings=128,
-        )
-    )
-    t5 = tf.T5ForConditionalGeneration(
-        tf.T5Config(
-            num_layers=2,
-            d_model=256,
-            d_kv=32,
-            num_heads=8,
-            d_ff=1024,
-            vocab_size=2048,
-            use_cache=False,
-            decoder_start_token_id=0,
-            pad_token_id=0,
-        )
-    )
-    cnn = test_models.ConvNet()
-    return {
-        "GPT-2 (4 x 256)": (gpt2, (ids,), {"labels": ids}),
-        "BERT (4 x 256)": (bert, (ids,), {"labels": ids}),
-        "T5 (2+2 x 256)": (t5, (ids,), {"labels": ids[:, :32].clone()}),
-        "CNN (BatchNorm)": (cnn, (torch.randn(64, 3, 32, 32),), {}),
-    }
+    config = tf.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=128,
+                           use_cache=False, bos_token_id=0, eos_token_id=0)
+    ids = _ids(2048)
+    return tf.GPT2LMHeadModel(config), (ids,), {"labels": ids.clone()}
 
 
-def measure(package, model, example, repeats: int = 9) -> list[tuple[float, int]]:
-    """(median seconds, peak live bytes) of each stage's forward + backward, chained."""
-    pipeline = Pipeline.from_json(package.PIPELINE)
-    state = model.state_dict()
-    env = dict(zip(pipeline.signature, example.args)) | example.kwargs
-    results = []
-    for spec in pipeline.stages:
-        stage = package.build_stage(spec.index, init=False)
-        stage.load_state_dict(stage_state(stage, state, pipeline.aliases))
-        params = sum(p.numel() * p.element_size() for p in stage.parameters())
-        samples, peak = [], 0
-        for run in range(repeats + 1):
-            inputs = [
-                env[v.name].detach().requires_grad_(v.requires_grad)
-                for v in pipeline.received(spec)
-            ]
-            stage.zero_grad(set_to_none=True)
-            tracker = LiveBytes(params) if run == 0 else None
-            start = time.perf_counter()
-            with tracker or torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                outputs = stage(*inputs)
-                pairs = [(o, torch.ones_like(o)) for o in outputs if o.requires_grad]
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            if tracker:
-                peak = tracker.peak
-            else:
-                samples.append(time.perf_counter() - start)
-        env.update(zip(spec.outputs, [o.detach() for o in outputs]))
-        results.append((statistics.median(samples), peak))
-    return results
+def bert():
+    torch.manual_seed(0)
+    config = tf.BertConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
+                           intermediate_size=1024, vocab_size=2048, max_position_embeddings=128)
+    ids = _ids(2048)
+    return tf.BertForMaskedLM(config), (ids,), {"labels": ids.clone()}
+
+
+def t5():
+    torch.manual_seed(0)
+    config = tf.T5Config(num_layers=2, d_model=256, d_kv=32, num_heads=8, d_ff=1024,
+                         vocab_size=2048, use_cache=False, decoder_start_token_id=0,
+                         pad_token_id=0)
+    ids = _ids(2048)
+    return tf.T5ForConditionalGeneration(config), (ids,), {"labels": ids[:, :32].clone()}
+
+
+class CNN(torch.nn.Module):
+    """Six convolutions with BatchNorm, then a classifier and its loss."""
+
+    def __init__(self):
+        super().__init__()
+        layers, channels = [], 3
+        for width in (32, 64, 64, 128, 128, 128):
+            layers += [torch.nn.Conv2d(channels, width, 3, padding=1),
+                       torch.nn.BatchNorm2d(width), torch.nn.ReLU()]
+            channels = width
+        self.features = torch.nn.Sequential(*layers)
+        self.head = torch.nn.Linear(channels, 10)
+
+    def forward(self, images, labels):
+        logits = self.head(self.features(images).mean((2, 3)))
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels)}
+
+
+def cnn():
+    torch.manual_seed(0)
+    return CNN(), (torch.randn(16, 3, 32, 32),), {"labels": torch.randint(0, 10, (16,))}
+'''
+NAMES = {"gpt2": "GPT-2 (4 x 256)", "bert": "BERT (4 x 256)", "t5": "T5 (2+2 x 256)"}
+NAMES["cnn"] = "CNN (6 conv, BatchNorm)"
+
+
+def run(command: list[str]) -> str:
+    """Output of a command run from the repository root; raises with its tail when it fails."""
+    result = subprocess.run(
+        command,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=3600,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-4000:]}")
+    return result.stdout
 
 
 def spearman(a: list[float], b: list[float]) -> float:
-    rank = lambda xs: {
-        i: r for r, i in enumerate(sorted(range(len(xs)), key=xs.__getitem__))
-    }  # noqa: E731
-    ra, rb = rank(a), rank(b)
-    n = len(a)
-    return 1 - 6 * sum((ra[i] - rb[i]) ** 2 for i in range(n)) / (n * (n * n - 1))
+    """Spearman's rank correlation (ties broken by position)."""
+
+    def ranks(xs: list[float]) -> list[int]:
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        rank = [0] * len(xs)
+        for r, i in enumerate(order):
+            rank[i] = r
+        return rank
+
+    ra, rb, n = ranks(a), ranks(b), len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def mape(predicted: list[float], measured: list[float]) -> float:
+    return statistics.mean(abs(p - m) / m for p, m in zip(predicted, measured)) * 100
+
+
+def format_row(row: tuple) -> str:
+    model, plan, p_time, m_time, memory = row
+    p_mem = ", ".join(f"{p / 2**20:.1f}" for p, _ in memory)
+    m_mem = ", ".join(f"{m / 2**20:.1f}" for _, m in memory)
+    return (
+        f"| {NAMES[model]} | {plan} | {p_time * 1e3:.1f} | {m_time * 1e3:.1f} "
+        f"| {p_mem} | {m_mem} |"
+    )
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    spec = calibrate(
-        torch.device("cpu"), "this-cpu", log=lambda m: print(f"# {m}", file=sys.stderr)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--models", nargs="+", choices=list(NAMES), default=list(NAMES), help="(default: all)"
+    )
+    models = parser.parse_args().models
+    autopipe = [sys.executable, "-m", "autopipe"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    runs = []  # (model, stages, schedule, predicted s, measured s, [(predicted B, measured B)])
     with tempfile.TemporaryDirectory() as tmp:
-        spec_file = Path(tmp) / "cpu.json"
-        import json
-
-        spec_file.write_text(json.dumps(spec.to_json()))
-        rows = []
-        for name, (model, args, kwargs) in models().items():
-            example = as_example((model, args, kwargs))
-            out = Path(tmp) / name.split()[0]
-            result = compile_example(
-                example, out, CompileOptions(stages=STAGES, device_spec=str(spec_file))
-            )
-            predicted = result.partition.predicted["stages"]
-            measured = measure(load_pipeline(out), model, example)
-            for index, (cost, (seconds, peak)) in enumerate(zip(predicted, measured)):
-                memory = 2 * cost["parameters"] + _activations(result, index)
-                rows.append(
-                    (name, index, cost["forward"] + cost["backward"], seconds, memory, peak)
-                )
+        root = Path(tmp)
+        (root / "models.py").write_text(MODELS)
+        spec_file = root / "cpu.json"
+        run([*autopipe, "calibrate", "--device", "cpu", "-o", str(spec_file)])
+        spec = json.loads(spec_file.read_text())
+        for model in models:
+            for stages, schedule, microbatches, accumulate in PLANS:
+                package = root / f"{model}-{stages}-{schedule}"
+                run(
+                    [
+                        *autopipe, "compile", f"{root / 'models.py'}:{model}", "--out",
+                        str(package), "--stages", str(stages), "--devices", "2", "--schedule",
+                        schedule, "--microbatches", str(microbatches), "--accumulate",
+                        str(accumulate), "--method", "dp", "--device-spec", str(spec_file),
+                        "--no-report",
+                    ]
+                )  # fmt: skip
+                pipeline = json.loads((package / "pipeline.json").read_text())
+                partition = json.loads((package / "artifacts" / "partition.json").read_text())
+                log = package / "log.jsonl"
+                run(
+                    [
+                        *torchrun, "--nproc-per-node=2", str(package / "train.py"), "--device",
+                        "cpu", "--steps", str(STEPS), "--track-memory", "--log-json", str(log),
+                    ]
+                )  # fmt: skip
+                records = [json.loads(line) for line in log.read_text().splitlines()]
+                seconds = statistics.median(r["time"] for r in records[TRACKED:])
+                memory = zip(partition["predicted"]["device_memory"], records[-1]["peak_memory"])
+                plan = f"{stages} stages, {schedule}, {microbatches} x {accumulate}"
+                runs.append((model, plan, pipeline["plan"]["step_time"], seconds, list(memory)))
+                print(f"# {format_row(runs[-1])}", file=sys.stderr)
     print(
-        f"CPU calibrated by `autopipe calibrate` (1 thread): {spec.flops['float32'] / 1e9:.1f} GFLOP/s fp32 matmul, "
-        f"{spec.memory_bandwidth / 1e9:.1f} GB/s memory, {spec.kernel_overhead * 1e6:.1f} us per operator"
+        f"CPU calibrated by `autopipe calibrate` (1 thread): {spec['flops']['float32'] / 1e9:.1f} "
+        f"GFLOP/s fp32 matmul, {spec['memory_bandwidth'] / 1e9:.1f} GB/s memory, "
+        f"{spec['kernel_overhead'] * 1e6:.1f} us per operator; load average "
+        f"{os.getloadavg()[0]:.1f}"
     )
-    print("| model | stage | predicted ms | measured ms | predicted peak MB | measured peak MB |")
+    print(
+        "| model | plan on 2 ranks (microbatches x accumulation) | predicted step ms | "
+        "measured step ms | predicted peak MiB (rank 0, 1) | measured peak MiB (rank 0, 1) |"
+    )
     print("|---|---|---|---|---|---|")
-    for name, index, p_time, m_time, p_mem, m_mem in rows:
-        print(
-            f"| {name} | {index} | {p_time * 1e3:.2f} | {m_time * 1e3:.2f} | {p_mem / 2**20:.1f} | {m_mem / 2**20:.1f} |"
-        )
-    times_p, times_m = [r[2] for r in rows], [r[3] for r in rows]
-    mem_p, mem_m = [r[4] for r in rows], [r[5] for r in rows]
-    mape = lambda p, m: statistics.mean(abs(x - y) / y for x, y in zip(p, m)) * 100  # noqa: E731
+    for row in runs:
+        print(format_row(row))
+    times_p, times_m = [r[2] for r in runs], [r[3] for r in runs]
+    mem_p = [p for r in runs for p, _ in r[4]]
+    mem_m = [m for r in runs for _, m in r[4]]
+    orders = [
+        spearman([r[2] for r in runs if r[0] == model], [r[3] for r in runs if r[0] == model])
+        for model in models
+    ]
     print()
     print(
-        f"Stage time: Spearman {spearman(times_p, times_m):.2f}, mean absolute error {mape(times_p, times_m):.0f}% over {len(rows)} stages"
+        f"Plan order: Spearman {statistics.mean(orders):.2f} between predicted and measured "
+        f"step times of each model's {len(PLANS)} plans (mean over {len(models)} models; "
+        f"{', '.join(f'{o:.2f}' for o in orders)})"
     )
     print(
-        f"Stage peak memory: Spearman {spearman(mem_p, mem_m):.2f}, mean absolute error {mape(mem_p, mem_m):.0f}%"
+        f"Stage time: Spearman {spearman(times_p, times_m):.2f}, mean absolute error "
+        f"{mape(times_p, times_m):.0f}% over {len(runs)} runs (step time of 2 ranks)"
     )
-
-
-def _activations(result, stage: int) -> int:
-    return sum(
-        c.activations
-        for c, s in zip(result.profile.units, result.partition.stage_of_unit)
-        if s == stage
+    print(
+        f"Stage peak memory: Spearman {spearman(mem_p, mem_m):.2f}, mean absolute error "
+        f"{mape(mem_p, mem_m):.0f}%"
     )
 
 

@@ -110,3 +110,33 @@ def assert_same_training(pipe, ref, atol=2e-5):
         assert torch.allclose(
             pipe_state[key].float(), ref_state[key].float(), atol=atol, rtol=1e-4
         ), key
+
+
+def capacity_needing_recomputation(result, schedule: str, whole_stages: bool) -> float:
+    """A device memory between the smallest peak any contiguous 2-stage split of a compiled
+    model reaches without recomputation and with it (its blocks, or its stages whole), under
+    ``schedule`` with MICROBATCHES microbatches: no split fits without recomputing, some with."""
+    from autopipe.partitioning.cost import CostModel
+
+    model = CostModel(result.graph, result.profile, schedule=schedule, microbatches=MICROBATCHES)
+    plain, recomputed = [], []
+    for cut in range(1, model.num_units):
+        stage_of_unit = [0 if u < cut else 1 for u in range(model.num_units)]
+        if any(stage_of_unit[u] > stage_of_unit[v] for u, v in model.dag.edges):
+            continue
+        plain.append(max(model.evaluate(stage_of_unit).device_memory))
+        stages, blocks = (
+            (frozenset({0, 1}), frozenset())
+            if whole_stages
+            else (frozenset(), frozenset(model.blocks))
+        )
+        recomputed.append(
+            max(
+                model.evaluate(
+                    stage_of_unit, recompute=stages, recompute_blocks=blocks
+                ).device_memory
+            )
+        )
+    low, high = min(recomputed), min(plain)
+    assert low < high, "recomputation does not lower this model's peak"
+    return (low + high) / 2

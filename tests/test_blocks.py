@@ -20,7 +20,13 @@ from autopipe.verify import load_pipeline
 
 from conftest import ROOT, compile_model, spec, torchrun_env
 from models import gpt2
-from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
+from pipelines import (
+    STEPS,
+    assert_same_training,
+    capacity_needing_recomputation,
+    reference_training,
+    run_pipeline,
+)
 
 
 @pytest.fixture(scope="module")
@@ -157,10 +163,9 @@ def test_partitioner_recomputes_the_cheapest_blocks_and_train_follows(tmp_path):
     from autopipe.profiling import device_spec
 
     roomy = compile_model("gpt2", tmp_path / "roomy", 2)
-    # below half the two devices' memory: no split fits without recomputing something
-    total = sum(roomy.partition.predicted["device_memory"])
     spec_file = tmp_path / "small.json"
-    small = device_spec("h100").to_json() | {"name": "small", "memory": 0.45 * total}
+    memory = capacity_needing_recomputation(roomy, "1f1b", whole_stages=False)
+    small = device_spec("h100").to_json() | {"name": "small", "memory": memory}
     spec_file.write_text(json.dumps(small))
     pipe = run_pipeline(tmp_path, "gpt2", 2, "gpt2_batch", device_spec=str(spec_file))
     pipeline = Pipeline.from_json(load_pipeline(tmp_path / "pipe").PIPELINE)

@@ -143,8 +143,8 @@ def test_checkpoints_reshard_across_pipelines(tmp_path):
     full = losses_of(log)
     assert sorted(full) == [0, 1, 2, 3]
     for name, stages, flags in (
-        ("four", 4, ["--microbatches", "4"]),
-        ("replicated", 2, ["--microbatches", "2", "--dp", "2"]),
+        ("four", 4, ["--microbatches", "4", "--dp-shard", "1"]),
+        ("replicated", 2, ["--microbatches", "2", "--dp", "2", "--dp-shard", "1"]),
     ):
         package = tmp_path / name
         compile_model("gpt2", package, stages, dp_shard=2)

@@ -122,9 +122,11 @@ def test_partition_reports_prediction():
 
 
 def test_recomputation_switched_on_for_devices_short_of_memory():
-    """2 GiB of activations per unit overflow 10 GiB devices with 1F1B; recomputing the short
-    devices' stages (keeping only their inputs) makes them fit; past that, a clear error."""
-    profile = random_profile([1.0] * UNITS, [2 * 1024**3] * UNITS, 1e3, memory_gib=10)
+    """1 GiB of activations per unit (7 GiB a stage's microbatch) overflow 10 GiB devices with
+    1F1B (two microbatches in flight on the first); recomputing the short devices' stages
+    (keeping only their inputs, one microbatch's activations rebuilt in backward) makes them
+    fit; past that, a clear error."""
+    profile = random_profile([1.0] * UNITS, [1024**3] * UNITS, 1e3, memory_gib=10)
     part = partition(GRAPH, profile, 2, schedule="1f1b", microbatches=4)
     assert part.recompute  # without it a device would need more than 10 GiB
     model = CostModel(GRAPH, profile, schedule="1f1b", microbatches=4)

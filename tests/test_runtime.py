@@ -32,7 +32,13 @@ from conftest import (
     torchrun_env,
     training_state,
 )
-from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
+from pipelines import (
+    STEPS,
+    assert_same_training,
+    capacity_needing_recomputation,
+    reference_training,
+    run_pipeline,
+)
 
 
 def gpt2_reference(**options):
@@ -433,7 +439,7 @@ def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_partitioner_switches_on_recomputation_and_train_follows(tmp_path):
-    """On a device with too little memory for the activations 1F1B keeps, the partition marks
+    """On a device with too little memory for the activations GPipe keeps, the partition marks
     the short devices' stages for recomputation; train.py (--recompute auto) recomputes them
     and still trains exactly like PyTorch."""
     import json as json_
@@ -441,19 +447,16 @@ def test_partitioner_switches_on_recomputation_and_train_follows(tmp_path):
     from autopipe.profiling import device_spec
 
     # operators inline: stage boundaries may fall inside a block, as the memory bound assumes
-    roomy = compile_model("gpt2", tmp_path / "roomy", 2, inline_blocks=True)
-    need = max(roomy.partition.predicted["device_memory"])
-    static = max(roomy.partition.costs["static_memory"])
+    # GPipe keeps all 4 microbatches' activations: recomputing a stage whole keeps its inputs
+    roomy = compile_model("gpt2", tmp_path / "roomy", 2, inline_blocks=True, schedule="gpipe")
     spec_file = tmp_path / "small.json"
-    # room for a third of the activations the roomy split keeps: no split fits without recomputing
-    small = device_spec("h100").to_json() | {
-        "name": "small",
-        "memory": static + (need - static) / 3,
-    }
+    memory = capacity_needing_recomputation(roomy, "gpipe", whole_stages=True)
+    small = device_spec("h100").to_json() | {"name": "small", "memory": memory}
     spec_file.write_text(json_.dumps(small))
     pipe = run_pipeline(
-        tmp_path, "gpt2", 2, "gpt2_batch", device_spec=str(spec_file), inline_blocks=True
-    )
+        tmp_path, "gpt2", 2, "gpt2_batch", device_spec=str(spec_file), inline_blocks=True,
+        schedule="gpipe",
+    )  # fmt: skip
     assert Pipeline.from_json(load_pipeline(tmp_path / "pipe").PIPELINE).recomputed
     assert_same_training(pipe, gpt2_reference())
 

@@ -21,7 +21,8 @@ from ..artifacts import ARTIFACT_VERSION, dumps, write_error
 from ..errors import ArtifactError, OutputExistsError
 from ..graph import COND, Graph, Node, ParamInfo, Ref, dtype_name
 from ..partitioning import Partition, default_schedule
-from ..runtime.pipeline import Pipeline
+from ..partitioning.cost import iteration_time
+from ..runtime.pipeline import Pipeline, default_microbatches
 from . import emit
 from ..tracing.blocks import block_calls
 from .blocks import (
@@ -105,7 +106,7 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
     common = {
         "model_class": model_class,
         "num_stages": len(plans),
-        "num_devices": len(set(device_of_stage)),
+        "num_processes": len(set(device_of_stage)) * part.settings.get("dp_shard", 1),
         "stage_classes": [f"Stage{plan.index}" for plan in plans],
     }
     calls = block_calls(graph)
@@ -418,7 +419,22 @@ def pipeline_description(
         | (graph.loss.model.get("input_ranges", {}) if graph.loss is not None else {}),
         "dp_shard": part.settings.get("dp_shard", 1),
     }
+    if part.predicted:
+        description["plan"] = _plan_description(part)
     return Pipeline.from_json(description).to_json()  # the runtime's contract, checked here
+
+
+def _plan_description(part: Partition) -> dict[str, Any]:
+    """The plan train.py defaults to, and the step time and FLOPs its metrics compare with."""
+    predicted, accumulate = part.predicted, part.settings.get("accumulate", 1)
+    return {
+        "microbatches": part.settings.get("microbatches") or default_microbatches(part.num_stages),
+        "accumulate": accumulate,
+        "step_time": iteration_time(predicted, accumulate),
+        "flops_per_microbatch": predicted.get("flops", 0.0),
+        "peak_flops": predicted.get("peak_flops", 0.0),
+        "device": part.settings.get("device", ""),
+    }
 
 
 def _schedule_description(part: Partition) -> dict[str, Any]:

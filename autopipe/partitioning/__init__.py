@@ -10,7 +10,7 @@ simulated training step under the schedule.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from collections.abc import Callable
 
@@ -228,15 +228,7 @@ def partition(
         }
         | ({"measured_on": profile.measured_on} if profile.measured_on else {}),
         predicted=prediction.to_json(),
-        costs={
-            "forward": costs.forward,
-            "backward": costs.backward,
-            "activations": costs.activations,
-            "static_memory": costs.static_memory,
-            "send_forward": costs.send_forward,
-            "send_backward": costs.send_backward,
-            "memory_capacity": costs.memory_capacity,
-        },
+        costs={k: v for k, v in asdict(costs).items() if k != "device_of_stage"},
     )
 
 

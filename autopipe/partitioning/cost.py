@@ -6,18 +6,22 @@ when those take longer (transfers are asynchronous and overlap compute, as FTPip
 boundaries forward, gradients backward, over the device link; boundaries between two stages on the
 same device cost nothing. Values are relayed, so a value produced in stage ``p`` and
 read in stage ``c`` crosses every boundary between them. A whole step is simulated under the
-schedule (:mod:`.simulator`). Memory per device: parameters, gradients and optimizer state of its
+schedule (:mod:`.simulator`). Memory per device is walked along its actions in the schedule's
+order (``runtime.schedule.device_memory``): parameters, gradients and optimizer state of its
 stages (1/N of them each when sharded over ``--dp-shard N``, plus the parameters FSDP2 gathers
-at once: a stage's own outside its blocks and its largest block's, with their gradients), plus
-the activations the schedule keeps alive.
+at once: a stage's own outside its blocks and its largest block's, with their gradients),
+receive buffers, the activations and outputs of the microbatches in flight, gradients of
+received inputs, and the transient of the action at the peak (forward locals, backward
+gradients, the optimizer's temporaries), all from the profile's per-unit bytes.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import networkx as nx
+import torch
 
 from ..errors import PartitionError
 from ..graph import Graph, TensorMeta
@@ -25,12 +29,20 @@ from ..mutation import order_edges
 from ..profiling.devices import DeviceSpec
 from ..profiling.profile import Profile
 from ..tracing.blocks import block_calls
+from ..tracing.units import unit_workloads
 from ..runtime.options import SPLIT_BACKWARD
 from ..runtime.pipeline import default_microbatches
+from ..runtime.schedule import MemoryPeak, device_memory
 from .simulator import PipelineCosts, Simulation, schedule_orders, simulate
 
 #: Bytes of state per parameter byte: weight + gradient (+ two Adam moments).
 STATE_FACTOR = {"sgd": 2, "adamw": 4}
+#: Temporaries of torch's (foreach) optimizer step per parameter byte: AdamW builds its update
+#: denominator for every parameter at once (measured 0.75 to 1 on CPU), SGD updates in place.
+OPTIMIZER_TEMPORARIES = {"sgd": 0.0, "adamw": 1.0}
+#: Bytes an optimizer step reads and writes per parameter byte: AdamW reads the parameter, its
+#: gradient and two moments and writes three of them back; SGD reads two and writes one.
+OPTIMIZER_TRAFFIC = {"sgd": 3, "adamw": 7}
 
 
 def stage_time(forward: float, backward: float, comm_forward: float, comm_backward: float) -> float:
@@ -65,6 +77,11 @@ class Prediction:
     schedule: str
     device_memory: list[float]  # peak bytes per device
     bubble: float  # idle fraction of device time in the simulated step
+    memory_peaks: list[MemoryPeak] = field(default_factory=list)  # what each device's peak holds
+    optimizer_time: float = 0.0  # the slowest device's optimizer step
+    data_parallel_time: float = 0.0  # collectives once per step that no compute hides
+    flops: float = 0.0  # the model's forward + backward FLOPs per microbatch (no recomputation)
+    peak_flops: float = 0.0  # one device's peak FLOP/s for the model's parameter dtype
 
     @property
     def device_load(self) -> list[float]:
@@ -86,10 +103,42 @@ class Prediction:
             "schedule": self.schedule,
             "bubble": self.bubble,
             "device_memory": self.device_memory,
+            "memory_peaks": [asdict(peak) for peak in self.memory_peaks],
+            "optimizer_time": self.optimizer_time,
+            "data_parallel_time": self.data_parallel_time,
+            "flops": self.flops,
+            "peak_flops": self.peak_flops,
             "stages": [
                 asdict(s) | {"communication": s.communication, "time": s.time} for s in self.stages
             ],
         }
+
+
+def iteration_time(predicted: dict, accumulate: int = 1) -> float:
+    """Seconds per optimizer step of a prediction (``Prediction.to_json()``): ``accumulate``
+    pipeline runs, then the collectives and the optimizer step that follow them."""
+    once = predicted.get("data_parallel_time", 0.0) + predicted.get("optimizer_time", 0.0)
+    return accumulate * predicted["step_time"] + once
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What a partition's plan predicts per optimizer step, over all its devices."""
+
+    step_time: float  # seconds
+    microbatches: int  # example microbatches per step, over all data-parallel ranks
+    devices: int  # pipeline ranks x data-parallel shards
+    mfu: float | None  # model FLOPs utilisation: the fraction of the devices' peak FLOP/s
+
+    @classmethod
+    def of(cls, predicted: dict, settings: dict, ranks: int) -> Throughput:
+        accumulate, shards = settings.get("accumulate", 1), settings.get("dp_shard", 1)
+        step = iteration_time(predicted, accumulate)
+        microbatches = settings.get("microbatches", 1) * accumulate * shards
+        devices = ranks * shards
+        flops, peak = predicted.get("flops", 0.0), predicted.get("peak_flops", 0.0)
+        mfu = flops * microbatches / (step * devices * peak) if flops and peak and step else None
+        return cls(step, microbatches, devices, mfu)
 
 
 @dataclass(frozen=True)
@@ -100,6 +149,7 @@ class Exchange:
     readers: tuple[int, ...]  # units, plus ``num_units`` when it is a model output
     activation: int  # bytes forward
     gradient: int  # bytes backward (0 if it needs no gradient)
+    name: str = ""  # the value
 
     @property
     def last(self) -> int:
@@ -171,6 +221,21 @@ class CostModel:
         self.backward = [u.backward for u in profile.units]
         self.compute = [f + b for f, b in zip(self.forward, self.backward)]
         self.activations = [u.activations for u in profile.units]
+        self.temporaries = [u.temporaries for u in profile.units]
+        self.backward_memory = [u.backward_memory for u in profile.units]
+        #: the values each unit saves among its inputs and outputs, by name
+        self.saved_values = [
+            {names[i] for i in unit.saved_values if i < len(names)}
+            for unit, names in zip(
+                profile.units, (w.inputs + w.outputs for w in unit_workloads(graph))
+            )
+        ]
+        self.flops = sum(u.flops_forward + u.flops_backward for u in profile.units)
+        #: the dtype most parameter bytes have: the model's compute dtype, for its peak FLOP/s
+        by_dtype: dict[torch.dtype, int] = {}
+        for info in graph.params.values():
+            by_dtype[info.dtype] = by_dtype.get(info.dtype, 0) + info.nbytes
+        self.dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.float32
         self.num_units = len(graph.units)
         self.param_bytes = self._parameter_bytes(graph)
         self.blocks = block_costs(graph)
@@ -181,13 +246,17 @@ class CostModel:
 
     # -- construction -------------------------------------------------------------------------
     def _parameter_bytes(self, graph: Graph) -> list[int]:
-        """Parameter bytes per unit, each parameter counted in the first unit that reads it."""
+        """Parameter bytes per unit, each parameter counted in the first unit that reads it
+        (``unit_params`` keeps every unit's own: a tied parameter is held by every stage that
+        reads it)."""
         param_bytes = [0] * self.num_units
+        self.unit_params: list[dict[str, int]] = [{} for _ in range(self.num_units)]
         seen: set[str] = set()
         for node in graph.calls:
             for src in node.inputs:
                 if graph[src].kind == "param":
                     info = graph.param_of(graph[src].target)
+                    self.unit_params[node.unit][info.names[0]] = info.nbytes
                     if info.names[0] not in seen:
                         seen.add(info.names[0])
                         param_bytes[node.unit] += info.nbytes
@@ -216,6 +285,7 @@ class CostModel:
                         tuple(sorted(readers)),
                         meta.nbytes,
                         meta.nbytes if meta.requires_grad else 0,
+                        node.name,
                     )
                 )
         return exchanges
@@ -265,11 +335,11 @@ class CostModel:
         return STATE_FACTOR[self.optimizer] / self.dp_shard
 
     def stage_parameters(self, stage_of_unit: list[int], num_stages: int) -> list[float]:
-        """Parameter bytes per stage, unsharded."""
-        params = [0.0] * num_stages
+        """Parameter bytes per stage, unsharded (a tied parameter in each stage reading it)."""
+        held: list[dict[str, int]] = [{} for _ in range(num_stages)]
         for unit, stage in enumerate(stage_of_unit):
-            params[stage] += self.param_bytes[unit]
-        return params
+            held[stage].update(self.unit_params[unit])
+        return [float(sum(params.values())) for params in held]
 
     def gathered(self, stage_of_unit: list[int], num_stages: int) -> list[float]:
         """Bytes per stage that FSDP2 holds gathered at once when sharded, each parameter with
@@ -289,6 +359,20 @@ class CostModel:
                 in_blocks[stage] += size
                 largest[stage] = max(largest[stage], size)
         return [2 * (params[s] - in_blocks[s] + largest[s]) for s in range(num_stages)]
+
+    def collective_time(self, params: list[float]) -> list[float]:
+        """Seconds per stage of one all-gather of its parameters (or one reduce-scatter of its
+        gradients) over ``dp_shard`` ranks: each receives (N - 1) / N of them, over the link."""
+        share = (self.dp_shard - 1) / self.dp_shard
+        return [p * share / self.device.link_bandwidth for p in params]
+
+    def optimizer_time(self, params: list[float], device_of_stage: list[int]) -> float:
+        """The slowest device's optimizer step: its share of the state streamed once."""
+        traffic = [0.0] * (max(device_of_stage) + 1)
+        for p, device in zip(params, device_of_stage):
+            traffic[device] += p / self.dp_shard * OPTIMIZER_TRAFFIC[self.optimizer]
+        speed = self.device.memory_bandwidth * self.device.memory_efficiency
+        return max(traffic) / speed
 
     def lower_bound(self, num_devices: int) -> float:
         return max(sum(self.compute) / num_devices, max(self.compute, default=0.0))
@@ -316,22 +400,18 @@ class CostModel:
         num_stages = len(device_of_stage)
         forward = [0.0] * num_stages
         backward = [0.0] * num_stages
-        activations = [0.0] * num_stages
+        saved = [0.0] * num_stages
         for unit, stage in enumerate(stage_of_unit):
             forward[stage] += self.forward[unit]
             backward[stage] += self.backward[unit]
-            activations[stage] += self.activations[unit]
+            saved[stage] += self.activations[unit]
+        for stage, twice in enumerate(self._counted_twice(stage_of_unit, num_stages)):
+            saved[stage] -= twice
         params = self.stage_parameters(stage_of_unit, num_stages)
         gathered = self.gathered(stage_of_unit, num_stages)
-        act_cross = [0.0] * max(num_stages - 1, 0)
-        grad_cross = [0.0] * max(num_stages - 1, 0)
-        for ex in self.exchanges:
-            first = stage_of_unit[ex.producer] if ex.producer >= 0 else 0
-            last = ex.last
-            end = stage_of_unit[last] if last < self.num_units else num_stages - 1
-            for s in range(first, end):
-                act_cross[s] += ex.activation
-                grad_cross[s] += ex.gradient
+        act_cross, grad_cross, outputs = self._crossing(stage_of_unit, num_stages)
+        inputs = [0.0, *act_cross]
+        transient_forward, transient_backward = self._transients(stage_of_unit, num_stages)
         for fqn in recompute_blocks:
             block = self.blocks[fqn]
             s = block.stage(stage_of_unit)
@@ -339,21 +419,114 @@ class CostModel:
                 continue  # cut by a stage boundary, or recomputed with its stage
             backward[s] += sum(self.forward[u] for u in block.units)
             kept = sum(self.activations[u] for u in block.units)
-            activations[s] -= max(kept - block.inputs, 0.0)
+            saved[s] -= max(kept - block.inputs, 0.0)
+            again = sum(self.activations[u] + self.temporaries[u] for u in block.units)
+            transient_backward[s] = max(transient_backward[s], again)  # its forward, rerun
         for s in recompute:
             backward[s] += forward[s]
-            activations[s] = act_cross[s - 1] if s > 0 else 0.0
+            transient_backward[s] += saved[s] + transient_forward[s]
+            saved[s] = inputs[s]
+        microbatches = self.microbatches or default_microbatches(num_stages)
         bandwidth = self.device.link_bandwidth
+        shard = 1 / self.dp_shard
+        if self.dp_shard > 1 and self.schedule not in SPLIT_BACKWARD:
+            # FSDP2 gathers a stage's parameters for each forward and backward and
+            # reduce-scatters its gradients after it, prefetching while the stage computes
+            for s, seconds in enumerate(self.collective_time(params)):
+                forward[s] = max(forward[s], seconds)
+                backward[s] = max(backward[s], 2 * seconds)
         return PipelineCosts(
             forward=forward,
             backward=backward,
-            activations=activations,
+            activations=[a + o for a, o in zip(saved, outputs)],
             static_memory=[p * self.state_factor() + g for p, g in zip(params, gathered)],
             send_forward=[b / bandwidth for b in act_cross],
             send_backward=[b / bandwidth for b in grad_cross],
             device_of_stage=list(device_of_stage),
             memory_capacity=self.device.memory,
+            gradients=[p * shard for p in params],
+            buffers=[microbatches * (i + g) for i, g in zip(inputs, [*grad_cross, 0.0])],
+            input_gradients=[0.0, *grad_cross],
+            transient_forward=transient_forward,
+            transient_backward=transient_backward,
+            transient_optimizer=[p * shard * OPTIMIZER_TEMPORARIES[self.optimizer] for p in params],
         )
+
+    def _crossing(
+        self, stage_of_unit: list[int], num_stages: int
+    ) -> tuple[list[float], list[float], list[float]]:
+        """Activation and gradient bytes crossing each boundary between stages, and the bytes
+        each stage outputs (to later stages or as the model's outputs) and keeps until its
+        backward."""
+        act_cross = [0.0] * max(num_stages - 1, 0)
+        grad_cross = [0.0] * max(num_stages - 1, 0)
+        model_outputs = 0.0
+        for ex in self.exchanges:
+            first = stage_of_unit[ex.producer] if ex.producer >= 0 else 0
+            last = ex.last
+            end = stage_of_unit[last] if last < self.num_units else num_stages - 1
+            for s in range(first, end):
+                act_cross[s] += ex.activation
+                grad_cross[s] += ex.gradient
+            if last == self.num_units:
+                model_outputs += ex.activation
+        return act_cross, grad_cross, [*act_cross, model_outputs]
+
+    def _counted_twice(self, stage_of_unit: list[int], num_stages: int) -> list[float]:
+        """Bytes per stage that the units' saved activations count more than once: a value
+        its producer and its readers in one stage all save (one tensor), or that a stage
+        saves and also holds as an output (until its backward) or a receive buffer."""
+        twice = [0.0] * num_stages
+        for ex in self.exchanges:
+            home = stage_of_unit[ex.producer] if ex.producer >= 0 else -1
+            savers: dict[int, int] = {}
+            for unit in (ex.producer, *ex.readers):
+                if 0 <= unit < self.num_units and ex.name in self.saved_values[unit]:
+                    stage = stage_of_unit[unit]
+                    savers[stage] = savers.get(stage, 0) + 1
+            last = ex.last
+            end = stage_of_unit[last] if last < self.num_units else num_stages
+            for stage, count in savers.items():
+                # also held as a receive buffer, or as an output kept for the backward
+                held = (home >= 0 and stage != home) or end > stage
+                twice[stage] += ex.activation * (count if held else count - 1)
+        return twice
+
+    def _transients(
+        self, stage_of_unit: list[int], num_stages: int
+    ) -> tuple[list[float], list[float]]:
+        """Bytes a stage's forward holds besides what it saves (the generated code's locals:
+        those of the stage's own code until it returns, plus those of its largest block until
+        that returns), and the most a backward holds beyond its microbatch's activations and
+        the stage's gradients: a unit's backward, less the activations of the units after it
+        (freed by then) and the gradients of those before it (not allocated yet)."""
+        forward = [0.0] * num_stages
+        backward = [0.0] * num_stages
+        freed = [0.0] * num_stages
+        pending = [0.0] * num_stages  # gradient bytes not allocated yet
+        for unit, s in enumerate(stage_of_unit):
+            pending[s] += self.param_bytes[unit] / self.dp_shard
+        for unit in reversed(range(self.num_units)):
+            s = stage_of_unit[unit]
+            pending[s] -= self.param_bytes[unit] / self.dp_shard
+            beyond = self.backward_memory[unit] - freed[s] - pending[s]
+            backward[s] = max(backward[s], beyond)
+            freed[s] += self.activations[unit]
+        inline = [0.0] * num_stages
+        largest = [0.0] * num_stages
+        blocked: set[int] = set()
+        for block in self.blocks.values():
+            s = block.stage(stage_of_unit)
+            if s is not None:
+                blocked.update(block.units)
+                held = sum(self.temporaries[u] for u in block.units)
+                largest[s] = max(largest[s], held)
+        for unit, s in enumerate(stage_of_unit):
+            if unit not in blocked:
+                inline[s] += self.temporaries[unit]
+        for s in range(num_stages):
+            forward[s] = inline[s] + largest[s]
+        return forward, backward
 
     def evaluate(
         self,
@@ -378,7 +551,12 @@ class CostModel:
             adjacent = [b for b in (s - 1, s) if 0 <= b < num_stages - 1]
             comm_forward = sum(costs.link(b, costs.send_forward) for b in adjacent)
             comm_backward = sum(costs.link(b, costs.send_backward) for b in adjacent)
-            memory = costs.static_memory[s] + costs.activations[s] * _held(s, simulation)
+            memory = (
+                costs.static_memory[s]
+                + costs.buffers[s]
+                + costs.activations[s] * _held(s, simulation)
+                + max(costs.transient_forward[s], costs.transient_backward[s])
+            )
             parameters = int(params[s])
             stages.append(
                 StageCost(
@@ -390,14 +568,26 @@ class CostModel:
                     parameters,
                 )
             )
+        peaks = device_memory(simulation.events, costs)
+        once = 0.0  # under split-backward schedules FSDP2 gathers and reduces once per step
+        if self.dp_shard > 1 and schedule in SPLIT_BACKWARD:
+            per_device = [0.0] * (max(device_of_stage) + 1)
+            for s, seconds in enumerate(self.collective_time(params)):
+                per_device[device_of_stage[s]] += 2 * seconds
+            once = max(per_device)
         return Prediction(
             stages=stages,
             device_of_stage=list(device_of_stage),
             lower_bound=self.lower_bound(max(device_of_stage) + 1),
             step_time=simulation.step_time,
             schedule=schedule,
-            device_memory=simulation.peak_memory,
+            device_memory=[peak.total for peak in peaks],
             bubble=simulation.bubble,
+            memory_peaks=peaks,
+            optimizer_time=self.optimizer_time(params, device_of_stage),
+            data_parallel_time=once,
+            flops=self.flops,
+            peak_flops=self.device.peak_flops(self.dtype),
         )
 
     def assuming_recomputation(self) -> CostModel:

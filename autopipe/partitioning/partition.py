@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ from ..mutation import order_edges
 from ..profiling.profile import graph_digest, profile_source
 from ..runtime.options import MULTI_STAGE, SCHEDULES, SINGLE_STAGE
 from ..runtime.options import placement as torch_placement
+from ..runtime.pipeline import MEMORY_DETAIL
 
 PARTITION_KIND = "partition"
 #: per-stage cost lists (runtime.schedule.PipelineCosts fields): stage counts less the offset
@@ -85,6 +87,10 @@ class Partition:
                     "numbers never decrease along the model's data flow"
                 )
 
+    def with_settings(self, **settings: Any) -> Partition:
+        """This partition with more settings recorded (train.py's defaults, the plan search)."""
+        return dataclasses.replace(self, settings=self.settings | settings)
+
     def validate(self) -> None:
         """Check the partition on its own: stage and device numbers, settings, costs.
         Raises :class:`ArtifactError` naming the first field that is wrong."""
@@ -127,14 +133,18 @@ class Partition:
         self._validate_settings()
         require(isinstance(self.costs, dict), "costs", self.costs, "an object")
         if self.costs:
+            required = {*_STAGE_COSTS, "memory_capacity"}
             require(
-                set(self.costs) == {*_STAGE_COSTS, "memory_capacity"},
+                required <= set(self.costs) <= required | set(MEMORY_DETAIL),
                 "costs",
                 sorted(self.costs),
-                f"the per-stage costs {sorted({*_STAGE_COSTS, 'memory_capacity'})}",
+                f"the per-stage costs {sorted(required)} (and optionally {list(MEMORY_DETAIL)})",
             )
             for key, offset in _STAGE_COSTS.items():
                 _require_numbers(self.costs[key], f"costs.{key}", stages - offset)
+            for key in MEMORY_DETAIL:
+                if key in self.costs:
+                    _require_numbers(self.costs[key], f"costs.{key}", stages)
             capacity = self.costs["memory_capacity"]
             require(is_number(capacity, 0, strict=True), "costs.memory_capacity", capacity, "> 0")
         self._validate_predicted()
@@ -151,6 +161,18 @@ class Partition:
         )
         dp_shard = settings.get("dp_shard", 1)
         require(is_int(dp_shard, 1), "settings.dp_shard", dp_shard, "a number of ranks (1 or more)")
+        for key in ("accumulate", "global_batch"):
+            value = settings.get(key, 1)
+            require(is_int(value, 1), f"settings.{key}", value, "a count (1 or more)")
+        margin = settings.get("memory_margin", 0.0)
+        require(is_number(margin, 0) and margin < 1, "settings.memory_margin", margin, "in [0, 1)")
+        plans = settings.get("plans", [])
+        require(
+            isinstance(plans, list) and all(isinstance(p, dict) for p in plans),
+            "settings.plans",
+            plans,
+            "a list of plans (objects)",
+        )
         for key in ("optimizer", "device", "link", "profile", "measured_on"):
             value = settings.get(key, "")
             require(is_text(value), f"settings.{key}", value, "a one-line text")

@@ -94,7 +94,7 @@ def _unit_cost(graph: Graph, work: UnitWorkload, spec: DeviceSpec, device) -> Un
     """One unit run forward and backward on fake tensors under the roofline."""
     forward: list[RooflineMode] = []
     backward: list[RooflineMode] = []
-    saved = run_forward_backward(
+    memory = run_forward_backward(
         graph,
         work,
         lambda name: empty_placeholder(graph, graph[name], device),
@@ -111,7 +111,10 @@ def _unit_cost(graph: Graph, work: UnitWorkload, spec: DeviceSpec, device) -> Un
         flops_backward=bwd.flops if bwd else 0.0,
         bytes_forward=fwd.bytes,
         bytes_backward=bwd.bytes if bwd else 0,
-        activations=saved,
+        activations=memory.saved,
+        temporaries=memory.temporaries,
+        backward_memory=memory.backward,
+        saved_values=list(memory.saved_values),
         outputs=output_bytes(graph, work),
         parameters=parameter_bytes(graph, work),
     )

@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..control_flow import worst_branch
 from ..graph import Graph, decode_tensor
@@ -63,12 +64,17 @@ def profile_measured(
         ]
         costs = []
         for i, work in enumerate(works):
-            saved = partial(_run, graph, work, values, device, timed=None)
+            counted = worst_branch(work.nodes, partial(_footprint, graph, work, values, device))
             costs.append(
                 UnitCost(
                     statistics.median(r[i].forward for r in rounds),
                     statistics.median(r[i].backward for r in rounds),
-                    activations=worst_branch(work.nodes, saved),
+                    flops_forward=counted.flops_forward,
+                    flops_backward=counted.flops_backward,
+                    activations=counted.saved,
+                    temporaries=counted.temporaries,
+                    backward_memory=counted.backward,
+                    saved_values=list(counted.saved_values),
                     outputs=output_bytes(graph, work),
                     parameters=parameter_bytes(graph, work),
                 )
@@ -130,14 +136,48 @@ class _Timer:
         self.elapsed += time.perf_counter() - self.start
 
 
+@dataclass
+class _Footprint:
+    """A unit's FLOPs and memory, counted on one untimed run."""
+
+    flops_forward: float
+    flops_backward: float
+    saved: int
+    temporaries: int
+    backward: int
+    saved_values: tuple[int, ...]
+
+
+def _footprint(
+    graph: Graph, work: UnitWorkload, values: dict[str, Any], device: torch.device
+) -> _Footprint:
+    forward, backward = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    memory = run_forward_backward(
+        graph, work, _fresh(graph, values), device, lambda: forward, lambda: backward
+    )
+    return _Footprint(
+        forward.get_total_flops(),
+        backward.get_total_flops(),
+        memory.saved,
+        memory.temporaries,
+        memory.backward,
+        memory.saved_values,
+    )
+
+
 def _run(
-    graph: Graph,
-    work: UnitWorkload,
-    values: dict[str, Any],
-    device: torch.device,
-    timed: str | None,
-):
+    graph: Graph, work: UnitWorkload, values: dict[str, Any], device: torch.device, timed: str
+) -> float:
+    """Seconds the unit's ``timed`` pass ("forward" or "backward") takes."""
     timer = _Timer(device)
+    forward_mode: Callable = (lambda: timer) if timed == "forward" else nullcontext
+    backward_mode: Callable = (lambda: timer) if timed == "backward" else nullcontext
+    run_forward_backward(graph, work, _fresh(graph, values), device, forward_mode, backward_mode)
+    return timer.elapsed
+
+
+def _fresh(graph: Graph, values: dict[str, Any]) -> Callable[[str], torch.Tensor]:
+    """A new leaf for each placeholder of a unit run, from the example's values."""
 
     def fresh(name: str) -> torch.Tensor:
         value = values[name]
@@ -146,10 +186,7 @@ def _run(
             requires_grad = graph.param_of(graph[name].target).requires_grad
         return value.detach().clone().requires_grad_(requires_grad and value.is_floating_point())
 
-    forward_mode: Callable = (lambda: timer) if timed == "forward" else nullcontext
-    backward_mode: Callable = (lambda: timer) if timed == "backward" else nullcontext
-    saved = run_forward_backward(graph, work, fresh, device, forward_mode, backward_mode)
-    return timer.elapsed if timed else saved
+    return fresh
 
 
 def _example_values(graph: Graph, example: Example | None, device: torch.device) -> dict[str, Any]:

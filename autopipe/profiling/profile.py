@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ..artifacts import read_artifact, write_artifact
 from ..checks import is_number, is_text, require
@@ -26,6 +26,10 @@ class UnitCost:
     bytes_forward: int = 0  # bytes operators read and write (analytic profile)
     bytes_backward: int = 0
     activations: int = 0  # bytes autograd saves for backward (storage de-duplicated)
+    temporaries: int = 0  # other bytes its forward creates (held until the forward returns)
+    backward_memory: int = 0  # the most bytes its backward holds at once
+    #: which of its inputs and outputs it saves (positions in the unit's inputs + outputs)
+    saved_values: list[int] = field(default_factory=list)
     outputs: int = 0  # bytes of the values the unit hands to other units
     parameters: int = (
         0  # bytes of the parameters it reads (gradients and optimizer state scale with it)
@@ -37,6 +41,10 @@ class UnitCost:
 
 
 _UNIT_FIELDS = set(UnitCost.__dataclass_fields__)
+
+
+def _is_positions(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and v >= 0 for v in value)
 
 
 def profile_source(mode: str, device: str, measured_on: str = "") -> str:
@@ -91,7 +99,8 @@ class Profile:
                     isinstance(unit, dict)
                     and set(unit) <= _UNIT_FIELDS
                     and {"forward", "backward"} <= set(unit)
-                    and all(is_number(v, 0) for v in unit.values()),
+                    and all(is_number(v, 0) for k, v in unit.items() if k != "saved_values")
+                    and _is_positions(unit.get("saved_values", [])),
                     f"units[{index}]",
                     unit,
                     f"costs >= 0 with fields {sorted(_UNIT_FIELDS)}",

@@ -2,15 +2,55 @@
 
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from ..graph import Graph
 from ..interpreter import run_nodes
 from ..tracing.units import UnitWorkload
+
+
+@dataclass
+class UnitMemory:
+    """Bytes one unit holds for one microbatch (a dataclass of numbers: ``worst_branch`` takes
+    the larger field by field)."""
+
+    saved: int  # what autograd saves for backward (storages once, parameters not)
+    temporaries: int  # what its forward creates and autograd does not save
+    backward: int  # the most its backward holds at once: gradients and their temporaries
+    #: which of its inputs and outputs (positions in ``inputs + outputs``) it saves: another
+    #: unit of the stage may save the same tensor, which the cost model then counts once
+    saved_values: tuple[int, ...] = ()
+
+
+class _Allocations(TorchDispatchMode):
+    """The most bytes alive at once of the storages the operators inside it create (those it
+    was told exist, or in-place results on them, not counted)."""
+
+    def __init__(self, existing: set[StorageWeakRef]):
+        super().__init__()
+        self.existing = existing
+        self.live: dict[StorageWeakRef, int] = {}
+        self.bytes = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for ref in [r for r in self.live if r.expired()]:
+            self.bytes -= self.live.pop(ref)
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                ref = StorageWeakRef(tensor.untyped_storage())
+                if ref not in self.existing and ref not in self.live:
+                    self.live[ref] = tensor.untyped_storage().nbytes()
+                    self.bytes += self.live[ref]
+        self.peak = max(self.peak, self.bytes)
+        return out
 
 
 def run_forward_backward(
@@ -20,11 +60,13 @@ def run_forward_backward(
     device: torch.device,
     forward_mode: Callable[[], Any],
     backward_mode: Callable[[], Any],
-) -> int:
+) -> UnitMemory:
     """Run a unit forward (inside ``forward_mode()``) and backward (inside ``backward_mode()``).
 
-    ``make_value(name)`` gives a fresh tensor for each input and state placeholder. Returns the
-    bytes autograd saved for backward, storages counted once, parameters not counted.
+    ``make_value(name)`` gives a fresh tensor for each input and state placeholder. Returns what
+    it holds: the bytes autograd saved for backward (storages counted once, parameters not),
+    the other storages its forward created (the generated code keeps them until the stage or
+    block forward returns), and the most bytes alive at once in its backward.
     """
     env: dict[str, Any] = {}
     leaves: list[torch.Tensor] = []
@@ -36,28 +78,46 @@ def run_forward_backward(
                 value.clone() if graph[name].kind != "param" else value
             )  # in-place ops stay legal
         env[name] = value
-    params = {
-        StorageWeakRef(env[n].untyped_storage()) for n in work.state if graph[n].kind == "param"
-    }
+    params = {_storage(env[n]) for n in work.state if graph[n].kind == "param"}
     saved: dict[StorageWeakRef, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        ref = StorageWeakRef(tensor.untyped_storage())
+        ref = _storage(tensor)
         if ref not in params:
             saved[ref] = tensor.untyped_storage().nbytes()
         return tensor
 
+    existing = {_storage(v) for v in [*env.values(), *leaves]}
     with forward_mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run_nodes(work.nodes, env, device, graph.functions)
+    # the values the generated code names (its locals), other than what autograd saves and
+    # what it hands to other units (which those save, or count as their inputs)
+    held = {_storage(v): v.untyped_storage().nbytes() for v in env.values() if _is_tensor(v)}
+    handed = {_storage(env[n]) for n in work.outputs if _is_tensor(env[n])}
+    temporaries = sum(n for ref, n in held.items() if ref not in existing | set(saved) | handed)
     outputs = [
         env[n] for n in work.outputs if isinstance(env[n], torch.Tensor) and env[n].requires_grad
     ]
     wrt = [leaf for leaf in leaves if leaf.requires_grad]
+    gradients = _Allocations(existing | set(held) | set(saved))
     if outputs and wrt:
-        grads = [torch.ones_like(o) for o in outputs]
-        with backward_mode():
+        with backward_mode(), gradients:
+            grads = [torch.ones_like(o) for o in outputs]
             torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
-    return sum(saved.values())
+    shared = tuple(
+        i
+        for i, n in enumerate((*work.inputs, *work.outputs))
+        if _is_tensor(env[n]) and _storage(env[n]) in saved
+    )
+    return UnitMemory(sum(saved.values()), temporaries, gradients.peak, shared)
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _storage(tensor: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(tensor.untyped_storage())
 
 
 def output_bytes(graph: Graph, work: UnitWorkload) -> int:

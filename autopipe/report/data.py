@@ -172,6 +172,22 @@ class ReportData:
             parts["gathered"][device] += max(static - share * factor, 0.0)
         return parts
 
+    def device_peak_parts(self) -> dict[str, list[float]]:
+        """Bytes per device at its peak, in parts: the static parts (gradients only once the
+        peak comes after the first backward), then what the memory model adds at the peak;
+        partitions from before that model: static parts and activations."""
+        parts = self.device_memory_parts()
+        peaks = self.predicted.get("memory_peaks")
+        if not peaks:
+            static, peak = self.device_static_memory(), self.device_peak_memory()
+            parts["activations"] = [max(p - s, 0.0) for p, s in zip(peak, static)]
+            return parts
+        for key in ("buffers", "activations", "input_gradients", "transient"):
+            parts[key] = [p[key] for p in peaks]
+        for device, (static, peak) in enumerate(zip(self.device_static_memory(), peaks)):
+            parts["gradients"][device] -= max(static - peak["state"], 0.0)  # not allocated yet
+        return parts
+
     # -- per-stage rows -----------------------------------------------------------------------
     def parameter_counts(self) -> list[int]:
         """Parameters per stage, each counted in the first stage that reads it."""

@@ -32,6 +32,9 @@ COLOURS = {
     "optimizer": "#59a14f",
     "gathered": "#bab0ac",
     "activations": "#f28e2b",
+    "buffers": "#76b7b2",
+    "input_gradients": "#edc948",
+    "transient": "#ff9da7",
 }
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "input backward", "W": "weight backward"}
 #: rcParams every figure is drawn under: same inputs, same bytes
@@ -246,20 +249,23 @@ def timeline_figure(data: ReportData) -> Figure:
 # -- memory -----------------------------------------------------------------------------------
 def memory_figure(data: ReportData) -> Figure:
     """Predicted peak memory per device, stacked (parameters, gradients, optimizer state, each
-    the device's shard when sharded, what FSDP2 holds gathered, activations), against the
-    device's capacity."""
-    static, peak = data.device_static_memory(), data.device_peak_memory()
+    the device's shard when sharded, what FSDP2 holds gathered, receive buffers, activations
+    in flight, received-input gradients, the transient at the peak), against the device's
+    capacity."""
+    peak = data.device_peak_memory()
     capacity = data.memory_capacity
     unit, size = _memory_unit(max(max(peak), 1.0))
-    parts = data.device_memory_parts()
-    parts["activations"] = [max(p - s, 0.0) for p, s in zip(peak, static)]
+    parts = data.device_peak_parts()
     shard = f" (1/{data.dp_shard})" if data.dp_shard > 1 else ""
     names = {
         "parameters": f"parameters{shard}",
         "gradients": f"gradients{shard}",
         "optimizer": f"optimizer state{shard}",
         "gathered": "gathered by FSDP2",
-        "activations": "activations (peak)",
+        "buffers": "receive buffers",
+        "activations": "activations in flight",
+        "input_gradients": "received-input gradients",
+        "transient": "transient",
     }
     with style():
         fig = Figure(figsize=(WIDTH * 0.6, 3.2))

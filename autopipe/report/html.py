@@ -15,6 +15,7 @@ from pathlib import Path
 import jinja2
 
 from .. import __version__
+from ..summary import MEMORY_PARTS, throughput_line
 from ..artifacts import atomic_write_bytes
 from .data import ReportData, format_bytes, format_count
 from .figures import memory_figure, save_figure, timeline_figure, times_figure
@@ -101,7 +102,7 @@ def summary_rows(data: ReportData) -> list[tuple[str, str]]:
     """The header table: what was compiled, how, and what it is predicted to do."""
     predicted, settings = data.predicted, data.settings
     bottleneck, bound = predicted.get("bottleneck", 0.0), predicted.get("lower_bound", 0.0)
-    over = (bottleneck / bound - 1) * 100 if bound else 0.0
+    over = max((bottleneck / bound - 1) * 100, 0.0) if bound else 0.0  # float error: not -0.0
     device = settings.get("device", "?")
     if settings.get("link"):
         device += f", link {settings['link']}"
@@ -125,6 +126,7 @@ def summary_rows(data: ReportData) -> list[tuple[str, str]]:
             "peak memory",
             f"{format_bytes(max(peak))} of {format_bytes(data.memory_capacity)} per device",
         ),
+        ("throughput", throughput_line(data.graph, data.partition).removeprefix("plan: ")),
     ]
     return [(key, value) for key, value in rows if value]
 
@@ -146,6 +148,9 @@ def render_html(data: ReportData, figure_files: list[FigureFile]) -> str:
         summary=summary_rows(data),
         stages=data.stages,
         figures=figure_files,
+        memory_peaks=data.predicted.get("memory_peaks", []),
+        memory_parts=MEMORY_PARTS,
+        plans=data.settings.get("plans", []),
         version=__version__,
     )
 

@@ -40,7 +40,7 @@ def show_table(directory: str | os.PathLike) -> str:
 
     predicted = data.predicted
     bottleneck, bound = predicted.get("bottleneck", 0.0), predicted.get("lower_bound", 0.0)
-    over = (bottleneck / bound - 1) * 100 if bound else 0.0
+    over = max((bottleneck / bound - 1) * 100, 0.0) if bound else 0.0  # float error: not -0.0
     title = (
         f"{data.model_name}: {data.num_stages} stages on {data.num_devices} devices "
         f"(method {data.partition.method}, {data.schedule} schedule, {data.microbatches} microbatches)"

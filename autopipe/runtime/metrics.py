@@ -11,18 +11,59 @@ import os
 import resource
 import sys
 from pathlib import Path
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import IO
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from .support import local_shard
 
 
-def peak_memory(device: torch.device) -> int:
-    """Bytes: the most CUDA memory allocated, or on CPU the process's peak resident size."""
+class LiveTensorBytes(TorchDispatchMode):
+    """The most bytes of tensor storage alive at once while active: every operator's outputs
+    are counted until their storage is freed (views share their base's). CPU runs use it for
+    ``--track-memory``, where the process's resident size would count the allocator's caches and
+    the interpreter; it slows every operator down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[StorageWeakRef, int] = {}
+        self.bytes = 0
+        self.peak = 0
+        self.active = False
+
+    def __enter__(self) -> LiveTensorBytes:
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for ref in [r for r in self.live if r.expired()]:
+            self.bytes -= self.live.pop(ref)
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                ref = StorageWeakRef(tensor.untyped_storage())
+                if ref not in self.live:
+                    self.live[ref] = tensor.untyped_storage().nbytes()
+                    self.bytes += self.live[ref]
+        self.peak = max(self.peak, self.bytes)
+        return out
+
+
+def peak_memory(device: torch.device, tracker: LiveTensorBytes | None = None) -> int:
+    """Bytes: the most CUDA memory allocated, the most tensor bytes ``tracker`` saw alive, or
+    on CPU the process's peak resident size."""
+    if tracker is not None:
+        return tracker.peak
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
@@ -63,10 +104,13 @@ class Metrics:
         log_json: str | None,
         log_every: int,
         resumed_at: int | None,
+        utilisation: Callable[[float], float | None] = lambda seconds: None,
     ):
         """``resumed_at``: the step a resumed run starts at; the log keeps the steps before it
-        (its later lines were written after the checkpoint, and are trained again)."""
+        (its later lines were written after the checkpoint, and are trained again).
+        ``utilisation(seconds)``: the model FLOPs utilisation of a step that long, or None."""
         self.reporting = reporting
+        self.utilisation = utilisation
         self.steps = steps
         self.samples_per_step = samples_per_step
         self.tokens_per_step = tokens_per_step
@@ -105,6 +149,9 @@ class Metrics:
         }
         if self.tokens_per_step:
             entry["tokens_per_s"] = self.tokens_per_step / seconds
+        mfu = self.utilisation(seconds)
+        if mfu is not None:
+            entry["mfu"] = mfu
         if skipped:
             entry["skipped"] = True
         if self.log:
@@ -113,6 +160,8 @@ class Metrics:
         rate = f"{entry['samples_per_s']:.1f} samples/s" + (
             f", {entry['tokens_per_s']:.0f} tokens/s" if self.tokens_per_step else ""
         )
+        if mfu is not None:
+            rate += f", MFU {mfu * 100:.3g}%"
         line = (
             f"step {step} loss {loss:.6f} ({seconds:.3f} s, {rate}, lr {lr:.3g}, "
             f"grad norm {grad_norm:.3g}, peak memory {max(memory) / 2**20:.0f} MiB)"

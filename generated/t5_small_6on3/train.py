@@ -1,6 +1,6 @@
 """Train T5ForConditionalGeneration with the 6-stage pipeline in this directory.
 
-    torchrun --nproc-per-node=3 train.py --steps 100 --microbatches 12
+    torchrun --nproc-per-node=3 train.py --steps 100
 
 Each rank runs its stages with torch.distributed.pipelining (NCCL on CUDA, gloo on CPU).
 `python train.py --help` lists the options. Needs only torch.

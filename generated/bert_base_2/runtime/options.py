@@ -73,6 +73,7 @@ class TrainConfig:
     # metrics
     log_json: str | None
     log_every: int
+    track_memory: bool
 
     @property
     def gathers_per_block(self) -> bool:
@@ -92,8 +93,8 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
     parser = argparse.ArgumentParser(
         prog="train.py",
         description=f"Train {pipeline.model_class} as a {num_stages}-stage pipeline "
-        f"(torchrun --nproc-per-node={ranks} train.py; with --dp M --dp-shard N, M x N times as "
-        "many processes).",
+        f"(torchrun --nproc-per-node={ranks * pipeline.dp_shard} train.py; with --dp M --dp-shard "
+        f"N, {ranks} x M x N processes).",
     )
     run = parser.add_argument_group("run")
     run.add_argument("--steps", type=int, default=10, help="optimizer steps to run (default 10)")
@@ -102,7 +103,7 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
         type=int,
         default=microbatches,
         help="microbatches per pipeline run; a step's batch is microbatches x accumulate x dp x dp-shard "
-        f"example microbatches (default {microbatches})",
+        f"example microbatches (default {microbatches}, the plan's)",
     )
     default_schedule = pipeline.schedule.name
     run.add_argument(
@@ -122,10 +123,11 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
     run.add_argument(
         "--dp-shard",
         type=int,
-        default=1,
+        default=pipeline.dp_shard,
         metavar="N",
         help="shard each stage's parameters, gradients and optimizer state over N ranks (FSDP2); "
-        f"with --dp M the world size is {ranks} x M x N (default 1)",
+        f"with --dp M the world size is {ranks} x M x N (default {pipeline.dp_shard}, what the "
+        "partition planned memory for)",
     )
     run.add_argument(
         "--gather",
@@ -192,9 +194,10 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
     optim.add_argument(
         "--accumulate",
         type=int,
-        default=1,
+        default=pipeline.default_accumulate,
         metavar="K",
-        help="gradient accumulation: K pipeline runs per optimizer step (default 1)",
+        help="gradient accumulation: K pipeline runs per optimizer step (default "
+        f"{pipeline.default_accumulate}, the plan's)",
     )
     optim.add_argument(
         "--bf16",
@@ -285,6 +288,13 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
         "gradients and optimizer state held)",
     )
     logs.add_argument(
+        "--track-memory",
+        action="store_true",
+        help="on CPU, report peak memory as the most bytes of live tensors (counted operator by "
+        "operator through setup and the first two steps, which run slower) instead of the "
+        "process's resident size; CUDA always reports the allocator's peak",
+    )
+    logs.add_argument(
         "--log-every", type=int, default=1, metavar="N", help="print every N steps (default 1)"
     )
     args = parser.parse_args(argv)
@@ -372,8 +382,13 @@ def _stage_numbers(
 
 def schedule_problem(name: str, pipeline: Pipeline, microbatches: int) -> str | None:
     """Why schedule ``name`` cannot run this pipeline, naming what would; None if it can."""
-    placed = pipeline.rank_of_stage
-    num_stages, ranks = pipeline.num_stages, pipeline.num_ranks
+    return schedule_problem_for(name, pipeline.rank_of_stage, pipeline.num_ranks, microbatches)
+
+
+def schedule_problem_for(name: str, placed: list[int], ranks: int, microbatches: int) -> str | None:
+    """Why schedule ``name`` cannot run stages placed on ``placed`` ranks (of ``ranks``) with
+    ``microbatches`` microbatches, naming what would; None if it can."""
+    num_stages = len(placed)
     if name in SINGLE_STAGE:
         if placed != list(range(num_stages)):
             fits = [s for s in MULTI_STAGE if placed == placement(s, num_stages, ranks)]

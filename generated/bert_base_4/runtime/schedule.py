@@ -10,7 +10,7 @@ It needs only the standard library.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: Fraction of a stage's backward time spent on input gradients (the rest is weight gradients).
 INPUT_GRAD_FRACTION = 0.5
@@ -39,16 +39,23 @@ class Action:
 
 @dataclass
 class PipelineCosts:
-    """What the simulator needs to know about each stage, for one microbatch."""
+    """What the simulator needs to know about each stage, for one microbatch (bytes per stage:
+    empty lists read as zeros)."""
 
     forward: list[float]
     backward: list[float]
     activations: list[float]  # bytes a microbatch keeps alive from its forward to its backward
-    static_memory: list[float]  # parameters, gradients, optimizer state
+    static_memory: list[float]  # parameters, gradients, optimizer state (for the whole step)
     send_forward: list[float]  # seconds to move stage s's outputs to stage s + 1
     send_backward: list[float]  # seconds to move the gradients of those back
     device_of_stage: list[int]
     memory_capacity: float = float("inf")  # bytes per device
+    gradients: list[float] = field(default_factory=list)  # of static_memory: from 1st backward
+    buffers: list[float] = field(default_factory=list)  # receive buffers of every microbatch
+    input_gradients: list[float] = field(default_factory=list)  # kept from backward to step end
+    transient_forward: list[float] = field(default_factory=list)  # during a forward
+    transient_backward: list[float] = field(default_factory=list)  # during a backward
+    transient_optimizer: list[float] = field(default_factory=list)  # during the optimizer step
 
     @property
     def num_stages(self) -> int:
@@ -247,23 +254,74 @@ def _ready_time(action: Action, done: dict[Action, float], costs: PipelineCosts)
     return ready
 
 
+@dataclass
+class MemoryPeak:
+    """What one device holds at its peak."""
+
+    state: float  # parameters, gradients, optimizer state (and what FSDP2 gathers)
+    buffers: float  # receive buffers
+    activations: float  # saved by the microbatches in flight, and their outputs
+    in_flight: int  # microbatches whose activations are alive
+    input_gradients: float  # gradients of received inputs, kept to the end of the step
+    transient: float  # inside the action running at the peak, or the optimizer step
+    moment: str  # the action at the peak ("0F1"), or "optimizer"
+
+    @property
+    def total(self) -> float:
+        return self.state + self.buffers + self.activations + self.input_gradients + self.transient
+
+
+def device_memory(
+    events: list[tuple[int, Action, float, float]], costs: PipelineCosts
+) -> list[MemoryPeak]:
+    """Each device's peak, walking its actions in the order it runs them: a forward adds its
+    microbatch's activations, freed by its full (or weight) backward; a stage's gradients appear
+    with its first backward, the gradients of received inputs stay to the end of the step, and
+    each action (and the optimizer step after them) adds its own transient bytes."""
+
+    def table(name: str) -> list[float]:
+        return getattr(costs, name) or [0.0] * costs.num_stages
+
+    act, grads, buffers = costs.activations, table("gradients"), table("buffers")
+    in_grads = table("input_gradients")
+    during = {"F": table("transient_forward"), "B": table("transient_backward")}
+    during["I"] = during["W"] = during["B"]
+    optimizer = table("transient_optimizer")
+    peaks = []
+    for device in range(costs.num_devices):
+        stages = [s for s, d in enumerate(costs.device_of_stage) if d == device]
+        state = sum(costs.static_memory[s] - grads[s] for s in stages)
+        buffered = sum(buffers[s] for s in stages)
+        live, count, kept, backward_seen = 0.0, 0, 0.0, set()
+        best = MemoryPeak(state, buffered, 0.0, 0, 0.0, 0.0, "start")
+        for d, action, _start, _end in sorted(events, key=lambda e: (e[2], e[3])):
+            if d != device:
+                continue
+            s = action.stage
+            if action.kind != "F" and s not in backward_seen:
+                backward_seen.add(s)
+                state += grads[s]
+            if action.kind == "F":
+                live, count = live + act[s], count + 1
+            now = MemoryPeak(
+                state, buffered, live, count, kept, during[action.kind][s], str(action)
+            )
+            if action.kind in ("B", "W"):
+                live, count = live - act[s], count - 1
+            if action.kind in ("B", "I"):
+                kept += in_grads[s]
+            if now.total > best.total:
+                best = now
+        full = sum(costs.static_memory[s] for s in stages)
+        step = MemoryPeak(
+            full, buffered, live, count, kept, sum(optimizer[s] for s in stages), "optimizer"
+        )
+        peaks.append(step if step.total > best.total else best)
+    return peaks
+
+
 def peak_memory(
     events: list[tuple[int, Action, float, float]], costs: PipelineCosts
 ) -> list[float]:
-    """Static memory plus the most activations alive at once, per device (a microbatch's
-    activations are freed by its full backward, or by its weight backward)."""
-    changes: list[tuple[float, int, int, float]] = []  # (time, order, device, delta): frees first
-    for device, action, start, finish in events:
-        if action.kind == "F":
-            changes.append((start, 1, device, costs.activations[action.stage]))
-        elif action.kind in ("B", "W"):
-            changes.append((finish, 0, device, -costs.activations[action.stage]))
-    static = [0.0] * costs.num_devices
-    for stage, device in enumerate(costs.device_of_stage):
-        static[device] += costs.static_memory[stage]
-    live = [0.0] * costs.num_devices
-    peak = list(static)
-    for _time, _order, device, delta in sorted(changes):
-        live[device] += delta
-        peak[device] = max(peak[device], static[device] + live[device])
-    return peak
+    """Each device's peak bytes (see :func:`device_memory`)."""
+    return [peak.total for peak in device_memory(events, costs)]

@@ -46,7 +46,7 @@ from .guards import (
     nonfinite_problem,
     output_problems,
 )
-from .metrics import Metrics, gather_per_rank, peak_memory, state_bytes
+from .metrics import LiveTensorBytes, Metrics, gather_per_rank, peak_memory, state_bytes
 from .options import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, TrainConfig, parse_config
 from .parallel import DataParallelStage, GradientSync, Layout, init_distributed, shard_stage
 from .pipeline import Pipeline, PipelineFormatError
@@ -442,15 +442,36 @@ def build_stages(
 def _train(
     package: ModuleType, pipeline: Pipeline, config: TrainConfig, layout: Layout, reporting: bool
 ) -> None:
-    device = layout.device
-    local = pipeline.stages_on(layout.pp_rank)
-    num_stages = pipeline.num_stages
     checkpoints = (
         TrainingCheckpoints(config.checkpoint_dir, pipeline, layout, config.keep_checkpoints)
         if config.checkpoint_dir
         else None
     )
     resume = resume_point(checkpoints, config)
+    tracker = None
+    if config.track_memory and layout.device.type == "cpu":  # from the stages' allocation on
+        tracker = LiveTensorBytes()
+        tracker.__enter__()
+    try:
+        _run(package, pipeline, config, layout, reporting, checkpoints, resume, tracker)
+    finally:
+        if tracker is not None and tracker.active:
+            tracker.__exit__(None, None, None)
+
+
+def _run(
+    package: ModuleType,
+    pipeline: Pipeline,
+    config: TrainConfig,
+    layout: Layout,
+    reporting: bool,
+    checkpoints: TrainingCheckpoints | None,
+    resume: Path | None,
+    tracker: LiveTensorBytes | None,
+) -> None:
+    device = layout.device
+    local = pipeline.stages_on(layout.pp_rank)
+    num_stages = pipeline.num_stages
     modules, runners = build_stages(package, pipeline, config, layout, resume)
     optimizers = {i: make_optimizer(config, m) for i, m in modules.items()}
     start = 0
@@ -483,6 +504,8 @@ def _train(
     needs_target = is_last and pipeline.loss.needs_target
     samples = batches.samples
     tokens = pipeline.tokens_per_sample
+    plan = pipeline.plan
+    per_step = config.microbatches * config.accumulate * layout.dp_size  # example microbatches
     metrics = Metrics(
         reporting=reporting,
         steps=config.steps,
@@ -491,7 +514,12 @@ def _train(
         log_json=config.log_json,
         log_every=config.log_every,
         resumed_at=start if resume is not None else None,
+        utilisation=lambda seconds: (
+            plan.utilisation(seconds, per_step, dist.get_world_size()) if plan else None
+        ),
     )
+    if plan and plan.step_time:
+        metrics.note(plan_note(pipeline, config, dist.get_world_size()))
     if resume is not None:
         metrics.note(f"resumed from {resume} at step {start}")
     elif config.resume:
@@ -540,7 +568,9 @@ def _train(
                 if not problem:
                     optimizer.step()
                 schedulers[index].step()
-            memory = gather_per_rank(peak_memory(device), device)
+            if tracker is not None and tracker.active and step == start + 1:
+                tracker.__exit__(None, None, None)  # the second step reached the steady peak
+            memory = gather_per_rank(peak_memory(device, tracker), device)
             state = gather_per_rank(state_bytes(modules.values(), optimizers.values()), device)
             seconds = time.perf_counter() - began
             loss = float("nan") if loss is None else loss
@@ -558,6 +588,26 @@ def _train(
         state = gather_weights(modules, pipeline, layout)
         if state is not None:
             save_trained(state, config, config.steps, checkpoint)
+
+
+def plan_note(pipeline: Pipeline, config: TrainConfig, world: int) -> str:
+    """What the compiled plan predicts, for the metrics to be read against."""
+    plan = pipeline.plan
+    planned = pipeline.num_ranks * pipeline.dp_shard
+    per_step = plan.microbatches * plan.accumulate * pipeline.dp_shard
+    mfu = plan.utilisation(plan.step_time, per_step, planned)
+    same = (config.microbatches, config.accumulate, config.dp, config.dp_shard) == (
+        plan.microbatches,
+        plan.accumulate,
+        1,
+        pipeline.dp_shard,
+    )
+    return (
+        f"plan: {plan.step_time:.3f} s per step of {plan.microbatches} microbatches x "
+        f"{plan.accumulate} accumulation x {pipeline.dp_shard} shards on {planned} devices"
+        + (f", MFU {mfu * 100:.3g}% of {plan.device}" if mfu is not None else "")
+        + ("" if same else f" (this run: {world} processes, another layout)")
+    )
 
 
 def _stop(signum: int, _frame: Any) -> None:

@@ -14,7 +14,7 @@ Words: a *rank* is one process of a pipeline replica. The JSON names a stage's r
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -224,6 +224,15 @@ class Loss:
 #: StageCosts tables with a number per stage, and with one per boundary between stages
 _PER_STAGE = ("forward", "backward", "activations", "static_memory")
 _PER_BOUNDARY = ("send_forward", "send_backward")
+#: ... and the memory model's finer tables, absent from pipelines compiled before them
+MEMORY_DETAIL = (
+    "gradients",
+    "buffers",
+    "input_gradients",
+    "transient_forward",
+    "transient_backward",
+    "transient_optimizer",
+)
 
 
 @dataclass(frozen=True)
@@ -238,23 +247,64 @@ class StageCosts:
     send_forward: tuple[float, ...]  # one fewer: the boundary after each stage but the last
     send_backward: tuple[float, ...]
     memory_capacity: float | None = None  # bytes per rank, when the device spec says
+    #: MEMORY_DETAIL name -> bytes per stage (see runtime/schedule.PipelineCosts)
+    memory_detail: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Any, num_stages: int, where: str) -> StageCosts:
-        _object(data, where, (*_PER_STAGE, *_PER_BOUNDARY), ("memory_capacity",))
+        _object(data, where, (*_PER_STAGE, *_PER_BOUNDARY), ("memory_capacity", *MEMORY_DETAIL))
         tables = {k: _numbers(data[k], f"{where}.{k}", num_stages) for k in _PER_STAGE}
+        detail = {
+            k: _numbers(data[k], f"{where}.{k}", num_stages) for k in MEMORY_DETAIL if k in data
+        }
         for key in _PER_BOUNDARY:
             tables[key] = _numbers(data[key], f"{where}.{key}", max(num_stages - 1, 0))
         capacity = data.get("memory_capacity")
         if capacity is not None:
             _check(capacity, f"{where}.memory_capacity", lambda v: _is_number(v) and v > 0, "> 0")
-        return cls(**tables, memory_capacity=capacity)
+        return cls(**tables, memory_capacity=capacity, memory_detail=detail)
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {k: list(getattr(self, k)) for k in (*_PER_STAGE, *_PER_BOUNDARY)}
+        data |= {k: list(v) for k, v in self.memory_detail.items()}
         if self.memory_capacity is not None:
             data["memory_capacity"] = self.memory_capacity
         return data
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """The plan the partition was made for (train.py's defaults) and what it predicts."""
+
+    microbatches: int  # per pipeline run
+    accumulate: int  # pipeline runs per optimizer step
+    step_time: float  # predicted seconds per optimizer step (0 when not predicted)
+    flops_per_microbatch: float  # the model's forward + backward FLOPs on one microbatch
+    peak_flops: float  # one device's peak FLOP/s, for the model's dtype (0 when unknown)
+    device: str  # the device spec the prediction is for
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> TrainingPlan:
+        _object(data, where, tuple(cls.__dataclass_fields__))
+        counts = {
+            k: _check(data[k], f"{where}.{k}", lambda v: _is_int(v) and v >= 1, "1 or more")
+            for k in ("microbatches", "accumulate")
+        }
+        figures = {
+            k: _check(data[k], f"{where}.{k}", lambda v: _is_number(v) and v >= 0, ">= 0")
+            for k in ("step_time", "flops_per_microbatch", "peak_flops")
+        }
+        return cls(**counts, **figures, device=_str(data["device"], f"{where}.device"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def utilisation(self, seconds: float, microbatches: int, devices: int) -> float | None:
+        """The fraction of ``devices`` devices' peak FLOP/s that training ``microbatches``
+        microbatches in ``seconds`` is (model FLOPs utilisation); None when unknown."""
+        if not (self.peak_flops and self.flops_per_microbatch and seconds > 0):
+            return None
+        return self.flops_per_microbatch * microbatches / (seconds * devices * self.peak_flops)
 
 
 @dataclass(frozen=True)
@@ -330,6 +380,7 @@ class Pipeline:
     #: integer inputs (and "target") -> the largest value synthetic batches draw
     input_ranges: dict[str, int]
     dp_shard: int  # the data-parallel ranks per stage the partition planned memory for
+    plan: TrainingPlan | None = None  # absent from pipelines compiled before plans
 
     @classmethod
     def from_json(cls, data: Any) -> Pipeline:
@@ -337,7 +388,7 @@ class Pipeline:
         where = "pipeline"
         keys = ("format", "version", "model", "signature", "inputs", "outputs", "stages")
         keys += ("values", "loss", "schedule", "tied", "aliases", "input_ranges", "dp_shard")
-        _object(data, where, keys)
+        _object(data, where, keys, ("plan",))
         if data["format"] != FORMAT:
             raise _fail(f"{where}.format", data["format"], repr(FORMAT))
         if data["version"] != VERSION:
@@ -383,6 +434,7 @@ class Pipeline:
             dp_shard=_check(
                 data["dp_shard"], f"{where}.dp_shard", lambda v: _is_int(v) and v >= 1, "1 or more"
             ),
+            plan=TrainingPlan.from_json(data["plan"], f"{where}.plan") if "plan" in data else None,
         )
         pipeline._check_references()
         return pipeline
@@ -418,7 +470,7 @@ class Pipeline:
             "aliases": [list(group) for group in self.aliases],
             "input_ranges": dict(self.input_ranges),
             "dp_shard": self.dp_shard,
-        }
+        } | ({"plan": self.plan.to_json()} if self.plan else {})
 
     # -- derived facts ------------------------------------------------------------------------
     @property
@@ -436,8 +488,13 @@ class Pipeline:
 
     @property
     def default_microbatches(self) -> int:
-        """train.py's default --microbatches."""
-        return default_microbatches(self.num_stages)
+        """train.py's default --microbatches: the plan's."""
+        return self.plan.microbatches if self.plan else default_microbatches(self.num_stages)
+
+    @property
+    def default_accumulate(self) -> int:
+        """train.py's default --accumulate: the plan's."""
+        return self.plan.accumulate if self.plan else 1
 
     @property
     def model_class(self) -> str:

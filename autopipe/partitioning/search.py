@@ -1,0 +1,217 @@
+"""Plan search: the whole training plan for a number of devices, chosen by simulation.
+
+A plan is a sharding degree (``--dp-shard N``: N data-parallel ranks per stage, so the pipeline
+runs on devices / N ranks), a number of stages per rank, a schedule that runs that placement, a
+microbatch count with the gradient accumulation that makes up the global batch, and the
+recomputation the partitioner chooses to make each rank fit. Every candidate is partitioned and
+simulated; the plan with the best throughput whose every rank fits its memory less a safety
+margin wins (ties: the simpler plan, in the order the candidates are listed, so the search is
+deterministic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..errors import PartitionError
+from ..graph import Graph
+from ..profiling.profile import Profile
+from ..runtime.options import MULTI_STAGE, V_SHAPED, placement, schedule_problem_for
+from . import partition
+from .cost import iteration_time
+from .partition import Partition
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search space."""
+
+    dp_shard: int
+    stages: int
+    ranks: int  # pipeline ranks: devices / dp_shard
+    schedule: str
+    microbatches: int
+    accumulate: int
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.stages // self.ranks
+
+
+@dataclass
+class Plan:
+    """A candidate, partitioned and simulated (or why it cannot run)."""
+
+    candidate: Candidate
+    global_batch: int  # example microbatches per optimizer step, over all data-parallel ranks
+    capacity: float  # bytes per device
+    partition: Partition | None = None
+    prediction: dict | None = None  # Prediction.to_json() of one pipeline run
+    step_time: float = float("inf")  # seconds per optimizer step
+    problem: str = ""  # why it does not fit or run
+
+    @property
+    def fits(self) -> bool:
+        return self.partition is not None and not self.problem
+
+    @property
+    def throughput(self) -> float:
+        """Example microbatches per second over all devices."""
+        return self.global_batch / self.step_time if self.fits else 0.0
+
+    @property
+    def peak_memory(self) -> float:
+        return max(self.prediction["device_memory"]) if self.prediction else float("nan")
+
+    @property
+    def bubble(self) -> float:
+        return self.prediction["bubble"] if self.prediction else float("nan")
+
+    @property
+    def recompute(self) -> str:
+        """What the plan recomputes, in words."""
+        if self.partition is None:
+            return "-"
+        parts = []
+        if self.partition.recompute:
+            parts.append("stages " + ",".join(map(str, self.partition.recompute)))
+        if self.partition.recompute_blocks:
+            parts.append(f"{len(self.partition.recompute_blocks)} blocks")
+        return " + ".join(parts) or "none"
+
+    def to_json(self) -> dict:
+        """The plan as the package and the report record it."""
+        return dataclasses.asdict(self.candidate) | {
+            "global_batch": self.global_batch,
+            "step_time": self.step_time if self.fits else None,
+            "throughput": self.throughput,
+            "bubble": self.bubble if self.prediction else None,
+            "peak_memory": self.peak_memory if self.prediction else None,
+            "capacity": self.capacity,
+            "recompute": self.recompute,
+            "problem": self.problem,
+        }
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(
+    devices: int, global_batch: int, num_units: int, max_stages_per_rank: int = 2
+) -> list[Candidate]:
+    """Every plan shape for ``devices`` devices and a step of ``global_batch`` microbatches:
+    sharding degrees dividing both, 1 .. ``max_stages_per_rank`` stages per rank, the schedules
+    of each placement, and the microbatch counts (at least one per rank) that divide a data-
+    parallel rank's share of the batch."""
+    found = []
+    for shard in divisors(devices):
+        if global_batch % shard:
+            continue
+        ranks, share = devices // shard, global_batch // shard
+        for per_rank in range(1, max_stages_per_rank + 1):
+            stages = ranks * per_rank
+            if stages > num_units or (per_rank > 1 and stages < 2):
+                continue
+            schedules = ["1f1b", "gpipe"] if per_rank == 1 else list(MULTI_STAGE)
+            for schedule in schedules:
+                if schedule in V_SHAPED and per_rank != 2:
+                    continue
+                rank_of_stage = placement(schedule, stages, ranks)
+                for microbatches in divisors(share):
+                    if microbatches < ranks:
+                        continue
+                    if schedule_problem_for(schedule, rank_of_stage, ranks, microbatches):
+                        continue
+                    found.append(
+                        Candidate(
+                            shard, stages, ranks, schedule, microbatches, share // microbatches
+                        )
+                    )
+    return found
+
+
+def search(
+    graph: Graph,
+    profile: Profile,
+    devices: int,
+    *,
+    global_batch: int,
+    method: str,
+    optimizer: str = "adamw",
+    margin: float = 0.1,
+    max_stages_per_rank: int = 2,
+) -> list[Plan]:
+    """Every candidate plan, partitioned and simulated, best first: those that fit by
+    throughput, then those that do not."""
+    capacity = profile.device.memory
+    usable = dataclasses.replace(
+        profile, device=dataclasses.replace(profile.device, memory=capacity * (1 - margin))
+    )
+    plans = []
+    for candidate in candidates(devices, global_batch, len(graph.units), max_stages_per_rank):
+        plan = Plan(candidate, global_batch, capacity)
+        try:
+            plan.partition = partition(
+                graph,
+                usable,
+                candidate.stages,
+                num_devices=candidate.ranks,
+                method=method,
+                schedule=candidate.schedule,
+                microbatches=candidate.microbatches,
+                optimizer=optimizer,
+                dp_shard=candidate.dp_shard,
+            )
+        except PartitionError as exc:
+            plan.problem = str(exc).split(". ")[0]
+            plans.append(plan)
+            continue
+        plan.prediction = plan.partition.predicted
+        plan.step_time = iteration_time(plan.prediction, candidate.accumulate)
+        plans.append(plan)
+    order = {id(plan): i for i, plan in enumerate(plans)}
+    # throughputs equal to 3 significant digits tie: then the plan needing the least memory
+    return sorted(
+        plans,
+        key=lambda p: (
+            not p.fits,
+            -float(f"{p.throughput:.3g}"),
+            p.peak_memory if p.fits else 0.0,
+            order[id(p)],
+        ),
+    )
+
+
+def plan_table(plans: list[dict]) -> str:
+    """Plans (``Plan.to_json()``, best first) side by side, as a text table."""
+    header = (
+        f"{'#':>2} {'dp-shard':>8} {'stages':>6} {'per rank':>8} {'schedule':<23} "
+        f"{'mb':>3} {'accum':>5} {'step ms':>9} {'mb/s':>8} {'bubble':>6} "
+        f"{'peak':>10} {'of':>10}  recompute"
+    )
+    rows = [header]
+    for i, plan in enumerate(plans):
+        capacity = _size(plan["capacity"])
+        if plan["step_time"] is not None:
+            figures = (
+                f"{plan['step_time'] * 1e3:9.3f} {plan['throughput']:8.1f} {plan['bubble']:6.0%} "
+                f"{_size(plan['peak_memory']):>10} {capacity:>10}  {plan['recompute']}"
+            )
+        else:
+            figures = f"{'-':>9} {'-':>8} {'-':>6} {'-':>10} {capacity:>10}  {plan['problem']}"
+        per_rank = plan["stages"] // plan["ranks"]
+        rows.append(
+            f"{i:>2} {plan['dp_shard']:>8} {plan['stages']:>6} {per_rank:>8} "
+            f"{plan['schedule']:<23} {plan['microbatches']:>3} {plan['accumulate']:>5} {figures}"
+        )
+    return "\n".join(rows)
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the largest binary unit below them, three significant digits."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes:.0f} B"
