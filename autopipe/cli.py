@@ -128,12 +128,7 @@ def _partition_options(parser: argparse.ArgumentParser, *, stages_required: bool
         type=_count(1),
         help="number of devices (ranks); fewer than --stages puts several stages on a device (default: one stage per device)",
     )
-    group.add_argument(
-        "--method",
-        choices=sorted(METHODS),
-        default=DEFAULT_METHOD,
-        help=f"partitioning method (default {DEFAULT_METHOD})",
-    )
+    _method_options(group)
     group.add_argument(
         "--schedule",
         choices=SCHEDULES,
@@ -145,12 +140,6 @@ def _partition_options(parser: argparse.ArgumentParser, *, stages_required: bool
         help="microbatches per step the cost model assumes (default 2 x stages)",
     )
     group.add_argument(
-        "--optimizer",
-        choices=["sgd", "adamw"],
-        default="adamw",
-        help="optimizer whose state the memory model counts (default adamw)",
-    )
-    group.add_argument(
         "--dp-shard",
         type=_count(1),
         default=1,
@@ -158,6 +147,21 @@ def _partition_options(parser: argparse.ArgumentParser, *, stages_required: bool
         help="plan for each stage's parameters, gradients and optimizer state sharded over N "
         "data-parallel ranks (train.py --dp-shard N): 1/N of them per rank, plus the largest "
         "block gathered at a time (default 1)",
+    )
+
+
+def _method_options(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--method",
+        choices=sorted(METHODS),
+        default=DEFAULT_METHOD,
+        help=f"partitioning method (default {DEFAULT_METHOD})",
+    )
+    group.add_argument(
+        "--optimizer",
+        choices=["sgd", "adamw"],
+        default="adamw",
+        help="optimizer whose state the memory model counts (default adamw)",
     )
 
 
@@ -419,18 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--devices", type=_count(1), required=True, help="devices to plan for (all of them)"
     )
-    p.add_argument(
-        "--method",
-        choices=sorted(METHODS),
-        default=DEFAULT_METHOD,
-        help=f"partitioning method (default {DEFAULT_METHOD})",
-    )
-    p.add_argument(
-        "--optimizer",
-        choices=["sgd", "adamw"],
-        default="adamw",
-        help="optimizer whose state the memory model counts (default adamw)",
-    )
+    _method_options(p)
     p.add_argument("--top", type=_count(1), default=15, help="plans to print (default 15)")
     _search_options(p)
     _trace_options(p)

@@ -28,12 +28,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from commands import REPO, run
+
 WARMUP = 2
 
 MODEL = """
@@ -61,22 +61,6 @@ OVERLAP_RUNS = [
     ("--dp 2 --no-dp-overlap (baseline)", 2, ["--dp", "2", "--no-dp-overlap"]),
     ("--dp 2 (overlapped)", 2, ["--dp", "2"]),
 ]
-
-
-def run(command: list[str], cwd: Path) -> str:
-    """Output of a command; raises with its tail when it fails."""
-    result = subprocess.run(
-        command,
-        cwd=cwd,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=3600,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-4000:]}")
-    return result.stdout
 
 
 def train(package: Path, ranks: int, flags: list[str], args: argparse.Namespace) -> list[dict]:

@@ -29,12 +29,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from commands import run
+
 STEPS = 10
 TRACKED = 2  # the first steps run under the memory tracker (slower); timed after them
 PLANS = [  # (stages, schedule, microbatches, accumulate) on 2 ranks: 4 microbatches a step
@@ -105,22 +105,6 @@ def cnn():
 '''
 NAMES = {"gpt2": "GPT-2 (4 x 256)", "bert": "BERT (4 x 256)", "t5": "T5 (2+2 x 256)"}
 NAMES["cnn"] = "CNN (6 conv, BatchNorm)"
-
-
-def run(command: list[str]) -> str:
-    """Output of a command run from the repository root; raises with its tail when it fails."""
-    result = subprocess.run(
-        command,
-        cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=3600,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-4000:]}")
-    return result.stdout
 
 
 def spearman(a: list[float], b: list[float]) -> float:
