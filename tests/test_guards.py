@@ -10,6 +10,7 @@ import json
 import math
 import os
 import signal
+import threading
 import subprocess
 import time
 from pathlib import Path
@@ -269,7 +270,13 @@ def test_a_stop_signal_during_publishing_leaves_latest_complete(
     tmp_path, monkeypatch, single_process_group
 ):
     """SIGINT arriving while ``latest`` is being replaced (the moment the first CI run of the
-    Ctrl-C test hit) stops the run only after the renames: ``latest`` names a complete step."""
+    Ctrl-C test hit) stops the run only after the renames: ``latest`` names a complete step.
+    The signal reaches another thread, as a signal sent to a process may (gloo's and DCP's
+    threads run beside the main one): Python still runs its handler in the main thread."""
+    idle = threading.Event()
+    other = threading.Thread(target=idle.wait, daemon=True)
+    other.start()
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     compile_model("mlp", tmp_path / "pipe", 2)
     package = load_pipeline(tmp_path / "pipe")
     stages, optimizers = training_state(package, 2)
@@ -281,11 +288,16 @@ def test_a_stop_signal_during_publishing_leaves_latest_complete(
     def interrupted_after_the_pointer(path):
         fsync(path)
         if path == root:  # `latest` was just replaced
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.pthread_kill(other.ident, signal.SIGINT)
+            time.sleep(0.1)  # Python's handler runs in the main thread meanwhile
 
     monkeypatch.setattr(train_state, "_fsync", interrupted_after_the_pointer)
-    with pytest.raises(KeyboardInterrupt):
-        checkpoints.save(2, stages, optimizers)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            checkpoints.save(2, stages, optimizers)
+    finally:
+        idle.set()
+        signal.signal(signal.SIGINT, before)
     assert train_state.merge_checkpoint(root)[1]["step"] == 2
 
 
