@@ -181,6 +181,13 @@ def _search_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         metavar="F",
         help="fraction of each device's memory a plan leaves free (default 0.1)",
     )
+    group.add_argument(
+        "--max-stages-per-device",
+        type=_count(1),
+        default=2,
+        metavar="K",
+        help="stages per device the search tries: 1 .. K (default 2)",
+    )
     return group
 
 
@@ -284,7 +291,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
     c = best.candidate
     print(
         f"best: autopipe compile {args.spec} --out DIR --search --devices {args.devices}"
-        f"{f' --global-batch {args.global_batch}' if args.global_batch else ''}  (= --stages "
+        f"{f' --global-batch {args.global_batch}' if args.global_batch else ''}"
+        f"{f' --max-stages-per-device {args.max_stages_per_device}' if args.max_stages_per_device != 2 else ''}"
+        f"  (= --stages "
         f"{c.stages} --devices {c.ranks} --schedule {c.schedule} --microbatches {c.microbatches} "
         f"--accumulate {c.accumulate} --dp-shard {c.dp_shard})"
     )

@@ -54,11 +54,13 @@ class CompileOptions:
     search: bool = False
     global_batch: int | None = None  # with search: example microbatches per step (2 x devices)
     memory_margin: float = 0.1  # with search: the fraction of each device's memory left free
+    max_stages_per_device: int = 2  # with search: stages per device tried, 1 .. this
 
     def __post_init__(self) -> None:
         """Check every option, so that a wrong one fails before the expensive steps."""
         check_count(self.stages, "--stages")
         check_count(self.accumulate, "--accumulate")
+        check_count(self.max_stages_per_device, "--max-stages-per-device")
         if self.global_batch is not None:
             check_count(self.global_batch, "--global-batch")
         if not (isinstance(self.memory_margin, float | int) and 0 <= self.memory_margin < 1):
@@ -164,6 +166,7 @@ def plan_step(graph: Graph, prof: Profile, options: CompileOptions) -> list[Plan
         method=options.method,
         optimizer=options.optimizer,
         margin=options.memory_margin,
+        max_stages_per_rank=options.max_stages_per_device,
     )
 
 
