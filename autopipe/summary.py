@@ -77,8 +77,9 @@ def throughput_line(graph: Graph, part: Partition) -> str:
     rate = figures.microbatches / figures.step_time if figures.step_time else 0.0
     line = (
         f"plan: {part.settings.get('microbatches')} microbatches x "
-        f"{part.settings.get('accumulate', 1)} accumulation x {part.settings.get('dp_shard', 1)} "
-        f"shards per step on {figures.devices} devices: {figures.step_time * 1e3:.3f} ms, "
+        f"{part.settings.get('accumulate', 1)} accumulation x "
+        f"{_count(part.settings.get('dp_shard', 1), 'shard')} per step on "
+        f"{_count(figures.devices, 'device')}: {figures.step_time * 1e3:.3f} ms, "
         f"{rate:.1f} microbatches/s"
     )
     if tokens:

@@ -301,6 +301,39 @@ def test_a_stop_signal_during_publishing_leaves_latest_complete(
     assert train_state.merge_checkpoint(root)[1]["step"] == 2
 
 
+def test_a_stop_signal_while_a_rank_writes_waits_for_the_write(
+    tmp_path, monkeypatch, single_process_group
+):
+    """SIGINT while torch.save writes a rank's file (what CI's Ctrl-C run met: the zip writer,
+    interrupted, reported "unexpected pos" and the stop looked like a failed write): the write
+    finishes, then the run stops as stopped; the previous checkpoint stays latest."""
+    compile_model("mlp", tmp_path / "pipe", 2)
+    package = load_pipeline(tmp_path / "pipe")
+    stages, optimizers = training_state(package, 2)
+    root = tmp_path / "ckpt"
+    checkpoints = train_state.TrainingCheckpoints(root, package.PIPELINE, ONE_PROCESS, keep=0)
+    checkpoints.save(1, stages, optimizers)
+    save = train_state._save
+    written = []
+
+    def interrupted_while_saving(state, path):
+        before = signal.signal(signal.SIGINT, signal.getsignal(signal.SIGINT))
+        assert before is not signal.default_int_handler  # deferred: a recorder stands in
+        os.kill(os.getpid(), signal.SIGINT)
+        save(state, path)
+        written.append(path)
+
+    monkeypatch.setattr(train_state, "_save", interrupted_while_saving)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            checkpoints.save(2, stages, optimizers)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert written and torch.load(written[0], weights_only=False)  # whole
+    assert train_state.merge_checkpoint(root)[1]["step"] == 1
+
+
 def test_a_stop_inside_dcp_stops_the_run(tmp_path, monkeypatch, single_process_group):
     """SIGINT while DCP writes (DCP wraps what a rank meets in a CheckpointException): the run
     stops as stopped, not as a failed write, and the previous checkpoint stays latest."""

@@ -219,8 +219,11 @@ class TrainingCheckpoints:
 
     @staticmethod
     def _attempt(write: Callable[[], None], where: Path) -> str | None:
+        """``write()``, a stop request (SIGINT, SIGTERM) arriving meanwhile acted on once it
+        ends: interrupted, torch.save's zip writer would report a broken file instead."""
         try:
-            write()
+            with _stop_signals_deferred():
+                write()
         except (OSError, RuntimeError, CheckpointException) as exc:  # torch.save: a full disk
             cause = _cause(exc)  # is a RuntimeError; DCP wraps what a rank met
             if not isinstance(cause, Exception):  # a stop (SIGINT) inside DCP stops the run

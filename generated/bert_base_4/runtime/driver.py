@@ -604,7 +604,8 @@ def plan_note(pipeline: Pipeline, config: TrainConfig, world: int) -> str:
     )
     return (
         f"plan: {plan.step_time:.3f} s per step of {plan.microbatches} microbatches x "
-        f"{plan.accumulate} accumulation x {pipeline.dp_shard} shards on {planned} devices"
+        f"{plan.accumulate} accumulation x {pipeline.dp_shard} shard"
+        f"{'s' if pipeline.dp_shard > 1 else ''} on {planned} device{'s' if planned > 1 else ''}"
         + (f", MFU {mfu * 100:.3g}% of {plan.device}" if mfu is not None else "")
         + ("" if same else f" (this run: {world} processes, another layout)")
     )

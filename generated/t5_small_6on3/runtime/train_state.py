@@ -219,8 +219,11 @@ class TrainingCheckpoints:
 
     @staticmethod
     def _attempt(write: Callable[[], None], where: Path) -> str | None:
+        """``write()``, a stop request (SIGINT, SIGTERM) arriving meanwhile acted on once it
+        ends: interrupted, torch.save's zip writer would report a broken file instead."""
         try:
-            write()
+            with _stop_signals_deferred():
+                write()
         except (OSError, RuntimeError, CheckpointException) as exc:  # torch.save: a full disk
             cause = _cause(exc)  # is a RuntimeError; DCP wraps what a rank met
             if not isinstance(cause, Exception):  # a stop (SIGINT) inside DCP stops the run
@@ -484,18 +487,28 @@ def _named_latest(root: Path) -> str | None:
 
 @contextmanager
 def _stop_signals_deferred() -> Iterator[None]:
-    """SIGINT and SIGTERM arriving inside the block are delivered when it ends (main thread, on
-    systems with signal masks), so a stopped run never leaves half a rename sequence."""
-    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not (
-        threading.main_thread()
-    ):
+    """SIGINT and SIGTERM arriving inside the block are acted on when it ends, so a stopped run
+    never leaves half a rename sequence. Their Python handlers are swapped for a recorder (not
+    the thread's signal mask: a signal sent to the process may reach another thread, and Python
+    runs its handler in the main thread all the same); the first one recorded is then handed
+    to the handler it replaced."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    caught: list[int] = []
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, _frame: caught.append(signum)) for s in stops}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if caught:
+            handler = previous[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), caught[0])
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
