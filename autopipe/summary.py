@@ -56,11 +56,11 @@ def memory_lines(part: Partition) -> list[str]:
     of = f" of {capacity / GiB:.2f} GiB" if capacity else ""
     if capacity and margin:
         of = f" of {capacity / (1 - margin) / GiB:.2f} GiB less the {margin:.0%} margin"
+    totals = part.predicted["device_memory"]  # each rank's peak: its parts summed
     rows = []
-    shown = sorted(range(len(peaks)), key=lambda r: -sum(peaks[r][k] for k in MEMORY_PARTS))
+    shown = sorted(range(len(peaks)), key=lambda r: -totals[r])
     for rank in sorted(shown[:MEMORY_RANKS]):
-        peak = peaks[rank]
-        total = sum(peak[k] for k in MEMORY_PARTS)
+        peak, total = peaks[rank], totals[rank]
         parts = ", ".join(
             f"{label} {peak[k] / GiB:.3f}"
             + (f" ({_count(peak['in_flight'], 'microbatch')})" if k == "activations" else "")

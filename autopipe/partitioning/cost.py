@@ -31,7 +31,7 @@ from ..profiling.profile import Profile
 from ..tracing.blocks import block_calls
 from ..tracing.units import unit_workloads
 from ..runtime.options import SPLIT_BACKWARD
-from ..runtime.pipeline import default_microbatches
+from ..runtime.pipeline import default_microbatches, flops_utilisation
 from ..runtime.schedule import MemoryPeak, device_memory
 from .simulator import PipelineCosts, Simulation, schedule_orders, simulate
 
@@ -137,8 +137,9 @@ class Throughput:
         microbatches = settings.get("microbatches", 1) * accumulate * shards
         devices = ranks * shards
         flops, peak = predicted.get("flops", 0.0), predicted.get("peak_flops", 0.0)
-        mfu = flops * microbatches / (step * devices * peak) if flops and peak and step else None
-        return cls(step, microbatches, devices, mfu)
+        return cls(
+            step, microbatches, devices, flops_utilisation(flops, peak, step, microbatches, devices)
+        )
 
 
 @dataclass(frozen=True)
@@ -341,14 +342,15 @@ class CostModel:
             held[stage].update(self.unit_params[unit])
         return [float(sum(params.values())) for params in held]
 
-    def gathered(self, stage_of_unit: list[int], num_stages: int) -> list[float]:
+    def gathered(self, stage_of_unit: list[int], params: list[float]) -> list[float]:
         """Bytes per stage that FSDP2 holds gathered at once when sharded, each parameter with
         its gradient before the reduce-scatter: under train.py's default ``--gather`` the
         stage's parameters outside blocks and its largest block's, or the whole stage under a
-        split-backward schedule (gathered for the step). Nothing when not sharded."""
+        split-backward schedule (gathered for the step). Nothing when not sharded. ``params``:
+        each stage's parameter bytes (``stage_parameters``)."""
+        num_stages = len(params)
         if self.dp_shard == 1:
             return [0.0] * num_stages
-        params = self.stage_parameters(stage_of_unit, num_stages)
         if self.schedule in SPLIT_BACKWARD:
             return [2 * p for p in params]
         largest, in_blocks = [0.0] * num_stages, [0.0] * num_stages
@@ -408,7 +410,7 @@ class CostModel:
         for stage, twice in enumerate(self._counted_twice(stage_of_unit, num_stages)):
             saved[stage] -= twice
         params = self.stage_parameters(stage_of_unit, num_stages)
-        gathered = self.gathered(stage_of_unit, num_stages)
+        gathered = self.gathered(stage_of_unit, params)
         act_cross, grad_cross, outputs = self._crossing(stage_of_unit, num_stages)
         inputs = [0.0, *act_cross]
         transient_forward, transient_backward = self._transients(stage_of_unit, num_stages)

@@ -8,11 +8,10 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ..graph import Graph
 from ..interpreter import run_nodes
+from ..runtime.metrics import LiveTensorBytes
 from ..tracing.units import UnitWorkload
 
 
@@ -27,30 +26,6 @@ class UnitMemory:
     #: which of its inputs and outputs (positions in ``inputs + outputs``) it saves: another
     #: unit of the stage may save the same tensor, which the cost model then counts once
     saved_values: tuple[int, ...] = ()
-
-
-class _Allocations(TorchDispatchMode):
-    """The most bytes alive at once of the storages the operators inside it create (those it
-    was told exist, or in-place results on them, not counted)."""
-
-    def __init__(self, existing: set[StorageWeakRef]):
-        super().__init__()
-        self.existing = existing
-        self.live: dict[StorageWeakRef, int] = {}
-        self.bytes = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for ref in [r for r in self.live if r.expired()]:
-            self.bytes -= self.live.pop(ref)
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                ref = StorageWeakRef(tensor.untyped_storage())
-                if ref not in self.existing and ref not in self.live:
-                    self.live[ref] = tensor.untyped_storage().nbytes()
-                    self.bytes += self.live[ref]
-        self.peak = max(self.peak, self.bytes)
-        return out
 
 
 def run_forward_backward(
@@ -94,12 +69,13 @@ def run_forward_backward(
     # what it hands to other units (which those save, or count as their inputs)
     held = {_storage(v): v.untyped_storage().nbytes() for v in env.values() if _is_tensor(v)}
     handed = {_storage(env[n]) for n in work.outputs if _is_tensor(env[n])}
-    temporaries = sum(n for ref, n in held.items() if ref not in existing | set(saved) | handed)
+    not_temporary = existing | set(saved) | handed
+    temporaries = sum(n for ref, n in held.items() if ref not in not_temporary)
     outputs = [
         env[n] for n in work.outputs if isinstance(env[n], torch.Tensor) and env[n].requires_grad
     ]
     wrt = [leaf for leaf in leaves if leaf.requires_grad]
-    gradients = _Allocations(existing | set(held) | set(saved))
+    gradients = LiveTensorBytes(existing | set(held) | set(saved))
     if outputs and wrt:
         with backward_mode(), gradients:
             grads = [torch.ones_like(o) for o in outputs]

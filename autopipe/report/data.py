@@ -142,7 +142,7 @@ class ReportData:
         return static
 
     def device_peak_memory(self) -> list[float]:
-        """Predicted peak bytes per device (static memory plus the activations alive at once)."""
+        """Predicted peak bytes per device (what ``memory_peaks`` breaks down, when present)."""
         return list(self.predicted.get("device_memory") or self.simulation.peak_memory)
 
     @property

@@ -28,10 +28,12 @@ class LiveTensorBytes(TorchDispatchMode):
     """The most bytes of tensor storage alive at once while active: every operator's outputs
     are counted until their storage is freed (views share their base's). CPU runs use it for
     ``--track-memory``, where the process's resident size would count the allocator's caches and
-    the interpreter; it slows every operator down."""
+    the interpreter; it slows every operator down. Storages in ``existing`` (and results of
+    in-place operators on them) are not counted: the profiler measures what a unit adds."""
 
-    def __init__(self) -> None:
+    def __init__(self, existing: set[StorageWeakRef] | frozenset = frozenset()) -> None:
         super().__init__()
+        self.existing = existing
         self.live: dict[StorageWeakRef, int] = {}
         self.bytes = 0
         self.peak = 0
@@ -52,7 +54,7 @@ class LiveTensorBytes(TorchDispatchMode):
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
                 ref = StorageWeakRef(tensor.untyped_storage())
-                if ref not in self.live:
+                if ref not in self.live and ref not in self.existing:
                     self.live[ref] = tensor.untyped_storage().nbytes()
                     self.bytes += self.live[ref]
         self.peak = max(self.peak, self.bytes)

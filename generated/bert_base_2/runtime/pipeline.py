@@ -300,11 +300,21 @@ class TrainingPlan:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
     def utilisation(self, seconds: float, microbatches: int, devices: int) -> float | None:
-        """The fraction of ``devices`` devices' peak FLOP/s that training ``microbatches``
-        microbatches in ``seconds`` is (model FLOPs utilisation); None when unknown."""
-        if not (self.peak_flops and self.flops_per_microbatch and seconds > 0):
-            return None
-        return self.flops_per_microbatch * microbatches / (seconds * devices * self.peak_flops)
+        """The model FLOPs utilisation of training ``microbatches`` microbatches in
+        ``seconds`` on ``devices`` devices (see :func:`flops_utilisation`)."""
+        return flops_utilisation(
+            self.flops_per_microbatch, self.peak_flops, seconds, microbatches, devices
+        )
+
+
+def flops_utilisation(
+    flops_per_microbatch: float, peak_flops: float, seconds: float, microbatches: int, devices: int
+) -> float | None:
+    """The fraction of ``devices`` devices' peak FLOP/s that the model's FLOPs of
+    ``microbatches`` microbatches in ``seconds`` are (MFU); None when a figure is unknown."""
+    if not (peak_flops and flops_per_microbatch and seconds > 0):
+        return None
+    return flops_per_microbatch * microbatches / (seconds * devices * peak_flops)
 
 
 @dataclass(frozen=True)

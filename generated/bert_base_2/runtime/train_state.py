@@ -264,7 +264,8 @@ class TrainingCheckpoints:
 
     def _publish(self, step: int, partial: Path, final: Path) -> None:
         """Rank 0: the manifest (with every file's size), then ``partial`` -> ``final`` and
-        ``latest`` -> ``final`` by renames, then old checkpoints pruned."""
+        ``latest`` -> ``final`` by renames, then old checkpoints pruned (run by ``_attempt``: a
+        stop request waits until ``latest`` is consistent)."""
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -280,21 +281,20 @@ class TrainingCheckpoints:
         }
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         _fsync(partial / MANIFEST)
-        with _stop_signals_deferred():  # a stop request waits until `latest` is consistent
-            if final.exists():  # left by a run that died before pointing `latest` at it
-                shutil.rmtree(final)
-            os.replace(partial, final)
-            pointer = self.root / ".latest.tmp"
-            try:
-                pointer.write_text(final.name + "\n", encoding="utf-8")
-                _fsync(pointer)
-                os.replace(pointer, self.root / "latest")
-                _fsync(self.root)
-            except BaseException:  # unless `latest` already names it, keep the previous one
-                pointer.unlink(missing_ok=True)
-                if _named_latest(self.root) != final.name:
-                    shutil.rmtree(final, ignore_errors=True)
-                raise
+        if final.exists():  # left by a run that died before pointing `latest` at it
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        pointer = self.root / ".latest.tmp"
+        try:
+            pointer.write_text(final.name + "\n", encoding="utf-8")
+            _fsync(pointer)
+            os.replace(pointer, self.root / "latest")
+            _fsync(self.root)
+        except BaseException:  # unless `latest` already names it, keep the previous one
+            pointer.unlink(missing_ok=True)
+            if _named_latest(self.root) != final.name:
+                shutil.rmtree(final, ignore_errors=True)
+            raise
         if self.keep:
             for old in complete_checkpoints(self.root)[: -self.keep]:
                 if old != final:  # the one `latest` names is never pruned
@@ -488,7 +488,7 @@ def _named_latest(root: Path) -> str | None:
 @contextmanager
 def _stop_signals_deferred() -> Iterator[None]:
     """SIGINT and SIGTERM arriving inside the block are acted on when it ends, so a stopped run
-    never leaves half a rename sequence. Their Python handlers are swapped for a recorder (not
+    never leaves half a write or a half-done rename sequence. Their Python handlers are swapped for a recorder (not
     the thread's signal mask: a signal sent to the process may reach another thread, and Python
     runs its handler in the main thread all the same); the first one recorded is then handed
     to the handler it replaced."""
