@@ -15,6 +15,7 @@ from ..profiling.profile import graph_digest, profile_source
 from ..runtime.options import MULTI_STAGE, SCHEDULES, SINGLE_STAGE
 from ..runtime.options import placement as torch_placement
 from ..runtime.pipeline import MEMORY_DETAIL
+from ..runtime.schedule import MemoryPeak
 
 PARTITION_KIND = "partition"
 #: per-stage cost lists (runtime.schedule.PipelineCosts fields): stage counts less the offset
@@ -26,6 +27,9 @@ _STAGE_COSTS = {
     "send_forward": 1,
     "send_backward": 1,
 }
+#: predicted figures of the memory and throughput model, optional
+_PREDICTED_OPTIONAL = ("optimizer_time", "data_parallel_time", "flops", "peak_flops")
+_MEMORY_PEAK = set(MemoryPeak.__dataclass_fields__)
 _PREDICTED_STAGE = (
     "forward",
     "backward",
@@ -204,8 +208,27 @@ class Partition:
             require(
                 is_number(predicted.get(key), 0), f"predicted.{key}", predicted.get(key), ">= 0"
             )
+        for key in _PREDICTED_OPTIONAL:  # absent from partitions made before them
+            if key in predicted:
+                value = predicted[key]
+                require(is_number(value, 0), f"predicted.{key}", value, ">= 0")
         devices = len(set(self.device_of_stage))
         _require_numbers(predicted.get("device_memory"), "predicted.device_memory", devices)
+        peaks = predicted.get("memory_peaks", [])
+        require(
+            isinstance(peaks, list) and len(peaks) in (0, devices),
+            "predicted.memory_peaks",
+            peaks,
+            f"a list of {devices} device peaks",
+        )
+        for device, peak in enumerate(peaks):
+            where = f"predicted.memory_peaks[{device}]"
+            require(
+                isinstance(peak, dict) and set(peak) == _MEMORY_PEAK, where, peak, "a memory peak"
+            )
+            for key in _MEMORY_PEAK - {"moment"}:
+                require(is_number(peak[key], 0), f"{where}.{key}", peak[key], ">= 0")
+            require(is_text(peak["moment"]), f"{where}.moment", peak["moment"], "an action")
         rows = predicted.get("stages")
         require(
             isinstance(rows, list) and len(rows) == self.num_stages,
