@@ -21,6 +21,7 @@ from .compiler import (
     trace_step,
 )
 from .checks import is_number
+from .dynamic import DynamicDim, parse_dynamic
 from .errors import AutopipeError
 from .partitioning import DEFAULT_METHOD, METHODS, Partition
 from .partitioning.search import plan_table
@@ -61,6 +62,14 @@ def _tolerance(text: str) -> float:
     return value
 
 
+def _dynamic(text: str) -> DynamicDim:
+    """An argparse type: a ``--dynamic`` declaration."""
+    try:
+        return parse_dynamic(text)
+    except AutopipeError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--dynamic {text!r} ")) from None
+
+
 def _link(text: str) -> str:
     """An argparse type: a known link name or a bandwidth in GB/s greater than 0."""
     try:
@@ -89,6 +98,14 @@ def _trace_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="generate every operator inline in the stages' forward, with no block submodules",
+    )
+    group.add_argument(
+        "--dynamic",
+        action="append",
+        type=_dynamic,
+        metavar="NAME[MIN:MAX]=INPUT:DIM,...",
+        help="a dimension that changes from batch to batch, traced as such: seq=input_ids:1,"
+        "labels:1 (repeatable; bounds default to 2 and the example's size)",
     )
     group.add_argument(
         "--loss",

@@ -11,6 +11,7 @@ from torch import nn
 
 from .artifacts import artifact_text
 from .checks import check_count, is_text
+from .dynamic import dynamic_dims
 from .errors import ArtifactError, AutopipeError, PartitionError
 from .progress import QUIET, Phases
 from .codegen import check_output_dir, package_files, with_manifest, write_package
@@ -43,6 +44,9 @@ class CompileOptions:
     depth: int | None = None
     basic_blocks: tuple[str, ...] = ()
     inline_blocks: bool = False  # no block submodules: every operator in the stage's forward
+    #: dimensions that change from batch to batch: ``--dynamic`` texts, DynamicDims, or
+    #: ``{"seq": [("input_ids", 1), ("labels", 1)]}`` (see autopipe/dynamic.py)
+    dynamic: Any = ()
     device_spec: str | None = None  # the hardware model: a table name or a JSON file
     link: str | None = None
     schedule: str | None = None  # default: 1f1b for one stage per device, auto otherwise
@@ -99,6 +103,7 @@ class CompileOptions:
             raise AutopipeError(
                 f"basic_blocks must be a tuple of class names, got {self.basic_blocks!r}"
             )
+        self.dynamic = dynamic_dims(self.dynamic)
         if not isinstance(self.inline_blocks, bool):
             raise AutopipeError(f"inline_blocks must be True or False, got {self.inline_blocks!r}")
         if self.link is not None:
@@ -134,12 +139,19 @@ def trace_step(
     source: str | None = None,
     loss: str | Callable | None = None,
 ) -> Graph:
+    if loss is not None and options.dynamic:
+        raise AutopipeError(
+            "--dynamic with --loss is not supported yet: the loss function is traced for the "
+            "example's fixed shapes. Train with the model's own loss output (Hugging Face "
+            "models: pass labels), or compile without --dynamic"
+        )
     graph = trace(
         example,
         depth=options.depth,
         basic_blocks=tuple(options.basic_blocks),
         inline_blocks=options.inline_blocks,
         source=source,
+        dynamic=options.dynamic,
     )
     if loss is not None:
         loss_fn = load_function(loss, "loss spec") if isinstance(loss, str) else loss

@@ -12,11 +12,13 @@ from the file ``autopipe trace`` wrote.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import networkx as nx
 import torch
@@ -45,14 +47,51 @@ PLACEHOLDER_KINDS = ("input", "param", "buffer", "constant")
 COND = "higher_order.cond"
 
 
+class Size(int):
+    """A size the model computes from dynamic dimensions (see autopipe/dynamic.py): an ``int``
+    of its value at the sizes the graph is planned for, which every step before code generation
+    computes with, and the ``formula`` of the dimensions' names the generated code writes."""
+
+    formula: str
+
+    def __new__(cls, value: int, formula: str) -> Size:
+        size = super().__new__(cls, value)
+        size.formula = formula
+        return size
+
+    def __reduce__(self) -> tuple:
+        return (Size, (int(self), self.formula))
+
+    def __repr__(self) -> str:
+        return f"Size({int(self)}, {self.formula!r})"
+
+
+#: Reads a traced tensor size (a ``torch.SymInt`` of dynamic dimensions) as a :class:`Size`;
+#: set by the tracer while it converts a graph with dynamic dimensions.
+_symbolic_size: ContextVar[Callable[[Any], int] | None] = ContextVar("symbolic_size", default=None)
+
+
+@contextlib.contextmanager
+def symbolic_sizes(reader: Callable[[Any], int]) -> Iterator[None]:
+    """Within this block, :meth:`TensorMeta.of` reads symbolic sizes with ``reader``."""
+    token = _symbolic_size.set(reader)
+    try:
+        yield
+    finally:
+        _symbolic_size.reset(token)
+
+
 @dataclass(frozen=True)
 class TensorMeta:
-    """Shape, dtype, strides and autograd flag of one tensor value."""
+    """Shape, dtype, strides and autograd flag of one tensor value. With dynamic dimensions,
+    ``shape`` and ``stride`` hold the planned sizes and ``sizes`` one formula per dimension
+    (``("batch", "seq", "768")``); a static value has no ``sizes``."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     stride: tuple[int, ...]
     requires_grad: bool = False
+    sizes: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -71,22 +110,36 @@ class TensorMeta:
             expected *= size
         return ok
 
+    @property
+    def formulas(self) -> tuple[str | int, ...]:
+        """One entry per dimension: its formula if it is dynamic, else its size."""
+        if not self.sizes:
+            return self.shape
+        return tuple(int(f) if f.isdigit() else f for f in self.sizes)
+
     @classmethod
     def of(cls, tensor: torch.Tensor, requires_grad: bool | None = None) -> TensorMeta:
+        read = _symbolic_size.get()
+        if read is None or all(type(s) is int for s in (*tensor.shape, *tensor.stride())):
+            read = int
+        shape = tuple(read(s) for s in tensor.shape)
+        dynamic = any(isinstance(s, Size) for s in shape)
         return cls(
-            tuple(int(s) for s in tensor.shape),
+            tuple(int(s) for s in shape),
             tensor.dtype,
-            tuple(int(s) for s in tensor.stride()),
+            tuple(int(read(s)) for s in tensor.stride()),
             tensor.requires_grad if requires_grad is None else requires_grad,
+            tuple(s.formula if isinstance(s, Size) else str(s) for s in shape) if dynamic else (),
         )
 
     def to_json(self) -> dict:
-        return {
+        data = {
             "shape": list(self.shape),
             "dtype": dtype_name(self.dtype),
             "stride": list(self.stride),
             "requires_grad": self.requires_grad,
         }
+        return data | ({"sizes": list(self.sizes)} if self.sizes else {})
 
     @classmethod
     def from_json(cls, data: dict) -> TensorMeta:
@@ -95,6 +148,7 @@ class TensorMeta:
             dtype_from_name(data["dtype"]),
             tuple(_list(data["stride"], "stride")),
             data["requires_grad"],
+            tuple(_list(data.get("sizes", []), "sizes")),
         )
 
 
@@ -579,6 +633,8 @@ class UnsupportedValue(TypeError):
 
 def encode(value: Any) -> Any:
     """Encode a node argument as JSON-compatible data."""
+    if isinstance(value, Size):
+        return {"size": [int(value), value.formula]}
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -611,7 +667,7 @@ def encode_args(value: Any, names: dict) -> Any:
     if isinstance(value, dict):
         return {k: encode_args(v, names) for k, v in value.items()}
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        raise UnsupportedValue(f"symbolic value {value} (dynamic shapes are not supported)")
+        raise UnsupportedValue(f"symbolic value {value} (declare its dimension with --dynamic)")
     encode(value)  # raises UnsupportedValue for anything the IR cannot hold
     return value
 
@@ -629,6 +685,15 @@ def decode(value: Any) -> Any:
         return Ref(payload)
     if tag == "float":
         return float(payload)
+    if tag == "size":
+        if not (
+            isinstance(payload, list)
+            and len(payload) == 2
+            and is_int(payload[0], 0)
+            and is_text(payload[1])
+        ):
+            raise ArtifactError(f"malformed size {value!r}: [planned size, formula] expected")
+        return Size(*payload)
     if tag == "dict":
         return {k: decode(v) for k, v in payload.items()}
     if tag == "dtype":
@@ -757,6 +822,24 @@ def _lint_model(model: Any, where: str) -> None:
         operators,
         "an object of module names by operator (namespace::name)",
     )
+    symbols = model.get("symbols", {})
+    require(isinstance(symbols, dict), f"{where}model.symbols", symbols, "an object")
+    for name, symbol in symbols.items():
+        require(
+            is_value_name(name)
+            and isinstance(symbol, dict)
+            and sorted(symbol) == ["max", "min", "sources"]
+            and is_int(symbol["min"], 2)
+            and is_int(symbol["max"], symbol["min"])
+            and isinstance(symbol["sources"], list)
+            and all(
+                isinstance(s, list) and len(s) == 2 and is_identifier(s[0]) and is_int(s[1], 0)
+                for s in symbol["sources"]
+            ),
+            f"{where}model.symbols.{name}",
+            symbol,
+            "a dynamic dimension {min >= 2, max >= min, sources: [[input, dimension], ...]}",
+        )
     for name, module in sorted(operators.items()):  # registers them, for the checks below
         try:
             importlib.import_module(module)
@@ -818,6 +901,7 @@ def _lint_node(graph: Graph, node: Node, seen: set[str], field: str) -> None:
     for ref in iter_refs((node.args, node.kwargs)):
         require(ref.name in seen, f"{field}.args", ref.name, "a node defined before this one")
     _lint_meta(node.meta, f"{field}.meta")
+    _lint_sizes(node, planned_sizes(graph), field)
     for level in node.scope:
         require(
             is_text(level.key) and is_fqn(level.fqn) and is_class_name(level.cls),
@@ -986,6 +1070,53 @@ def _lint_meta(meta: Any, field: str) -> None:
             _encode_meta(meta),
             "tensor metadata {shape, dtype, stride, requires_grad}",
         )
+
+
+def planned_sizes(graph: Graph) -> dict[str, int]:
+    """The size of each dynamic dimension that the graph's metadata and sizes are for: its
+    upper bound."""
+    return {name: s["max"] for name, s in graph.model.get("symbols", {}).items()}
+
+
+def _lint_sizes(node: Node, planned: dict[str, int], field: str) -> None:
+    """Every formula, of the value's dimensions and of the sizes among the arguments, reads
+    the graph's dynamic dimensions and gives the planned size recorded beside it."""
+    from .runtime.shapes import FormulaError, evaluate
+
+    def gives(formula: Any, size: int) -> bool:
+        try:
+            return is_text(formula) and evaluate(formula, planned) == size
+        except (FormulaError, ArithmeticError, TypeError):
+            return False
+
+    metas = node.meta if isinstance(node.meta, tuple) else (node.meta,)
+    for meta in metas:
+        if isinstance(meta, TensorMeta) and meta.sizes:
+            require(
+                len(meta.sizes) == len(meta.shape) and all(map(gives, meta.sizes, meta.shape)),
+                f"{field}.meta.sizes",
+                list(meta.sizes),
+                f"one formula per dimension, giving {list(meta.shape)} for {planned}",
+            )
+    for size in sizes_in((node.args, node.kwargs)):
+        require(
+            gives(size.formula, int(size)),
+            f"{field}.args",
+            encode(size),
+            f"a size whose formula gives it for {planned}",
+        )
+
+
+def sizes_in(value: Any) -> Iterator[Size]:
+    """Every :class:`Size` inside a (possibly nested) argument value."""
+    if isinstance(value, Size):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from sizes_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from sizes_in(v)
 
 
 def _lint_units(graph: Graph, where: str) -> None:

@@ -22,6 +22,7 @@ from .checks import check_tolerance
 from .codegen import edited_files
 from .codegen.package import MANIFEST
 from .errors import ArtifactError, AutopipeError, VerificationError
+from .runtime.data import PipelineRunError, dimension_sizes
 from .runtime.pipeline import Pipeline, PipelineFormatError, Stage
 from .runtime.support import stage_state
 from .spec import Example
@@ -115,6 +116,11 @@ def verify(
         raise AutopipeError(
             "verify needs the model's real weights, but the model spec builds it on the meta device"
         )
+    env = dict(zip(pipeline.signature, example.args)) | dict(example.kwargs)
+    try:
+        dimension_sizes(pipeline, env, 1, "the example")
+    except PipelineRunError as exc:
+        raise AutopipeError(str(exc)) from None
     model.train()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     stages = []
@@ -136,7 +142,6 @@ def verify(
         if isinstance(leaf, torch.Tensor)
     ]
     torch.manual_seed(seed)
-    env = dict(zip(pipeline.signature, example.args)) | dict(example.kwargs)
     records = _forward_stages(pipeline, stages, env)
     actual = [env[name] for name in pipeline.outputs]
     if len(actual) != len(expected):

@@ -435,3 +435,66 @@ class ThirdPartyInCond(nn.Module):
 def third_party_in_cond():
     torch.manual_seed(0)
     return ThirdPartyInCond(), (torch.randn(4, 8),)
+
+
+# -- batches of another length every step (pipelines compiled with --dynamic) -----------------
+#: the sequence length of each step: longer, shorter and equal to the example's 16
+LENGTHS = (16, 7, 32, 11)
+
+
+def gpt2_lengths(step: int, microbatches: int = 4, per_microbatch: int = BATCH):
+    """gpt2_batch with another sequence length each step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, 97, (per_microbatch * microbatches, LENGTHS[step % 4]), generator=g)
+    return (ids,), {"labels": ids.clone()}
+
+
+def gpt2_lengths_smaller_last_batch(step: int, microbatches: int = 4):
+    """gpt2_lengths with 4 samples per microbatch, and 2 in the last step's (a smaller batch)."""
+    return gpt2_lengths(step, microbatches, per_microbatch=2 if step == 3 else 4)
+
+
+def gpt2_too_long(step: int, microbatches: int = 4):
+    """gpt2_lengths, but step 1's sequences are longer than the pipeline's bound of 32."""
+    args, kwargs = gpt2_lengths(step, microbatches)
+    if step == 1:
+        ids = torch.randint(0, 97, (BATCH * microbatches, 40))
+        return (ids,), {"labels": ids.clone()}
+    return args, kwargs
+
+
+def bert_lengths(step: int, microbatches: int = 4):
+    """Masked-LM batches padded per step to their longest sequence: another length each step,
+    padding masked out and ignored by the loss."""
+    g = torch.Generator().manual_seed(2000 + step)
+    rows, length = BATCH * microbatches, LENGTHS[step % 4]
+    ids = torch.randint(0, 101, (rows, length), generator=g)
+    real = torch.randint(max(length // 2, 2), length + 1, (rows, 1), generator=g)
+    mask = (torch.arange(length) < real).long()
+    labels = torch.where((torch.arange(length) % 3 == 0) & mask.bool(), ids, -100)
+    return (ids,), {"attention_mask": mask, "labels": labels}
+
+
+def t5_lengths(step: int, microbatches: int = 4):
+    """t5_batch with other source and target lengths each step (two dynamic dimensions)."""
+    g = torch.Generator().manual_seed(3000 + step)
+    source, target = (10, 5, 16, 3)[step % 4], (7, 12, 3, 9)[step % 4]
+    ids = torch.randint(1, 103, (BATCH * microbatches, source), generator=g)
+    return (ids,), {"labels": torch.randint(1, 103, (BATCH * microbatches, target), generator=g)}
+
+
+class FixedPositions(nn.Module):
+    """Adds a position table of 16 rows: the sequence length cannot vary."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions = nn.Parameter(torch.zeros(16, 8))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(x + self.positions).sum()
+
+
+def fixed_positions():
+    torch.manual_seed(0)
+    return FixedPositions(), (torch.randn(BATCH, 16, 8),)

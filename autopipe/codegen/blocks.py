@@ -29,6 +29,7 @@ from ..graph import COND, FUNCTION_TARGET, Graph, Node, Ref, TensorMeta
 from ..tracing.blocks import BlockCall
 from . import emit
 from .names import identifier, namespace, operator_name
+from .sizes import size_lines, symbol_names, used_symbols
 
 
 @dataclass
@@ -139,6 +140,9 @@ def class_source(
     ]
     if emit.uses_device(submodule.nodes):
         lines.append(f"    device = {arguments[0]}.device")
+    needed = used_symbols(graph, submodule.nodes)
+    given = [(local[name], graph[name].meta) for name in submodule.arguments]
+    lines += [f"    {line}" for line in size_lines(needed, given, f"block {submodule.fqn}")]
     body = emit.forward_body(graph, submodule.nodes, ref, label, base=8, target=local.__getitem__)
     lines += [f"    {line}" if line else "" for line in body]
     returned = [local[name] for name in submodule.outputs]
@@ -167,7 +171,7 @@ def _local_names(graph: Graph, submodule: Submodule) -> dict[str, str]:
     """Readable names inside the block's forward, numbered locally (``view``, ``view_1``):
     model inputs keep their names, the first argument is ``x``, other arguments and values are
     named for the operator producing them."""
-    space = namespace()
+    space = namespace(symbol_names(graph))
     local: dict[str, str] = {}
     for position, name in enumerate(submodule.arguments):
         if graph[name].kind == "input":

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import black
 import torch
 
-from ..graph import COND, FUNCTION_TARGET, Graph, Node, Ref, decode_tensor, dtype_name
+from ..graph import COND, FUNCTION_TARGET, Graph, Node, Ref, Size, decode_tensor, dtype_name
 
 BLACK_MODE = black.Mode(line_length=100)
 
@@ -27,6 +27,8 @@ def literal(value: Any, ref: Callable[[Ref], str]) -> str:
     """Source text for an argument value."""
     if isinstance(value, Ref):
         return ref(value)
+    if isinstance(value, Size):  # computed from dynamic dimensions (see codegen/sizes.py)
+        return value.formula
     if isinstance(value, str) and value.isprintable() and '"' not in value and "\\" not in value:
         return f'"{value}"'  # black's quotes
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):

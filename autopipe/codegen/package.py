@@ -24,6 +24,7 @@ from ..partitioning import Partition, default_schedule
 from ..partitioning.cost import iteration_time
 from ..runtime.pipeline import Pipeline, default_microbatches
 from . import emit
+from .sizes import size_lines, used_symbols
 from ..tracing.blocks import block_calls
 from .blocks import (
     Submodule,
@@ -46,6 +47,7 @@ RUNTIME_MODULES = (
     "support.py",
     "schedule.py",
     "pipeline.py",
+    "shapes.py",
     "checkpoint.py",
     "options.py",
     "data.py",
@@ -224,6 +226,12 @@ def _stage_context(
         elif node.name not in inside:
             items.append(node)
     label = lambda node: emit.scope_label(node, model_class)  # noqa: E731
+    own = [node for node in plan.nodes if node.name not in inside]
+    sizes = size_lines(
+        used_symbols(graph, own),
+        [(rename(n), graph[n].meta) for n in plan.inputs],
+        f"stage {plan.index}",
+    )
     body = constant_lines + emit.forward_body(graph, items, ref, label, target=rename)
     produced = {n.name for n in plan.nodes}
     operators = _operators(graph, plan.nodes)
@@ -237,6 +245,7 @@ def _stage_context(
         "inputs": [rename(n) for n in plan.inputs],
         "outputs": [rename(n) for n in plan.outputs],
         "cloned_inputs": [rename(n) for n in plan.cloned_inputs],
+        "sizes": sizes,
         "summary": summary,
         "body": body,
         "returns": [
@@ -373,7 +382,7 @@ def pipeline_description(
             "shape": list(meta.shape),
             "dtype": dtype_name(meta.dtype),
             "requires_grad": meta.requires_grad,
-        }
+        } | ({"sizes": list(meta.formulas)} if meta.sizes else {})
     holders: dict[str, dict[str, str]] = {}
     for plan in plans:
         for name in plan.held_names:
@@ -421,6 +430,8 @@ def pipeline_description(
     }
     if part.predicted:
         description["plan"] = _plan_description(part)
+    if graph.model.get("symbols"):
+        description["dimensions"] = graph.model["symbols"]
     return Pipeline.from_json(description).to_json()  # the runtime's contract, checked here
 
 

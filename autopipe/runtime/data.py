@@ -73,6 +73,51 @@ def _takes_no_arguments(fn: Callable) -> bool:
     )
 
 
+def dimension_sizes(
+    pipeline: Pipeline, given: dict[str, torch.Tensor], rows: int, where: str
+) -> dict[str, int] | None:
+    """The sizes of ``pipeline``'s dynamic dimensions in the inputs ``given`` (by name), which
+    hold ``rows`` microbatches along dimension 0, checked to agree and to lie within their
+    bounds; None for a static pipeline."""
+    if not pipeline.dimensions:
+        return None
+    sizes: dict[str, int] = {}
+    for dimension in pipeline.dimensions.values():
+        found = []
+        for name, index in dimension.sources:
+            tensor = given.get(name)
+            if tensor is None or tensor.dim() <= index:
+                continue  # an input the pipeline does not read; or checked with its shape
+            size = tensor.shape[index]
+            if index == 0:
+                if size % rows:
+                    raise PipelineRunError(
+                        f"{where}: input {name!r} has {size} samples, which do not split into "
+                        f"{rows} equal microbatches (--microbatches x --accumulate x --dp x "
+                        "--dp-shard); give a multiple of that many samples"
+                    )
+                size //= rows
+            found.append((f"{name}:{index}", size))
+        if not found:
+            continue
+        if len({size for _, size in found}) > 1:
+            shown = ", ".join(f"{source} is {size}" for source, size in found)
+            raise PipelineRunError(
+                f"{where}: the sizes of the dynamic dimension {dimension.name!r} differ "
+                f"({shown}); the inputs it sizes must agree"
+            )
+        size = found[0][1]
+        if not dimension.min <= size <= dimension.max:
+            raise PipelineRunError(
+                f"{where}: dimension {dimension.name!r} is {size}, outside the bounds "
+                f"[{dimension.min}:{dimension.max}] the pipeline was compiled for; pad or cut "
+                f"the batch into them, or compile again with --dynamic "
+                f"{dimension.name}[MIN:MAX]=... bounds that hold it"
+            )
+        sizes[dimension.name] = size
+    return sizes
+
+
 class Batches:
     """The whole batch of each step: from ``--data`` (a step function or a Dataset factory) or
     synthetic, checked against the pipeline's inputs."""
@@ -128,6 +173,12 @@ class Batches:
         chunk = lambda t: t.chunk(self.parts)[index]  # noqa: E731
         return [chunk(t) for t in inputs], (chunk(target) if target is not None else None)
 
+    def dimensions(self, inputs: list[torch.Tensor], step: int) -> dict[str, int] | None:
+        """The sizes of the pipeline's dynamic dimensions in a step's first-stage ``inputs``
+        (per microbatch), checked against their bounds; None for a static pipeline."""
+        given = {value.name: t for value, t in zip(self.pipeline.data_inputs, inputs)}
+        return dimension_sizes(self.pipeline, given, self.rows, f"step {step}")
+
     def _inputs(self, bound: dict, step: int, target: Any) -> tuple[list[torch.Tensor], Any]:
         inputs = []
         for value in self.pipeline.data_inputs:
@@ -135,7 +186,9 @@ class Batches:
                 raise PipelineRunError(
                     f"--data batch of step {step} has no tensor for input {value.name!r}"
                 )
-            inputs.append(self._check(bound[value.name], value))
+            inputs.append(bound[value.name])
+        sizes = self.dimensions(inputs, step)
+        inputs = [self._check(t, v, sizes) for t, v in zip(inputs, self.pipeline.data_inputs)]
         loss = self.pipeline.loss
         if loss.needs_target:
             if not isinstance(target, torch.Tensor):
@@ -143,7 +196,7 @@ class Batches:
                     "this pipeline's loss needs a target: the --data function must return "
                     "(args, kwargs, target), or the dataset's items a 'target' entry"
                 )
-            target = self._check(target, loss.target)
+            target = self._check(target, loss.target, sizes)
         return inputs, target
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -156,9 +209,18 @@ class Batches:
         bound.update(kwargs)
         return bound
 
-    def _check(self, tensor: torch.Tensor, value: Value) -> torch.Tensor:
-        micro = list(value.shape)
+    def _check(
+        self, tensor: torch.Tensor, value: Value, sizes: dict[str, int] | None
+    ) -> torch.Tensor:
+        micro = list(value.shape_for(sizes))
         expected = [micro[0] * self.rows, *micro[1:]] if micro else []
+        if sizes is not None and value.sizes is not None and list(tensor.shape) != expected:
+            formulas = ", ".join(map(str, value.sizes))
+            raise PipelineRunError(
+                f"input {value.name!r} has shape {list(tensor.shape)}; with {sizes} this "
+                f"pipeline expects {expected} per step ({self.rows} microbatches of shape "
+                f"[{formulas}]: --microbatches x --accumulate x --dp x --dp-shard)"
+            )
         if list(tensor.shape) != expected or tensor.dtype != value.torch_dtype:
             raise PipelineRunError(
                 f"input {value.name!r} has shape {list(tensor.shape)} and dtype {str(tensor.dtype).removeprefix('torch.')}; "

@@ -479,26 +479,37 @@ def _run(
         say(f"loading the checkpoint {resume}")
         start = checkpoints.restore(resume, modules, optimizers)
     schedulers = {i: make_scheduler(config, o, start) for i, o in optimizers.items()}
-    stages = [
-        DataParallelStage(
-            runners[s.index],
-            s.index,
-            num_stages,
-            device,
-            input_args=tuple(value.meta_tensor() for value in pipeline.received(s)),
-            output_args=tuple(value.meta_tensor() for value in pipeline.returned(s)),
-            group=layout.pp_group,
-        )
-        for s in local
-    ]
-    for stage in stages:
-        stage.reduce_every_microbatch = config.gathers_per_block
-        stage.overlap = config.dp_overlap
     is_first, is_last = 0 in modules, num_stages - 1 in modules
     loss_fn = make_loss_fn(package, pipeline, device)
-    if config.microbatches * num_stages >= LARGE_SCHEDULE:
-        say(f"building the {config.schedule} schedule of {config.microbatches} microbatches ...")
-    schedule = build_schedule(config.schedule, stages, pipeline, config.microbatches, loss_fn)
+
+    def shaped(sizes: dict[str, int] | None) -> tuple[list[DataParallelStage], Any]:
+        """This rank's pipeline stages, with buffers of the sizes ``sizes`` of the dynamic
+        dimensions, and a schedule over them."""
+        stages = [
+            DataParallelStage(
+                runners[s.index],
+                s.index,
+                num_stages,
+                device,
+                input_args=tuple(value.meta_tensor(sizes) for value in pipeline.received(s)),
+                output_args=tuple(value.meta_tensor(sizes) for value in pipeline.returned(s)),
+                group=layout.pp_group,
+            )
+            for s in local
+        ]
+        for stage in stages:
+            stage.reduce_every_microbatch = config.gathers_per_block
+            stage.overlap = config.dp_overlap
+        if config.microbatches * num_stages >= LARGE_SCHEDULE:
+            say(
+                f"building the {config.schedule} schedule of {config.microbatches} microbatches ..."
+            )
+        schedule = build_schedule(config.schedule, stages, pipeline, config.microbatches, loss_fn)
+        return stages, schedule
+
+    schedules = ShapedSchedules(shaped)
+    if not pipeline.dimensions:
+        schedules.get(None)  # built before the first step, as its errors are the options'
     sync = GradientSync(pipeline, layout, modules)
     batches = Batches(pipeline, config)
     needs_target = is_last and pipeline.loss.needs_target
@@ -532,7 +543,16 @@ def _run(
             for optimizer in optimizers.values():
                 optimizer.zero_grad(set_to_none=True)
             losses: list[torch.Tensor] = []
-            batch = batches(step) if (is_first or needs_target) else None
+            reads = is_first or needs_target
+            if pipeline.dimensions:  # every rank learns the step's sizes from the data's
+                batch, sizes = agree_dimensions(batches, step, reads, layout)
+                metrics.samples_per_step = batches.rows * pipeline.samples_in_microbatch(sizes)
+                if tokens:
+                    per_sample = pipeline.tokens_in_sample(sizes)
+                    metrics.tokens_per_step = metrics.samples_per_step * per_sample
+            else:
+                batch, sizes = batches(step) if reads else None, None
+            stages, schedule = schedules.get(sizes)
             for round_ in range(config.accumulate):
                 for stage in stages:  # gradients are reduced in the last round only
                     stage.final_round = round_ == config.accumulate - 1
@@ -588,6 +608,58 @@ def _run(
         state = gather_weights(modules, pipeline, layout)
         if state is not None:
             save_trained(state, config, config.steps, checkpoint)
+
+
+# -- dynamic dimensions -----------------------------------------------------------------------
+class ShapedSchedules:
+    """This rank's stages and schedule for each step's sizes of the dynamic dimensions: built
+    on first use by ``build`` and kept for the ``keep`` sizes used last, so that recurring
+    lengths cost nothing (a static pipeline has one entry, for ``None``)."""
+
+    def __init__(self, build: Callable[[dict[str, int] | None], tuple], keep: int = 8):
+        self.build = build
+        self.keep = keep
+        self.built: dict[tuple, tuple] = {}  # sizes -> (stages, schedule), least recent first
+
+    def get(self, sizes: dict[str, int] | None) -> tuple:
+        key = tuple(sorted(sizes.items())) if sizes is not None else ()
+        entry = self.built.pop(key, None) or self.build(sizes)
+        self.built[key] = entry
+        while len(self.built) > self.keep:
+            self.built.pop(next(iter(self.built)))
+        return entry
+
+
+def agree_dimensions(
+    batches: Batches, step: int, reads: bool, layout: Layout
+) -> tuple[Any, dict[str, int]]:
+    """The step's batch (on the ranks that read data, else None) and the sizes of the dynamic
+    dimensions, which every rank of the pipeline learns from one all-reduce (the maximum of
+    what the reading ranks found; the others give zeros). A batch a reading rank refuses stops
+    every rank, with its reason."""
+    names = list(batches.pipeline.dimensions)
+    batch, problem, found = None, None, [0] * len(names)
+    if reads:
+        try:
+            batch = batches(step)
+            sizes = batches.dimensions(batch[0], step) if batch[0] else {}
+            found = [sizes.get(name, 0) for name in names]
+        except PipelineRunError as exc:
+            problem = exc
+    agreed = torch.tensor([int(problem is not None), *found], device=layout.device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=layout.pp_group)
+    if problem is not None:
+        raise PipelineRunError(str(problem), every_rank=True)
+    if agreed[0]:
+        raise PipelineRunError(f"step {step}: the batch was refused (see rank 0)", every_rank=True)
+    sizes = dict(zip(names, (int(v) for v in agreed[1:])))
+    missing = [name for name, size in sizes.items() if size == 0]
+    if missing:
+        raise PipelineRunError(
+            f"step {step}: no input of the batch sizes the dynamic dimension(s) {missing}",
+            every_rank=True,
+        )
+    return batch, sizes
 
 
 def plan_note(pipeline: Pipeline, config: TrainConfig, world: int) -> str:

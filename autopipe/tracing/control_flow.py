@@ -71,7 +71,7 @@ def convert_cond(converter: Any, node: fx.Node, owner: torch.nn.Module, context:
             "compiles a torch.cond whose branches hold torch operators only. Merge the "
             "predicates into one torch.cond, or compute the inner choice with torch.where."
         )
-    error = _symbolic_size_error(node)
+    error = _symbolic_size_error(node, converter.symbol_names.keys())
     if error is not None:
         raise error
     pred, true_node, false_node, operands = node.args

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import io
@@ -22,6 +23,7 @@ from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
 from ..checks import RESERVED, Namespace
+from ..dynamic import DynamicDim, UnwritableSize, export_shapes, formula, resolve
 from ..errors import TraceError
 from ..graph import (
     BufferInfo,
@@ -30,10 +32,12 @@ from ..graph import (
     ParamInfo,
     Ref,
     Scope,
+    Size,
     TensorMeta,
     UnsupportedValue,
     encode_args,
     encode_tensor,
+    symbolic_sizes,
     value_meta,
 )
 from ..interpreter import resolve_target
@@ -70,16 +74,21 @@ def trace(
     basic_blocks: tuple[str, ...] = (),
     inline_blocks: bool = False,
     source: str | None = None,
+    dynamic: tuple[DynamicDim, ...] = (),
 ) -> Graph:
     """Trace ``example.model`` on its example microbatch into a :class:`Graph`.
 
     The model is traced in training mode (that is the graph a pipeline trains); ``depth`` and
     ``basic_blocks`` decide how nodes are grouped into units; ``basic_blocks`` and
     ``inline_blocks`` which module calls stages hold as submodules (autopipe/tracing/blocks.py).
+    ``dynamic`` dimensions of the inputs are traced as such: sizes computed from them become
+    formulas, and metadata is for their upper bounds (autopipe/dynamic.py).
     """
     model = example.model
     on_meta = any(t.is_meta for t in _state_tensors(model))
-    input_ranges = _integer_input_ranges(example)
+    bound = _bound_inputs(example)
+    input_ranges = _integer_input_ranges(bound)
+    dims = resolve(dynamic, bound)
     buffers = _buffer_table(model)  # before tracing: buffers may move to meta for it
     args, kwargs = _unaliased(example.args, example.kwargs)
     was_training = model.training
@@ -92,18 +101,26 @@ def trace(
         ) as fake, custom_functions_captured() as functions, partial_graph_held_back():
             if fake is not None:
                 args, kwargs = fake((args, kwargs))
-            with cond_grad_mode_checked():  # torch.export drops no_grad around a cond
-                exported = _export(model, tuple(args), dict(kwargs), real=fake is None)
+            with cond_grad_mode_checked(), guards_recorded() as guards:
+                # (torch.export drops no_grad around a cond; guards name specialising lines)
+                exported = _export(
+                    model,
+                    tuple(args),
+                    dict(kwargs),
+                    real=fake is None,
+                    shapes=export_shapes(dims, bound),
+                )
     except TraceError:
         raise
     except Exception as exc:  # torch raises many types here; all become one clear error
-        raise _trace_error(exc, model) from exc
+        raise _trace_error(exc, model, dims, guards) from exc
     finally:
         model.train(was_training)
 
     refuse_lost_backwards(exported)
-    converter = _Converter(exported)
-    nodes = converter.convert()
+    converter = _Converter(exported, _symbols(exported, dims, args, kwargs, model))
+    with symbolic_sizes(converter.size) if dims else contextlib.nullcontext():
+        nodes = converter.convert()
     graph = Graph(
         nodes,
         inputs=converter.inputs,
@@ -121,7 +138,8 @@ def trace(
             "basic_blocks": list(basic_blocks),
             "inline_blocks": inline_blocks,
             "operators": dict(sorted(converter.operators.items())),
-        },
+        }
+        | ({"symbols": _symbol_table(dims)} if dims else {}),
         functions=functions.definitions(nodes),
     )
     _check_parameters_known(graph)
@@ -131,16 +149,24 @@ def trace(
 
 
 def _export(
-    model: torch.nn.Module, args: tuple, kwargs: dict, real: bool
+    model: torch.nn.Module, args: tuple, kwargs: dict, real: bool, shapes: dict
 ) -> torch.export.ExportedProgram:
-    """``torch.export`` (non-strict). A model whose sizes or branches depend on tensor values
-    (``nonzero``, ``.item()``) is exported again with real tensors propagated beside the fake
-    ones (``real``: the model has weights), which gives every such value on the example; the
-    converter specialises the graph to them and checks them at run time. The model's buffers
-    and the RNG are left as they were."""
+    """``torch.export`` (non-strict), with the dynamic ``shapes`` of its inputs. A model whose
+    sizes or branches depend on tensor values (``nonzero``, ``.item()``) is exported again with
+    real tensors propagated beside the fake ones (``real``: the model has weights), which gives
+    every such value on the example; the converter specialises the graph to them and checks them
+    at run time. The model's buffers and the RNG are left as they were."""
+    export = functools.partial(
+        torch.export.export,
+        model,
+        args,
+        kwargs,
+        strict=False,
+        dynamic_shapes=shapes if any(shapes.values()) else None,
+    )
     try:
         with partial_graph_held_back():
-            exported = torch.export.export(model, args, kwargs, strict=False)
+            exported = export()
     except Exception as exc:  # noqa: BLE001 - re-raised unless real values resolve it
         if not (real and _is_data_dependent(exc)):
             raise
@@ -156,7 +182,7 @@ def _export(
     shapes_log.setLevel(logging.ERROR)  # it warns of every value it reads from real tensors
     try:
         with fconfig.patch(fake_tensor_propagate_real_tensors=True):
-            exported = torch.export.export(model, args, kwargs, strict=False)
+            exported = export()
     except Exception:
         if failure is not None:
             raise failure from None
@@ -245,7 +271,86 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     return None
 
 
-def _trace_error(exc: Exception, model: torch.nn.Module) -> TraceError:
+class _GuardRecorder(logging.Handler):
+    """Keeps, for each guard ``torch.export`` adds on a symbolic size, the user's line that
+    made it (the innermost user frame on the stack when it is logged)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.guards: list[tuple[str, traceback.FrameSummary]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if "[guard added]" not in str(record.msg) or len(args) < 2:
+            return
+        frame = next(
+            (f for f in reversed(traceback.extract_stack()) if _is_user_file(f.filename)), None
+        )
+        if frame is not None:
+            self.guards.append((str(args[1]), frame))
+
+
+@contextlib.contextmanager
+def guards_recorded() -> Iterator[_GuardRecorder]:
+    """Record the guards torch.export adds on sizes while the block runs (see
+    :class:`_GuardRecorder`); its size log is shown nowhere else meanwhile."""
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    recorder = _GuardRecorder()
+    saved = log.handlers, log.level, log.propagate
+    log.handlers, log.propagate = [recorder], False
+    log.setLevel(logging.INFO)
+    try:
+        yield recorder
+    finally:
+        log.handlers, log.propagate = saved[0], saved[2]
+        log.setLevel(saved[1])
+
+
+def _dynamic_error(
+    exc: Exception, dims: tuple[DynamicDim, ...], guards: _GuardRecorder
+) -> TraceError | None:
+    """The error for a dynamic dimension the model fixes or bounds (torch.export's constraint
+    violations), naming the user's line that did, or None for another error."""
+    message = str(exc)
+    if "Constraints violated" not in message:
+        return None
+    names = [d.name for d in dims if re.search(rf"\b{re.escape(d.name)}\b", message)]
+    declared = ", ".join(d.declaration() for d in dims if d.name in names) or "--dynamic"
+    fixed = re.search(r"specialized it to be a constant \((\d+)\)", message)
+    where = ""
+    if guards.guards:
+        guard, frame = guards.guards[0]
+        where = (
+            f" at {_short_path(frame.filename)}:{frame.lineno}:\n    {(frame.line or '').strip()}"
+            f"\n(torch.export's guard: {guard})"
+        )
+    if fixed:
+        what = f"the model fixes {' and '.join(names) or 'a dynamic dimension'} to {fixed[1]}"
+        advice = (
+            "a dimension the model computes with a fixed size (a position table, a view to a "
+            "literal shape) cannot vary: remove it from --dynamic, or change the model so "
+            "that the size follows its input"
+        )
+    else:
+        what = f"the model only works for part of the range {declared}"
+        fixes = message.split("Suggested fixes:", 1)[1:] or [""]
+        hint = " ".join(line.strip() for line in fixes[0].splitlines() if "=" in line)
+        advice = "narrow the bounds to what the model accepts" + (
+            f" (torch.export suggests: {hint})" if hint else ""
+        )
+    return TraceError(f"--dynamic {declared}: {what}{where}\n{advice}.")
+
+
+def _trace_error(
+    exc: Exception,
+    model: torch.nn.Module,
+    dims: tuple[DynamicDim, ...] = (),
+    guards: _GuardRecorder | None = None,
+) -> TraceError:
+    if dims and guards is not None:
+        dynamic = _dynamic_error(exc, dims, guards)
+        if dynamic is not None:
+            return dynamic
     frame = user_frame(exc)
     where = (
         f"{frame.filename}:{frame.lineno}" if frame else f"the forward of {type(model).__name__}"
@@ -285,11 +390,13 @@ def _data_dependent(what: str, where: str, code: str, detail: str) -> TraceError
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in .*\n(?P<code>.*)')
 
 
-def _symbolic_size_error(node: fx.Node) -> TraceError | None:
+def _symbolic_size_error(node: fx.Node, known: Any = frozenset()) -> TraceError | None:
     """A :class:`TraceError` naming the user's line if ``node`` produces a value whose size
-    depends on tensor values (``nonzero``, boolean indexing, ``.item()``), else None."""
+    depends on tensor values (``nonzero``, boolean indexing, ``.item()``), else None. Sizes of
+    the ``known`` symbols (dynamic dimensions) are no such size."""
     value = node.meta.get("val")
-    if not any(map(_is_symbolic, value if isinstance(value, (list, tuple)) else [value])):
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not any(_is_symbolic(v, known) for v in values):
         return None
     where, code = _user_line(node)
     detail = (
@@ -336,11 +443,66 @@ def _unbacked_values(exported: torch.export.ExportedProgram) -> dict:
     return {}
 
 
-def _is_symbolic(value: Any) -> bool:
-    """A number, or a tensor size, that torch.export only knows as a symbol."""
+def _is_symbolic(value: Any, known: Any = frozenset()) -> bool:
+    """A number, or a tensor size, that torch.export only knows as a symbol other than the
+    ``known`` ones (dynamic dimensions)."""
     if isinstance(value, torch.Tensor):
-        return not all(isinstance(size, int) for size in value.shape)
-    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+        return any(_is_symbolic(size, known) for size in value.shape)
+    if isinstance(value, torch.SymInt):
+        return not value.node.expr.free_symbols <= known
+    return isinstance(value, (torch.SymFloat, torch.SymBool))
+
+
+# -- dynamic dimensions -----------------------------------------------------------------------
+def _symbols(
+    exported: torch.export.ExportedProgram,
+    dims: tuple[DynamicDim, ...],
+    args: tuple,
+    kwargs: dict,
+    model: torch.nn.Module,
+) -> dict[Any, DynamicDim]:
+    """torch.export's symbol of each dynamic dimension (read off the input it sizes)."""
+    if not dims:
+        return {}
+    signature = _forward_signature(model)
+    leaves = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]
+    user = [
+        spec.arg.name
+        for spec in exported.graph_signature.input_specs
+        if spec.kind == InputKind.USER_INPUT
+    ]
+    placeholders = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
+    by_input: dict[str, torch.Tensor] = {}
+    for (path, _), placeholder in zip(leaves, user):
+        first, second = path[0], path[1] if len(path) > 1 else None
+        if getattr(first, "idx", None) == 0 and second is not None and len(path) == 2:
+            name = signature[second.idx] if second.idx < len(signature) else None
+        elif getattr(first, "idx", None) == 1 and second is not None and len(path) == 2:
+            name = second.key
+        else:
+            continue  # an input nested in a container: not one --dynamic can name
+        value = placeholders[placeholder].meta.get("val") if placeholder in placeholders else None
+        if name is not None and isinstance(value, torch.Tensor):
+            by_input[name] = value
+    symbols: dict[Any, DynamicDim] = {}
+    for dim in dims:
+        for name, index in dim.sources:
+            size = by_input[name].shape[index] if name in by_input else None
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            if expr is None or not expr.is_Symbol:
+                raise TraceError(
+                    f"--dynamic {dim.declaration()}: torch.export traced {name}:{index} with "
+                    f"the fixed size {size}; the model does not let this dimension vary"
+                )
+            symbols[expr] = dim
+    return symbols
+
+
+def _symbol_table(dims: tuple[DynamicDim, ...]) -> dict[str, dict[str, Any]]:
+    """The graph's record of its dynamic dimensions (``Graph.model["symbols"]``)."""
+    return {
+        d.name: {"min": d.min, "max": d.max, "sources": [list(s) for s in d.sources]} for d in dims
+    }
 
 
 # -- conversion -------------------------------------------------------------------------------
@@ -348,11 +510,17 @@ class _Converter:
     """Turns an ``ExportedProgram`` into IR nodes: placeholders first, then calls in program
     order, with higher-order wrappers (no_grad, autocast regions) inlined."""
 
-    def __init__(self, exported: torch.export.ExportedProgram):
+    def __init__(
+        self, exported: torch.export.ExportedProgram, symbols: dict[Any, DynamicDim] | None = None
+    ):
         self.exported = exported
         self.nodes: list[Node] = []
         self.names: dict[fx.Node, Any] = {}  # fx node -> Ref (or a Python value)
-        self.taken = Namespace()  # value names handed out so far
+        #: torch's symbol of each dynamic dimension -> its name, and -> its planned size
+        self.symbol_names = {s: d.name for s, d in (symbols or {}).items()}
+        self.planned = {s: d.max for s, d in (symbols or {}).items()}
+        # value names handed out so far (the dimensions' names are the generated code's)
+        self.taken = Namespace(self.symbol_names.values())
         self.inputs: list[str] = []
         self.outputs: list[str] = []
         self.constants: dict[str, Any] = {}
@@ -463,15 +631,19 @@ class _Converter:
             self.names[node] = number  # a Python number in the generated code
             self._check(node, self.names[node.args[0]], number, _scope(node), context)
             return
+        if isinstance(value, torch.SymInt) and self._is_dynamic(value):
+            self.names[node] = self.size(value)  # a formula in the generated code
+            return
         if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             number = self._concrete(value)  # a size, or arithmetic on sizes
             if number is None:
                 raise _symbolic_size_error(node)
             self.names[node] = number  # a Python number in the generated code
             return
-        specialised = isinstance(value, torch.Tensor) and _is_symbolic(value)
+        known = self.symbol_names.keys()
+        specialised = isinstance(value, torch.Tensor) and _is_symbolic(value, known)
         if specialised and self._concrete_meta(value) is None or not specialised:
-            error = _symbolic_size_error(node)
+            error = _symbolic_size_error(node, known)
             if error is not None:
                 raise error
         if target is _getitem:
@@ -506,6 +678,32 @@ class _Converter:
         self.nodes.append(ir)
         if specialised:
             self._checks(node, ir.scope, context)
+
+    # -- sizes of dynamic dimensions -------------------------------------------------------------
+    def _is_dynamic(self, value: torch.SymInt) -> bool:
+        return bool(value.node.expr.free_symbols & self.symbol_names.keys())
+
+    def size(self, value: Any) -> int:
+        """A traced size as the IR holds it: a plain int, or a :class:`Size` at the planned
+        sizes when it depends on dynamic dimensions."""
+        if not isinstance(value, torch.SymInt):
+            return int(value)
+        expr = value.node.expr
+        if not expr.free_symbols:
+            return int(expr)
+        if not expr.free_symbols <= self.symbol_names.keys():
+            raise TraceError(
+                f"a size of the model ({expr}) depends on tensor values as well as on its "
+                "dynamic dimensions; autopipe cannot compile such a size"
+            )
+        try:
+            text = formula(expr, self.symbol_names)
+        except UnwritableSize as exc:
+            raise TraceError(
+                f"the model computes a size from its dynamic dimensions that autopipe cannot "
+                f"write as Python: {exc}"
+            ) from None
+        return Size(int(expr.xreplace(self.planned)), text)
 
     # -- values computed from tensor values, specialised to the example ------------------------
     def _concrete(self, value: Any) -> int | float | bool | None:
@@ -788,15 +986,19 @@ def _forward_signature(model: torch.nn.Module) -> list[str]:
     return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
-def _integer_input_ranges(example: Example) -> dict[str, int]:
-    """Largest value of each integer example input, for synthetic data of the same range."""
+def _bound_inputs(example: Example) -> dict[str, Any]:
+    """The example's inputs by the name of the forward parameter each one is."""
     sig = inspect.signature(example.model.forward)
     try:
-        bound = sig.bind(*example.args, **example.kwargs).arguments
+        return dict(sig.bind(*example.args, **example.kwargs).arguments)
     except TypeError as exc:
         raise TraceError(
             f"the example inputs do not match {type(example.model).__name__}.forward: {exc}"
         ) from None
+
+
+def _integer_input_ranges(bound: dict[str, Any]) -> dict[str, int]:
+    """Largest value of each integer example input, for synthetic data of the same range."""
     ranges = {}
     for name, value in bound.items():
         if (
@@ -835,4 +1037,4 @@ def _propagate_requires_grad(graph: Graph) -> None:
 
 
 def _with_grad(meta: TensorMeta, requires_grad: bool) -> TensorMeta:
-    return TensorMeta(meta.shape, meta.dtype, meta.stride, requires_grad)
+    return dataclasses.replace(meta, requires_grad=requires_grad)

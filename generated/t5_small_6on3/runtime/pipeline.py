@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .schedule import PipelineCosts
+from .shapes import FormulaError, names_in, shape
 
 FORMAT, VERSION = "autopipe.pipeline", 1
 
@@ -104,18 +105,62 @@ def default_microbatches(num_stages: int) -> int:
 
 # -- the description --------------------------------------------------------------------------
 @dataclass(frozen=True)
+class Dimension:
+    """A dynamic dimension: sizes of the inputs ``sources`` (input, dimension) that change from
+    batch to batch within ``min`` .. ``max``; values' shapes are formulas of its name."""
+
+    name: str
+    min: int
+    max: int
+    sources: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def from_json(cls, data: Any, name: str, where: str) -> Dimension:
+        _object(data, where, ("min", "max", "sources"))
+        low = _check(data["min"], f"{where}.min", lambda v: _is_int(v) and v >= 2, "2 or more")
+        high = _check(data["max"], f"{where}.max", lambda v: _is_int(v) and v >= low, ">= min")
+        sources = _list(
+            data["sources"],
+            f"{where}.sources",
+            lambda v: isinstance(v, list)
+            and len(v) == 2
+            and isinstance(v[0], str)
+            and _is_int(v[1])
+            and v[1] >= 0,
+            "[input, dimension] pair",
+        )
+        return cls(name, low, high, tuple((i, d) for i, d in sources))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"min": self.min, "max": self.max, "sources": [list(s) for s in self.sources]}
+
+
+@dataclass(frozen=True)
 class Value:
-    """A tensor passed into, between or out of stages, as in the example microbatch."""
+    """A tensor passed into, between or out of stages. ``shape`` is its shape in the example
+    microbatch (at the upper bounds of dynamic dimensions); ``sizes``, for a value with dynamic
+    dimensions, one formula of their names (or a fixed size) per dimension."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str  # a torch dtype's name: "float32"
     requires_grad: bool
+    sizes: tuple[str | int, ...] | None = None
 
     @classmethod
     def from_json(cls, data: Any, name: str, where: str) -> Value:
-        _object(data, where, ("shape", "dtype", "requires_grad"))
+        _object(data, where, ("shape", "dtype", "requires_grad"), ("sizes",))
         shape = _list(data["shape"], f"{where}.shape", lambda v: _is_int(v) and v >= 0, "size")
+        sizes = None
+        if "sizes" in data:
+            sizes = _list(
+                data["sizes"],
+                f"{where}.sizes",
+                lambda v: (_is_int(v) and v >= 0) or isinstance(v, str),
+                "size or formula",
+            )
+            if len(sizes) != len(shape):
+                raise _fail(f"{where}.sizes", data["sizes"], f"a list of {len(shape)} sizes")
         dtype = _check(
             data["dtype"],
             f"{where}.dtype",
@@ -125,18 +170,27 @@ class Value:
         requires_grad = _check(
             data["requires_grad"], f"{where}.requires_grad", lambda v: isinstance(v, bool), "a bool"
         )
-        return cls(name, shape, dtype, requires_grad)
+        return cls(name, shape, dtype, requires_grad, sizes)
 
     def to_json(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "dtype": self.dtype, "requires_grad": self.requires_grad}
+        data = {"shape": list(self.shape), "dtype": self.dtype, "requires_grad": self.requires_grad}
+        return data | ({"sizes": list(self.sizes)} if self.sizes is not None else {})
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    def meta_tensor(self) -> torch.Tensor:
-        """An empty tensor of this value's shape, dtype and autograd flag on the meta device."""
-        tensor = torch.empty(self.shape, dtype=self.torch_dtype, device="meta")
+    def shape_for(self, dimensions: dict[str, int] | None = None) -> tuple[int, ...]:
+        """This value's shape for the dynamic dimensions' sizes ``dimensions`` (a static value:
+        its shape)."""
+        if self.sizes is None or dimensions is None:
+            return self.shape
+        return shape(self.sizes, dimensions)
+
+    def meta_tensor(self, dimensions: dict[str, int] | None = None) -> torch.Tensor:
+        """An empty tensor of this value's shape (for the dynamic dimensions' sizes
+        ``dimensions``), dtype and autograd flag on the meta device."""
+        tensor = torch.empty(self.shape_for(dimensions), dtype=self.torch_dtype, device="meta")
         return tensor.requires_grad_(self.requires_grad)
 
 
@@ -391,6 +445,8 @@ class Pipeline:
     input_ranges: dict[str, int]
     dp_shard: int  # the data-parallel ranks per stage the partition planned memory for
     plan: TrainingPlan | None = None  # absent from pipelines compiled before plans
+    #: dynamic dimensions by name (compiled with --dynamic); values' sizes are formulas of them
+    dimensions: dict[str, Dimension] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Any) -> Pipeline:
@@ -398,7 +454,7 @@ class Pipeline:
         where = "pipeline"
         keys = ("format", "version", "model", "signature", "inputs", "outputs", "stages")
         keys += ("values", "loss", "schedule", "tied", "aliases", "input_ranges", "dp_shard")
-        _object(data, where, keys, ("plan",))
+        _object(data, where, keys, ("plan", "dimensions"))
         if data["format"] != FORMAT:
             raise _fail(f"{where}.format", data["format"], repr(FORMAT))
         if data["version"] != VERSION:
@@ -445,8 +501,18 @@ class Pipeline:
                 data["dp_shard"], f"{where}.dp_shard", lambda v: _is_int(v) and v >= 1, "1 or more"
             ),
             plan=TrainingPlan.from_json(data["plan"], f"{where}.plan") if "plan" in data else None,
+            dimensions={
+                name: Dimension.from_json(d, name, f"{where}.dimensions.{name}")
+                for name, d in _check(
+                    data.get("dimensions", {}),
+                    f"{where}.dimensions",
+                    lambda v: isinstance(v, dict),
+                    "an object",
+                ).items()
+            },
         )
         pipeline._check_references()
+        pipeline._check_formulas()
         return pipeline
 
     def _check_references(self) -> None:
@@ -463,24 +529,57 @@ class Pipeline:
         if ranks != list(range(len(ranks))):
             raise _fail("pipeline.stages[*].device", ranks, "ranks numbered from 0 without gaps")
 
+    def _check_formulas(self) -> None:
+        """Every value's formulas read known dimensions and give its shape at their upper
+        bounds; each dimension's sources are inputs of the pipeline."""
+        upper = {name: d.max for name, d in self.dimensions.items()}
+        for value in self.values.values():
+            if value.sizes is None:
+                continue
+            where = f"pipeline.values.{value.name}.sizes"
+            try:
+                unknown = set().union(*map(names_in, value.sizes)) - set(upper)
+                planned = shape(value.sizes, upper) if not unknown else None
+            except (FormulaError, ArithmeticError) as exc:
+                raise PipelineFormatError(f"{where}: {exc}") from None
+            if unknown:
+                raise _fail(
+                    where, list(value.sizes), f"formulas of {sorted(upper) or 'no'} dimensions"
+                )
+            if planned != value.shape:
+                raise _fail(
+                    where, list(value.sizes), f"formulas giving the shape {list(value.shape)}"
+                )
+        for dimension in self.dimensions.values():
+            where = f"pipeline.dimensions.{dimension.name}.sources"
+            _known(tuple(i for i, _ in dimension.sources), where, self.inputs, "a pipeline input")
+
     def to_json(self) -> dict[str, Any]:
         """The JSON dict this was read from (``pipeline.json``), key for key."""
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "model": self.model,
-            "signature": list(self.signature),
-            "inputs": list(self.inputs),
-            "outputs": list(self.outputs),
-            "stages": [stage.to_json() for stage in self.stages],
-            "values": {name: value.to_json() for name, value in self.values.items()},
-            "loss": self.loss.to_json(),
-            "schedule": self.schedule.to_json(),
-            "tied": [tie.to_json() for tie in self.tied],
-            "aliases": [list(group) for group in self.aliases],
-            "input_ranges": dict(self.input_ranges),
-            "dp_shard": self.dp_shard,
-        } | ({"plan": self.plan.to_json()} if self.plan else {})
+        return (
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "model": self.model,
+                "signature": list(self.signature),
+                "inputs": list(self.inputs),
+                "outputs": list(self.outputs),
+                "stages": [stage.to_json() for stage in self.stages],
+                "values": {name: value.to_json() for name, value in self.values.items()},
+                "loss": self.loss.to_json(),
+                "schedule": self.schedule.to_json(),
+                "tied": [tie.to_json() for tie in self.tied],
+                "aliases": [list(group) for group in self.aliases],
+                "input_ranges": dict(self.input_ranges),
+                "dp_shard": self.dp_shard,
+            }
+            | ({"plan": self.plan.to_json()} if self.plan else {})
+            | (
+                {"dimensions": {n: d.to_json() for n, d in self.dimensions.items()}}
+                if self.dimensions
+                else {}
+            )
+        )
 
     # -- derived facts ------------------------------------------------------------------------
     @property
@@ -547,17 +646,25 @@ class Pipeline:
     @property
     def samples_per_microbatch(self) -> int:
         """Samples in the example microbatch: dimension 0 of the first model input."""
-        shape = self.values[self.inputs[0]].shape if self.inputs else ()
+        return self.samples_in_microbatch()
+
+    def samples_in_microbatch(self, dimensions: dict[str, int] | None = None) -> int:
+        """Samples in a microbatch (for the dynamic dimensions' sizes ``dimensions``)."""
+        shape = self.values[self.inputs[0]].shape_for(dimensions) if self.inputs else ()
         return shape[0] if shape else 1
 
     @property
     def tokens_per_sample(self) -> int | None:
         """Tokens in one sample, for language models: the length of an integer input of shape
         (batch, sequence) such as ``input_ids``; None when the model has none."""
+        return self.tokens_in_sample()
+
+    def tokens_in_sample(self, dimensions: dict[str, int] | None = None) -> int | None:
+        """Tokens in one sample (for the dynamic dimensions' sizes ``dimensions``)."""
         for name in self.inputs:
             value = self.values[name]
             if len(value.shape) == 2 and value.dtype in ("int64", "int32"):
-                return value.shape[1]
+                return value.shape_for(dimensions)[1]
         return None
 
     def tie_ranks(self, tie: TiedParameter) -> list[int]:
