@@ -40,6 +40,8 @@ def format_partition(graph: Graph, part: Partition) -> str:
     )
     rows += memory_lines(part)
     rows.append(throughput_line(graph, part))
+    if graph.model.get("symbols"):
+        rows.append(f"dynamic dimensions: {dimensions_text(graph)}")
     if part.recompute:
         rows.append(
             f"stages {', '.join(map(str, part.recompute))} recompute their activations in backward "
@@ -87,6 +89,19 @@ def throughput_line(graph: Graph, part: Partition) -> str:
     if figures.mfu is not None:
         line += f", MFU {figures.mfu * 100:.3g}% of {part.settings.get('device')}"
     return line
+
+
+def dimensions_text(graph: Graph) -> str:
+    """The dynamic dimensions, their bounds and the sizes the prediction is for ("" if none)."""
+    symbols = graph.model.get("symbols", {})
+    if not symbols:
+        return ""
+    bounds = ", ".join(f"{name} {s['min']}..{s['max']}" for name, s in symbols.items())
+    planned = ", ".join(f"{name}={s['max']}" for name, s in symbols.items())
+    return (
+        f"{bounds}; time and memory predicted at the upper bounds ({planned}), which every "
+        "step's microbatches stay within"
+    )
 
 
 def tokens_per_microbatch(graph: Graph) -> int | None:

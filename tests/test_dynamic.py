@@ -14,14 +14,16 @@ import torch
 import models
 from autopipe.dynamic import DynamicDim, dynamic_dims, formula, parse_dynamic
 from autopipe.errors import ArtifactError, AutopipeError, TraceError
-from autopipe.graph import Graph, Size, sizes_in
+from autopipe.graph import Graph, sizes_in
+from autopipe.runtime.data import Batches
+from autopipe.runtime.options import parse_config
 from autopipe.runtime.pipeline import Pipeline, PipelineFormatError
 from autopipe.runtime.shapes import FormulaError, evaluate
 from autopipe.spec import Example, load_example
 from autopipe.tracing import trace
 from autopipe.verify import verify
 
-from conftest import compile_model, spec, torchrun_command, torchrun_env
+from conftest import ROOT, compile_model, spec, torchrun_command, torchrun_env
 from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
 
 SEQ = "seq[4:32]=input_ids:1,labels:1"
@@ -216,6 +218,24 @@ def test_a_formula_that_breaks_the_description_is_refused(gpt2_package):
         Pipeline.from_json(description)
 
 
+def test_padding_to_a_multiple_rounds_lengths_up_without_changing_what_counts(gpt2_package):
+    pipeline = Pipeline.from_json(json.loads((gpt2_package / "pipeline.json").read_text()))
+    argv = ["--pad-to-multiple", "8", "--data", "tests/models.py:gpt2_lengths"]
+    batches = Batches(pipeline, parse_config(argv, pipeline))
+    for step, length in enumerate([16, 8, 32, 16]):  # from 16, 7, 32, 11
+        (ids, labels), _ = batches(step)
+        original = models.gpt2_lengths(step)[0][0]
+        assert ids.shape == labels.shape == (8, length)
+        given = original.shape[1]
+        assert torch.equal(ids[:, :given], original) and torch.equal(labels[:, :given], original)
+        assert (ids[:, given:] == 0).all() and (labels[:, given:] == -100).all()
+    with pytest.raises(SystemExit):
+        static = Pipeline.from_json(
+            json.loads((ROOT / "generated/gpt2_4/pipeline.json").read_text())
+        )
+        parse_config(["--pad-to-multiple", "8"], static)
+
+
 # -- training ---------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_gpt2_trains_like_pytorch_on_a_new_length_every_step_and_a_smaller_last_batch(tmp_path):
@@ -228,6 +248,15 @@ def test_gpt2_trains_like_pytorch_on_a_new_length_every_step_and_a_smaller_last_
     )
     assert_same_training(pipe, ref)
     assert torch.equal(pipe[1]["lm_head.weight"], pipe[1]["transformer.wte.weight"])
+
+
+@pytest.mark.slow
+def test_padded_lengths_train_like_pytorch_on_the_unpadded_batches(tmp_path):
+    """--pad-to-multiple 8 pads with ignored labels: the loss and the update are the same."""
+    extra = ("--pad-to-multiple", "8")
+    pipe = run_pipeline(tmp_path, "gpt2", 2, "gpt2_lengths", *extra, dynamic=[SEQ])
+    ref = reference_training(load_example(spec("gpt2")), models.gpt2_lengths, STEPS, "adamw", 1e-3)
+    assert_same_training(pipe, ref)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from pathlib import Path
 import jinja2
 
 from .. import __version__
-from ..summary import MEMORY_PARTS, throughput_line
+from ..summary import MEMORY_PARTS, dimensions_text, throughput_line
 from ..artifacts import atomic_write_bytes
 from .data import ReportData, format_bytes, format_count
 from .figures import memory_figure, save_figure, timeline_figure, times_figure
@@ -127,6 +127,7 @@ def summary_rows(data: ReportData) -> list[tuple[str, str]]:
             f"{format_bytes(max(peak))} of {format_bytes(data.memory_capacity)} per device",
         ),
         ("throughput", throughput_line(data.graph, data.partition).removeprefix("plan: ")),
+        ("dynamic dimensions", dimensions_text(data.graph)),
     ]
     return [(key, value) for key, value in rows if value]
 

@@ -127,6 +127,7 @@ class Batches:
         self.microbatches = config.microbatches
         self.parts = config.accumulate * config.data_parallel  # pipeline runs per step, all ranks
         self.seed = config.seed
+        self.pad_to_multiple = config.pad_to_multiple
         self.fn = self.dataset = None
         if config.data:
             fn = load_function(config.data)
@@ -187,6 +188,8 @@ class Batches:
                     f"--data batch of step {step} has no tensor for input {value.name!r}"
                 )
             inputs.append(bound[value.name])
+        if self.pad_to_multiple > 1:
+            inputs = self._padded(inputs)
         sizes = self.dimensions(inputs, step)
         inputs = [self._check(t, v, sizes) for t, v in zip(inputs, self.pipeline.data_inputs)]
         loss = self.pipeline.loss
@@ -198,6 +201,36 @@ class Batches:
                 )
             target = self._check(target, loss.target, sizes)
         return inputs, target
+
+    def _padded(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``inputs`` with each dynamic dimension but the batch's padded at its end up to a
+        multiple of --pad-to-multiple (at most its upper bound): labels with the ignore index
+        -100, other inputs (ids, attention masks) with 0. Sizes the bounds refuse are left."""
+        names = [value.name for value in self.pipeline.data_inputs]
+        inputs = list(inputs)
+        for dimension in self.pipeline.dimensions.values():
+            sources = [
+                (names.index(name), index)
+                for name, index in dimension.sources
+                if index > 0 and name in names and inputs[names.index(name)].dim() > index
+            ]
+            if not sources:
+                continue
+            position, index = sources[0]
+            size = inputs[position].shape[index]
+            target = min(-(-size // self.pad_to_multiple) * self.pad_to_multiple, dimension.max)
+            if not dimension.min <= size < target:
+                continue
+            for position, index in sources:
+                tensor = inputs[position]
+                if tensor.shape[index] != size:
+                    continue  # disagreeing sizes: refused by the check that follows
+                shape = list(tensor.shape)
+                shape[index] = target - size
+                fill = -100 if "labels" in names[position] else 0
+                pad = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
+                inputs[position] = torch.cat([tensor, pad], dim=index)
+        return inputs
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         signature = self.pipeline.signature

@@ -62,6 +62,7 @@ class TrainConfig:
     recompute_blocks: frozenset[str]  # blocks (original names) recomputed one by one
     # data and weights
     data: str | None
+    pad_to_multiple: int  # dynamic dimensions rounded up to a multiple of this (1: as given)
     load: str | None
     save: str | None
     # checkpoints
@@ -237,6 +238,16 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
         "(default: synthetic batches of the example's shapes)",
     )
     data.add_argument(
+        "--pad-to-multiple",
+        type=int,
+        default=1,
+        metavar="K",
+        help="pipelines compiled with --dynamic: pad each batch's dynamic dimensions (not the "
+        "batch dimension) up to a multiple of K within their bounds, so that fewer distinct shapes "
+        "occur; inputs named *labels* are padded with -100 (ignored by the loss), others with 0 "
+        "(attention masks: masked out). Default 1: no padding",
+    )
+    data.add_argument(
         "--load",
         metavar="PATH",
         help="original-model weights: a torch.save state_dict, a .safetensors file or a Hugging "
@@ -301,9 +312,14 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
     for name in ("steps", "checkpoint_every", "warmup_steps", "keep_checkpoints"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0")
-    for name in ("microbatches", "dp", "dp_shard", "accumulate", "log_every"):
+    for name in ("microbatches", "dp", "dp_shard", "accumulate", "log_every", "pad_to_multiple"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.pad_to_multiple > 1 and not pipeline.dimensions:
+        parser.error(
+            "--pad-to-multiple pads dynamic dimensions; this pipeline has none (compile with "
+            "--dynamic)"
+        )
     if args.resume_from:
         args.resume = True
     if args.resume and not args.checkpoint_dir:
