@@ -70,6 +70,17 @@ def _dynamic(text: str) -> DynamicDim:
         raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--dynamic {text!r} ")) from None
 
 
+def _expected(text: str) -> dict[str, int]:
+    """An argparse type: ``NAME=SIZE[,NAME=SIZE]``."""
+    sizes = {}
+    for item in text.split(","):
+        name, _, size = item.partition("=")
+        if not name.strip().isidentifier() or not size.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"{item!r} must be NAME=SIZE, e.g. seq=512")
+        sizes[name.strip()] = int(size)
+    return sizes
+
+
 def _link(text: str) -> str:
     """An argparse type: a known link name or a bandwidth in GB/s greater than 0."""
     try:
@@ -121,6 +132,13 @@ def _profile_options(parser: argparse.ArgumentParser) -> None:
         choices=PROFILE_MODES,
         default="analytic",
         help="analytic (default, deterministic) or measured on this machine",
+    )
+    group.add_argument(
+        "--expected",
+        type=_expected,
+        metavar="NAME=SIZE[,NAME=SIZE]",
+        help="with --dynamic: the sizes to predict time at, e.g. seq=512 (default: the upper "
+        "bounds; memory is always predicted at the upper bounds)",
     )
     group.add_argument(
         "--device-spec",

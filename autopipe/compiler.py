@@ -47,6 +47,8 @@ class CompileOptions:
     #: dimensions that change from batch to batch: ``--dynamic`` texts, DynamicDims, or
     #: ``{"seq": [("input_ids", 1), ("labels", 1)]}`` (see autopipe/dynamic.py)
     dynamic: Any = ()
+    #: sizes of dynamic dimensions to predict time at ({"seq": 512}; default: upper bounds)
+    expected: dict[str, int] | None = None
     device_spec: str | None = None  # the hardware model: a table name or a JSON file
     link: str | None = None
     schedule: str | None = None  # default: 1f1b for one stage per device, auto otherwise
@@ -104,6 +106,15 @@ class CompileOptions:
                 f"basic_blocks must be a tuple of class names, got {self.basic_blocks!r}"
             )
         self.dynamic = dynamic_dims(self.dynamic)
+        expected = self.expected or {}
+        if not (
+            isinstance(expected, dict)
+            and all(is_text(k) and isinstance(v, int) and v >= 2 for k, v in expected.items())
+        ):
+            raise AutopipeError(
+                f"expected must give sizes of dynamic dimensions by name, as in "
+                f'{{"seq": 512}}; got {self.expected!r}'
+            )
         if not isinstance(self.inline_blocks, bool):
             raise AutopipeError(f"inline_blocks must be True or False, got {self.inline_blocks!r}")
         if self.link is not None:
@@ -165,7 +176,7 @@ def target_device(options: CompileOptions) -> DeviceSpec:
 
 
 def profile_step(graph: Graph, options: CompileOptions, example: Example | None = None) -> Profile:
-    return profile(graph, options.profile, target_device(options), example)
+    return profile(graph, options.profile, target_device(options), example, options.expected)
 
 
 def plan_step(graph: Graph, prof: Profile, options: CompileOptions) -> list[Plan]:

@@ -14,8 +14,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+import builtins
+
 import sympy
 import torch
+from torch.utils._sympy.functions import CeilDiv, FloorDiv, Mod, PowByNatural, PythonMod
 
 from .checks import RESERVED
 from .errors import AutopipeError
@@ -39,7 +42,8 @@ class DynamicDim:
 
     def declaration(self) -> str:
         """The ``--dynamic`` text of this dimension."""
-        bounds = f"[{self.min or ''}:{self.max or ''}]" if (self.min or self.max) else ""
+        low, high = ("" if b is None else b for b in (self.min, self.max))
+        bounds = f"[{low}:{high}]" if (self.min, self.max) != (None, None) else ""
         return f"{self.name}{bounds}=" + ",".join(f"{i}:{d}" for i, d in self.sources)
 
 
@@ -76,7 +80,8 @@ def dynamic_dims(value: Any) -> tuple[DynamicDim, ...]:
     if isinstance(value, Mapping):
         dims = []
         for key, sources in value.items():
-            pairs = [sources] if isinstance(sources, tuple) and len(sources) == 2 else sources
+            one = isinstance(sources, tuple) and len(sources) == 2 and isinstance(sources[0], str)
+            pairs = [sources] if one else sources
             try:
                 text = f"{key}=" + ",".join(f"{name}:{dim}" for name, dim in pairs)
             except (TypeError, ValueError):
@@ -102,7 +107,7 @@ def dynamic_dims(value: Any) -> tuple[DynamicDim, ...]:
 
 
 def _checked(dim: DynamicDim) -> DynamicDim:
-    if dim.name in RESERVED or dim.name.startswith("_"):
+    if dim.name in RESERVED or dim.name in dir(builtins) or dim.name.startswith("_"):
         raise AutopipeError(
             f"--dynamic: {dim.name!r} cannot name a dimension (the generated code uses it); "
             "choose another name, such as seq or batch"
@@ -119,11 +124,18 @@ def _checked(dim: DynamicDim) -> DynamicDim:
     return dim
 
 
-def resolve(dims: Iterable[DynamicDim], inputs: Mapping[str, Any]) -> tuple[DynamicDim, ...]:
+def resolve(
+    dims: Iterable[DynamicDim], inputs: Mapping[str, Any], parameters: Iterable[str] = ()
+) -> tuple[DynamicDim, ...]:
     """``dims`` with both bounds set (the example's size is the default upper bound), checked
-    against the example ``inputs`` (the model's forward parameters, bound)."""
+    against the example ``inputs`` (the model's forward ``parameters``, bound)."""
     resolved = []
     for dim in dims:
+        if dim.name in set(parameters) | set(inputs):
+            raise AutopipeError(
+                f"--dynamic {dim.declaration()}: {dim.name!r} is a parameter of the model's "
+                "forward; name the dimension otherwise (the generated code uses both names)"
+            )
         sizes = []
         for name, index in dim.sources:
             value = inputs.get(name)
@@ -212,8 +224,10 @@ def _write(expr: Any, names: Mapping[Any, str]) -> tuple[str, int]:
         return text, _SUM
     if expr.is_Mul:
         coefficient, rest = expr.as_coeff_Mul()
-        parts = sorted(
-            (_operand(f, names, _PRODUCT) for f in sympy.Mul.make_args(rest)),
+        if not coefficient.is_Integer:
+            raise UnwritableSize(f"the size {expr} has the fractional factor {coefficient}")
+        parts = sorted(  # a // or % among the factors is bracketed: Python groups left to right
+            (_operand(f, names, _PRODUCT + 1) for f in sympy.Mul.make_args(rest)),
             key=lambda part: (part.startswith("("), part),  # names before sums
         )
         if abs(coefficient) != 1:
@@ -226,12 +240,16 @@ def _write(expr: Any, names: Mapping[Any, str]) -> tuple[str, int]:
     if function in ("Max", "Min"):
         args = sorted(expr.args, key=lambda a: (not a.is_number, sympy.default_sort_key(a)))
         return f"{function.lower()}({', '.join(_write(a, names)[0] for a in args)})", _ATOM
-    if function in ("FloorDiv", "Mod", "PythonMod") and len(expr.args) == 2:
-        symbol = "//" if function == "FloorDiv" else "%"
-        left, right = expr.args
+    if len(expr.args) == 2 and isinstance(expr, (FloorDiv, Mod, PythonMod, CeilDiv)):
+        left = _operand(expr.args[0], names, _PRODUCT)
+        right = _operand(expr.args[1], names, _PRODUCT + 1)
+        if isinstance(expr, CeilDiv):  # ceil(a / b) in integers
+            return f"-(-{_operand(expr.args[0], names, _POWER)} // {right})", _SUM
+        return f"{left} {'//' if isinstance(expr, FloorDiv) else '%'} {right}", _PRODUCT
+    if isinstance(expr, PowByNatural):
         return (
-            f"{_operand(left, names, _PRODUCT)} {symbol} {_operand(right, names, _PRODUCT + 1)}",
-            _PRODUCT,
+            f"{_operand(expr.args[0], names, _POWER + 1)} ** {_write(expr.args[1], names)[0]}",
+            _POWER,
         )
     raise UnwritableSize(f"the size {expr} uses {function}, which autopipe cannot write")
 

@@ -13,6 +13,7 @@ from the file ``autopipe trace`` wrote.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import math
 from contextvars import ContextVar
@@ -408,6 +409,7 @@ class Graph:
             self.inputs,
             f"the input nodes, each once ({sorted(declared)})",
         )
+        _lint_symbol_sources(self, where)
         _lint_units(self, where)
         if self.loss is not None:
             require(
@@ -561,6 +563,50 @@ class Graph:
         graph.lint(where)
         return graph
 
+    def rebound(self, sizes: dict[str, int]) -> Graph:
+        """A copy whose metadata and sizes are for other ``sizes`` of the dynamic dimensions
+        (those not given stay at their upper bounds): for profiling time at the sizes a run
+        expects. Strides keep each value's memory layout. Not for saving: lint checks the upper
+        bounds."""
+        from .runtime.shapes import evaluate
+
+        values = planned_sizes(self) | sizes
+
+        def meta(m: Any) -> Any:
+            if isinstance(m, tuple):
+                return tuple(meta(item) for item in m)
+            if not isinstance(m, TensorMeta) or not m.sizes:
+                return m
+            shape = tuple(evaluate(f, values) for f in m.formulas)
+            return dataclasses.replace(m, shape=shape, stride=_same_layout(m, shape))
+
+        def args(value: Any) -> Any:
+            if isinstance(value, Size):
+                return Size(evaluate(value.formula, values), value.formula)
+            if isinstance(value, (list, tuple)):
+                return type(value)(args(v) for v in value)
+            if isinstance(value, dict):
+                return {k: args(v) for k, v in value.items()}
+            return value
+
+        nodes = [
+            dataclasses.replace(n, meta=meta(n.meta), args=args(n.args), kwargs=args(n.kwargs))
+            for n in self.nodes
+        ]
+        return Graph(
+            nodes,
+            inputs=self.inputs,
+            outputs=self.outputs,
+            signature=self.signature,
+            params=self.params,
+            buffers=self.buffers,
+            constants=self.constants,
+            model=self.model,
+            units=self.units,
+            loss=self.loss,
+            functions=self.functions,
+        )
+
     def json_text(self) -> str:
         """The text of the graph artefact, computed once: a graph is not changed after tracing."""
         if self._json_text is None:
@@ -689,7 +735,7 @@ def decode(value: Any) -> Any:
         if not (
             isinstance(payload, list)
             and len(payload) == 2
-            and is_int(payload[0], 0)
+            and is_int(payload[0])
             and is_text(payload[1])
         ):
             raise ArtifactError(f"malformed size {value!r}: [planned size, formula] expected")
@@ -840,6 +886,7 @@ def _lint_model(model: Any, where: str) -> None:
             symbol,
             "a dynamic dimension {min >= 2, max >= min, sources: [[input, dimension], ...]}",
         )
+
     for name, module in sorted(operators.items()):  # registers them, for the checks below
         try:
             importlib.import_module(module)
@@ -848,6 +895,19 @@ def _lint_model(model: Any, where: str) -> None:
                 f"the graph calls the operator {name}, registered by the module {module}, which "
                 f"cannot be imported here ({exc}); install the package that provides it"
             ) from None
+
+
+def _lint_symbol_sources(graph: Graph, where: str) -> None:
+    """Each dynamic dimension sizes model inputs, whose metadata names it there."""
+    for name, symbol in graph.model.get("symbols", {}).items():
+        for source, dim in symbol["sources"]:
+            meta = graph[source].tensor_meta if source in graph.inputs else None
+            require(
+                meta is not None and dim < len(meta.sizes) and meta.sizes[dim] == name,
+                f"{where}model.symbols.{name}.sources",
+                [source, dim],
+                f"a model input whose dimension {dim} is {name}",
+            )
 
 
 def _lint_state(info: ParamInfo | BufferInfo, field: str) -> None:
@@ -1070,6 +1130,18 @@ def _lint_meta(meta: Any, field: str) -> None:
             _encode_meta(meta),
             "tensor metadata {shape, dtype, stride, requires_grad}",
         )
+
+
+def _same_layout(meta: TensorMeta, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides for ``shape`` that order dimensions in memory as ``meta``'s do (broadcast
+    dimensions keep stride 0)."""
+    order = sorted(range(len(shape)), key=lambda d: (meta.stride[d], meta.shape[d]))
+    strides, step = [0] * len(shape), 1
+    for d in order:
+        if meta.stride[d] != 0:
+            strides[d] = step
+            step *= shape[d]
+    return tuple(strides)
 
 
 def planned_sizes(graph: Graph) -> dict[str, int]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from .graph import Graph, TensorMeta
+import math
+
+from .graph import Graph, TensorMeta, planned_sizes
+from .runtime.shapes import evaluate
 from .partitioning import Partition
 from .partitioning.cost import Throughput
 from .partitioning.search import plan_table
@@ -41,7 +44,7 @@ def format_partition(graph: Graph, part: Partition) -> str:
     rows += memory_lines(part)
     rows.append(throughput_line(graph, part))
     if graph.model.get("symbols"):
-        rows.append(f"dynamic dimensions: {dimensions_text(graph)}")
+        rows.append(f"dynamic dimensions: {dimensions_text(graph, part)}")
     if part.recompute:
         rows.append(
             f"stages {', '.join(map(str, part.recompute))} recompute their activations in backward "
@@ -75,7 +78,7 @@ def memory_lines(part: Partition) -> list[str]:
 def throughput_line(graph: Graph, part: Partition) -> str:
     """The plan's predicted step, rate and model FLOPs utilisation."""
     figures = Throughput.of(part.predicted, part.settings, len(set(part.device_of_stage)))
-    tokens = tokens_per_microbatch(graph)
+    tokens = tokens_per_microbatch(graph, part.settings.get("timed_at", {}))
     rate = figures.microbatches / figures.step_time if figures.step_time else 0.0
     line = (
         f"plan: {part.settings.get('microbatches')} microbatches x "
@@ -91,22 +94,27 @@ def throughput_line(graph: Graph, part: Partition) -> str:
     return line
 
 
-def dimensions_text(graph: Graph) -> str:
-    """The dynamic dimensions, their bounds and the sizes the prediction is for ("" if none)."""
+def dimensions_text(graph: Graph, part: Partition) -> str:
+    """The dynamic dimensions, their bounds and the sizes the predictions are for ("" if
+    none): memory at the upper bounds, time at the --expected sizes where given."""
     symbols = graph.model.get("symbols", {})
     if not symbols:
         return ""
     bounds = ", ".join(f"{name} {s['min']}..{s['max']}" for name, s in symbols.items())
-    planned = ", ".join(f"{name}={s['max']}" for name, s in symbols.items())
-    return (
-        f"{bounds}; time and memory predicted at the upper bounds ({planned}), which every "
-        "step's microbatches stay within"
-    )
+    upper = ", ".join(f"{name}={s['max']}" for name, s in symbols.items())
+    timed_at = part.settings.get("timed_at", {})
+    if not timed_at:
+        return f"{bounds}; time and memory predicted at the upper bounds ({upper})"
+    timed = {name: timed_at.get(name, s["max"]) for name, s in symbols.items()}
+    at = ", ".join(f"{name}={size}" for name, size in timed.items())
+    return f"{bounds}; time predicted at {at} (--expected), memory at the upper bounds ({upper})"
 
 
-def tokens_per_microbatch(graph: Graph) -> int | None:
+def tokens_per_microbatch(graph: Graph, sizes: dict[str, int] | None = None) -> int | None:
     """Tokens in the example microbatch for a language model: the size of its first integer
-    (batch, sequence) input; None for other models."""
+    (batch, sequence) input, for the dynamic dimensions' ``sizes`` where given (else at their
+    upper bounds); None for other models."""
+    values = planned_sizes(graph) | (sizes or {})
     for name in graph.inputs:
         meta = graph[name].meta
         if (
@@ -114,7 +122,7 @@ def tokens_per_microbatch(graph: Graph) -> int | None:
             and len(meta.shape) == 2
             and not meta.dtype.is_floating_point
         ):
-            return meta.shape[0] * meta.shape[1]
+            return math.prod(evaluate(f, values) for f in meta.formulas)
     return None
 
 

@@ -23,6 +23,16 @@ GALLERY = {
     "bert_base_4": ["examples/bert.py:build", "--stages", "4"],
     # Mixed-Pipe: 6 stages on 3 devices, two non-adjacent stages per device
     "t5_small_6on3": ["examples/t5.py:build", "--stages", "6", "--devices", "3"],
+    # variable lengths: sequence and batch dimensions traced as dynamic (examples/finetune.py)
+    "finetune_2": [
+        "examples/finetune.py:build",
+        "--stages",
+        "2",
+        "--dynamic",
+        "seq[16:256]=input_ids:1,attention_mask:1,labels:1",
+        "--dynamic",
+        "batch[2:8]=input_ids:0,attention_mask:0,labels:0",
+    ],
 }
 
 

@@ -15,6 +15,7 @@ import models
 from autopipe.dynamic import DynamicDim, dynamic_dims, formula, parse_dynamic
 from autopipe.errors import ArtifactError, AutopipeError, TraceError
 from autopipe.graph import Graph, sizes_in
+from autopipe.profiling import Profile, profile
 from autopipe.runtime.data import Batches
 from autopipe.runtime.options import parse_config
 from autopipe.runtime.pipeline import Pipeline, PipelineFormatError
@@ -63,7 +64,7 @@ def test_a_dimension_or_input_declared_twice_is_refused():
     with pytest.raises(AutopipeError, match="declares the name seq twice"):
         dynamic_dims(["seq=a:1", "seq=b:1"])
     with pytest.raises(AutopipeError, match=r"input dimension \('a', 1\) twice"):
-        dynamic_dims(["seq=a:1", "len=a:1"])
+        dynamic_dims(["seq=a:1", "length=a:1"])
 
 
 # -- formulas ---------------------------------------------------------------------------------
@@ -86,6 +87,36 @@ def test_formulas_print_as_python_and_evaluate_like_sympy():
         for seq, batch in [(2, 3), (7, 2), (64, 5)]:
             expected = int(expr.xreplace({s: seq, b: batch}))
             assert evaluate(text, {"seq": seq, "batch": batch}) == expected, text
+
+
+def test_floor_division_and_remainders_in_products_keep_their_grouping():
+    from torch.utils._sympy.functions import CeilDiv, FloorDiv, PythonMod
+
+    s, b = sympy.symbols("s0 s1", integer=True)
+    names = {s: "seq", b: "batch"}
+    for expr in (b * FloorDiv(s, 2), 2 * FloorDiv(s, 2), b * PythonMod(s, 4), CeilDiv(s, 3) * b):
+        text = formula(expr, names)
+        for seq, batch in [(7, 3), (9, 2), (16, 5)]:
+            expected = int(expr.xreplace({s: seq, b: batch}))
+            assert evaluate(text, {"seq": seq, "batch": batch}) == expected, text
+    with pytest.raises(ValueError, match="fractional factor"):
+        formula(s / 2, names)
+
+
+def test_dimension_names_the_generated_code_needs_are_refused():
+    with pytest.raises(AutopipeError, match="cannot name a dimension"):
+        parse_dynamic("max=input_ids:1")
+    with pytest.raises(AutopipeError, match="'labels' is a parameter of the model's forward"):
+        trace(load_example(spec("gpt2")), dynamic=dynamic_dims(["labels=input_ids:1"]))
+
+
+def test_a_negative_size_round_trips():
+    from autopipe.graph import Size, decode, encode
+
+    assert (
+        decode(encode([Size(-32, "-seq")])) == [-32]
+        and decode(encode(Size(-3, "-seq"))).formula == "-seq"
+    )
 
 
 @pytest.mark.parametrize("text", ["__import__('os')", "seq.real", "seq / 2", "lambda: 1", "len"])
@@ -148,6 +179,12 @@ def test_declarations_that_do_not_fit_the_example_are_refused(declaration, messa
         trace(load_example(spec("gpt2")), dynamic=dynamic_dims([declaration]))
 
 
+def test_torch_cond_under_dynamic_dimensions_is_refused_at_its_line():
+    with pytest.raises(TraceError, match="does not compile torch.cond with --dynamic") as caught:
+        trace(load_example("tests/cond_models.py:cond_true"), dynamic=dynamic_dims(["rows=x:0"]))
+    assert "tests/cond_models.py:" in str(caught.value)
+
+
 def test_dynamic_with_a_loss_function_is_refused(tmp_path):
     with pytest.raises(AutopipeError, match="--dynamic with --loss is not supported"):
         compile_model(
@@ -157,6 +194,36 @@ def test_dynamic_with_a_loss_function_is_refused(tmp_path):
             loss="tests/models.py:mse",
             dynamic=["batch=x:0"],
         )
+
+
+# -- profiles ---------------------------------------------------------------------------------
+def test_expected_sizes_time_the_units_and_memory_stays_at_the_upper_bounds(gpt2_graph):
+    upper = profile(gpt2_graph, "analytic")
+    expected = profile(gpt2_graph, "analytic", expected={"seq": 8, "batch": 2})
+    assert expected.timed_at == {"seq": 8, "batch": 2} and upper.timed_at == {}
+    # 2 x 8 tokens instead of 4 x 32: the FLOPs shrink (the tiny model's time is mostly launches)
+    flops = [sum(u.flops_forward + u.flops_backward for u in p.units) for p in (expected, upper)]
+    assert flops[0] < flops[1] / 6
+    assert sum(u.time for u in expected.units) < sum(u.time for u in upper.units)
+    for unit, at_upper in zip(expected.units, upper.units):
+        assert (unit.activations, unit.temporaries, unit.outputs, unit.parameters) == (
+            at_upper.activations,
+            at_upper.temporaries,
+            at_upper.outputs,
+            at_upper.parameters,
+        )
+    assert Profile.from_json(expected.to_json()).to_json() == expected.to_json()
+    with pytest.raises(AutopipeError, match="length is not a dynamic dimension"):
+        profile(gpt2_graph, "analytic", expected={"length": 8})
+    with pytest.raises(AutopipeError, match=r"seq=64 is outside the bounds \[4:32\]"):
+        profile(gpt2_graph, "analytic", expected={"seq": 64})
+
+
+def test_a_measured_profile_runs_at_the_upper_bounds_not_the_examples_sizes(gpt2_graph):
+    example = load_example(spec("gpt2"))  # batch 2 x 16, the graph planned at 4 x 32
+    measured = profile(gpt2_graph, "measured", example=example)
+    assert len(measured.units) == len(gpt2_graph.units)
+    assert all(unit.forward > 0 for unit in measured.units)
 
 
 # -- generated code ---------------------------------------------------------------------------

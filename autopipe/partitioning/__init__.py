@@ -226,7 +226,8 @@ def partition(
             "link": profile.device.link,
             "profile": profile.mode,
         }
-        | ({"measured_on": profile.measured_on} if profile.measured_on else {}),
+        | ({"measured_on": profile.measured_on} if profile.measured_on else {})
+        | ({"timed_at": dict(profile.timed_at)} if profile.timed_at else {}),
         predicted=prediction.to_json(),
         costs={k: v for k, v in asdict(costs).items() if k != "device_of_stage"},
     )

@@ -180,6 +180,13 @@ class Partition:
         for key in ("optimizer", "device", "link", "profile", "measured_on"):
             value = settings.get(key, "")
             require(is_text(value), f"settings.{key}", value, "a one-line text")
+        timed_at = settings.get("timed_at", {})
+        require(
+            isinstance(timed_at, dict) and all(is_int(v, 2) for v in timed_at.values()),
+            "settings.timed_at",
+            timed_at,
+            "sizes of dynamic dimensions by name",
+        )
         schedule = settings.get("schedule")
         if schedule is None:
             return

@@ -10,21 +10,53 @@ from .devices import KNOWN_DEVICES, DeviceSpec, device_spec, with_link
 from .measured import profile_measured
 from .profile import PROFILE_MODES, Profile, UnitCost
 
+#: UnitCost fields that describe time (the rest describe memory, at the upper bounds)
+TIME_FIELDS = ("forward", "backward", "flops_forward", "flops_backward")
+TIME_FIELDS += ("bytes_forward", "bytes_backward")
+
 
 def profile(
     graph: Graph,
     mode: str = "analytic",
     spec: DeviceSpec | None = None,
     example: Example | None = None,
+    expected: dict[str, int] | None = None,
 ) -> Profile:
     """Profile every unit of ``graph``: ``analytic`` (deterministic, any model size) or
-    ``measured`` (runs each unit on the local device)."""
+    ``measured`` (runs each unit on the local device). A graph with dynamic dimensions is
+    profiled at their upper bounds, its times at the ``expected`` sizes when given."""
     spec = spec or device_spec()
-    if mode == "analytic":
-        return profile_analytic(graph, spec)
-    if mode == "measured":
-        return profile_measured(graph, spec, example)
-    raise AutopipeError(f"unknown profile mode {mode!r}; use one of {', '.join(PROFILE_MODES)}")
+    if mode not in PROFILE_MODES:
+        raise AutopipeError(f"unknown profile mode {mode!r}; use one of {', '.join(PROFILE_MODES)}")
+    run = profile_analytic if mode == "analytic" else profile_measured
+    result = run(graph, spec) if mode == "analytic" else run(graph, spec, example)
+    if not expected:
+        return result
+    check_expected(graph, expected)
+    rebound = graph.rebound(expected)
+    timed = run(rebound, spec) if mode == "analytic" else run(rebound, spec, example)
+    for unit, at_expected in zip(result.units, timed.units):
+        for name in TIME_FIELDS:
+            setattr(unit, name, getattr(at_expected, name))
+    result.timed_at = dict(expected)
+    return result
+
+
+def check_expected(graph: Graph, expected: dict[str, int]) -> None:
+    """``expected`` names dynamic dimensions of ``graph``, at sizes within their bounds."""
+    symbols = graph.model.get("symbols", {})
+    for name, size in expected.items():
+        if name not in symbols:
+            known = ", ".join(symbols) or "none (compile with --dynamic)"
+            raise AutopipeError(
+                f"--expected {name}={size}: {name} is not a dynamic dimension of the model; "
+                f"its dynamic dimensions are {known}"
+            )
+        low, high = symbols[name]["min"], symbols[name]["max"]
+        if not low <= size <= high:
+            raise AutopipeError(
+                f"--expected {name}={size} is outside the bounds [{low}:{high}] of {name}"
+            )
 
 
 __all__ = [

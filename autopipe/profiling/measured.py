@@ -210,7 +210,11 @@ def _example_values(graph: Graph, example: Example | None, device: torch.device)
         given = bound.get(node.name) if node.kind == "input" else state.get(node.target)
         if node.kind == "constant":
             tensor = decode_tensor(graph.constants[node.name])
-        elif isinstance(given, torch.Tensor) and not given.is_meta:
+        elif (
+            isinstance(given, torch.Tensor)
+            and not given.is_meta
+            and tuple(given.shape) == meta.shape  # dynamic dimensions: planned at other sizes
+        ):
             tensor = given.detach()
         elif meta.dtype.is_floating_point:
             tensor = torch.randn(meta.shape, generator=generator) * 0.02

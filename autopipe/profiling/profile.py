@@ -62,6 +62,9 @@ class Profile:
     units: list[UnitCost]
     graph_digest: str
     measured_on: str = ""  # the local device a measured profile ran on
+    #: the dynamic dimensions' sizes its times are for (--expected); memory is at their upper
+    #: bounds, as are times of dimensions not named here
+    timed_at: dict[str, int] = field(default_factory=dict)
 
     @property
     def source(self) -> str:
@@ -82,7 +85,7 @@ class Profile:
             "graph_digest": self.graph_digest,
             "device": self.device.to_json(),
             "units": [asdict(u) for u in self.units],
-        }
+        } | ({"timed_at": dict(self.timed_at)} if self.timed_at else {})
 
     @classmethod
     def from_json(cls, data: dict) -> Profile:
@@ -106,6 +109,16 @@ class Profile:
                     f"costs >= 0 with fields {sorted(_UNIT_FIELDS)}",
                 )
             device = DeviceSpec.from_json(data["device"], "device")
+            timed_at = data.get("timed_at", {})
+            require(
+                isinstance(timed_at, dict)
+                and all(
+                    is_text(k) and is_number(v, 2) and int(v) == v for k, v in timed_at.items()
+                ),
+                "timed_at",
+                timed_at,
+                "sizes of dynamic dimensions by name",
+            )
         except KeyError as exc:
             raise ArtifactError(
                 f"the profile artefact has no {exc}; run `autopipe profile` again"
@@ -120,6 +133,7 @@ class Profile:
             units=[UnitCost(**u) for u in units],
             graph_digest=data["graph_digest"],
             measured_on=measured_on,
+            timed_at={k: int(v) for k, v in timed_at.items()},
         )
 
     def save(self, path) -> None:

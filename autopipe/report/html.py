@@ -127,7 +127,7 @@ def summary_rows(data: ReportData) -> list[tuple[str, str]]:
             f"{format_bytes(max(peak))} of {format_bytes(data.memory_capacity)} per device",
         ),
         ("throughput", throughput_line(data.graph, data.partition).removeprefix("plan: ")),
-        ("dynamic dimensions", dimensions_text(data.graph)),
+        ("dynamic dimensions", dimensions_text(data.graph, data.partition)),
     ]
     return [(key, value) for key, value in rows if value]
 

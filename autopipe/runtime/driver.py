@@ -614,9 +614,10 @@ def _run(
 class ShapedSchedules:
     """This rank's stages and schedule for each step's sizes of the dynamic dimensions: built
     on first use by ``build`` and kept for the ``keep`` sizes used last, so that recurring
-    lengths cost nothing (a static pipeline has one entry, for ``None``)."""
+    lengths cost nothing (a static pipeline has one entry, for ``None``). Each kept entry holds
+    its stages' receive buffers (``--pad-to-multiple`` limits how many sizes occur)."""
 
-    def __init__(self, build: Callable[[dict[str, int] | None], tuple], keep: int = 8):
+    def __init__(self, build: Callable[[dict[str, int] | None], tuple], keep: int = 4):
         self.build = build
         self.keep = keep
         self.built: dict[tuple, tuple] = {}  # sizes -> (stages, schedule), least recent first
@@ -644,12 +645,14 @@ def agree_dimensions(
             batch = batches(step)
             sizes = batches.dimensions(batch[0], step) if batch[0] else {}
             found = [sizes.get(name, 0) for name in names]
-        except PipelineRunError as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the all-reduce
             problem = exc
     agreed = torch.tensor([int(problem is not None), *found], device=layout.device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=layout.pp_group)
-    if problem is not None:
+    if isinstance(problem, PipelineRunError):
         raise PipelineRunError(str(problem), every_rank=True)
+    if problem is not None:
+        raise problem
     if agreed[0]:
         raise PipelineRunError(f"step {step}: the batch was refused (see rank 0)", every_rank=True)
     sizes = dict(zip(names, (int(v) for v in agreed[1:])))

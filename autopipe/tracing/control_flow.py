@@ -71,7 +71,13 @@ def convert_cond(converter: Any, node: fx.Node, owner: torch.nn.Module, context:
             "compiles a torch.cond whose branches hold torch operators only. Merge the "
             "predicates into one torch.cond, or compute the inner choice with torch.where."
         )
-    error = _symbolic_size_error(node, converter.symbol_names.keys())
+    if converter.symbol_names:
+        raise TraceError(
+            f"the model calls torch.cond at {where}; autopipe does not compile torch.cond with "
+            "--dynamic dimensions yet (its branches are traced for fixed sizes). Compile "
+            "without --dynamic, or compute the choice with torch.where"
+        )
+    error = _symbolic_size_error(node)
     if error is not None:
         raise error
     pred, true_node, false_node, operands = node.args

@@ -88,11 +88,12 @@ def trace(
     on_meta = any(t.is_meta for t in _state_tensors(model))
     bound = _bound_inputs(example)
     input_ranges = _integer_input_ranges(bound)
-    dims = resolve(dynamic, bound)
+    dims = resolve(dynamic, bound, _forward_signature(model))
     buffers = _buffer_table(model)  # before tracing: buffers may move to meta for it
     args, kwargs = _unaliased(example.args, example.kwargs)
     was_training = model.training
     model.train()
+    guards = None
     try:
         # weights are not needed to trace: a model built on meta is traced with fake tensors on
         # the CPU, so that its device-dependent code takes the branch a CPU (or GPU) run takes
@@ -101,7 +102,7 @@ def trace(
         ) as fake, custom_functions_captured() as functions, partial_graph_held_back():
             if fake is not None:
                 args, kwargs = fake((args, kwargs))
-            with cond_grad_mode_checked(), guards_recorded() as guards:
+            with cond_grad_mode_checked(), guards_recorded(active=bool(dims)) as guards:
                 # (torch.export drops no_grad around a cond; guards name specialising lines)
                 exported = _export(
                     model,
@@ -291,11 +292,14 @@ class _GuardRecorder(logging.Handler):
 
 
 @contextlib.contextmanager
-def guards_recorded() -> Iterator[_GuardRecorder]:
-    """Record the guards torch.export adds on sizes while the block runs (see
+def guards_recorded(active: bool = True) -> Iterator[_GuardRecorder]:
+    """Record the guards torch.export adds on sizes while the block runs, if ``active`` (see
     :class:`_GuardRecorder`); its size log is shown nowhere else meanwhile."""
-    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
     recorder = _GuardRecorder()
+    if not active:
+        yield recorder
+        return
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
     saved = log.handlers, log.level, log.propagate
     log.handlers, log.propagate = [recorder], False
     log.setLevel(logging.INFO)
@@ -318,8 +322,11 @@ def _dynamic_error(
     declared = ", ".join(d.declaration() for d in dims if d.name in names) or "--dynamic"
     fixed = re.search(r"specialized it to be a constant \((\d+)\)", message)
     where = ""
-    if guards.guards:
-        guard, frame = guards.guards[0]
+    if guards.guards:  # the guard fixing the size, else the first
+        constant = re.compile(rf"\b{fixed[1]}\b") if fixed else None
+        guard, frame = next(
+            (g for g in guards.guards if constant and constant.search(g[0])), guards.guards[0]
+        )
         where = (
             f" at {_short_path(frame.filename)}:{frame.lineno}:\n    {(frame.line or '').strip()}"
             f"\n(torch.export's guard: {guard})"
@@ -448,8 +455,9 @@ def _is_symbolic(value: Any, known: Any = frozenset()) -> bool:
     ``known`` ones (dynamic dimensions)."""
     if isinstance(value, torch.Tensor):
         return any(_is_symbolic(size, known) for size in value.shape)
-    if isinstance(value, torch.SymInt):
-        return not value.node.expr.free_symbols <= known
+    if isinstance(value, torch.SymInt):  # (one of known symbols alone is a dynamic size)
+        free = value.node.expr.free_symbols
+        return not (free and free <= known)
     return isinstance(value, (torch.SymFloat, torch.SymBool))
 
 

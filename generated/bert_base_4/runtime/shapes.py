@@ -3,7 +3,7 @@
 Copied into every generated pipeline as ``runtime/shapes.py``; it needs only the standard
 library. ``pipeline.json`` writes a dynamic size as a formula (``"seq"``, ``"2 * seq"``,
 ``"seq - 1"``, ``"max(32, 32 * seq)"``); :func:`evaluate` computes one for a step's values of the
-names, reading nothing but integers, the four integer operators, ``**`` and ``min``/``max``.
+names, reading nothing but integers, ``+ - * // %``, small powers and ``min``/``max``.
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ def _value(node: ast.AST, values: Mapping[str, int], formula: str) -> int:
         return int(values[node.id])
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _value(node.left, values, formula), _value(node.right, values, formula)
+        if isinstance(node.op, ast.Pow) and not 0 <= right <= 64:
+            raise FormulaError(f"size formula {formula!r} raises to the power {right}")
         return _BINARY[type(node.op)](left, right)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return -_value(node.operand, values, formula)

@@ -99,7 +99,10 @@ def dimension_sizes(
                 size //= rows
             found.append((f"{name}:{index}", size))
         if not found:
-            continue
+            raise PipelineRunError(
+                f"{where}: no input sizes the dynamic dimension {dimension.name!r} (its inputs: "
+                f"{', '.join(f'{n}:{i}' for n, i in dimension.sources)})"
+            )
         if len({size for _, size in found}) > 1:
             shown = ", ".join(f"{source} is {size}" for source, size in found)
             raise PipelineRunError(
@@ -282,7 +285,14 @@ class Batches:
             raise PipelineRunError(
                 "--data: dataset items must be dicts of tensors keyed by the model's input names"
             )
-        batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+        try:
+            batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+        except RuntimeError as exc:
+            raise PipelineRunError(
+                f"--data: the dataset's items of step {step} do not stack into one batch "
+                f"({first_line(exc)}); items of different lengths need a --data FN(step) that "
+                "pads each step's batch (see examples/finetune.py)"
+            ) from None
         target = batch.pop("target", None)
         return self._inputs(batch, step, target)
 

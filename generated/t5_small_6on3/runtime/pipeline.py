@@ -116,6 +116,7 @@ class Dimension:
 
     @classmethod
     def from_json(cls, data: Any, name: str, where: str) -> Dimension:
+        _check(name, where, str.isidentifier, "named by an identifier")
         _object(data, where, ("min", "max", "sources"))
         low = _check(data["min"], f"{where}.min", lambda v: _is_int(v) and v >= 2, "2 or more")
         high = _check(data["max"], f"{where}.max", lambda v: _is_int(v) and v >= low, ">= min")

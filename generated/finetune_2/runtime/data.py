@@ -1,0 +1,315 @@
+"""Training data of a generated pipeline: each step's whole batch, cut into the parts each
+pipeline run of each data-parallel replica takes.
+
+Copied into every generated pipeline as ``runtime/data.py``; it needs only torch. A step's batch
+holds ``accumulate x dp x microbatches`` example microbatches along dimension 0, in that order:
+accumulation round, replica, microbatch. The batch of a step depends only on the step number (and
+the seed), so a resumed run reads exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .options import TrainConfig
+from .pipeline import Pipeline, Value
+
+
+class PipelineRunError(RuntimeError):
+    """A problem with how the pipeline was started or fed; printed without a traceback, by rank 0
+    alone when ``every_rank`` finds the same problem."""
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message in one line (its first), or its type's name when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_function(spec: str, option: str = "--data") -> Callable:
+    """Import ``FILE.py:FN`` or ``package.module:FN``."""
+    location, _, name = spec.rpartition(":")
+    if not location or not name:
+        raise PipelineRunError(
+            f"{option} {spec!r} must have the form FILE.py:FN or package.module:FN"
+        )
+    if location.endswith(".py"):
+        path = Path(location).resolve()
+        if not path.is_file():
+            raise PipelineRunError(f"{option}: file {location} does not exist")
+        module_spec = importlib.util.spec_from_file_location(f"_autopipe_data_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.path.insert(0, str(path.parent))
+        try:
+            module_spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(path.parent))
+    else:
+        module = importlib.import_module(location)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise PipelineRunError(f"{option}: {location} has no function {name!r}")
+    return fn
+
+
+def _takes_no_arguments(fn: Callable) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return all(
+        p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters
+    )
+
+
+def dimension_sizes(
+    pipeline: Pipeline, given: dict[str, torch.Tensor], rows: int, where: str
+) -> dict[str, int] | None:
+    """The sizes of ``pipeline``'s dynamic dimensions in the inputs ``given`` (by name), which
+    hold ``rows`` microbatches along dimension 0, checked to agree and to lie within their
+    bounds; None for a static pipeline."""
+    if not pipeline.dimensions:
+        return None
+    sizes: dict[str, int] = {}
+    for dimension in pipeline.dimensions.values():
+        found = []
+        for name, index in dimension.sources:
+            tensor = given.get(name)
+            if tensor is None or tensor.dim() <= index:
+                continue  # an input the pipeline does not read; or checked with its shape
+            size = tensor.shape[index]
+            if index == 0:
+                if size % rows:
+                    raise PipelineRunError(
+                        f"{where}: input {name!r} has {size} samples, which do not split into "
+                        f"{rows} equal microbatches (--microbatches x --accumulate x --dp x "
+                        "--dp-shard); give a multiple of that many samples"
+                    )
+                size //= rows
+            found.append((f"{name}:{index}", size))
+        if not found:
+            raise PipelineRunError(
+                f"{where}: no input sizes the dynamic dimension {dimension.name!r} (its inputs: "
+                f"{', '.join(f'{n}:{i}' for n, i in dimension.sources)})"
+            )
+        if len({size for _, size in found}) > 1:
+            shown = ", ".join(f"{source} is {size}" for source, size in found)
+            raise PipelineRunError(
+                f"{where}: the sizes of the dynamic dimension {dimension.name!r} differ "
+                f"({shown}); the inputs it sizes must agree"
+            )
+        size = found[0][1]
+        if not dimension.min <= size <= dimension.max:
+            raise PipelineRunError(
+                f"{where}: dimension {dimension.name!r} is {size}, outside the bounds "
+                f"[{dimension.min}:{dimension.max}] the pipeline was compiled for; pad or cut "
+                f"the batch into them, or compile again with --dynamic "
+                f"{dimension.name}[MIN:MAX]=... bounds that hold it"
+            )
+        sizes[dimension.name] = size
+    return sizes
+
+
+class Batches:
+    """The whole batch of each step: from ``--data`` (a step function or a Dataset factory) or
+    synthetic, checked against the pipeline's inputs."""
+
+    def __init__(self, pipeline: Pipeline, config: TrainConfig):
+        self.pipeline = pipeline
+        self.microbatches = config.microbatches
+        self.parts = config.accumulate * config.data_parallel  # pipeline runs per step, all ranks
+        self.seed = config.seed
+        self.pad_to_multiple = config.pad_to_multiple
+        self.fn = self.dataset = None
+        if config.data:
+            fn = load_function(config.data)
+            if _takes_no_arguments(fn):
+                self.dataset = fn()
+                if not isinstance(self.dataset, torch.utils.data.Dataset):
+                    raise PipelineRunError(
+                        f"--data {config.data}: a function without arguments must return a "
+                        f"torch.utils.data.Dataset, got {type(self.dataset).__name__}"
+                    )
+            else:
+                self.fn = fn
+
+    @property
+    def rows(self) -> int:
+        """Example microbatches in a step's batch."""
+        return self.parts * self.microbatches
+
+    @property
+    def samples(self) -> int:
+        """Samples in a step's batch: its microbatches times the example microbatch's size."""
+        return self.rows * self.pipeline.samples_per_microbatch
+
+    def __call__(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """``(the first stage's inputs, target or None)`` of the whole step."""
+        if self.dataset is not None:
+            return self._from_dataset(step)
+        if self.fn is None:
+            return self._synthetic(step)
+        result = self.fn(step)
+        if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
+            raise PipelineRunError(
+                f"--data function returned {type(result).__name__}; expected (args, kwargs) or (args, kwargs, target)"
+            )
+        args, kwargs, *rest = result
+        args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+        return self._inputs(self._bind(args, dict(kwargs or {})), step, rest[0] if rest else None)
+
+    def part(
+        self, batch: tuple[list[torch.Tensor], torch.Tensor | None], index: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Pipeline run ``index`` (accumulation round x dp + replica) of a step's batch."""
+        inputs, target = batch
+        chunk = lambda t: t.chunk(self.parts)[index]  # noqa: E731
+        return [chunk(t) for t in inputs], (chunk(target) if target is not None else None)
+
+    def dimensions(self, inputs: list[torch.Tensor], step: int) -> dict[str, int] | None:
+        """The sizes of the pipeline's dynamic dimensions in a step's first-stage ``inputs``
+        (per microbatch), checked against their bounds; None for a static pipeline."""
+        given = {value.name: t for value, t in zip(self.pipeline.data_inputs, inputs)}
+        return dimension_sizes(self.pipeline, given, self.rows, f"step {step}")
+
+    def _inputs(self, bound: dict, step: int, target: Any) -> tuple[list[torch.Tensor], Any]:
+        inputs = []
+        for value in self.pipeline.data_inputs:
+            if not isinstance(bound.get(value.name), torch.Tensor):
+                raise PipelineRunError(
+                    f"--data batch of step {step} has no tensor for input {value.name!r}"
+                )
+            inputs.append(bound[value.name])
+        if self.pad_to_multiple > 1:
+            inputs = self._padded(inputs)
+        sizes = self.dimensions(inputs, step)
+        inputs = [self._check(t, v, sizes) for t, v in zip(inputs, self.pipeline.data_inputs)]
+        loss = self.pipeline.loss
+        if loss.needs_target:
+            if not isinstance(target, torch.Tensor):
+                raise PipelineRunError(
+                    "this pipeline's loss needs a target: the --data function must return "
+                    "(args, kwargs, target), or the dataset's items a 'target' entry"
+                )
+            target = self._check(target, loss.target, sizes)
+        return inputs, target
+
+    def _padded(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``inputs`` with each dynamic dimension but the batch's padded at its end up to a
+        multiple of --pad-to-multiple (at most its upper bound): labels with the ignore index
+        -100, other inputs (ids, attention masks) with 0. Sizes the bounds refuse are left."""
+        names = [value.name for value in self.pipeline.data_inputs]
+        inputs = list(inputs)
+        for dimension in self.pipeline.dimensions.values():
+            sources = [
+                (names.index(name), index)
+                for name, index in dimension.sources
+                if index > 0 and name in names and inputs[names.index(name)].dim() > index
+            ]
+            if not sources:
+                continue
+            position, index = sources[0]
+            size = inputs[position].shape[index]
+            target = min(-(-size // self.pad_to_multiple) * self.pad_to_multiple, dimension.max)
+            if not dimension.min <= size < target:
+                continue
+            for position, index in sources:
+                tensor = inputs[position]
+                if tensor.shape[index] != size:
+                    continue  # disagreeing sizes: refused by the check that follows
+                shape = list(tensor.shape)
+                shape[index] = target - size
+                fill = -100 if "labels" in names[position] else 0
+                pad = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
+                inputs[position] = torch.cat([tensor, pad], dim=index)
+        return inputs
+
+    def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        signature = self.pipeline.signature
+        if len(args) > len(signature):
+            raise PipelineRunError(
+                f"--data gave {len(args)} positional inputs; forward takes {len(signature)}"
+            )
+        bound = dict(zip(signature, args))
+        bound.update(kwargs)
+        return bound
+
+    def _check(
+        self, tensor: torch.Tensor, value: Value, sizes: dict[str, int] | None
+    ) -> torch.Tensor:
+        micro = list(value.shape_for(sizes))
+        expected = [micro[0] * self.rows, *micro[1:]] if micro else []
+        if sizes is not None and value.sizes is not None and list(tensor.shape) != expected:
+            formulas = ", ".join(map(str, value.sizes))
+            raise PipelineRunError(
+                f"input {value.name!r} has shape {list(tensor.shape)}; with {sizes} this "
+                f"pipeline expects {expected} per step ({self.rows} microbatches of shape "
+                f"[{formulas}]: --microbatches x --accumulate x --dp x --dp-shard)"
+            )
+        if list(tensor.shape) != expected or tensor.dtype != value.torch_dtype:
+            raise PipelineRunError(
+                f"input {value.name!r} has shape {list(tensor.shape)} and dtype {str(tensor.dtype).removeprefix('torch.')}; "
+                f"this pipeline expects shape {expected} and dtype {value.dtype} per step "
+                f"({self.rows} microbatches of shape {micro}: --microbatches x --accumulate x --dp x --dp-shard). "
+                "The pipeline was compiled for that example microbatch: change --microbatches to "
+                "match your batch, or compile again."
+            )
+        return tensor
+
+    def _from_dataset(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Samples ``step * B ... (step + 1) * B - 1`` of an endless stream of seeded epoch
+        permutations of the dataset (B: samples per step)."""
+        size = len(self.dataset)
+        count = self.samples
+        if size == 0:
+            raise PipelineRunError("--data: the dataset is empty")
+        items, epoch, order = [], None, None
+        for position in range(step * count, (step + 1) * count):
+            if position // size != epoch:
+                epoch = position // size
+                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                order = torch.randperm(size, generator=generator)
+            items.append(self.dataset[int(order[position % size])])
+        if not all(isinstance(item, dict) for item in items):
+            raise PipelineRunError(
+                "--data: dataset items must be dicts of tensors keyed by the model's input names"
+            )
+        try:
+            batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+        except RuntimeError as exc:
+            raise PipelineRunError(
+                f"--data: the dataset's items of step {step} do not stack into one batch "
+                f"({first_line(exc)}); items of different lengths need a --data FN(step) that "
+                "pads each step's batch (see examples/finetune.py)"
+            ) from None
+        target = batch.pop("target", None)
+        return self._inputs(batch, step, target)
+
+    def _synthetic(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        inputs = [self._random(value, generator) for value in self.pipeline.data_inputs]
+        loss = self.pipeline.loss
+        target = self._random(loss.target, generator) if loss.needs_target else None
+        return inputs, target
+
+    def _random(self, value: Value, generator: torch.Generator) -> torch.Tensor:
+        micro = value.shape
+        shape = [micro[0] * self.rows, *micro[1:]]
+        dtype = value.torch_dtype
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=generator).to(dtype)
+        if dtype == torch.bool:
+            return torch.rand(shape, generator=generator) < 0.5
+        high = self.pipeline.input_ranges.get(value.name, 1)
+        return torch.randint(0, max(high, 0) + 1, shape, generator=generator, dtype=dtype)

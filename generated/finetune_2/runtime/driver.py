@@ -1,0 +1,776 @@
+"""Training driver of generated pipelines, started by ``torchrun ... train.py``.
+
+Copied into every generated pipeline as ``runtime/driver.py``; it needs only torch. Each rank
+builds the stages the pipeline places on it (parameters materialised only there), shards them
+with FSDP2 over its data-parallel ranks (``--dp``, ``--dp-shard``), wraps them in
+``torch.distributed.pipelining`` stages and runs one of torch's schedules; gradients are
+averaged over the data-parallel ranks (``parallel.DataParallelStage`` says when), summed over
+tied copies, clipped by the global norm, and each stage's optimizer steps. ``options`` holds the
+command line, ``data`` the batches, ``parallel`` the process groups, ``train_state`` weights and
+checkpoints, ``metrics`` the logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _ComputationType,
+    _PipelineSchedule,
+    _PipelineScheduleRuntime,
+    get_schedule_class,
+)
+from torch.utils.checkpoint import checkpoint
+
+from .data import Batches, PipelineRunError, first_line
+from .guards import (
+    RunLock,
+    agree,
+    describe_write_error,
+    fallback_paths,
+    nonfinite_problem,
+    output_problems,
+)
+from .metrics import LiveTensorBytes, Metrics, gather_per_rank, peak_memory, state_bytes
+from .options import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, TrainConfig, parse_config
+from .parallel import DataParallelStage, GradientSync, Layout, init_distributed, shard_stage
+from .pipeline import Pipeline, PipelineFormatError
+from .schedule import greedy_orders
+from .support import SPECIALISED_SIZE, MissingOperatorError
+from .train_state import (
+    TrainingCheckpoints,
+    gather_weights,
+    load_weights,
+    materialise,
+    save_weights,
+)
+
+_KINDS = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
+#: microbatches x stages from which building the schedule takes long enough to say so
+LARGE_SCHEDULE = 4096
+
+
+# -- stages -----------------------------------------------------------------------------------
+class KeepBuffers:
+    """Restores a module's buffers on exit: a recomputed forward must not update BatchNorm's
+    running statistics a second time."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __enter__(self) -> None:
+        self.saved = [(b, b.clone()) for b in self.module.buffers()]
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for buffer, value in self.saved:
+                buffer.copy_(value)
+
+
+def checkpointed(module: nn.Module, forward: Callable) -> Callable:
+    """``forward`` keeping only its inputs for backward, which recomputes the rest; ``module``'s
+    buffers (BatchNorm's running statistics) are left as the first forward set them."""
+
+    def run(*inputs: torch.Tensor) -> Any:
+        return checkpoint(
+            forward,
+            *inputs,
+            use_reentrant=False,
+            context_fn=lambda: (contextlib.nullcontext(), KeepBuffers(module)),
+        )
+
+    return run
+
+
+def recompute_blocks(stage: nn.Module, blocks: frozenset[str]) -> int:
+    """Make the ``blocks`` a stage holds recompute their activations in backward (their forward
+    hooks, and FSDP's, still fire once per call). Returns how many it holds."""
+    held = 0
+    for fqn, module in stage.named_modules():
+        if fqn in blocks:
+            module.forward = checkpointed(module, module.forward)
+            held += 1
+    return held
+
+
+def compile_stage(stage: nn.Module, blocks: tuple[str, ...], recomputed: frozenset[str]) -> None:
+    """``torch.compile`` a stage's forward, its blocks as nested compile regions: each generated
+    block class compiles once and identical blocks reuse it. A stage with blocks recomputed one
+    by one compiles block by block instead (recomputation wraps each compiled block; the code
+    between blocks stays eager), since ``checkpoint`` cannot be traced with its buffer guard."""
+    modules = [stage.get_submodule(fqn) for fqn in blocks]
+    if recomputed.intersection(blocks):
+        for module in modules:
+            module.forward = torch.compile(module.forward)
+        return
+    for cls in {type(module) for module in modules} - _NESTED_REGIONS:
+        cls.forward = torch.compiler.nested_compile_region(cls.forward)
+        _NESTED_REGIONS.add(cls)
+    stage.forward = torch.compile(stage.forward)
+
+
+#: block classes whose forward is a nested compile region (once per process)
+_NESTED_REGIONS: set[type] = set()
+
+
+class StageRunner(nn.Module):
+    """One stage as the schedule runs it: under bf16 autocast, with its activations recomputed
+    in backward, and returning fresh tensors of the pipeline's dtypes (split-backward schedules
+    detach stage outputs in place, which must not reach tensors the stage saved)."""
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        output_dtypes: list[torch.dtype],
+        *,
+        autocast: str | None,
+        recompute: bool,
+        fresh_outputs: bool,
+    ):
+        super().__init__()
+        self.stage = stage
+        self.output_dtypes = output_dtypes
+        self.autocast = autocast
+        self.recompute = recompute
+        self.fresh_outputs = fresh_outputs
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        precision = (
+            torch.autocast(self.autocast, dtype=torch.bfloat16)
+            if self.autocast
+            else contextlib.nullcontext()
+        )
+        with precision:
+            if self.recompute:
+                outputs = checkpointed(self.stage, self.stage)(*inputs)
+            else:
+                outputs = self.stage(*inputs)
+        fixed = []
+        for tensor, dtype in zip(outputs, self.output_dtypes):
+            if tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            elif self.fresh_outputs:
+                tensor = tensor.clone()
+            fixed.append(tensor)
+        return tuple(fixed)
+
+
+def make_loss_fn(package: ModuleType, pipeline: Pipeline, device: torch.device) -> Callable:
+    loss = pipeline.loss
+    if loss.module is not None:
+        module = importlib.import_module(f"{package.__name__}.{loss.module}").Loss().to(device)
+
+        def user_loss(output, target):
+            outputs = output if isinstance(output, tuple) else (output,)
+            return module(*outputs, target)
+
+        return user_loss
+    if loss.output is None:
+        raise PipelineRunError(
+            "the model has no loss output; compile it with --loss FILE.py:FN or give it labels "
+            "so that it returns a loss (Hugging Face style)"
+        )
+    index = pipeline.outputs.index(loss.output)
+
+    def output_loss(output, _target):
+        outputs = output if isinstance(output, tuple) else (output,)
+        return outputs[index]
+
+    return output_loss
+
+
+def build_schedule(
+    name: str,
+    stages: list[DataParallelStage],
+    pipeline: Pipeline,
+    microbatches: int,
+    loss_fn: Callable,
+) -> _PipelineSchedule:
+    """A torch.distributed.pipelining schedule over this rank's stages. Gradients are left
+    unscaled (sums over microbatches): the driver scales them once per optimizer step."""
+    if name in SINGLE_STAGE:
+        return get_schedule_class(SINGLE_STAGE[name])(
+            stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
+        )
+    if name in MULTI_STAGE:
+        try:
+            return get_schedule_class(MULTI_STAGE[name])(
+                stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
+            )
+        except (ValueError, AssertionError) as exc:
+            raise PipelineRunError(f"--schedule {name} does not fit: {exc}") from None
+    orders = greedy_orders(pipeline.pipeline_costs(), microbatches)
+    schedule = _PipelineScheduleRuntime(
+        stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
+    )
+    actions = {
+        rank: [_Action(a.stage, _KINDS[a.kind], a.microbatch) for a in order]
+        for rank, order in orders.items()
+    }
+    schedule._prepare_schedule_with_comms(actions)
+    return schedule
+
+
+# -- optimisation -----------------------------------------------------------------------------
+def make_optimizer(config: TrainConfig, module: nn.Module) -> torch.optim.Optimizer:
+    # one group, empty for a stage without trainable parameters (torch refuses an empty list)
+    params = [{"params": [p for p in module.parameters() if p.requires_grad]}]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def make_scheduler(
+    config: TrainConfig, optimizer: torch.optim.Optimizer, done: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning-rate schedule, positioned after ``done`` optimizer steps."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = config.lr
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config), last_epoch=done - 1)
+
+
+def lr_factor(config: TrainConfig) -> Callable[[int], float]:
+    """Multiplier of --lr after ``step`` optimizer steps: linear warm-up, then decay."""
+    floor = config.min_lr / config.lr if config.lr else 0.0
+
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        if config.lr_decay == "constant":
+            return 1.0
+        progress = min(
+            1.0, (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        )
+        shape = (
+            1 - progress
+            if config.lr_decay == "linear"
+            else 0.5 * (1 + math.cos(math.pi * progress))
+        )
+        return floor + (1 - floor) * shape
+
+    return factor
+
+
+# -- the run ---------------------------------------------------------------------------------
+def say(message: str) -> None:
+    """A line from global rank 0, for phases that take a while."""
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def check_outputs(config: TrainConfig, reporting: bool) -> None:
+    """Every output path this run will write is checked on the ranks that write it, before
+    any training: a run never learns at its end that its work cannot be kept."""
+    problems = output_problems(
+        save=config.save if dist.get_rank() == 0 else None,
+        log_json=config.log_json if reporting else None,
+        checkpoint_dir=config.checkpoint_dir,
+    )
+    problem = agree("; ".join(problems) or None)
+    if problem:
+        raise PipelineRunError(f"{problem}. Nothing was trained.", every_rank=True)
+
+
+def lock_checkpoints(config: TrainConfig) -> RunLock | None:
+    """Global rank 0 takes ``--checkpoint-dir``'s lock; every rank stops if it cannot."""
+    if not config.checkpoint_dir:
+        return None
+    lock = RunLock(config.checkpoint_dir)
+    problem = None
+    if dist.get_rank() == 0:
+        try:
+            note = lock.acquire()
+            if note:
+                print(f"{config.checkpoint_dir}: {note}", flush=True)
+        except (PipelineRunError, OSError) as exc:
+            problem = str(exc)
+    problem = agree(problem)
+    if problem:
+        raise PipelineRunError(problem, every_rank=True)
+    return lock
+
+
+def resume_point(checkpoints: TrainingCheckpoints | None, config: TrainConfig) -> Path | None:
+    """The checkpoint to resume from; refuses to mix a new run into old checkpoints."""
+    if checkpoints is None:
+        return None
+    if dist.get_rank() == 0:
+        for stale in checkpoints.root.glob(".step-*.partial"):  # a save that never finished
+            shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()
+    if config.resume_from:
+        return checkpoints.named(config.resume_from)
+    latest = checkpoints.latest()
+    if latest is not None and not config.resume:
+        raise PipelineRunError(
+            f"{checkpoints.root} already holds checkpoints (latest: {latest.name}); pass --resume "
+            "to continue from it, or give another --checkpoint-dir",
+            every_rank=True,
+        )
+    return latest
+
+
+def save_trained(
+    state: dict[str, torch.Tensor], config: TrainConfig, step: int, checkpoint: Path | None
+) -> None:
+    """Rank 0: ``--save``; if that fails after all, the next place that takes the state, and
+    an error saying where it went: trained weights are never dropped."""
+    failures = []
+    for path in [Path(config.save), *fallback_paths(config.save, config.checkpoint_dir, step)]:
+        try:
+            save_weights(state, path)
+        except (OSError, RuntimeError) as exc:
+            failures.append(f"{path}: {describe_write_error(exc, path)}")
+            continue
+        if not failures:
+            print(f"saved the trained model state_dict to {path}", flush=True)
+            return
+        raise PipelineRunError(
+            f"could not write --save {config.save} ({failures[0].split(': ', 1)[1]}); the trained "
+            f"state_dict was written to {path} instead"
+        )
+    kept = f"; the last checkpoint is {checkpoint}" if checkpoint else ""
+    raise PipelineRunError(
+        f"could not write the trained state_dict anywhere ({'; '.join(failures)}){kept}"
+    )
+
+
+def train(package: ModuleType, pipeline: Pipeline, config: TrainConfig) -> None:
+    layout = init_distributed(pipeline, config.device, config.dp, config.dp_shard, config.timeout)
+    torch.manual_seed(config.seed * 1_000_003 + layout.rank)  # dropout streams differ per rank
+    reporting = layout.pp_rank == pipeline.last_rank and layout.dp_rank == 0
+    if config.dp_shard != pipeline.dp_shard:
+        say(
+            f"warning: the partition planned each device's memory for --dp-shard "
+            f"{pipeline.dp_shard}, this run shards over {config.dp_shard}"
+            + (
+                f": it may not fit; recompile with autopipe compile --dp-shard {config.dp_shard}"
+                if config.dp_shard < pipeline.dp_shard
+                else ""
+            )
+        )
+    check_outputs(config, reporting)
+    lock = lock_checkpoints(config)
+    try:
+        _train(package, pipeline, config, layout, reporting)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def build_stages(
+    package: ModuleType,
+    pipeline: Pipeline,
+    config: TrainConfig,
+    layout: Layout,
+    resume: Path | None,
+) -> tuple[dict[int, nn.Module], dict[int, StageRunner]]:
+    """This rank's stages and the runners the schedule calls: built (on meta while a checkpoint
+    or sharding is to come), compiled and recomputed as asked, FSDP2-managed with data
+    parallelism, and filled by initialisation or ``--load``, or allocated for the checkpoint
+    ``resume`` to fill."""
+    device = layout.device
+    local = pipeline.stages_on(layout.pp_rank)
+    load = config.load if resume is None else None
+    # parameters stay on meta until a checkpoint fills them, or until they are sharded: a rank
+    # never holds a whole stage it shards
+    meta = resume is not None or load is not None or layout.sharded
+    modules = {
+        s.index: package.build_stage(s.index, device=device, seed=config.seed, meta_state=meta)
+        for s in local
+    }
+    if config.compile:
+        for s in local:
+            compile_stage(modules[s.index], s.blocks, config.recompute_blocks)
+        say("torch.compile: each stage, one compilation per block class (on first use)")
+    if config.recompute_blocks:
+        held = sum(recompute_blocks(m, config.recompute_blocks) for m in modules.values())
+        say(f"recomputing {held} block(s) of this rank's stages in backward")
+    if load and not layout.sharded:
+        say(f"loading weights from {load}")
+        load_weights(modules, load, pipeline, device)
+    autocast = device.type if config.bf16 else None
+    runners = {
+        s.index: StageRunner(
+            modules[s.index],
+            [value.torch_dtype for value in pipeline.returned(s)],
+            autocast=autocast,
+            recompute=s.index in config.recompute,
+            fresh_outputs=config.schedule in SPLIT_BACKWARD,
+        )
+        for s in local
+    }
+    if layout.sharded:
+        for s in local:
+            blocks = [modules[s.index].get_submodule(fqn) for fqn in s.blocks]
+            shard_stage(runners[s.index], blocks, layout, config.gathers_per_block, config.bf16)
+        say(
+            f"FSDP2: each stage over {layout.dp_size} data-parallel ranks "
+            f"(--dp {config.dp} replicas x --dp-shard {config.dp_shard} shards"
+            + (f", gathered per {config.gather})" if config.dp_shard > 1 else ")")
+        )
+    if resume is not None or layout.sharded:  # allocated (only its shards, if sharded)
+        for runner in runners.values():
+            materialise(runner, device)
+    if layout.sharded and resume is None:
+        if load:
+            say(f"loading weights from {load} (each rank its shards)")
+            load_weights(modules, load, pipeline, device)
+        else:
+            for module in modules.values():
+                module.initialise(config.seed)
+    return modules, runners
+
+
+def _train(
+    package: ModuleType, pipeline: Pipeline, config: TrainConfig, layout: Layout, reporting: bool
+) -> None:
+    checkpoints = (
+        TrainingCheckpoints(config.checkpoint_dir, pipeline, layout, config.keep_checkpoints)
+        if config.checkpoint_dir
+        else None
+    )
+    resume = resume_point(checkpoints, config)
+    tracker = None
+    if config.track_memory and layout.device.type == "cpu":  # from the stages' allocation on
+        tracker = LiveTensorBytes()
+        tracker.__enter__()
+    try:
+        _run(package, pipeline, config, layout, reporting, checkpoints, resume, tracker)
+    finally:
+        if tracker is not None and tracker.active:
+            tracker.__exit__(None, None, None)
+
+
+def _run(
+    package: ModuleType,
+    pipeline: Pipeline,
+    config: TrainConfig,
+    layout: Layout,
+    reporting: bool,
+    checkpoints: TrainingCheckpoints | None,
+    resume: Path | None,
+    tracker: LiveTensorBytes | None,
+) -> None:
+    device = layout.device
+    local = pipeline.stages_on(layout.pp_rank)
+    num_stages = pipeline.num_stages
+    modules, runners = build_stages(package, pipeline, config, layout, resume)
+    optimizers = {i: make_optimizer(config, m) for i, m in modules.items()}
+    start = 0
+    if resume is not None:
+        say(f"loading the checkpoint {resume}")
+        start = checkpoints.restore(resume, modules, optimizers)
+    schedulers = {i: make_scheduler(config, o, start) for i, o in optimizers.items()}
+    is_first, is_last = 0 in modules, num_stages - 1 in modules
+    loss_fn = make_loss_fn(package, pipeline, device)
+
+    def shaped(sizes: dict[str, int] | None) -> tuple[list[DataParallelStage], Any]:
+        """This rank's pipeline stages, with buffers of the sizes ``sizes`` of the dynamic
+        dimensions, and a schedule over them."""
+        stages = [
+            DataParallelStage(
+                runners[s.index],
+                s.index,
+                num_stages,
+                device,
+                input_args=tuple(value.meta_tensor(sizes) for value in pipeline.received(s)),
+                output_args=tuple(value.meta_tensor(sizes) for value in pipeline.returned(s)),
+                group=layout.pp_group,
+            )
+            for s in local
+        ]
+        for stage in stages:
+            stage.reduce_every_microbatch = config.gathers_per_block
+            stage.overlap = config.dp_overlap
+        if config.microbatches * num_stages >= LARGE_SCHEDULE:
+            say(
+                f"building the {config.schedule} schedule of {config.microbatches} microbatches ..."
+            )
+        schedule = build_schedule(config.schedule, stages, pipeline, config.microbatches, loss_fn)
+        return stages, schedule
+
+    schedules = ShapedSchedules(shaped)
+    if not pipeline.dimensions:
+        schedules.get(None)  # built before the first step, as its errors are the options'
+    sync = GradientSync(pipeline, layout, modules)
+    batches = Batches(pipeline, config)
+    needs_target = is_last and pipeline.loss.needs_target
+    samples = batches.samples
+    tokens = pipeline.tokens_per_sample
+    plan = pipeline.plan
+    per_step = config.microbatches * config.accumulate * layout.dp_size  # example microbatches
+    metrics = Metrics(
+        reporting=reporting,
+        steps=config.steps,
+        samples_per_step=samples,
+        tokens_per_step=samples * tokens if tokens else None,
+        log_json=config.log_json,
+        log_every=config.log_every,
+        resumed_at=start if resume is not None else None,
+        utilisation=lambda seconds: (
+            plan.utilisation(seconds, per_step, dist.get_world_size()) if plan else None
+        ),
+    )
+    if plan and plan.step_time:
+        metrics.note(plan_note(pipeline, config, dist.get_world_size()))
+    if resume is not None:
+        metrics.note(f"resumed from {resume} at step {start}")
+    elif config.resume:
+        metrics.note(f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0")
+    runs = config.microbatches * config.accumulate
+    checkpoint = resume
+    try:
+        for step in range(start, config.steps):
+            began = time.perf_counter()
+            for optimizer in optimizers.values():
+                optimizer.zero_grad(set_to_none=True)
+            losses: list[torch.Tensor] = []
+            reads = is_first or needs_target
+            if pipeline.dimensions:  # every rank learns the step's sizes from the data's
+                batch, sizes = agree_dimensions(batches, step, reads, layout)
+                metrics.samples_per_step = batches.rows * pipeline.samples_in_microbatch(sizes)
+                if tokens:
+                    per_sample = pipeline.tokens_in_sample(sizes)
+                    metrics.tokens_per_step = metrics.samples_per_step * per_sample
+            else:
+                batch, sizes = batches(step) if reads else None, None
+            stages, schedule = schedules.get(sizes)
+            for round_ in range(config.accumulate):
+                for stage in stages:  # gradients are reduced in the last round only
+                    stage.final_round = round_ == config.accumulate - 1
+                inputs, target = (
+                    batches.part(batch, round_ * layout.dp_size + layout.dp_rank)
+                    if batch
+                    else ([], None)
+                )
+                kwargs: dict[str, Any] = {}
+                run_losses: list[torch.Tensor] = []  # the schedule refills it every run
+                if is_last:
+                    if target is None:  # the loss is a model output
+                        target = torch.zeros(config.microbatches)
+                    kwargs = {"target": target.to(device), "losses": run_losses}
+                    kwargs["return_outputs"] = False
+                schedule.step(*[t.to(device) for t in inputs] if is_first else [], **kwargs)
+                losses += run_losses
+            sync.scale(1.0 / runs)  # the mean over this rank's microbatches
+            sync.reduce()
+            grad_norm = sync.clip(config.clip_grad_norm)
+            loss = None
+            if is_last:
+                mean = torch.stack([l.detach().float() for l in losses]).mean().to(device)
+                if layout.dp_size > 1:
+                    dist.all_reduce(mean, group=layout.dp_group)
+                    mean /= layout.dp_size
+                loss = mean.item()
+            problem = nonfinite_problem(step, loss, grad_norm, device)
+            if problem and not config.skip_nonfinite:
+                raise PipelineRunError(problem, every_rank=True)
+            lr = next(iter(schedulers.values())).get_last_lr()[0]  # this step's
+            for index, optimizer in optimizers.items():
+                if not problem:
+                    optimizer.step()
+                schedulers[index].step()
+            if tracker is not None and tracker.active and step == start + 1:
+                tracker.__exit__(None, None, None)  # the second step reached the steady peak
+            memory = gather_per_rank(peak_memory(device, tracker), device)
+            state = gather_per_rank(state_bytes(modules.values(), optimizers.values()), device)
+            seconds = time.perf_counter() - began
+            loss = float("nan") if loss is None else loss
+            metrics.record(step, loss, seconds, lr, grad_norm, memory, state, skipped=bool(problem))
+            done = step + 1
+            if checkpoints and (
+                done == config.steps
+                or (config.checkpoint_every and done % config.checkpoint_every == 0)
+            ):
+                checkpoint = checkpoints.save(done, modules, optimizers)
+                metrics.note(f"checkpoint {checkpoint}")
+    finally:
+        metrics.close()
+    if config.save:
+        state = gather_weights(modules, pipeline, layout)
+        if state is not None:
+            save_trained(state, config, config.steps, checkpoint)
+
+
+# -- dynamic dimensions -----------------------------------------------------------------------
+class ShapedSchedules:
+    """This rank's stages and schedule for each step's sizes of the dynamic dimensions: built
+    on first use by ``build`` and kept for the ``keep`` sizes used last, so that recurring
+    lengths cost nothing (a static pipeline has one entry, for ``None``). Each kept entry holds
+    its stages' receive buffers (``--pad-to-multiple`` limits how many sizes occur)."""
+
+    def __init__(self, build: Callable[[dict[str, int] | None], tuple], keep: int = 4):
+        self.build = build
+        self.keep = keep
+        self.built: dict[tuple, tuple] = {}  # sizes -> (stages, schedule), least recent first
+
+    def get(self, sizes: dict[str, int] | None) -> tuple:
+        key = tuple(sorted(sizes.items())) if sizes is not None else ()
+        entry = self.built.pop(key, None) or self.build(sizes)
+        self.built[key] = entry
+        while len(self.built) > self.keep:
+            self.built.pop(next(iter(self.built)))
+        return entry
+
+
+def agree_dimensions(
+    batches: Batches, step: int, reads: bool, layout: Layout
+) -> tuple[Any, dict[str, int]]:
+    """The step's batch (on the ranks that read data, else None) and the sizes of the dynamic
+    dimensions, which every rank of the pipeline learns from one all-reduce (the maximum of
+    what the reading ranks found; the others give zeros). A batch a reading rank refuses stops
+    every rank, with its reason."""
+    names = list(batches.pipeline.dimensions)
+    batch, problem, found = None, None, [0] * len(names)
+    if reads:
+        try:
+            batch = batches(step)
+            sizes = batches.dimensions(batch[0], step) if batch[0] else {}
+            found = [sizes.get(name, 0) for name in names]
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the all-reduce
+            problem = exc
+    agreed = torch.tensor([int(problem is not None), *found], device=layout.device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=layout.pp_group)
+    if isinstance(problem, PipelineRunError):
+        raise PipelineRunError(str(problem), every_rank=True)
+    if problem is not None:
+        raise problem
+    if agreed[0]:
+        raise PipelineRunError(f"step {step}: the batch was refused (see rank 0)", every_rank=True)
+    sizes = dict(zip(names, (int(v) for v in agreed[1:])))
+    missing = [name for name, size in sizes.items() if size == 0]
+    if missing:
+        raise PipelineRunError(
+            f"step {step}: no input of the batch sizes the dynamic dimension(s) {missing}",
+            every_rank=True,
+        )
+    return batch, sizes
+
+
+def plan_note(pipeline: Pipeline, config: TrainConfig, world: int) -> str:
+    """What the compiled plan predicts, for the metrics to be read against."""
+    plan = pipeline.plan
+    planned = pipeline.num_ranks * pipeline.dp_shard
+    per_step = plan.microbatches * plan.accumulate * pipeline.dp_shard
+    mfu = plan.utilisation(plan.step_time, per_step, planned)
+    same = (config.microbatches, config.accumulate, config.dp, config.dp_shard) == (
+        plan.microbatches,
+        plan.accumulate,
+        1,
+        pipeline.dp_shard,
+    )
+    return (
+        f"plan: {plan.step_time:.3f} s per step of {plan.microbatches} microbatches x "
+        f"{plan.accumulate} accumulation x {pipeline.dp_shard} shard"
+        f"{'s' if pipeline.dp_shard > 1 else ''} on {planned} device{'s' if planned > 1 else ''}"
+        + (f", MFU {mfu * 100:.3g}% of {plan.device}" if mfu is not None else "")
+        + ("" if same else f" (this run: {world} processes, another layout)")
+    )
+
+
+def _stop(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(
+        f"{signal.Signals(signum).name}: torchrun stops every rank when one fails or the job is cancelled"
+    )
+
+
+def _failed_size_check(exc: BaseException | None) -> str | None:
+    """The message of a generated size check that failed, found along the exception's causes
+    (torch's pipeline stages wrap what a stage raises), or None."""
+    while exc is not None:
+        for line in str(exc).splitlines():
+            if SPECIALISED_SIZE in line:
+                return line.strip()
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """Whether an error means another rank died or stopped answering."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(
+        marker in text
+        for marker in ("Connection closed by peer", "Connection reset", "gloo", "NCCL")
+    )
+
+
+def main(package: ModuleType, argv: list[str]) -> int:
+    """train.py's entry point: the exit status. A run that started its process groups ends its
+    process here once they are destroyed: gloo's worker threads can abort the interpreter's
+    own teardown (SIGABRT after a successful run), which torchrun would report as a failure."""
+    try:
+        code = _main(package, argv)
+    finally:
+        started = dist.is_initialized()
+        if started:
+            dist.destroy_process_group()
+    if started:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(package: ModuleType, argv: list[str]) -> int:
+    try:
+        pipeline = Pipeline.from_json(package.PIPELINE)
+    except PipelineFormatError as exc:
+        print(f"train.py: error: pipeline.json breaks the contract: {exc}", file=sys.stderr)
+        return 2
+    config = parse_config(argv, pipeline)
+    rank = os.environ.get("RANK", "0")
+    resume_hint = (
+        f" Checkpoints written so far are complete: rerun with --resume to continue from {config.checkpoint_dir}/latest."
+        if config.checkpoint_dir
+        else ""
+    )
+    signal.signal(signal.SIGTERM, _stop)  # torchrun stops every rank with SIGTERM
+    try:
+        train(package, pipeline, config)
+    except PipelineRunError as exc:
+        if not (exc.every_rank and rank != "0"):
+            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except MissingOperatorError as exc:
+        print(f"train.py: error: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt as exc:
+        print(
+            f"train.py: rank {rank} stopped ({str(exc) or 'SIGINT'}).{resume_hint}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 130
+    except Exception as exc:  # noqa: BLE001 - lost peers and failed size checks are explained
+        unlike = _failed_size_check(exc)
+        if unlike:  # a batch unlike the example, caught by a stage's check
+            print(f"train.py: error: rank {rank}: {unlike}", file=sys.stderr, flush=True)
+            return 2
+        if not _lost_peer(exc):
+            raise
+        print(
+            f"train.py: error: rank {rank} lost contact with another rank, which died or stopped "
+            f"answering within --timeout {config.timeout:g} s ({first_line(exc)[:200]}).{resume_hint}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 3
+    return 0

@@ -1,0 +1,217 @@
+"""Guards of a training run: the ranks agree on every problem, outputs are checked before the first
+step, one run at a time owns a checkpoint directory, and a step whose loss or gradients are not
+finite never reaches the weights.
+
+Copied into every generated pipeline as ``runtime/guards.py``; it needs only torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .data import PipelineRunError, first_line
+
+
+def agree(problem: str | None) -> str | None:
+    """Every rank's problem, gathered on all ranks (collective): ``None`` when no rank has one,
+    else the first, prefixed by its rank. Lets every rank stop together instead of waiting for a
+    rank that already gave up."""
+    if dist.get_world_size() == 1:
+        return problem
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    found = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+    if not found:
+        return None
+    rank, first = found[0]
+    return first if len(found) == len(problems) else f"rank {rank}: {first}"
+
+
+def describe_write_error(exc: BaseException, where: Path) -> str:
+    """A write error in words: torch's writers say 'iostream error' when a disk is full."""
+    text = first_line(exc)
+    try:
+        free = shutil.disk_usage(_existing_ancestor(where)).free
+    except OSError:
+        free = None
+    if free is not None and free < 1 << 20:
+        return f"the disk holding {where} is full ({free} bytes free; {text})"
+    return text
+
+
+# -- output paths -----------------------------------------------------------------------------
+def _existing_ancestor(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _writable_dir_problem(directory: Path) -> str | None:
+    """Why files cannot be created in ``directory`` (or in the folders that would be made for
+    it); None if they can. Tries a real write: permission bits say nothing to root or on a
+    read-only mount."""
+    base = _existing_ancestor(directory)
+    if not base.is_dir():
+        return f"{base} is a file, not a directory"
+    probe = base / f".autopipe-write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        return f"cannot write in {base} ({exc.strerror or exc})"
+    return None
+
+
+def output_problems(
+    *, save: str | None, log_json: str | None, checkpoint_dir: str | None
+) -> list[str]:
+    """What is wrong with the outputs this rank will write, before any training is done."""
+    problems = []
+    for option, value in (("--save", save), ("--log-json", log_json)):
+        if value is None:
+            continue
+        path = Path(value)
+        if path.is_dir():
+            problems.append(f"{option} {value} is a directory; give a file, e.g. {path / 'out'}")
+            continue
+        problem = _writable_dir_problem(path.parent)
+        if problem:
+            problems.append(f"{option} {value}: {problem}")
+    if checkpoint_dir is not None:
+        path = Path(checkpoint_dir)
+        problem = (
+            f"{path} is a file, not a directory"
+            if path.exists() and not path.is_dir()
+            else _writable_dir_problem(path)
+        )
+        if problem:
+            problems.append(f"--checkpoint-dir {checkpoint_dir}: {problem}")
+    return problems
+
+
+def fallback_paths(save: str, checkpoint_dir: str | None, step: int) -> list[Path]:
+    """Where the trained state goes when ``--save`` cannot be written, in order of preference."""
+    name = f"trained-step-{step}{Path(save).suffix or '.pt'}"
+    places = [Path(checkpoint_dir)] if checkpoint_dir else []
+    places += [Path.cwd(), Path(os.environ.get("TMPDIR", "/tmp"))]
+    return [place / name for place in places]
+
+
+# -- one run per checkpoint directory ---------------------------------------------------------
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), or None if it does not exist; tells
+    a live owner from a later process that reused its pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class RunLock:
+    """``DIR/.lock``: which run (host, pid) trains into a checkpoint directory. A second run is
+    refused while the first lives; a lock whose process is gone (on this host) is stale and taken
+    over. Held by global rank 0."""
+
+    def __init__(self, root: str | Path):
+        self.path = Path(root) / ".lock"
+        self.held = False
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns a note when a stale lock was taken over. Raises
+        PipelineRunError while another run holds it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        note = None
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._owner()
+                if not self._stale(owner):
+                    raise PipelineRunError(self._busy(owner)) from None
+                note = f"took over the stale lock of a run that ended ({self._who(owner)})"
+                self.path.unlink(missing_ok=True)
+                continue
+            me = {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "start": _process_start(os.getpid()),
+            }
+            me["since"] = time.strftime("%Y-%m-%d %H:%M:%S")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(me) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.held = True
+            return note
+        raise PipelineRunError(f"{self.path}: another run took the lock at the same time")
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def _owner(self) -> dict | None:
+        try:
+            owner = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return owner if isinstance(owner, dict) else None
+
+    def _stale(self, owner: dict | None) -> bool:
+        if owner is None:  # unreadable: stale unless it is being written right now
+            try:
+                return time.time() - self.path.stat().st_mtime > 10
+            except FileNotFoundError:
+                return True
+        if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+            return False  # another host's process cannot be seen from here
+        return _process_start(owner["pid"]) != owner.get("start")
+
+    @staticmethod
+    def _who(owner: dict | None) -> str:
+        if owner is None:
+            return "owner unknown"
+        return f"pid {owner.get('pid')} on {owner.get('host')} since {owner.get('since')}"
+
+    def _busy(self, owner: dict | None) -> str:
+        return (
+            f"--checkpoint-dir {self.path.parent} is in use by another training run "
+            f"({self._who(owner)}); give this run another --checkpoint-dir, or wait for that one "
+            f"to end. If no such run lives (it ran on another host and was killed), delete {self.path}"
+        )
+
+
+# -- non-finite steps -------------------------------------------------------------------------
+def nonfinite_problem(
+    step: int, loss: float | None, grad_norm: float, device: torch.device
+) -> str | None:
+    """Why this step must not reach the weights, or None (collective over every rank): ``loss``
+    is known on last-stage ranks (None elsewhere), the gradient norm everywhere."""
+    bad = torch.tensor(
+        [float(loss is not None and not math.isfinite(loss)), float(not math.isfinite(grad_norm))],
+        device=device,
+    )
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    bad_loss, bad_norm = bool(bad[0]), bool(bad[1])
+    if not (bad_loss or bad_norm):
+        return None
+    what = " and ".join(
+        (["the loss"] if bad_loss else [])
+        + ([f"the gradient norm ({grad_norm})"] if bad_norm else [])
+    )
+    return (
+        f"step {step}: {what} is not finite. The step was not applied and no checkpoint was "
+        "written from it. Usual causes: a learning rate too high (lower --lr, add --warmup-steps "
+        "or --clip-grad-norm), or a batch whose labels are all the ignore index (-100). "
+        "--skip-nonfinite skips such steps instead of stopping"
+    )

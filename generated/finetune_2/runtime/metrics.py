@@ -1,0 +1,207 @@
+"""Per-step metrics of a generated pipeline: console lines or a progress bar, and JSON lines.
+
+Copied into every generated pipeline as ``runtime/metrics.py``; it needs only torch. The rank of
+the last stage of the first replica reports; every rank contributes its peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+from collections.abc import Callable, Iterable
+from typing import IO
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .support import local_shard
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """The most bytes of tensor storage alive at once while active: every operator's outputs
+    are counted until their storage is freed (views share their base's). CPU runs use it for
+    ``--track-memory``, where the process's resident size would count the allocator's caches and
+    the interpreter; it slows every operator down. Storages in ``existing`` (and results of
+    in-place operators on them) are not counted: the profiler measures what a unit adds."""
+
+    def __init__(self, existing: set[StorageWeakRef] | frozenset = frozenset()) -> None:
+        super().__init__()
+        self.existing = existing
+        self.live: dict[StorageWeakRef, int] = {}
+        self.bytes = 0
+        self.peak = 0
+        self.active = False
+
+    def __enter__(self) -> LiveTensorBytes:
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for ref in [r for r in self.live if r.expired()]:
+            self.bytes -= self.live.pop(ref)
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                ref = StorageWeakRef(tensor.untyped_storage())
+                if ref not in self.live and ref not in self.existing:
+                    self.live[ref] = tensor.untyped_storage().nbytes()
+                    self.bytes += self.live[ref]
+        self.peak = max(self.peak, self.bytes)
+        return out
+
+
+def peak_memory(device: torch.device, tracker: LiveTensorBytes | None = None) -> int:
+    """Bytes: the most CUDA memory allocated, the most tensor bytes ``tracker`` saw alive, or
+    on CPU the process's peak resident size."""
+    if tracker is not None:
+        return tracker.peak
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def state_bytes(modules: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Bytes this rank holds of its stages' parameters, gradients and optimizer state (only its
+    shards where FSDP2 shards them)."""
+    params = [p for module in modules for p in module.parameters()]
+    tensors = params + [p.grad for p in params if p.grad is not None]
+    tensors += [
+        value
+        for optimizer in optimizers
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    return sum(local_shard(t).numel() * t.element_size() for t in tensors)
+
+
+def gather_per_rank(value: int, device: torch.device) -> list[int]:
+    """Every rank's ``value``, in rank order (collective)."""
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [int(t) for t in every]
+
+
+class Metrics:
+    """Prints and logs each step on the reporting rank; silent elsewhere."""
+
+    def __init__(
+        self,
+        reporting: bool,
+        steps: int,
+        samples_per_step: int,
+        tokens_per_step: int | None,
+        log_json: str | None,
+        log_every: int,
+        resumed_at: int | None,
+        utilisation: Callable[[float], float | None] = lambda seconds: None,
+    ):
+        """``resumed_at``: the step a resumed run starts at; the log keeps the steps before it
+        (its later lines were written after the checkpoint, and are trained again).
+        ``utilisation(seconds)``: the model FLOPs utilisation of a step that long, or None."""
+        self.reporting = reporting
+        self.utilisation = utilisation
+        self.steps = steps
+        self.samples_per_step = samples_per_step
+        self.tokens_per_step = tokens_per_step
+        self.log_every = log_every
+        self.bar = reporting and sys.stdout.isatty()
+        self.log: IO[str] | None = None
+        if reporting and log_json:
+            if resumed_at is not None:
+                _truncate_log(Path(log_json), resumed_at)
+            self.log = open(log_json, "a" if resumed_at is not None else "w", encoding="utf-8")
+
+    def record(
+        self,
+        step: int,
+        loss: float,
+        seconds: float,
+        lr: float,
+        grad_norm: float,
+        memory: list[int],
+        state: list[int],
+        skipped: bool = False,
+    ) -> None:
+        """``memory``: every rank's peak bytes; ``state``: every rank's bytes of parameters,
+        gradients and optimizer state."""
+        if not self.reporting:
+            return
+        entry = {
+            "step": step,
+            "loss": loss,
+            "time": seconds,
+            "samples_per_s": self.samples_per_step / seconds,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "peak_memory": memory,
+            "state_bytes": state,
+        }
+        if self.tokens_per_step:
+            entry["tokens_per_s"] = self.tokens_per_step / seconds
+        mfu = self.utilisation(seconds)
+        if mfu is not None:
+            entry["mfu"] = mfu
+        if skipped:
+            entry["skipped"] = True
+        if self.log:
+            self.log.write(json.dumps(entry) + "\n")
+            self.log.flush()
+        rate = f"{entry['samples_per_s']:.1f} samples/s" + (
+            f", {entry['tokens_per_s']:.0f} tokens/s" if self.tokens_per_step else ""
+        )
+        if mfu is not None:
+            rate += f", MFU {mfu * 100:.3g}%"
+        line = (
+            f"step {step} loss {loss:.6f} ({seconds:.3f} s, {rate}, lr {lr:.3g}, "
+            f"grad norm {grad_norm:.3g}, peak memory {max(memory) / 2**20:.0f} MiB)"
+        )
+        if self.bar:
+            done = step + 1
+            filled = round(30 * done / self.steps) if self.steps else 30
+            eta = (self.steps - done) * seconds
+            print(
+                f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{self.steps} loss {loss:.4f} "
+                f"{rate} eta {eta:.0f} s ",
+                end="" if done < self.steps else "\n",
+                flush=True,
+            )
+        elif step % self.log_every == 0 or step == self.steps - 1 or skipped:
+            print(line + (" skipped: not finite" if skipped else ""), flush=True)
+
+    def note(self, message: str) -> None:
+        if self.reporting:
+            print(("\n" if self.bar else "") + message, flush=True)
+
+    def close(self) -> None:
+        if self.log:
+            self.log.close()
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Keep the lines of a JSON-lines log for steps before ``step`` (rewritten atomically)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by the crash
+        if isinstance(entry, dict) and isinstance(entry.get("step"), int) and entry["step"] < step:
+            kept.append(line + "\n")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)

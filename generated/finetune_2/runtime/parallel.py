@@ -1,0 +1,258 @@
+"""Process groups of a generated pipeline and the gradient traffic between them.
+
+Copied into every generated pipeline as ``runtime/parallel.py``; it needs only torch. The world
+is a 3-D mesh ``(dp_replicate, dp_shard, pp)``: each stage runs on ``dp_replicate x dp_shard``
+data-parallel ranks, each pipeline on ``pp`` consecutive ranks (global rank = data-parallel
+rank x pp + rank within the pipeline, the ``Stage.rank`` of the pipeline). With more than one
+data-parallel rank every stage is FSDP2-managed (``fully_shard``, each block then the rest):
+sharded over ``dp_shard``, replicated over ``dp_replicate`` (HSDP when both exceed 1), gradients
+averaged over all of them (see :class:`DataParallelStage` for when). Parameters tied across
+stages are summed shard by shard over the copies.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
+
+from .data import PipelineRunError
+from .pipeline import Pipeline
+from .support import local_shard
+
+
+@dataclass
+class Layout:
+    """Where this process sits in the (dp_replicate, dp_shard, pp) mesh."""
+
+    device: torch.device
+    pp_size: int
+    dp_size: int  # data-parallel ranks per stage: replicas x shards
+    pp_rank: int  # the rank within its pipeline: the stages with this ``Stage.rank`` run here
+    dp_rank: int  # which data-parallel rank (replica x dp_shard + shard)
+    pp_group: Any
+    dp_group: Any  # every data-parallel rank of this pipeline rank
+    dp_shard: int = 1
+    dp_mesh: DeviceMesh | None = None  # the (dp_replicate, dp_shard) mesh FSDP2 works over
+    shard_group: Any = None  # the ranks this rank's shards are a part of
+
+    @property
+    def rank(self) -> int:
+        return self.dp_rank * self.pp_size + self.pp_rank
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the stages are FSDP2-managed (any data parallelism)."""
+        return self.dp_size > 1
+
+
+def init_distributed(
+    pipeline: Pipeline, device_kind: str, dp: int, dp_shard: int, timeout: float
+) -> Layout:
+    """Start the process group torchrun prepared and build the (dp_replicate, dp_shard, pp) mesh."""
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    pp = pipeline.num_ranks
+    wanted = pp * dp * dp_shard
+    flags = f"--dp {dp}" + (f" --dp-shard {dp_shard}" if dp_shard > 1 else "")
+    if world == 0:
+        raise PipelineRunError(
+            f"start train.py with torchrun: torchrun --nproc-per-node={wanted} train.py ..."
+        )
+    if world != wanted:
+        raise PipelineRunError(
+            (
+                f"this pipeline runs on {pp} ranks per pipeline x {flags} = {wanted} processes, but "
+                f"torchrun started {world}; use torchrun --nproc-per-node={wanted}, or choose "
+                f"--dp x --dp-shard = {world // pp}"
+                if world % pp == 0
+                else f"this pipeline runs on {pp} ranks per pipeline (x {flags}), but torchrun "
+                f"started {world}, not a multiple of {pp}; use torchrun --nproc-per-node={wanted}"
+            ),
+            every_rank=True,
+        )
+    wait = timedelta(seconds=timeout)
+    if device_kind == "cuda":
+        if not torch.cuda.is_available():
+            raise PipelineRunError("--device cuda: no CUDA device is available; use --device cpu")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device, timeout=wait)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=wait)
+    if dp * dp_shard == 1:  # one pipeline: no data-parallel groups to make
+        mesh = init_device_mesh(device.type, (pp,), mesh_dim_names=("pp",))
+        return Layout(
+            device=device,
+            pp_size=pp,
+            dp_size=1,
+            pp_rank=mesh.get_local_rank("pp"),
+            dp_rank=0,
+            pp_group=mesh.get_group("pp"),
+            dp_group=None,
+        )
+    mesh = init_device_mesh(
+        device.type, (dp, dp_shard, pp), mesh_dim_names=("dp_replicate", "dp_shard", "pp")
+    )
+    dp_mesh = mesh["dp_replicate", "dp_shard"]
+    return Layout(
+        device=device,
+        pp_size=pp,
+        dp_size=dp * dp_shard,
+        pp_rank=mesh.get_local_rank("pp"),
+        dp_rank=mesh.get_local_rank("dp_replicate") * dp_shard + mesh.get_local_rank("dp_shard"),
+        pp_group=mesh.get_group("pp"),
+        dp_group=dp_mesh._flatten("dp").get_group(),
+        dp_shard=dp_shard,
+        dp_mesh=dp_mesh,
+        shard_group=mesh.get_group("dp_shard"),
+    )
+
+
+def shard_stage(
+    runner: nn.Module, blocks: Sequence[nn.Module], layout: Layout, per_block: bool, bf16: bool
+) -> None:
+    """FSDP2 over the data-parallel mesh: each block one unit (gathered for its forward, its
+    gradients reduced as its backward ends), then the rest of the stage under ``runner``.
+    ``per_block``: free each unit's gathered parameters after its forward and backward
+    (gathered again for every microbatch), else keep them gathered until the step's last
+    backward. ``bf16``: bf16 compute, fp32 gradient reduction and fp32 stored (master)
+    parameters."""
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
+    for module in [*blocks, runner]:
+        fully_shard(module, mesh=layout.dp_mesh, reshard_after_forward=per_block, mp_policy=policy)
+
+
+class DataParallelStage(PipelineStage):
+    """A pipeline stage that decides when its FSDP2 units reduce their gradients: with
+    ``reduce_every_microbatch`` after each backward (sharded gradients accumulate, 1/N of the
+    memory), otherwise once per optimizer step: during the step's last backward when
+    ``overlap`` (each unit's reduction starts as soon as its backward ends and runs while the
+    rest of the backward does), else after it. Earlier accumulation rounds (``final_round``
+    False) only accumulate."""
+
+    final_round = True
+    reduce_every_microbatch = False
+    overlap = True
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> tuple[tuple[torch.Tensor | None, ...], Any]:
+        last = last_backward and self.final_round
+        reduce_now = self.reduce_every_microbatch or (last and self.overlap)
+        if not (isinstance(self.submod, FSDPModule) and reduce_now and backward_type == "full"):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(last)
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        grads = stage_backward(
+            bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
+        )
+        return grads, None
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        if self.final_round or self.reduce_every_microbatch:  # what backward left unreduced
+            super().perform_reduce_grad(grad_scale_factor)
+
+
+@dataclass
+class Tie:
+    """One parameter tied across ranks of a pipeline: its group and this rank's copies."""
+
+    group: Any
+    copies: list[nn.Parameter]
+
+
+class GradientSync:
+    """Tied gradients and the global norm of this rank's stages, after the backward passes."""
+
+    def __init__(self, pipeline: Pipeline, layout: Layout, stages: dict[int, nn.Module]):
+        self.layout = layout
+        self.params = [p for m in stages.values() for p in m.parameters() if p.requires_grad]
+        self.ties = self._ties(pipeline, layout, stages)
+        # copies of a tied parameter past its first holder do not count towards the norm
+        duplicate = {
+            id(stages[stage].get_parameter(name))
+            for tie in pipeline.tied
+            for stage, name in tie.later_holders.items()
+            if stage in stages
+        }
+        self.norm_params = [p for p in self.params if id(p) not in duplicate]
+
+    @staticmethod
+    def _ties(pipeline: Pipeline, layout: Layout, stages: dict[int, nn.Module]) -> list[Tie]:
+        ties = []
+        for tie in pipeline.tied:
+            holding = pipeline.tie_ranks(tie)
+            mine = None
+            for replica in range(layout.dp_size):  # every rank takes part in every new_group
+                ranks = [replica * layout.pp_size + r for r in holding]
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if replica == layout.dp_rank:
+                    mine = group
+            copies = [
+                stages[stage].get_parameter(name)
+                for stage, name in tie.holders.items()
+                if stage in stages
+            ]
+            if copies:
+                ties.append(Tie(mine, copies))
+        return ties
+
+    def scale(self, factor: float) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    def reduce(self) -> None:
+        """Sum the copies of each tied parameter (shard by shard when sharded; FSDP2 already
+        averaged every gradient over the data-parallel ranks)."""
+        for tie in self.ties:
+            present = [local_shard(p.grad) for p in tie.copies if p.grad is not None]
+            total = (
+                torch.stack(present).sum(0)
+                if present
+                else torch.zeros_like(local_shard(tie.copies[0].data))
+            )
+            if tie.group is not None:
+                dist.all_reduce(total, group=tie.group)
+            for p in tie.copies:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                local_shard(p.grad).copy_(total)
+
+    def clip(self, max_norm: float | None) -> float:
+        """The global gradient norm over every stage and shard (each tied parameter once);
+        gradients scaled down to ``max_norm`` when given, as ``clip_grad_norm_`` would."""
+        grads = [local_shard(p.grad) for p in self.norm_params if p.grad is not None]
+        local = (
+            torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+            if grads
+            else torch.zeros((), device=self.layout.device)
+        )
+        local = local.to(self.layout.device)
+        dist.all_reduce(local, group=self.layout.pp_group)
+        if self.layout.dp_shard > 1:
+            dist.all_reduce(local, group=self.layout.shard_group)
+        norm = local.sqrt()
+        if max_norm is not None:
+            coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coefficient.to(p.grad.dtype))
+        return float(norm)

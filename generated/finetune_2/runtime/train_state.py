@@ -1,0 +1,638 @@
+"""Weights and training checkpoints of a generated pipeline.
+
+Copied into every generated pipeline as ``runtime/train_state.py``; it needs only torch.
+
+A training checkpoint is a directory ``DIR/step-N`` written with ``torch.distributed.checkpoint``
+(DCP): every rank writes its own shards in parallel, keyed by the original model's names, the
+model's state under ``model.NAME`` and the optimizer's under ``optimizer.NAME.*``; beside them
+per rank its RNG states (``rankR.pt``) and ``checkpoint.json`` (step, layout, tied names, every
+file's size). Because the names are the original model's, a checkpoint resumes under any pipeline
+of the same model: another number of stages, another partition, other ``--dp``/``--dp-shard``
+(DCP reshards on load). Ranks write into ``DIR/.step-N.partial``, which becomes ``step-N`` by one
+rename once every file is on disk; ``DIR/latest`` names the newest complete one and is replaced
+atomically. A crash at any point leaves the previous checkpoint as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .checkpoint import Checkpoint, CheckpointError, save_safetensors
+from .data import PipelineRunError, first_line
+from .guards import agree, describe_write_error
+from .parallel import Layout
+from .pipeline import Pipeline, as_pipeline
+from .support import copy_whole, local_shard, stage_state
+
+FORMAT, VERSION = "autopipe.checkpoint", 2
+MANIFEST = "checkpoint.json"
+#: the files of a checkpoint: DCP's metadata and per-rank data, per-rank RNG states
+CHECKPOINT_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp|rank\d+\.pt")
+
+
+# -- original-model weights -------------------------------------------------------------------
+def load_weights(
+    stages: dict[int, nn.Module], path: str, pipeline: Pipeline | dict, device: torch.device
+) -> None:
+    """Fill each local stage (built with ``meta_state``, or sharded by FSDP2 and materialised)
+    with its own tensors from an original-model checkpoint, reading nothing else: a rank holds
+    about its stages' size (its shards, one whole tensor at a time, when sharded).
+    ``pipeline``: a Pipeline, or a package's ``PIPELINE`` dict."""
+    pipeline = as_pipeline(pipeline)
+    try:
+        checkpoint = Checkpoint(path)
+    except CheckpointError as exc:  # every rank opens the same file and finds the same
+        raise PipelineRunError(f"--load: {exc}", every_rank=True) from None
+    mapped: set[str] = set()
+    for index, stage in stages.items():
+        wanted = stage.state_dict()
+        targets = dict(stage.named_parameters()) | dict(stage.named_buffers())
+        try:
+            names = stage_state(stage, {name: name for name in checkpoint}, pipeline.aliases)
+        except KeyError as exc:
+            raise PipelineRunError(
+                f"--load: {path} has no entry {exc} (needed by stage {index}); is it a checkpoint of {pipeline.model}?"
+            ) from None
+        own = {}
+        for key, source in names.items():
+            try:
+                tensor = checkpoint[source]
+            except CheckpointError as exc:
+                raise PipelineRunError(f"--load: {exc}") from None
+            if tuple(tensor.shape) != tuple(wanted[key].shape):
+                raise PipelineRunError(
+                    f"--load: {source} in {path} has shape {list(tensor.shape)}, stage {index} expects {list(wanted[key].shape)}"
+                )
+            if isinstance(wanted[key], DTensor):  # sharded (FSDP2): fill this rank's shard
+                copy_whole(targets[key], tensor)
+                continue
+            # on CPU with the right dtype the first user gets the mapped tensor itself (private,
+            # copy-on-write); a tied tensor held by several local stages is copied for the others
+            own[key] = tensor.to(device=device, dtype=wanted[key].dtype, copy=source in mapped)
+            mapped.add(source)
+        if own:
+            stage.load_state_dict(own, assign=True)
+
+
+def expand_aliases(state: dict[str, torch.Tensor], aliases: Sequence[Sequence[str]]) -> None:
+    """Add every name of a tied tensor that ``state`` holds under one of its names."""
+    for group in aliases:
+        held = next((name for name in group if name in state), None)
+        if held is not None:
+            for name in group:
+                state.setdefault(name, state[held])
+
+
+def gather_weights(
+    stages: dict[int, nn.Module], pipeline: Pipeline, layout: Layout
+) -> dict[str, torch.Tensor] | None:
+    """The whole original-model ``state_dict`` on rank 0 (``None`` elsewhere), collective."""
+    local = {  # sharded tensors are gathered by all the ranks holding a part
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        for stage in stages.values()
+        for k, v in stage.state_dict().items()
+    }
+    if layout.dp_rank != 0:
+        local = {}
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    expand_aliases(merged, pipeline.aliases)
+    return merged
+
+
+def save_weights(state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Write a state_dict as ``.safetensors`` (by suffix) or with ``torch.save``, through a
+    temporary file and a rename: an interrupted save never leaves a broken file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    try:
+        if target.suffix == ".safetensors":
+            save_safetensors(state, tmp)
+        else:
+            torch.save(state, tmp)
+        _fsync(tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# -- training checkpoints ---------------------------------------------------------------------
+def fingerprint(pipeline: Pipeline) -> str:
+    """Identifies a pipeline's structure: its values and how stages take, return and place them."""
+    data = pipeline.to_json()
+    shape = {
+        "inputs": data["inputs"],
+        "outputs": data["outputs"],
+        "values": data["values"],
+        "stages": [
+            {k: stage[k] for k in ("inputs", "outputs", "device")} for stage in data["stages"]
+        ],
+    }
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+
+
+#: names of complete checkpoints inside a checkpoint directory
+STEP_NAME = re.compile(r"step-\d{8}")
+
+
+class TrainingCheckpoints:
+    """The checkpoints of one run in ``root``; every rank holds one of these."""
+
+    def __init__(self, root: str | Path, pipeline: Pipeline | dict, layout: Layout, keep: int):
+        """``pipeline``: a Pipeline, or a package's ``PIPELINE`` dict."""
+        self.root = Path(root)
+        self.pipeline = as_pipeline(pipeline)
+        self.layout = layout
+        self.keep = keep
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.root)
+
+    def named(self, name: str) -> Path:
+        """Checkpoint ``name`` (``step-N`` or N) of this directory, checked intact."""
+        if name.isdigit():
+            name = f"step-{int(name):08d}"
+        path = self.root / name
+        if not STEP_NAME.fullmatch(name) or not path.is_dir():
+            raise PipelineRunError(
+                f"--resume-from {name}: {self.root} has no such checkpoint; it has "
+                f"{', '.join(p.name for p in complete_checkpoints(self.root)) or 'none'}",
+                every_rank=True,
+            )
+        problem = damage(path)
+        if problem:
+            raise PipelineRunError(
+                f"checkpoint {path} is damaged ({problem}); {_intact_hint(self.root, path)}",
+                every_rank=True,
+            )
+        return path
+
+    def save(
+        self, step: int, stages: dict[int, nn.Module], optimizers: dict[int, torch.optim.Optimizer]
+    ) -> Path:
+        """Checkpoint the state after ``step`` optimizer steps; collective over all ranks. If any
+        rank cannot write, nothing of this step is kept and every rank raises PipelineRunError;
+        the previous checkpoint stays ``latest``."""
+        final = self.root / f"step-{step:08d}"
+        partial = self.root / f".step-{step:08d}.partial"
+        problem = None
+        if dist.get_rank() == 0:
+            problem = self._attempt(lambda: self._start(partial), partial)
+        self._check(agree(problem), step, partial)
+        problem = self._attempt(lambda: self._write_own(partial, stages, optimizers), partial)
+        self._check(agree(problem), step, partial)
+        if dist.get_rank() == 0:
+            problem = self._attempt(lambda: self._publish(step, partial, final), partial)
+        self._check(agree(problem), step, partial)
+        return final
+
+    @staticmethod
+    def _attempt(write: Callable[[], None], where: Path) -> str | None:
+        """``write()``, a stop request (SIGINT, SIGTERM) arriving meanwhile acted on once it
+        ends: interrupted, torch.save's zip writer would report a broken file instead."""
+        try:
+            with _stop_signals_deferred():
+                write()
+        except (OSError, RuntimeError, CheckpointException) as exc:  # torch.save: a full disk
+            cause = _cause(exc)  # is a RuntimeError; DCP wraps what a rank met
+            if not isinstance(cause, Exception):  # a stop (SIGINT) inside DCP stops the run
+                raise cause from None
+            return describe_write_error(cause, where)
+        return None
+
+    def _check(self, problem: str | None, step: int, partial: Path) -> None:
+        if problem is None:
+            return
+        if dist.get_rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        kept = _named_latest(self.root)
+        raise PipelineRunError(
+            f"the checkpoint of step {step} could not be written ({problem}); nothing of it was "
+            + (
+                f"kept, and {self.root / kept} is still the latest checkpoint: make room, then "
+                "rerun with --resume"
+                if kept
+                else "kept (there is no earlier checkpoint)"
+            ),
+            every_rank=True,
+        )
+
+    def _start(self, partial: Path) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+
+    def _write_own(
+        self,
+        partial: Path,
+        stages: dict[int, nn.Module],
+        optimizers: dict[int, torch.optim.Optimizer],
+    ) -> None:
+        dcp.save(training_state(stages, optimizers), storage_writer=FileSystemWriter(partial))
+        _save({"rng": _rng_state(self.layout.device)}, partial / f"rank{self.layout.rank}.pt")
+
+    def _publish(self, step: int, partial: Path, final: Path) -> None:
+        """Rank 0: the manifest (with every file's size), then ``partial`` -> ``final`` and
+        ``latest`` -> ``final`` by renames, then old checkpoints pruned (run by ``_attempt``: a
+        stop request waits until ``latest`` is consistent)."""
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "pipeline": fingerprint(self.pipeline),
+            "model": self.pipeline.model,
+            "stages": self.pipeline.num_stages,
+            "dp": self.layout.dp_size // self.layout.dp_shard,
+            "dp_shard": self.layout.dp_shard,
+            "world_size": dist.get_world_size(),
+            "aliases": [list(group) for group in self.pipeline.aliases],
+            "files": {p.name: p.stat().st_size for p in sorted(partial.iterdir())},
+        }
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        _fsync(partial / MANIFEST)
+        if final.exists():  # left by a run that died before pointing `latest` at it
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        pointer = self.root / ".latest.tmp"
+        try:
+            pointer.write_text(final.name + "\n", encoding="utf-8")
+            _fsync(pointer)
+            os.replace(pointer, self.root / "latest")
+            _fsync(self.root)
+        except BaseException:  # unless `latest` already names it, keep the previous one
+            pointer.unlink(missing_ok=True)
+            if _named_latest(self.root) != final.name:
+                shutil.rmtree(final, ignore_errors=True)
+            raise
+        if self.keep:
+            for old in complete_checkpoints(self.root)[: -self.keep]:
+                if old != final:  # the one `latest` names is never pruned
+                    shutil.rmtree(old)
+
+    def restore(
+        self,
+        path: Path,
+        stages: dict[int, nn.Module],
+        optimizers: dict[int, torch.optim.Optimizer],
+    ) -> int:
+        """Fill this rank's stages (materialised, sharded or not) and their optimizers from
+        checkpoint ``path``, whatever pipeline wrote it, checking every tensor's name, shape and
+        dtype; collective. RNG states too when the layout is the same. Returns its step."""
+        manifest = read_manifest(path)
+        reader = FileSystemReader(path)
+        try:
+            saved = reader.read_metadata().state_dict_metadata
+        except Exception as exc:  # noqa: BLE001 - DCP's reader raises what its storage does
+            raise PipelineRunError(
+                f"checkpoint {path} cannot be read ({first_line(exc)})", every_rank=True
+            ) from None
+        state = {i: stage_training_state(m, optimizers[i]) for i, m in stages.items()}
+        request: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # names held twice on this rank
+        aliases = {n: group for group in manifest["aliases"] for n in group}
+        for index, (tensors, osd) in state.items():
+            for name, tensor in tensors.items():
+                held = _source(path, saved, aliases.get(name, ()), index, tensor, "model", name)
+                _request(request["model"], held, tensor, copies)
+            for name, entries in osd["state"].items():
+                for entry, tensor in entries.items():
+                    held = _source(
+                        path, saved, aliases.get(name, ()), index, tensor, "optimizer", name, entry
+                    )
+                    _request(request["optimizer"], held, tensor, copies)
+        try:
+            dcp.load(request, storage_reader=reader)
+        except CheckpointException as exc:
+            raise PipelineRunError(
+                f"checkpoint {path} cannot be read ({first_line(_cause(exc))}); it is damaged",
+                every_rank=True,
+            ) from None
+        with torch.no_grad():
+            for target, value in copies:
+                local_shard(target).copy_(local_shard(value))
+        for index, stage in stages.items():
+            tensors, osd = state[index]
+            set_model_state_dict(stage, tensors)
+            set_optimizer_state_dict(stage, optimizers[index], osd)
+        same_layout = (
+            manifest["world_size"] == dist.get_world_size()
+            and manifest.get("dp_shard") == self.layout.dp_shard
+            and manifest.get("pipeline") == fingerprint(self.pipeline)
+        )
+        rank_file = path / f"rank{self.layout.rank}.pt"
+        if same_layout and rank_file.is_file():
+            _set_rng_state(_load(rank_file, "cpu")["rng"], self.layout.device)
+        return manifest["step"]
+
+
+def _source(
+    path: Path,
+    saved: dict,
+    aliases: Sequence[str],
+    index: int,
+    tensor: torch.Tensor,
+    kind: str,
+    name: str,
+    entry: str = "",
+) -> str:
+    """Where checkpoint ``path`` holds ``kind`` ("model" or "optimizer") state ``name`` (or
+    its ``entry``, an optimizer's ``exp_avg``...): under ``name`` itself or a tied alias, the key
+    without ``kind``. Checks its shape and dtype; names what is missing or different."""
+    suffix = f".{entry}" if entry else ""
+    for candidate in [name, *aliases]:
+        key = f"{kind}.{candidate}{suffix}"
+        if key in saved:
+            break
+    else:
+        what = "tensor" if kind == "model" else f"{entry!r} optimizer state of"
+        raise PipelineRunError(
+            f"checkpoint {path} has no {what} {name} (needed by stage {index} of this "
+            f"pipeline): it was written for another model"
+            + (" or with another --optimizer" if kind == "optimizer" else ""),
+            every_rank=True,
+        )
+    meta = saved[key]
+    shape, dtype = list(getattr(meta, "size", [])), getattr(meta, "properties", None)
+    dtype = getattr(dtype, "dtype", None)
+    if shape != list(tensor.shape) or dtype != tensor.dtype:
+        raise PipelineRunError(
+            f"checkpoint {path} holds {key} as {dtype} {shape}; stage {index} of this "
+            f"pipeline has {tensor.dtype} {list(tensor.shape)}: it was written for another "
+            "model",
+            every_rank=True,
+        )
+    return f"{candidate}{suffix}"
+
+
+def stage_training_state(
+    stage: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """One stage's model state and torch's optimizer state dict of it, keyed by the original
+    model's names (DTensors when sharded; the optimizer's state created if it has none yet)."""
+    return get_model_state_dict(stage), get_optimizer_state_dict(stage, optimizer)
+
+
+def training_state(
+    stages: dict[int, nn.Module], optimizers: dict[int, torch.optim.Optimizer]
+) -> dict[str, Any]:
+    """What a checkpoint holds of a rank's stages: ``{"model": {name: tensor}, "optimizer":
+    {name: {entry: tensor}}}``, a name held by two local stages (tied copies) once."""
+    model: dict[str, torch.Tensor] = {}
+    optimizer: dict[str, dict[str, torch.Tensor]] = {}
+    for index, stage in stages.items():
+        tensors, osd = stage_training_state(stage, optimizers[index])
+        for name, tensor in tensors.items():
+            model.setdefault(name, tensor)
+        for name, entries in osd["state"].items():
+            optimizer.setdefault(name, entries)
+    return {"model": model, "optimizer": optimizer}
+
+
+def _request(
+    request: dict[str, torch.Tensor],
+    source: str,
+    tensor: torch.Tensor,
+    copies: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Ask DCP to fill ``tensor`` from ``source``; a second tensor of the same source is
+    copied from the first after loading."""
+    if source in request:
+        copies.append((tensor, request[source]))
+    else:
+        request[source] = tensor
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The error a rank met inside DCP, which wraps every rank's in one CheckpointException."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        failure = next(iter(exc.failures.values()))
+        return failure[0] if isinstance(failure, tuple) else failure
+    return exc
+
+
+def materialise(module: nn.Module, device: torch.device) -> None:
+    """Allocate, uninitialised, the parameters and buffers a stage built with ``meta_state``
+    left on the meta device (FSDP2-managed ones: only this rank's shard), keeping the buffers
+    that have values; a checkpoint fills the rest."""
+    kept = {name: b for name, b in module.named_buffers() if not b.is_meta}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in kept.items():
+            module.get_buffer(name).copy_(value)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint ``root/latest`` names, or None if there is none yet; refuses one that is
+    damaged, naming the newest intact one to resume from instead."""
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        name = f"<unreadable: {exc}>"
+    if not STEP_NAME.fullmatch(name):
+        raise PipelineRunError(
+            f"{pointer} holds {name[:80]!r}, not the name of a checkpoint (step-NNNNNNNN); "
+            f"{_intact_hint(root)}",
+            every_rank=True,
+        )
+    path = root / name
+    problem = damage(path)
+    if problem:
+        raise PipelineRunError(
+            f"the latest checkpoint {path} is damaged ({problem}); {_intact_hint(root, path)}",
+            every_rank=True,
+        )
+    return path
+
+
+def _named_latest(root: Path) -> str | None:
+    try:
+        return (root / "latest").read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+@contextmanager
+def _stop_signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM arriving inside the block are acted on when it ends, so a stopped run
+    never leaves half a write or a half-done rename sequence. Their Python handlers are swapped for a recorder (not
+    the thread's signal mask: a signal sent to the process may reach another thread, and Python
+    runs its handler in the main thread all the same); the first one recorded is then handed
+    to the handler it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, _frame: caught.append(signum)) for s in stops}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if caught:
+            handler = previous[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), caught[0])
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint directories of ``root`` with a manifest, oldest first (not checked further)."""
+    found = (p.parent for p in root.glob(f"step-*/{MANIFEST}"))
+    return sorted(p for p in found if STEP_NAME.fullmatch(p.name))
+
+
+def _intact_hint(root: Path, damaged: Path | None = None) -> str:
+    intact = [p for p in complete_checkpoints(root) if p != damaged and damage(p) is None]
+    if not intact:
+        return f"no intact checkpoint is left in {root}"
+    name = intact[-1].name
+    return (
+        f"the newest intact checkpoint is {name}: train.py --resume-from {name} continues from "
+        f"it, autopipe merge {intact[-1]} reads it"
+    )
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with checkpoint directory ``path`` (a missing or unreadable manifest, a
+    missing file, a file of another size than written), or None. Checks sizes only: cheap."""
+    try:
+        manifest = read_manifest(path)
+    except PipelineRunError as exc:
+        return str(exc)
+    for name, size in sorted(manifest.get("files", {}).items()):
+        if not CHECKPOINT_FILE.fullmatch(name):
+            return f"its manifest names a file {name[:80]!r} that a checkpoint never holds"
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PipelineRunError(f"{path} is not a readable autopipe checkpoint ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise PipelineRunError(f"{path / MANIFEST} does not hold a checkpoint manifest")
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise PipelineRunError(
+            f"{path} is a {manifest.get('format')} version {manifest.get('version')} checkpoint; "
+            f"this runtime reads {FORMAT} version {VERSION}"
+        )
+    fields = (
+        ("step", int),
+        ("stages", int),
+        ("world_size", int),
+        ("aliases", list),
+        ("files", dict),
+    )
+    for key, kind in fields:
+        if not isinstance(manifest.get(key), kind):
+            raise PipelineRunError(
+                f"{path / MANIFEST}: {key!r} is missing or not a {kind.__name__}"
+            )
+    return manifest
+
+
+def merge_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The whole original-model state_dict held by a checkpoint directory (``DIR`` for its
+    latest, or ``DIR/step-N``), and its manifest."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file() and (path / "latest").is_file():
+        path = latest_checkpoint(path)
+    problem = damage(path)
+    if problem:
+        raise PipelineRunError(f"checkpoint {path} is damaged ({problem})")
+    manifest = read_manifest(path)
+    reader = FileSystemReader(path)
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+        state = {
+            key[len("model.") :]: torch.empty(meta.size, dtype=meta.properties.dtype)
+            for key, meta in saved.items()
+            if key.startswith("model.")
+        }
+        with warnings.catch_warnings():  # reading in one process is what merge is for
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    except Exception as exc:  # noqa: BLE001 - DCP's reader raises what its storage does
+        raise PipelineRunError(
+            f"checkpoint {path} cannot be read ({first_line(exc)}); it is damaged"
+        ) from None
+    expand_aliases(state, manifest["aliases"])
+    return state, manifest
+
+
+def _load(path: Path, device: torch.device | str) -> dict:
+    """A checkpoint file, or PipelineRunError naming it when it is truncated or corrupted."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True, mmap=True)
+    except (OSError, RuntimeError, ValueError, EOFError) as exc:
+        raise PipelineRunError(
+            f"{path} cannot be read ({first_line(exc)}); the checkpoint is damaged"
+        ) from None
+
+
+def _save(obj: Any, path: Path) -> None:
+    torch.save(obj, path)
+    _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
