@@ -327,6 +327,15 @@ def test_padded_lengths_train_like_pytorch_on_the_unpadded_batches(tmp_path):
 
 
 @pytest.mark.slow
+def test_sharded_stages_train_like_pytorch_on_new_lengths(tmp_path):
+    """--dp-shard 2 (FSDP2, 4 processes): each rank's shards run every step's new length."""
+    flags = ("--dp-shard", "2", "--microbatches", "2")
+    pipe = run_pipeline(tmp_path, "gpt2", 2, "gpt2_lengths", *flags, nproc=4, dynamic=[SEQ])
+    ref = reference_training(load_example(spec("gpt2")), models.gpt2_lengths, STEPS, "adamw", 1e-3)
+    assert_same_training(pipe, ref)
+
+
+@pytest.mark.slow
 def test_t5_trains_like_pytorch_with_two_lengths_on_an_auto_schedule(tmp_path):
     """Encoder and decoder lengths vary independently; four Mixed-Pipe stages on two ranks
     run the cost-ordered ``auto`` schedule."""

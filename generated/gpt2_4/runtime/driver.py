@@ -716,9 +716,12 @@ def main(package: ModuleType, argv: list[str]) -> int:
     """train.py's entry point: the exit status. A run that started its process groups ends its
     process here once they are destroyed: gloo's worker threads can abort the interpreter's
     own teardown (SIGABRT after a successful run), which torchrun would report as a failure."""
+    code = 1
     try:
         code = _main(package, argv)
     finally:
+        # this rank is done: torchrun's SIGTERM (another rank ended first) ends it quietly
+        signal.signal(signal.SIGTERM, lambda _signum, _frame: os._exit(code))
         started = dist.is_initialized()
         if started:
             dist.destroy_process_group()
