@@ -11,8 +11,9 @@ Python's reference documentation, 16 per step grouped by length (2 stages, 4 mic
 - ``--dynamic`` seq and batch: each step at its own length (its longest paragraph),
 - ``--dynamic`` with ``--pad-to-multiple 32``: at most 8 distinct lengths.
 
-Padding never changes the loss (masked out of attention, ignored by the loss), so the runs see
-the same losses; the table compares step time and real (unpadded) tokens per second. Step times
+Padding never changes the loss (masked out of attention, ignored by the loss), so the runs' losses
+agree up to dropout's random draws (the example trains with dropout, whose masks depend on the
+shapes); the table compares step time and real (unpadded) tokens per second. Step times
 are medians after the first 2 steps; compare rows of one run.
 """
 
