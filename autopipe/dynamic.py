@@ -211,13 +211,12 @@ def _write(expr: Any, names: Mapping[Any, str]) -> tuple[str, int]:
             key=lambda t: (
                 bool(t.is_number),
                 bool(t.as_coeff_Mul()[0] < 0),
-                _write(abs_term(t), names)[0],
+                _write(_abs_term(t), names)[0],
             ),
         )
         text = _operand(terms[0], names, _SUM)
         for term in terms[1:]:
-            coefficient, rest = term.as_coeff_Mul()
-            if coefficient.is_negative:
+            if term.as_coeff_Mul()[0].is_negative:
                 text += f" - {_operand(-term, names, _PRODUCT)}"
             else:
                 text += f" + {_operand(term, names, _SUM)}"
@@ -254,7 +253,7 @@ def _write(expr: Any, names: Mapping[Any, str]) -> tuple[str, int]:
     raise UnwritableSize(f"the size {expr} uses {function}, which autopipe cannot write")
 
 
-def abs_term(term: Any) -> Any:
+def _abs_term(term: Any) -> Any:
     """A term of a sum without its sign: ``-2*s`` -> ``2*s``."""
     return -term if bool(term.as_coeff_Mul()[0] < 0) else term
 

@@ -234,10 +234,14 @@ class ReportData:
         return rows
 
     def value_shape(self, name: str) -> str:
-        """``2x64x128`` for a value crossing stages, ``""`` when pipeline.json does not say."""
+        """``2x64x128`` for a value crossing stages (``batch x seq x 128`` with dynamic
+        dimensions), ``""`` when pipeline.json does not say."""
         value = self.pipeline.values.get(name)
-        shape = value.shape if value else None
-        return "x".join(str(d) for d in shape) if shape else ""
+        if value is None or not value.shape:
+            return ""
+        if value.sizes is None:
+            return "x".join(map(str, value.shape))
+        return " x ".join(map(str, value.sizes))
 
 
 # -- formatting -------------------------------------------------------------------------------
