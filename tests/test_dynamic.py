@@ -249,6 +249,9 @@ def test_generated_stages_read_sizes_from_their_inputs(gpt2_package):
     assert values["input_ids"]["sizes"] == ["batch", "seq"]
     assert values["logits"]["sizes"] == ["batch", "seq", 97]
     assert "sizes" not in values["loss"]  # a scalar: static
+    # the plan's FLOPs are for the upper bounds: train.py scales them by each step's tokens
+    assert description["plan"]["sizes"] == {"seq": 32, "batch": 4}
+    assert Pipeline.from_json(description).flops_scale({"seq": 16, "batch": 2}) == 0.25
 
 
 @pytest.mark.parametrize("batch,seq", [(2, 16), (3, 4), (4, 32), (2, 9)])

@@ -429,16 +429,19 @@ def pipeline_description(
         "dp_shard": part.settings.get("dp_shard", 1),
     }
     if part.predicted:
-        description["plan"] = _plan_description(part)
+        description["plan"] = _plan_description(part, graph)
     if graph.model.get("symbols"):
         description["dimensions"] = graph.model["symbols"]
     return Pipeline.from_json(description).to_json()  # the runtime's contract, checked here
 
 
-def _plan_description(part: Partition) -> dict[str, Any]:
-    """The plan train.py defaults to, and the step time and FLOPs its metrics compare with."""
+def _plan_description(part: Partition, graph: Graph) -> dict[str, Any]:
+    """The plan train.py defaults to, and the step time and FLOPs its metrics compare with
+    (with dynamic dimensions: at the ``sizes`` they were predicted for)."""
     predicted, accumulate = part.predicted, part.settings.get("accumulate", 1)
-    return {
+    symbols, timed_at = graph.model.get("symbols", {}), part.settings.get("timed_at", {})
+    sizes = {name: timed_at.get(name, symbol["max"]) for name, symbol in symbols.items()}
+    return ({"sizes": sizes} if sizes else {}) | {
         "microbatches": part.settings.get("microbatches") or default_microbatches(part.num_stages),
         "accumulate": accumulate,
         "step_time": iteration_time(predicted, accumulate),

@@ -13,6 +13,7 @@ Words: a *rank* is one process of a pipeline replica. The JSON names a stage's r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -337,10 +338,18 @@ class TrainingPlan:
     flops_per_microbatch: float  # the model's forward + backward FLOPs on one microbatch
     peak_flops: float  # one device's peak FLOP/s, for the model's dtype (0 when unknown)
     device: str  # the device spec the prediction is for
+    #: dynamic dimensions: the sizes the step time and FLOPs are for
+    sizes: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> TrainingPlan:
-        _object(data, where, tuple(cls.__dataclass_fields__))
+        _object(data, where, tuple(cls.__dataclass_fields__)[:-1], ("sizes",))
+        sizes = _check(
+            data.get("sizes", {}),
+            f"{where}.sizes",
+            lambda v: isinstance(v, dict) and all(_is_int(s) and s >= 2 for s in v.values()),
+            "sizes of dynamic dimensions by name",
+        )
         counts = {
             k: _check(data[k], f"{where}.{k}", lambda v: _is_int(v) and v >= 1, "1 or more")
             for k in ("microbatches", "accumulate")
@@ -349,10 +358,11 @@ class TrainingPlan:
             k: _check(data[k], f"{where}.{k}", lambda v: _is_number(v) and v >= 0, ">= 0")
             for k in ("step_time", "flops_per_microbatch", "peak_flops")
         }
-        return cls(**counts, **figures, device=_str(data["device"], f"{where}.device"))
+        return cls(**counts, **figures, device=_str(data["device"], f"{where}.device"), sizes=sizes)
 
     def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        data = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "sizes"}
+        return ({"sizes": dict(self.sizes)} if self.sizes else {}) | data
 
     def utilisation(self, seconds: float, microbatches: int, devices: int) -> float | None:
         """The model FLOPs utilisation of training ``microbatches`` microbatches in
@@ -551,6 +561,8 @@ class Pipeline:
                 raise _fail(
                     where, list(value.sizes), f"formulas giving the shape {list(value.shape)}"
                 )
+        if self.plan is not None:
+            _known(tuple(self.plan.sizes), "pipeline.plan.sizes", upper, "a dynamic dimension")
         for dimension in self.dimensions.values():
             where = f"pipeline.dimensions.{dimension.name}.sources"
             _known(tuple(i for i, _ in dimension.sources), where, self.inputs, "a pipeline input")
@@ -667,6 +679,16 @@ class Pipeline:
             if len(value.shape) == 2 and value.dtype in ("int64", "int32"):
                 return value.shape_for(dimensions)[1]
         return None
+
+    def flops_scale(self, dimensions: dict[str, int] | None) -> float:
+        """A microbatch's FLOPs at the dynamic dimensions' sizes ``dimensions`` relative to the
+        plan's, estimated as the ratio of the first input's elements (the tokens, for a language
+        model): linear in them, where attention's part grows with the square of the length."""
+        if not (dimensions and self.plan and self.plan.sizes and self.inputs):
+            return 1.0
+        value = self.values[self.inputs[0]]
+        planned = math.prod(value.shape_for(self.plan.sizes))
+        return math.prod(value.shape_for(dimensions)) / planned if planned else 1.0
 
     def tie_ranks(self, tie: TiedParameter) -> list[int]:
         """The ranks of a replica holding a copy of ``tie``, ascending."""

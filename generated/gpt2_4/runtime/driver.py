@@ -526,7 +526,9 @@ def _run(
         log_every=config.log_every,
         resumed_at=start if resume is not None else None,
         utilisation=lambda seconds: (
-            plan.utilisation(seconds, per_step, dist.get_world_size()) if plan else None
+            plan.utilisation(seconds / flops_scale, per_step, dist.get_world_size())
+            if plan
+            else None
         ),
     )
     if plan and plan.step_time:
@@ -537,6 +539,7 @@ def _run(
         metrics.note(f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0")
     runs = config.microbatches * config.accumulate
     checkpoint = resume
+    flops_scale = 1.0  # this step's FLOPs relative to the plan's (dynamic dimensions)
     try:
         for step in range(start, config.steps):
             began = time.perf_counter()
@@ -546,6 +549,7 @@ def _run(
             reads = is_first or needs_target
             if pipeline.dimensions:  # every rank learns the step's sizes from the data's
                 batch, sizes = agree_dimensions(batches, step, reads, layout)
+                flops_scale = pipeline.flops_scale(sizes)
                 metrics.samples_per_step = batches.rows * pipeline.samples_in_microbatch(sizes)
                 if tokens:
                     per_sample = pipeline.tokens_in_sample(sizes)
