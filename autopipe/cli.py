@@ -116,7 +116,7 @@ def _trace_options(parser: argparse.ArgumentParser) -> None:
         type=_dynamic,
         metavar="NAME[MIN:MAX]=INPUT:DIM,...",
         help="a dimension that changes from batch to batch, traced as such: seq=input_ids:1,"
-        "labels:1 (repeatable; bounds default to 2 and the example's size)",
+        "labels:1 (repeatable; from 2 and unbounded by default: planned at the example's size)",
     )
     group.add_argument(
         "--loss",
@@ -138,7 +138,7 @@ def _profile_options(parser: argparse.ArgumentParser) -> None:
         type=_expected,
         metavar="NAME=SIZE[,NAME=SIZE]",
         help="with --dynamic: the sizes to predict time at, e.g. seq=512 (default: the upper "
-        "bounds; memory is always predicted at the upper bounds)",
+        "bounds, else the example's sizes; memory is always predicted at those)",
     )
     group.add_argument(
         "--device-spec",

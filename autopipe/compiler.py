@@ -47,7 +47,7 @@ class CompileOptions:
     #: dimensions that change from batch to batch: ``--dynamic`` texts, DynamicDims, or
     #: ``{"seq": [("input_ids", 1), ("labels", 1)]}`` (see autopipe/dynamic.py)
     dynamic: Any = ()
-    #: sizes of dynamic dimensions to predict time at ({"seq": 512}; default: upper bounds)
+    #: sizes of dynamic dimensions to predict time at ({"seq": 512}; default: the planned sizes)
     expected: dict[str, int] | None = None
     device_spec: str | None = None  # the hardware model: a table name or a JSON file
     link: str | None = None

@@ -38,7 +38,10 @@ class DynamicDim:
     name: str
     sources: tuple[tuple[str, int], ...]
     min: int | None = None  # None: MIN_SIZE
-    max: int | None = None  # None: the example's size
+    max: int | None = None  # None: no upper bound
+    #: the size the graph's metadata, profile and plan are for: the upper bound, or the
+    #: example's size when there is none (set by :func:`resolve`)
+    planned: int | None = None
 
     def declaration(self) -> str:
         """The ``--dynamic`` text of this dimension."""
@@ -127,8 +130,9 @@ def _checked(dim: DynamicDim) -> DynamicDim:
 def resolve(
     dims: Iterable[DynamicDim], inputs: Mapping[str, Any], parameters: Iterable[str] = ()
 ) -> tuple[DynamicDim, ...]:
-    """``dims`` with both bounds set (the example's size is the default upper bound), checked
-    against the example ``inputs`` (the model's forward ``parameters``, bound)."""
+    """``dims`` with their lower bound and planned size set (the upper bound, else the
+    example's size), checked against the example ``inputs`` (the model's forward
+    ``parameters``, bound)."""
     resolved = []
     for dim in dims:
         if dim.name in set(parameters) | set(inputs):
@@ -158,13 +162,14 @@ def resolve(
                 "dimensions of one name must have one size"
             )
         low = MIN_SIZE if dim.min is None else dim.min
-        high = sizes[0] if dim.max is None else dim.max
-        if not low <= sizes[0] <= high:
+        if not (low <= sizes[0] and (dim.max is None or sizes[0] <= dim.max)):
             raise AutopipeError(
                 f"--dynamic {dim.declaration()}: the example's size {sizes[0]} is outside the "
-                f"bounds [{low}:{high}]; trace with an example inside them"
+                f"bounds [{low}:{'' if dim.max is None else dim.max}]; trace with an example "
+                "inside them"
             )
-        resolved.append(replace(dim, min=low, max=high))
+        planned = sizes[0] if dim.max is None else dim.max
+        resolved.append(replace(dim, min=low, planned=planned))
     return tuple(resolved)
 
 

@@ -565,7 +565,7 @@ class Graph:
 
     def rebound(self, sizes: dict[str, int]) -> Graph:
         """A copy whose metadata and sizes are for other ``sizes`` of the dynamic dimensions
-        (those not given stay at their upper bounds): for profiling time at the sizes a run
+        (those not given stay at their planned sizes): for profiling time at the sizes a run
         expects. Strides keep each value's memory layout. Not for saving: lint checks the upper
         bounds."""
         from .runtime.shapes import evaluate
@@ -874,9 +874,10 @@ def _lint_model(model: Any, where: str) -> None:
         require(
             is_value_name(name)
             and isinstance(symbol, dict)
-            and sorted(symbol) == ["max", "min", "sources"]
+            and sorted(symbol) == ["max", "min", "planned", "sources"]
             and is_int(symbol["min"], 2)
-            and is_int(symbol["max"], symbol["min"])
+            and is_int(symbol["planned"], symbol["min"])
+            and (symbol["max"] is None or is_int(symbol["max"], symbol["planned"]))
             and isinstance(symbol["sources"], list)
             and all(
                 isinstance(s, list) and len(s) == 2 and is_identifier(s[0]) and is_int(s[1], 0)
@@ -884,7 +885,8 @@ def _lint_model(model: Any, where: str) -> None:
             ),
             f"{where}model.symbols.{name}",
             symbol,
-            "a dynamic dimension {min >= 2, max >= min, sources: [[input, dimension], ...]}",
+            "a dynamic dimension {min >= 2, planned >= min, max >= planned or null, "
+            "sources: [[input, dimension], ...]}",
         )
 
     for name, module in sorted(operators.items()):  # registers them, for the checks below
@@ -1146,8 +1148,8 @@ def _same_layout(meta: TensorMeta, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def planned_sizes(graph: Graph) -> dict[str, int]:
     """The size of each dynamic dimension that the graph's metadata and sizes are for: its
-    upper bound."""
-    return {name: s["max"] for name, s in graph.model.get("symbols", {}).items()}
+    upper bound, or the example's size when it has none."""
+    return {name: s["planned"] for name, s in graph.model.get("symbols", {}).items()}
 
 
 def _lint_sizes(node: Node, planned: dict[str, int], field: str) -> None:

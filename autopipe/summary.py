@@ -96,24 +96,34 @@ def throughput_line(graph: Graph, part: Partition) -> str:
 
 def dimensions_text(graph: Graph, part: Partition) -> str:
     """The dynamic dimensions, their bounds and the sizes the predictions are for ("" if
-    none): memory at the upper bounds, time at the --expected sizes where given."""
+    none): memory at the planned sizes (upper bounds, else the example's), time at the
+    --expected sizes where given."""
     symbols = graph.model.get("symbols", {})
     if not symbols:
         return ""
-    bounds = ", ".join(f"{name} {s['min']}..{s['max']}" for name, s in symbols.items())
-    upper = ", ".join(f"{name}={s['max']}" for name, s in symbols.items())
+    bounds = ", ".join(
+        f"{name} {s['min']}..{'' if s['max'] is None else s['max']}" for name, s in symbols.items()
+    )
+    planned = ", ".join(f"{name}={s['planned']}" for name, s in symbols.items())
+    open_ended = [name for name, s in symbols.items() if s["max"] is None]
+    caveat = (
+        f" ({', '.join(open_ended)} without an upper bound: planned at the example's size, "
+        "longer batches need more memory than predicted)"
+        if open_ended
+        else ""
+    )
     timed_at = part.settings.get("timed_at", {})
     if not timed_at:
-        return f"{bounds}; time and memory predicted at the upper bounds ({upper})"
-    timed = {name: timed_at.get(name, s["max"]) for name, s in symbols.items()}
+        return f"{bounds}; time and memory predicted at {planned}{caveat}"
+    timed = {name: timed_at.get(name, s["planned"]) for name, s in symbols.items()}
     at = ", ".join(f"{name}={size}" for name, size in timed.items())
-    return f"{bounds}; time predicted at {at} (--expected), memory at the upper bounds ({upper})"
+    return f"{bounds}; time predicted at {at} (--expected), memory at {planned}{caveat}"
 
 
 def tokens_per_microbatch(graph: Graph, sizes: dict[str, int] | None = None) -> int | None:
     """Tokens in the example microbatch for a language model: the size of its first integer
     (batch, sequence) input, for the dynamic dimensions' ``sizes`` where given (else at their
-    upper bounds); None for other models."""
+    planned sizes); None for other models."""
     values = planned_sizes(graph) | (sizes or {})
     for name in graph.inputs:
         meta = graph[name].meta

@@ -134,8 +134,8 @@ def gpt2_graph() -> Graph:
 def test_every_traced_size_is_a_formula_planned_at_the_upper_bounds(gpt2_graph):
     graph = gpt2_graph
     assert graph.model["symbols"] == {
-        "seq": {"min": 4, "max": 32, "sources": [["input_ids", 1], ["labels", 1]]},
-        "batch": {"min": 2, "max": 4, "sources": [["input_ids", 0], ["labels", 0]]},
+        "seq": {"min": 4, "max": 32, "planned": 32, "sources": [["input_ids", 1], ["labels", 1]]},
+        "batch": {"min": 2, "max": 4, "planned": 4, "sources": [["input_ids", 0], ["labels", 0]]},
     }
     assert graph["input_ids"].meta.shape == (4, 32)  # planned: the upper bounds
     assert graph["input_ids"].meta.sizes == ("batch", "seq")
@@ -147,6 +147,20 @@ def test_every_traced_size_is_a_formula_planned_at_the_upper_bounds(gpt2_graph):
         if node.target == "aten.view.default":
             assert not any(type(v) is int and v in (2, 16) for v in node.args[1]), node.args
     assert Graph.from_json(json.loads(json.dumps(graph.to_json()))).to_json() == graph.to_json()
+
+
+def test_without_an_upper_bound_the_graph_is_planned_at_the_examples_size():
+    graph = trace(load_example(spec("gpt2")), dynamic=dynamic_dims(["seq=input_ids:1,labels:1"]))
+    assert graph.model["symbols"]["seq"] == {
+        "min": 2,
+        "max": None,
+        "planned": 16,
+        "sources": [["input_ids", 1], ["labels", 1]],
+    }
+    assert graph["input_ids"].meta.shape == (2, 16) and graph["input_ids"].meta.sizes == (
+        "2",
+        "seq",
+    )
 
 
 def test_a_formula_that_does_not_give_its_planned_size_is_caught_by_lint(gpt2_graph):
@@ -243,6 +257,7 @@ def test_generated_stages_read_sizes_from_their_inputs(gpt2_package):
     assert description["dimensions"]["seq"] == {
         "min": 4,
         "max": 32,
+        "planned": 32,
         "sources": [["input_ids", 1], ["labels", 1]],
     }
     values = description["values"]
@@ -318,6 +333,16 @@ def test_gpt2_trains_like_pytorch_on_a_new_length_every_step_and_a_smaller_last_
     )
     assert_same_training(pipe, ref)
     assert torch.equal(pipe[1]["lm_head.weight"], pipe[1]["transformer.wte.weight"])
+
+
+@pytest.mark.slow
+def test_the_contracts_unbounded_declaration_trains_longer_and_shorter_than_the_example(tmp_path):
+    """--dynamic seq=input_ids:1,labels:1 without bounds: lengths 16, 7, 32 and 11 around the
+    example's 16 train as in PyTorch, with the default 1F1B schedule."""
+    dynamic = ["seq=input_ids:1,labels:1"]
+    pipe = run_pipeline(tmp_path, "gpt2", 2, "gpt2_lengths", dynamic=dynamic)
+    ref = reference_training(load_example(spec("gpt2")), models.gpt2_lengths, STEPS, "adamw", 1e-3)
+    assert_same_training(pipe, ref)
 
 
 @pytest.mark.slow

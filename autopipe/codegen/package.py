@@ -440,7 +440,7 @@ def _plan_description(part: Partition, graph: Graph) -> dict[str, Any]:
     (with dynamic dimensions: at the ``sizes`` they were predicted for)."""
     predicted, accumulate = part.predicted, part.settings.get("accumulate", 1)
     symbols, timed_at = graph.model.get("symbols", {}), part.settings.get("timed_at", {})
-    sizes = {name: timed_at.get(name, symbol["max"]) for name, symbol in symbols.items()}
+    sizes = {name: timed_at.get(name, symbol["planned"]) for name, symbol in symbols.items()}
     return ({"sizes": sizes} if sizes else {}) | {
         "microbatches": part.settings.get("microbatches") or default_microbatches(part.num_stages),
         "accumulate": accumulate,

@@ -10,7 +10,7 @@ from .devices import KNOWN_DEVICES, DeviceSpec, device_spec, with_link
 from .measured import profile_measured
 from .profile import PROFILE_MODES, Profile, UnitCost
 
-#: UnitCost fields that describe time (the rest describe memory, at the upper bounds)
+#: UnitCost fields that describe time (the rest describe memory, at the planned sizes)
 TIME_FIELDS = ("forward", "backward", "flops_forward", "flops_backward")
 TIME_FIELDS += ("bytes_forward", "bytes_backward")
 
@@ -24,7 +24,8 @@ def profile(
 ) -> Profile:
     """Profile every unit of ``graph``: ``analytic`` (deterministic, any model size) or
     ``measured`` (runs each unit on the local device). A graph with dynamic dimensions is
-    profiled at their upper bounds, its times at the ``expected`` sizes when given."""
+    profiled at their planned sizes (upper bounds), its times at the ``expected`` sizes when
+    given."""
     spec = spec or device_spec()
     if mode not in PROFILE_MODES:
         raise AutopipeError(f"unknown profile mode {mode!r}; use one of {', '.join(PROFILE_MODES)}")
@@ -53,9 +54,10 @@ def check_expected(graph: Graph, expected: dict[str, int]) -> None:
                 f"its dynamic dimensions are {known}"
             )
         low, high = symbols[name]["min"], symbols[name]["max"]
-        if not low <= size <= high:
+        if not (low <= size and (high is None or size <= high)):
             raise AutopipeError(
-                f"--expected {name}={size} is outside the bounds [{low}:{high}] of {name}"
+                f"--expected {name}={size} is outside the bounds "
+                f"[{low}:{'' if high is None else high}] of {name}"
             )
 
 

@@ -82,7 +82,8 @@ def trace(
     ``basic_blocks`` decide how nodes are grouped into units; ``basic_blocks`` and
     ``inline_blocks`` which module calls stages hold as submodules (autopipe/tracing/blocks.py).
     ``dynamic`` dimensions of the inputs are traced as such: sizes computed from them become
-    formulas, and metadata is for their upper bounds (autopipe/dynamic.py).
+    formulas, and metadata is for their planned sizes: the upper bounds, else the example's
+    (autopipe/dynamic.py).
     """
     model = example.model
     on_meta = any(t.is_meta for t in _state_tensors(model))
@@ -509,7 +510,13 @@ def _symbols(
 def _symbol_table(dims: tuple[DynamicDim, ...]) -> dict[str, dict[str, Any]]:
     """The graph's record of its dynamic dimensions (``Graph.model["symbols"]``)."""
     return {
-        d.name: {"min": d.min, "max": d.max, "sources": [list(s) for s in d.sources]} for d in dims
+        d.name: {
+            "min": d.min,
+            "max": d.max,
+            "planned": d.planned,
+            "sources": [list(s) for s in d.sources],
+        }
+        for d in dims
     }
 
 
@@ -526,7 +533,7 @@ class _Converter:
         self.names: dict[fx.Node, Any] = {}  # fx node -> Ref (or a Python value)
         #: torch's symbol of each dynamic dimension -> its name, and -> its planned size
         self.symbol_names = {s: d.name for s, d in (symbols or {}).items()}
-        self.planned = {s: d.max for s, d in (symbols or {}).items()}
+        self.planned = {s: d.planned for s, d in (symbols or {}).items()}
         # value names handed out so far (the dimensions' names are the generated code's)
         self.taken = Namespace(self.symbol_names.values())
         self.inputs: list[str] = []

@@ -108,19 +108,29 @@ def default_microbatches(num_stages: int) -> int:
 @dataclass(frozen=True)
 class Dimension:
     """A dynamic dimension: sizes of the inputs ``sources`` (input, dimension) that change from
-    batch to batch within ``min`` .. ``max``; values' shapes are formulas of its name."""
+    batch to batch within ``min`` .. ``max`` (None: no upper bound); values' shapes are
+    formulas of its name, and their ``shape`` is for its ``planned`` size."""
 
     name: str
     min: int
-    max: int
+    max: int | None
+    planned: int
     sources: tuple[tuple[str, int], ...]
 
     @classmethod
     def from_json(cls, data: Any, name: str, where: str) -> Dimension:
         _check(name, where, str.isidentifier, "named by an identifier")
-        _object(data, where, ("min", "max", "sources"))
+        _object(data, where, ("min", "max", "planned", "sources"))
         low = _check(data["min"], f"{where}.min", lambda v: _is_int(v) and v >= 2, "2 or more")
-        high = _check(data["max"], f"{where}.max", lambda v: _is_int(v) and v >= low, ">= min")
+        planned = _check(
+            data["planned"], f"{where}.planned", lambda v: _is_int(v) and v >= low, ">= min"
+        )
+        high = _check(
+            data["max"],
+            f"{where}.max",
+            lambda v: v is None or (_is_int(v) and v >= planned),
+            "null or >= planned",
+        )
         sources = _list(
             data["sources"],
             f"{where}.sources",
@@ -131,16 +141,30 @@ class Dimension:
             and v[1] >= 0,
             "[input, dimension] pair",
         )
-        return cls(name, low, high, tuple((i, d) for i, d in sources))
+        return cls(name, low, high, planned, tuple((i, d) for i, d in sources))
 
     def to_json(self) -> dict[str, Any]:
-        return {"min": self.min, "max": self.max, "sources": [list(s) for s in self.sources]}
+        return {
+            "min": self.min,
+            "max": self.max,
+            "planned": self.planned,
+            "sources": [list(s) for s in self.sources],
+        }
+
+    def holds(self, size: int) -> bool:
+        """Whether ``size`` is within the bounds."""
+        return self.min <= size and (self.max is None or size <= self.max)
+
+    @property
+    def bounds(self) -> str:
+        """``[16:256]``, ``[2:]`` without an upper bound."""
+        return f"[{self.min}:{'' if self.max is None else self.max}]"
 
 
 @dataclass(frozen=True)
 class Value:
     """A tensor passed into, between or out of stages. ``shape`` is its shape in the example
-    microbatch (at the upper bounds of dynamic dimensions); ``sizes``, for a value with dynamic
+    microbatch (at the planned sizes of dynamic dimensions); ``sizes``, for a value with dynamic
     dimensions, one formula of their names (or a fixed size) per dimension."""
 
     name: str
@@ -541,9 +565,9 @@ class Pipeline:
             raise _fail("pipeline.stages[*].device", ranks, "ranks numbered from 0 without gaps")
 
     def _check_formulas(self) -> None:
-        """Every value's formulas read known dimensions and give its shape at their upper
-        bounds; each dimension's sources are inputs of the pipeline."""
-        upper = {name: d.max for name, d in self.dimensions.items()}
+        """Every value's formulas read known dimensions and give its shape at their planned
+        sizes; each dimension's sources are inputs of the pipeline."""
+        upper = {name: d.planned for name, d in self.dimensions.items()}
         for value in self.values.values():
             if value.sizes is None:
                 continue

@@ -110,10 +110,10 @@ def dimension_sizes(
                 f"({shown}); the inputs it sizes must agree"
             )
         size = found[0][1]
-        if not dimension.min <= size <= dimension.max:
+        if not dimension.holds(size):
             raise PipelineRunError(
                 f"{where}: dimension {dimension.name!r} is {size}, outside the bounds "
-                f"[{dimension.min}:{dimension.max}] the pipeline was compiled for; pad or cut "
+                f"{dimension.bounds} the pipeline was compiled for; pad or cut "
                 f"the batch into them, or compile again with --dynamic "
                 f"{dimension.name}[MIN:MAX]=... bounds that hold it"
             )
@@ -207,7 +207,7 @@ class Batches:
 
     def _padded(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """``inputs`` with each dynamic dimension but the batch's padded at its end up to a
-        multiple of --pad-to-multiple (at most its upper bound): labels with the ignore index
+        multiple of --pad-to-multiple (at most its upper bound, if any): labels with the ignore index
         -100, other inputs (ids, attention masks) with 0. Sizes the bounds refuse are left."""
         names = [value.name for value in self.pipeline.data_inputs]
         inputs = list(inputs)
@@ -221,7 +221,9 @@ class Batches:
                 continue
             position, index = sources[0]
             size = inputs[position].shape[index]
-            target = min(-(-size // self.pad_to_multiple) * self.pad_to_multiple, dimension.max)
+            target = -(-size // self.pad_to_multiple) * self.pad_to_multiple
+            if dimension.max is not None:
+                target = min(target, dimension.max)
             if not dimension.min <= size < target:
                 continue
             for position, index in sources:
