@@ -21,7 +21,7 @@ from .compiler import (
     trace_step,
 )
 from .checks import is_number
-from .dynamic import DynamicDim, parse_dynamic
+from .tracing.dynamic import DynamicDim, parse_dynamic
 from .errors import AutopipeError
 from .partitioning import DEFAULT_METHOD, METHODS, Partition
 from .partitioning.search import plan_table

@@ -11,11 +11,11 @@ from torch import nn
 
 from .artifacts import artifact_text
 from .checks import check_count, is_text
-from .dynamic import dynamic_dims
+from .tracing.dynamic import dynamic_dims
 from .errors import ArtifactError, AutopipeError, PartitionError
 from .progress import QUIET, Phases
 from .codegen import check_output_dir, package_files, with_manifest, write_package
-from .graph import Graph
+from .ir.graph import Graph
 from .partitioning import DEFAULT_METHOD, METHODS, Partition, partition
 from .partitioning.cost import STATE_FACTOR
 from .partitioning.simulator import SCHEDULES
@@ -45,7 +45,7 @@ class CompileOptions:
     basic_blocks: tuple[str, ...] = ()
     inline_blocks: bool = False  # no block submodules: every operator in the stage's forward
     #: dimensions that change from batch to batch: ``--dynamic`` texts, DynamicDims, or
-    #: ``{"seq": [("input_ids", 1), ("labels", 1)]}`` (see autopipe/dynamic.py)
+    #: ``{"seq": [("input_ids", 1), ("labels", 1)]}`` (see autopipe/tracing/dynamic.py)
     dynamic: Any = ()
     #: sizes of dynamic dimensions to predict time at ({"seq": 512}; default: the planned sizes)
     expected: dict[str, int] | None = None

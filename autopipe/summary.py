@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .graph import Graph, TensorMeta, planned_sizes
+from .ir.graph import Graph, TensorMeta, planned_sizes
 from .runtime.shapes import evaluate
 from .partitioning import Partition
 from .partitioning.cost import Throughput

@@ -12,9 +12,9 @@ from torch._subclasses import FakeTensorMode
 import cond_models
 from autopipe.artifacts import read_artifact
 from autopipe.compiler import CompileOptions, compile_spec, load_graph
-from autopipe.control_flow import COND, forced_branch
+from autopipe.ir.cond import COND, forced_branch
 from autopipe.errors import ArtifactError, TraceError
-from autopipe.graph import Graph
+from autopipe.ir.graph import Graph
 from autopipe.profiling.analytic import _unit_cost, profile_analytic
 from autopipe.profiling.devices import device_spec
 from autopipe.spec import load_example

@@ -12,9 +12,9 @@ import sympy
 import torch
 
 import models
-from autopipe.dynamic import DynamicDim, dynamic_dims, formula, parse_dynamic
+from autopipe.tracing.dynamic import DynamicDim, dynamic_dims, formula, parse_dynamic
 from autopipe.errors import ArtifactError, AutopipeError, TraceError
-from autopipe.graph import Graph, sizes_in
+from autopipe.ir.graph import Graph, sizes_in
 from autopipe.profiling import Profile, profile
 from autopipe.runtime.data import Batches
 from autopipe.runtime.options import parse_config
@@ -111,7 +111,7 @@ def test_dimension_names_the_generated_code_needs_are_refused():
 
 
 def test_a_negative_size_round_trips():
-    from autopipe.graph import Size, decode, encode
+    from autopipe.ir.graph import Size, decode, encode
 
     assert (
         decode(encode([Size(-32, "-seq")])) == [-32]

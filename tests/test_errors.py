@@ -21,7 +21,7 @@ from autopipe.errors import (
     TraceError,
     WriteError,
 )
-from autopipe.graph import Graph
+from autopipe.ir.graph import Graph
 from autopipe.profiling.profile import Profile
 from autopipe.spec import load_example
 from autopipe.verify import verify

@@ -8,7 +8,7 @@ import torch
 
 from autopipe.artifacts import dumps
 from autopipe.compiler import CompileOptions, trace_step
-from autopipe.graph import Graph, TensorMeta
+from autopipe.ir.graph import Graph, TensorMeta
 from autopipe.spec import load_example
 
 from conftest import spec

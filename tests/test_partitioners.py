@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopipe.graph import Graph, Node, Ref, TensorMeta, Unit
-from autopipe.mutation import order_edges
+from autopipe.ir.graph import Graph, Node, Ref, TensorMeta, Unit
+from autopipe.ir.ordering import order_edges
 from autopipe.partitioning import METHODS, partition
 from autopipe.profiling import Profile, UnitCost, device_spec
 from autopipe.profiling.profile import graph_digest

@@ -1,6 +1,6 @@
 """Blocks as real submodules of a generated stage, one generated class per block structure.
 
-Every whole call of a block module (autopipe/tracing/blocks.py) that a stage runs becomes a child
+Every whole call of a block module (autopipe/ir/analysis.py) that a stage runs becomes a child
 module of the stage at the block's original name, an instance of a class of the package's
 ``blocks.py``; the stage's forward calls it. Blocks whose code reads the same, up to the names of
 values (the 48 layers of GPT2-XL), share one class. A block stays inline in the stage when it is
@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..graph import COND, FUNCTION_TARGET, Graph, Node, Ref, TensorMeta
-from ..tracing.blocks import BlockCall
+from ..ir.graph import COND, FUNCTION_TARGET, Graph, Node, Ref, TensorMeta
+from ..ir.analysis import BlockCall
 from . import emit
 from .names import identifier, namespace, operator_name
 from .sizes import size_lines, symbol_names, used_symbols

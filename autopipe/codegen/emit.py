@@ -10,7 +10,7 @@ from collections.abc import Callable
 import black
 import torch
 
-from ..graph import COND, FUNCTION_TARGET, Graph, Node, Ref, Size, decode_tensor, dtype_name
+from ..ir.graph import COND, FUNCTION_TARGET, Graph, Node, Ref, Size, decode_tensor, dtype_name
 
 BLACK_MODE = black.Mode(line_length=100)
 
@@ -51,7 +51,7 @@ def literal(value: Any, ref: Callable[[Ref], str]) -> str:
 def operator_call(node: Node, ref: Callable[[Ref], str]) -> tuple[str, list[str]]:
     """The callable and the argument sources of one call node: ``("aten.addmm.default",
     ["bias", "x", "weight"])``; a ``getitem`` is ``("x[0]", [])``; a custom autograd function
-    is ``("GeLUFunction.apply", ["x"])`` (its class: autopipe/codegen/functions.py)."""
+    is ``("GeLUFunction.apply", ["x"])`` (its class: autopipe/codegen/autograd_function.py)."""
     if node.target == FUNCTION_TARGET:
         name, inputs = node.args
         return f"{name}.apply", [ref(r) for r in inputs]
@@ -213,7 +213,7 @@ def forward_body(
             lines.append(f"{indent}# {node_label}")
             current = node_label
         if node.target == COND:  # torch.cond(pred, branch functions, operands)
-            from .control_flow import cond_statement
+            from .cond import cond_statement
 
             statement = cond_statement(graph, node, ref, base + len(indent), target(node.name))
         else:

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable
 
 from ..checks import RESERVED, Namespace
-from ..graph import Graph, Node
+from ..ir.graph import Graph, Node
 
 #: names generated code uses for other things, and Python's builtins (never shadowed)
 UNAVAILABLE = RESERVED | set(dir(builtins))

@@ -19,13 +19,13 @@ import torch
 
 from ..artifacts import ARTIFACT_VERSION, dumps, write_error
 from ..errors import ArtifactError, OutputExistsError
-from ..graph import COND, Graph, Node, ParamInfo, Ref, dtype_name
+from ..ir.graph import COND, Graph, Node, ParamInfo, Ref, dtype_name
 from ..partitioning import Partition, default_schedule
 from ..partitioning.cost import iteration_time
 from ..runtime.pipeline import Pipeline, default_microbatches
 from . import emit
 from .sizes import size_lines, used_symbols
-from ..tracing.blocks import block_calls
+from ..ir.analysis import block_calls
 from .blocks import (
     Submodule,
     call_statement,
@@ -34,8 +34,8 @@ from .blocks import (
     name_classes,
     stage_submodules,
 )
-from .control_flow import branch_functions
-from .functions import function_classes
+from .cond import branch_functions
+from .autograd_function import function_classes
 from .names import value_names
 from .plan import StagePlan, plan_stages
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import PartitionError
-from ..graph import Graph, Node, TensorMeta
-from ..mutation import alias_chain, written_values
+from ..ir.graph import Graph, Node, TensorMeta
+from ..ir.ordering import alias_chain, written_values
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any
 import sympy
 
 from ..errors import AutopipeError
-from ..graph import Graph, Node, TensorMeta, sizes_in
+from ..ir.graph import Graph, Node, TensorMeta, sizes_in
 from ..runtime.shapes import names_in
 
 

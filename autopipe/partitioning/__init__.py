@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from ..checks import is_int
 from ..errors import DeviceMemoryError, PartitionError
-from ..graph import Graph
+from ..ir.graph import Graph
 from ..profiling.profile import Profile
 from .acyclic import solve_acyclic
 from .blocks import align_to_blocks

@@ -3,7 +3,7 @@ shard, recompute or compile, see autopipe/codegen/blocks.py) unless splitting it
 
 from __future__ import annotations
 
-from ..tracing.blocks import block_calls
+from ..ir.analysis import block_calls
 from .cost import CostModel
 
 #: a boundary inside a block moves to a block boundary when that makes the predicted step at

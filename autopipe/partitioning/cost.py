@@ -24,11 +24,11 @@ import networkx as nx
 import torch
 
 from ..errors import PartitionError
-from ..graph import Graph, TensorMeta
-from ..mutation import order_edges
+from ..ir.graph import Graph, TensorMeta
+from ..ir.ordering import order_edges
 from ..profiling.devices import DeviceSpec
 from ..profiling.profile import Profile
-from ..tracing.blocks import block_calls
+from ..ir.analysis import block_calls
 from ..tracing.units import unit_workloads
 from ..runtime.options import SPLIT_BACKWARD
 from ..runtime.pipeline import default_microbatches, flops_utilisation
@@ -166,7 +166,7 @@ def in_flight(stage: int, num_stages: int, schedule: str, microbatches: int) -> 
 
 @dataclass(frozen=True)
 class BlockCost:
-    """A block (autopipe/tracing/blocks.py) a stage may recompute on its own: the units it
+    """A block (autopipe/ir/analysis.py) a stage may recompute on its own: the units it
     consists of, and the bytes of the values it reads from outside, which recomputing keeps."""
 
     fqn: str

@@ -9,8 +9,8 @@ from typing import Any
 from ..artifacts import read_artifact, write_artifact
 from ..checks import is_int, is_number, is_text, require
 from ..errors import ArtifactError, PartitionError
-from ..graph import Graph
-from ..mutation import order_edges
+from ..ir.graph import Graph
+from ..ir.ordering import order_edges
 from ..profiling.profile import graph_digest, profile_source
 from ..runtime.options import MULTI_STAGE, SCHEDULES, SINGLE_STAGE
 from ..runtime.options import placement as torch_placement

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import PartitionError
-from ..graph import Graph
+from ..ir.graph import Graph
 from ..profiling.profile import Profile
 from ..runtime.options import MULTI_STAGE, V_SHAPED, placement, schedule_problem_for
 from . import partition

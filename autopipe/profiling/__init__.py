@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..errors import AutopipeError
-from ..graph import Graph
+from ..ir.graph import Graph
+from ..runtime.pipeline import Dimension
 from ..spec import Example
 from .analytic import profile_analytic
 from .devices import KNOWN_DEVICES, DeviceSpec, device_spec, with_link
@@ -11,8 +12,14 @@ from .measured import profile_measured
 from .profile import PROFILE_MODES, Profile, UnitCost
 
 #: UnitCost fields that describe time (the rest describe memory, at the planned sizes)
-TIME_FIELDS = ("forward", "backward", "flops_forward", "flops_backward")
-TIME_FIELDS += ("bytes_forward", "bytes_backward")
+TIME_FIELDS = (
+    "forward",
+    "backward",
+    "flops_forward",
+    "flops_backward",
+    "bytes_forward",
+    "bytes_backward",
+)
 
 
 def profile(
@@ -29,13 +36,17 @@ def profile(
     spec = spec or device_spec()
     if mode not in PROFILE_MODES:
         raise AutopipeError(f"unknown profile mode {mode!r}; use one of {', '.join(PROFILE_MODES)}")
-    run = profile_analytic if mode == "analytic" else profile_measured
-    result = run(graph, spec) if mode == "analytic" else run(graph, spec, example)
+
+    def run(at: Graph) -> Profile:
+        if mode == "analytic":
+            return profile_analytic(at, spec)
+        return profile_measured(at, spec, example)
+
+    result = run(graph)
     if not expected:
         return result
     check_expected(graph, expected)
-    rebound = graph.rebound(expected)
-    timed = run(rebound, spec) if mode == "analytic" else run(rebound, spec, example)
+    timed = run(graph.rebound(expected))
     for unit, at_expected in zip(result.units, timed.units):
         for name in TIME_FIELDS:
             setattr(unit, name, getattr(at_expected, name))
@@ -53,11 +64,10 @@ def check_expected(graph: Graph, expected: dict[str, int]) -> None:
                 f"--expected {name}={size}: {name} is not a dynamic dimension of the model; "
                 f"its dynamic dimensions are {known}"
             )
-        low, high = symbols[name]["min"], symbols[name]["max"]
-        if not (low <= size and (high is None or size <= high)):
+        dimension = Dimension.from_json(symbols[name], name, f"symbols.{name}")
+        if not dimension.holds(size):
             raise AutopipeError(
-                f"--expected {name}={size} is outside the bounds "
-                f"[{low}:{'' if high is None else high}] of {name}"
+                f"--expected {name}={size} is outside the bounds {dimension.bounds} of {name}"
             )
 
 

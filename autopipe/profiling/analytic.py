@@ -17,9 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..control_flow import worst_branch
-from ..graph import Graph
-from ..interpreter import empty_placeholder
+from ..ir.cond import worst_branch
+from ..ir.graph import Graph
+from ..ir.interpreter import empty_placeholder
 from .devices import DeviceSpec
 from .profile import Profile, UnitCost, graph_digest
 from ..tracing.units import UnitWorkload, signature, unit_workloads

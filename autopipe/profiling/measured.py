@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..control_flow import worst_branch
-from ..graph import Graph, decode_tensor
-from ..interpreter import run_nodes
+from ..ir.cond import worst_branch
+from ..ir.graph import Graph, decode_tensor
+from ..ir.interpreter import run_nodes
 from ..spec import Example
 from .devices import DeviceSpec
 from .profile import Profile, UnitCost, graph_digest

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..graph import Graph
-from ..interpreter import run_nodes
+from ..ir.graph import Graph
+from ..ir.interpreter import run_nodes
 from ..runtime.metrics import LiveTensorBytes
 from ..tracing.units import UnitWorkload
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..artifacts import read_artifact
 from ..errors import ArtifactError
-from ..graph import Graph
+from ..ir.graph import Graph
 from ..partitioning import Partition
 from ..partitioning.simulator import Simulation, schedule_orders, simulate
 from ..profiling import Profile

@@ -23,9 +23,9 @@ from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
 from ..checks import RESERVED, Namespace
-from ..dynamic import DynamicDim, UnwritableSize, export_shapes, formula, resolve
+from .dynamic import DynamicDim, UnwritableSize, export_shapes, formula, resolve
 from ..errors import TraceError
-from ..graph import (
+from ..ir.graph import (
     BufferInfo,
     Graph,
     Node,
@@ -40,14 +40,14 @@ from ..graph import (
     symbolic_sizes,
     value_meta,
 )
-from ..interpreter import resolve_target
+from ..ir.interpreter import resolve_target
 from ..meta import state_as_fake
 from ..runtime.data import first_line
 from ..runtime.support import SPECIALISED_SIZE
 from ..spec import Example
-from .functions import custom_functions_captured, refuse_lost_backwards
+from .autograd_function import custom_functions_captured, refuse_lost_backwards
 from .operators import operator_provider
-from .control_flow import cond_grad_mode_checked
+from .cond import cond_grad_mode_checked
 from .units import group_units, replay
 
 #: Operators dropped from the graph: they only check metadata recorded at trace time (and would
@@ -80,10 +80,10 @@ def trace(
 
     The model is traced in training mode (that is the graph a pipeline trains); ``depth`` and
     ``basic_blocks`` decide how nodes are grouped into units; ``basic_blocks`` and
-    ``inline_blocks`` which module calls stages hold as submodules (autopipe/tracing/blocks.py).
+    ``inline_blocks`` which module calls stages hold as submodules (autopipe/ir/analysis.py).
     ``dynamic`` dimensions of the inputs are traced as such: sizes computed from them become
     formulas, and metadata is for their planned sizes: the upper bounds, else the example's
-    (autopipe/dynamic.py).
+    (autopipe/tracing/dynamic.py).
     """
     model = example.model
     on_meta = any(t.is_meta for t in _state_tensors(model))
@@ -809,7 +809,7 @@ class _Converter:
             device_type, dtype_, enabled, _cache, submod_node, *operands = node.args
             entry = ("autocast", device_type, dtype_, bool(enabled))
         elif op == "cond":  # one node holding both branches
-            from .control_flow import convert_cond
+            from .cond import convert_cond
 
             convert_cond(self, node, owner, context)
             return

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
-from ..graph import COND, Graph
+from ..ir.graph import COND, Graph
 from ..spec import Example
 from .export import trace
 

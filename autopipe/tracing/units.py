@@ -18,8 +18,8 @@ import torch
 from torch._subclasses import FakeTensorMode
 
 from ..errors import ArtifactError, TraceError
-from ..graph import Graph, Node, Scope, TensorMeta, Unit, map_refs
-from ..interpreter import empty_placeholder, run_node
+from ..ir.graph import Graph, Node, Scope, TensorMeta, Unit, map_refs
+from ..ir.interpreter import empty_placeholder, run_node
 
 
 def group_key(

@@ -31,30 +31,23 @@ def evaluate(formula: str | int, values: Mapping[str, int]) -> int:
     """The size ``formula`` gives for the dimensions' ``values`` (an int is its own size)."""
     if isinstance(formula, int):
         return formula
-    try:
-        tree = ast.parse(formula, mode="eval")
-    except SyntaxError:
-        raise FormulaError(f"size formula {formula!r} is not an expression") from None
-    return _value(tree.body, values, formula)
+    return _value(_parse(formula).body, values, formula)
 
 
 def names_in(formula: str | int) -> set[str]:
     """The dimension names a formula reads."""
     if isinstance(formula, int):
         return set()
+    nodes = list(ast.walk(_parse(formula)))
+    functions = {id(n.func) for n in nodes if isinstance(n, ast.Call)}
+    return {n.id for n in nodes if isinstance(n, ast.Name) and id(n) not in functions}
+
+
+def _parse(formula: str) -> ast.Expression:
     try:
-        tree = ast.parse(formula, mode="eval")
+        return ast.parse(formula, mode="eval")
     except SyntaxError:
         raise FormulaError(f"size formula {formula!r} is not an expression") from None
-    return {
-        node.id
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Name) and not _is_function(node, tree)
-    }
-
-
-def _is_function(name: ast.Name, tree: ast.AST) -> bool:
-    return any(isinstance(n, ast.Call) and n.func is name for n in ast.walk(tree))
 
 
 def _value(node: ast.AST, values: Mapping[str, int], formula: str) -> int:

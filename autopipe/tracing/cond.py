@@ -1,10 +1,10 @@
 """``torch.cond`` in an exported program -> one cond node of the graph IR (see
-:mod:`autopipe.control_flow`).
+:mod:`autopipe.ir.cond`).
 
 ``torch.export`` records ``torch.ops.higher_order.cond(pred, true_graph, false_graph, operands)``
 with each branch as a sub-``GraphModule`` whose inputs are the operands (the parameters and
 buffers the branches read are lifted into operands). Each branch is converted, operator by
-operator as the model's own graph is, into a small :class:`~autopipe.graph.Graph`.
+operator as the model's own graph is, into a small :class:`~autopipe.ir.graph.Graph`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import fx
 
 from ..checks import Namespace, op_overload
 from ..errors import TraceError
-from ..graph import COND, Graph, Node, Ref, TensorMeta, Unit
+from ..ir.graph import COND, Graph, Node, Ref, TensorMeta, Unit
 
 __all__ = ["cond_grad_mode_checked", "convert_cond", "cond_location"]
 

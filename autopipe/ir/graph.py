@@ -6,7 +6,7 @@ is an input, a parameter, a buffer, a constant, an operator call or the output, 
 tensor metadata of the value it produces and the module scope it came from. Nodes are grouped into
 *units*, the pieces a partitioner moves between stages.
 
-The graph round-trips through JSON (``autopipe.graph`` artefact), so every later step can start
+The graph round-trips through JSON (``autopipe.ir.graph`` artefact), so every later step can start
 from the file ``autopipe trace`` wrote.
 """
 
@@ -25,8 +25,8 @@ import networkx as nx
 import torch
 from torch import fx
 
-from .artifacts import artifact_text, atomic_write_text, check_replaceable, read_artifact
-from .checks import (
+from ..artifacts import artifact_text, atomic_write_text, check_replaceable, read_artifact
+from ..checks import (
     is_class_name,
     is_fqn,
     is_identifier,
@@ -36,10 +36,11 @@ from .checks import (
     op_overload,
     require,
 )
-from .errors import ArtifactError
+from ..errors import ArtifactError
+from ..runtime.shapes import FormulaError, evaluate
 
 GRAPH_KIND = "graph"
-#: the target of a call of a custom autograd function (see autopipe/functions.py)
+#: the target of a call of a custom autograd function (see autopipe/ir/autograd_function.py)
 FUNCTION_TARGET = "autopipe.function.default"
 
 NodeKind = str  # "input" | "param" | "buffer" | "constant" | "call" | "output"
@@ -49,7 +50,7 @@ COND = "higher_order.cond"
 
 
 class Size(int):
-    """A size the model computes from dynamic dimensions (see autopipe/dynamic.py): an ``int``
+    """A size the model computes from dynamic dimensions (see autopipe/tracing/dynamic.py): an ``int``
     of its value at the sizes the graph is planned for, which every step before code generation
     computes with, and the ``formula`` of the dimensions' names the generated code writes."""
 
@@ -308,7 +309,7 @@ class Graph:
         self.units = units or []
         #: the traced user loss function (output leaves and target -> scalar), if one was given
         self.loss = loss
-        #: custom autograd functions the graph calls, by name (:class:`autopipe.functions.FunctionDef`)
+        #: custom autograd functions the graph calls, by name (:class:`autopipe.ir.autograd_function.FunctionDef`)
         self.functions = functions if functions is not None else {}
         self._json_text: str | None = None
 
@@ -380,12 +381,15 @@ class Graph:
             require(is_value_name(name), f"{where}constants", name, _IDENTIFIER)
             _lint_tensor(value, f"{where}constants[{name!r}]")
         if self.functions:
-            from .functions import lint_functions
+            from .autograd_function import lint_functions
 
             lint_functions(self, where)
         seen: set[str] = set()
+        planned = planned_sizes(self)
         for position, node in enumerate(self.nodes):
-            _lint_node(self, node, seen, f"{where}nodes[{position}] ({node.name!r})")
+            field_name = f"{where}nodes[{position}] ({node.name!r})"
+            _lint_node(self, node, seen, field_name)
+            _lint_sizes(node, planned, field_name)
             seen.add(node.name)
         for field_name, names in (("inputs", self.inputs), ("outputs", self.outputs)):
             require(isinstance(names, list), f"{where}{field_name}", names, "a list of node names")
@@ -480,7 +484,7 @@ class Graph:
 
     @classmethod
     def from_json(cls, data: dict) -> Graph:
-        """The graph an ``autopipe.graph`` payload describes, checked with :meth:`lint`."""
+        """The graph an ``autopipe.ir.graph`` payload describes, checked with :meth:`lint`."""
         try:
             return cls._from_json(data)
         except KeyError as exc:
@@ -536,7 +540,7 @@ class Graph:
         ]
         functions = {}
         if "functions" in data:
-            from .functions import FunctionDef
+            from .autograd_function import FunctionDef
 
             for i, record in enumerate(_list(data["functions"], "functions")):
                 function = FunctionDef.from_json(record, f"{where}functions[{i}]")
@@ -568,8 +572,6 @@ class Graph:
         (those not given stay at their planned sizes): for profiling time at the sizes a run
         expects. Strides keep each value's memory layout. Not for saving: lint checks the upper
         bounds."""
-        from .runtime.shapes import evaluate
-
         values = planned_sizes(self) | sizes
 
         def meta(m: Any) -> Any:
@@ -581,13 +583,7 @@ class Graph:
             return dataclasses.replace(m, shape=shape, stride=_same_layout(m, shape))
 
         def args(value: Any) -> Any:
-            if isinstance(value, Size):
-                return Size(evaluate(value.formula, values), value.formula)
-            if isinstance(value, (list, tuple)):
-                return type(value)(args(v) for v in value)
-            if isinstance(value, dict):
-                return {k: args(v) for k, v in value.items()}
-            return value
+            return _mapped(value, Size, lambda s: Size(evaluate(s.formula, values), s.formula))
 
         nodes = [
             dataclasses.replace(n, meta=meta(n.meta), args=args(n.args), kwargs=args(n.kwargs))
@@ -758,29 +754,42 @@ def decode(value: Any) -> Any:
     raise ArtifactError(f"unknown encoded value {value!r}")
 
 
-def iter_refs(value: Any) -> Iterator[Ref]:
-    """All node references inside a (possibly nested) argument value."""
-    if isinstance(value, Ref):
+def _leaves(value: Any, kind: type) -> Iterator[Any]:
+    """Every ``kind`` instance inside a (possibly nested) argument value."""
+    if isinstance(value, kind):
         yield value
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from iter_refs(v)
+            yield from _leaves(v, kind)
     elif isinstance(value, dict):
         for v in value.values():
-            yield from iter_refs(v)
+            yield from _leaves(v, kind)
+
+
+def _mapped(value: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
+    """An argument value rebuilt with every ``kind`` instance replaced by ``fn(instance)``."""
+    if isinstance(value, kind):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_mapped(v, kind, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _mapped(v, kind, fn) for k, v in value.items()}
+    return value
+
+
+def iter_refs(value: Any) -> Iterator[Ref]:
+    """All node references inside a (possibly nested) argument value."""
+    return _leaves(value, Ref)
+
+
+def sizes_in(value: Any) -> Iterator[Size]:
+    """Every :class:`Size` inside a (possibly nested) argument value."""
+    return _leaves(value, Size)
 
 
 def map_refs(value: Any, fn) -> Any:
     """Rebuild an argument value with every :class:`Ref` replaced by ``fn(ref)``."""
-    if isinstance(value, Ref):
-        return fn(value)
-    if isinstance(value, list):
-        return [map_refs(v, fn) for v in value]
-    if isinstance(value, tuple):
-        return tuple(map_refs(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: map_refs(v, fn) for k, v in value.items()}
-    return value
+    return _mapped(value, Ref, fn)
 
 
 def _encode_meta(meta: Any) -> Any:
@@ -963,7 +972,6 @@ def _lint_node(graph: Graph, node: Node, seen: set[str], field: str) -> None:
     for ref in iter_refs((node.args, node.kwargs)):
         require(ref.name in seen, f"{field}.args", ref.name, "a node defined before this one")
     _lint_meta(node.meta, f"{field}.meta")
-    _lint_sizes(node, planned_sizes(graph), field)
     for level in node.scope:
         require(
             is_text(level.key) and is_fqn(level.fqn) and is_class_name(level.cls),
@@ -1012,7 +1020,7 @@ def _lint_call(graph: Graph, node: Node, field: str) -> None:
         f"a unit index below {len(graph.units)}",
     )
     if node.target == FUNCTION_TARGET:
-        from .functions import lint_call
+        from .autograd_function import lint_call
 
         lint_call(graph, node, field)
         return
@@ -1030,7 +1038,7 @@ def _lint_call(graph: Graph, node: Node, field: str) -> None:
         )
         return
     if node.target == COND:
-        from .control_flow import lint_cond
+        from .cond import lint_cond
 
         lint_cond(graph, node, field)
         return
@@ -1155,7 +1163,6 @@ def planned_sizes(graph: Graph) -> dict[str, int]:
 def _lint_sizes(node: Node, planned: dict[str, int], field: str) -> None:
     """Every formula, of the value's dimensions and of the sizes among the arguments, reads
     the graph's dynamic dimensions and gives the planned size recorded beside it."""
-    from .runtime.shapes import FormulaError, evaluate
 
     def gives(formula: Any, size: int) -> bool:
         try:
@@ -1179,18 +1186,6 @@ def _lint_sizes(node: Node, planned: dict[str, int], field: str) -> None:
             encode(size),
             f"a size whose formula gives it for {planned}",
         )
-
-
-def sizes_in(value: Any) -> Iterator[Size]:
-    """Every :class:`Size` inside a (possibly nested) argument value."""
-    if isinstance(value, Size):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from sizes_in(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from sizes_in(v)
 
 
 def _lint_units(graph: Graph, where: str) -> None:

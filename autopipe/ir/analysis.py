@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from ..graph import Graph, Scope
+from .graph import Graph, Scope
 
 
 @dataclass(frozen=True)

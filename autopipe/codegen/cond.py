@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..control_flow import branches
-from ..graph import COND, Graph, Node, Ref
+from ..ir.cond import branches
+from ..ir.graph import COND, Graph, Node, Ref
 from . import emit
 
 __all__ = ["branch_functions", "cond_statement"]

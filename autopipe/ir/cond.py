@@ -3,7 +3,7 @@
 A ``torch.cond(pred, true_fn, false_fn, operands)`` call stays ONE call node of the graph, with
 target :data:`COND` and the arguments of ``torch.ops.higher_order.cond``: ``(pred, true_branch,
 false_branch, [operand, ...])``. ``pred`` is a one-element tensor value; each branch is a small
-:class:`~autopipe.graph.Graph` of its own whose inputs are the operands, in order (torch.export
+:class:`~autopipe.ir.graph.Graph` of its own whose inputs are the operands, in order (torch.export
 lifts the parameters and buffers a branch reads into operands), and whose outputs are the cond's
 outputs, which ``getitem`` nodes unpack. Being one node, a cond is never split across stages.
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .checks import require
+from ..checks import require
 from .graph import COND, Graph, Node, Ref, TensorMeta, decode_tensor
 
 __all__ = [
@@ -35,7 +35,7 @@ __all__ = [
     "worst_branch",
 ]
 
-#: The schema :func:`autopipe.interpreter.resolve_target` gives the cond operator: it writes and
+#: The schema :func:`autopipe.ir.interpreter.resolve_target` gives the cond operator: it writes and
 #: aliases none of its arguments (torch refuses branches that mutate or return an operand).
 SCHEMA = torch._C.parse_schema(
     "higher_order::cond(Tensor pred, Any true_fn, Any false_fn, Tensor[] operands) -> Tensor[]"

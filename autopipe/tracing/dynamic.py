@@ -20,8 +20,8 @@ import sympy
 import torch
 from torch.utils._sympy.functions import CeilDiv, FloorDiv, Mod, PowByNatural, PythonMod
 
-from .checks import RESERVED
-from .errors import AutopipeError
+from ..checks import RESERVED
+from ..errors import AutopipeError
 
 #: The smallest lower bound: ``torch.export`` specialises sizes 0 and 1 (a model that broadcasts
 #: over a size-1 dimension traces another graph), so a dimension is dynamic from 2 on.

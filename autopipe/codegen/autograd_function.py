@@ -2,15 +2,15 @@
 
 A stage module defines the classes its forward calls (``GeLUFunction.apply(x)``), each with
 ``forward`` and ``backward`` staticmethods whose bodies are the operators traced from the
-original function's own forward and backward (see ``autopipe/functions.py`` for the graphs).
+original function's own forward and backward (see ``autopipe/ir/autograd_function.py`` for the graphs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..functions import FUNCTION_TARGET, FunctionDef
-from ..graph import Graph, Node, Ref
+from ..ir.autograd_function import FUNCTION_TARGET, FunctionDef
+from ..ir.graph import Graph, Node, Ref
 from . import emit
 
 #: indentation of a method body in a class

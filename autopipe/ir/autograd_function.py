@@ -3,8 +3,8 @@
 A call of a user's autograd function is one call node, ``autopipe.function.default(NAME,
 [inputs])``, returning a tuple of tensors that ``getitem`` nodes unpack. ``NAME`` keys a
 :class:`FunctionDef` in ``Graph.functions``: the function's own forward and backward, each traced
-into a small :class:`~autopipe.graph.Graph` of torch operators. Generated code turns a definition
-into a ``torch.autograd.Function`` subclass of the same name (``autopipe/codegen/functions.py``),
+into a small :class:`~autopipe.ir.graph.Graph` of torch operators. Generated code turns a definition
+into a ``torch.autograd.Function`` subclass of the same name (``autopipe/codegen/autograd_function.py``),
 and :func:`call_function` runs it here, so the requires-grad pass and the profilers see the
 function's forward and its custom backward.
 
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from .checks import is_class_name, is_identifier, is_int, is_value_name, require
-from .errors import ArtifactError
+from ..checks import is_class_name, is_identifier, is_int, is_value_name, require
+from ..errors import ArtifactError
 from .graph import FUNCTION_TARGET, Graph, Node, Ref, decode_tensor, dtype_from_name
 from .interpreter import run_nodes
 

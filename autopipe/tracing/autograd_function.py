@@ -6,7 +6,7 @@ every function defined outside torch is intercepted. The function's ``forward(ct
 ``backward(ctx, *grads)`` are traced with ``make_fx`` on fake tensors of this call's shapes, with
 a recording stand-in for ``ctx`` (``save_for_backward`` / ``saved_tensors``, ``needs_input_grad``,
 plain attributes, ``mark_non_differentiable``, ``set_materialize_grads``), into the two graphs of
-an :class:`~autopipe.functions.FunctionDef`. The model's graph records the call as one
+an :class:`~autopipe.ir.autograd_function.FunctionDef`. The model's graph records the call as one
 ``autopipe.function`` operator; the generated stage calls a generated ``torch.autograd.Function``
 with those graphs as its forward and backward.
 """
@@ -30,10 +30,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .. import functions as ir
+from ..ir import autograd_function as ir
 from ..checks import RESERVED, Namespace
 from ..errors import TraceError
-from ..graph import (
+from ..ir.graph import (
     Graph,
     Node,
     Ref,
@@ -45,7 +45,7 @@ from ..graph import (
     encode_tensor,
     value_meta,
 )
-from ..mutation import alias_chain, written_values
+from ..ir.ordering import alias_chain, written_values
 
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 #: Constants larger than this are not embedded in a function's graph.
@@ -668,7 +668,7 @@ def _switch_mode(node: fx.Node, modes: list[tuple]) -> bool:
 
 def _live_calls(nodes: list[Node], outputs: list[str]) -> set[str]:
     """Calls whose values reach the outputs, or that write in place to a value that does."""
-    from ..interpreter import resolve_target
+    from ..ir.interpreter import resolve_target
 
     used = set(outputs)
     live: set[str] = set()

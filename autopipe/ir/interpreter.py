@@ -23,11 +23,11 @@ def resolve_target(target: str) -> Callable:
     """The callable an operator name denotes: ``"aten.addmm.default"`` -> ``torch.ops.aten.addmm.default``."""
     fn = _OPS.get(target)
     if fn is None and target == COND:  # run by run_node; resolved for its schema
-        from .control_flow import SCHEMA
+        from .cond import SCHEMA
 
         fn = _OPS[target] = _Cond(SCHEMA)
     if fn is None and target == FUNCTION_TARGET:
-        from . import functions  # noqa: F401 - registers the operator (for its schema)
+        from . import autograd_function  # noqa: F401 - registers the operator (for its schema)
     if fn is None:
         namespace, name, overload = target.split(".")
         fn = getattr(getattr(getattr(torch.ops, namespace), name), overload)
@@ -77,14 +77,14 @@ def run_node(
     """Execute one call node with its inputs taken from ``env``; ``functions`` are the custom
     autograd functions of its graph (``Graph.functions``)."""
     if node.target == COND:
-        from .control_flow import run_cond
+        from .cond import run_cond
 
         return run_cond(node, env, device)
     fn = resolve_target(node.target)
     args = replace_devices(map_refs(node.args, lambda r: env[r.name]), device)
     kwargs = replace_devices(map_refs(node.kwargs, lambda r: env[r.name]), device)
     if node.target == FUNCTION_TARGET:  # its traced forward, and backward for autograd
-        from .functions import call_function
+        from .autograd_function import call_function
 
         name, inputs = args
         fn, args = call_function, ((functions or {})[name], inputs, device)
