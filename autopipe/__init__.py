@@ -7,8 +7,7 @@ writes a standalone package (stage modules, pipeline description, ``train.py``) 
 ``torchrun --nproc-per-node=4 generated/gpt2_4/train.py``.
 """
 
-__version__ = "0.1.0"
-
+from .version import __version__  # noqa: E402
 from .compiler import CompileOptions, compile_example, compile_spec, pipe_model  # noqa: E402
 from .errors import AutopipeError  # noqa: E402
 from .meta import empty_weights  # noqa: E402

@@ -1,9 +1,9 @@
 """Checks of values that enter autopipe from outside: names that reach generated code (and the
-one allocator of fresh names), operator names, and the numbers of options and device specs.
+one allocator of fresh names), operator names, and the numbers of options and device specs
+(the compile options' rules, in :mod:`autopipe.options`, are built on these).
 
-Predicates (``is_*``) answer yes or no; ``check_*`` raise :class:`AutopipeError` and
-:func:`require` an :class:`ArtifactError`, with a message that names the value, what is wrong and
-what is allowed.
+Predicates (``is_*``) answer yes or no; :func:`require` raises an :class:`ArtifactError`, with a
+message that names the value, what is wrong and what is allowed.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .errors import ArtifactError, AutopipeError
+from .errors import ArtifactError
 
 #: Names the generated code uses itself; graph values are named away from them.
 RESERVED = frozenset(keyword.kwlist) | {
@@ -103,18 +103,6 @@ def op_overload(target: Any) -> torch._ops.OpOverload | None:
     except (AttributeError, RuntimeError):
         return None
     return op if isinstance(op, torch._ops.OpOverload) and str(op) == target else None
-
-
-def check_count(value: Any, option: str, minimum: int = 1) -> None:
-    """Check an option that counts something (``--stages``): an integer ``>= minimum``."""
-    if not is_int(value, minimum):
-        raise AutopipeError(f"{option} must be an integer of at least {minimum}, got {value!r}")
-
-
-def check_tolerance(value: Any, option: str) -> None:
-    """Check a comparison tolerance (``--rtol``): a finite number ``>= 0``."""
-    if not is_number(value, 0):
-        raise AutopipeError(f"{option} must be a finite number of at least 0, got {value!r}")
 
 
 def require(ok: bool, field: str, value: Any, rule: str) -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import math
+import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from . import __version__
+import torch
+
+from .artifacts import atomic_write_text
+from .version import __version__
 from .compiler import (
     CompileOptions,
     compile_spec,
@@ -20,104 +23,43 @@ from .compiler import (
     profile_step,
     trace_step,
 )
-from .checks import is_number
-from .tracing.dynamic import DynamicDim, parse_dynamic
 from .errors import AutopipeError
-from .partitioning import DEFAULT_METHOD, METHODS, Partition
+from .options import COUNT, OPTIONS, TOLERANCE, flag_of
+from .partitioning import Partition
 from .partitioning.search import plan_table
-from .partitioning.simulator import SCHEDULES
 from .progress import NORMAL, QUIET, VERBOSE, Phases
-from .profiling import PROFILE_MODES, Profile
-from .profiling.devices import link_bandwidth
+from .profiling import Profile
+from .profiling.calibrate import calibrate
+from .report import show_table, write_report
+from .runtime.core.errors import PipelineRunError
 from .spec import load_example
 from .summary import format_partition, format_plans
 from .verify import VerifyReport, check_files, verify
 
+#: where ``add_argument`` adds an argument: a parser or one of its argument groups
+ArgumentContainer = argparse.ArgumentParser | argparse._ArgumentGroup
 
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``minimum``."""
-
-    def count(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(
-                f"must be an integer of at least {minimum}, got {text!r}"
-            )
-        return value
-
-    return count
+#: the compile options of each argument group, in the order --help lists them
+TRACING = ("depth", "basic_blocks", "inline_blocks", "dynamic")
+PROFILING = ("profile", "expected", "device_spec", "link")
+PARTITIONING = ("stages", "devices", "method", "optimizer", "schedule", "microbatches", "dp_shard")
+PLAN_SEARCH = ("global_batch", "memory_margin", "max_stages_per_device")
 
 
-def _tolerance(text: str) -> float:
-    """An argparse type: a finite number of at least 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not is_number(value, 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text!r}")
-    return value
+def _add_option(container: ArgumentContainer, name: str, **overrides: Any) -> None:
+    """Add compile option ``name`` as :class:`CompileOptions` declares it (``overrides``
+    replacing some of ``add_argument``'s keywords)."""
+    container.add_argument(flag_of(name), **(OPTIONS[name].arguments() | overrides))
 
 
-def _dynamic(text: str) -> DynamicDim:
-    """An argparse type: a ``--dynamic`` declaration."""
-    try:
-        return parse_dynamic(text)
-    except AutopipeError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--dynamic {text!r} ")) from None
-
-
-def _expected(text: str) -> dict[str, int]:
-    """An argparse type: ``NAME=SIZE[,NAME=SIZE]``."""
-    sizes = {}
-    for item in text.split(","):
-        name, _, size = item.partition("=")
-        if not name.strip().isidentifier() or not size.strip().isdigit():
-            raise argparse.ArgumentTypeError(f"{item!r} must be NAME=SIZE, e.g. seq=512")
-        sizes[name.strip()] = int(size)
-    return sizes
-
-
-def _link(text: str) -> str:
-    """An argparse type: a known link name or a bandwidth in GB/s greater than 0."""
-    try:
-        link_bandwidth(text)
-    except AutopipeError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--link ")) from None
-    return text
+def _add_options(container: ArgumentContainer, names: tuple[str, ...]) -> None:
+    for name in names:
+        _add_option(container, name)
 
 
 def _trace_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("tracing")
-    group.add_argument(
-        "--depth",
-        type=_count(0),
-        help="group operators by module scope down to this depth (default: every module)",
-    )
-    group.add_argument(
-        "--basic-blocks",
-        type=lambda s: tuple(c for c in s.split(",") if c),
-        default=(),
-        metavar="CLASS,...",
-        help="module classes kept whole in one unit (e.g. GPT2Block)",
-    )
-    group.add_argument(
-        "--inline-blocks",
-        action="store_true",
-        default=None,
-        help="generate every operator inline in the stages' forward, with no block submodules",
-    )
-    group.add_argument(
-        "--dynamic",
-        action="append",
-        type=_dynamic,
-        metavar="NAME[MIN:MAX]=INPUT:DIM,...",
-        help="a dimension that changes from batch to batch, traced as such: seq=input_ids:1,"
-        "labels:1 (repeatable; from 2 and unbounded by default: planned at the example's size)",
-    )
+    _add_options(group, TRACING)
     group.add_argument(
         "--loss",
         metavar="FILE.py:FN",
@@ -126,122 +68,27 @@ def _trace_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _profile_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("profiling")
-    group.add_argument(
-        "--profile",
-        choices=PROFILE_MODES,
-        default="analytic",
-        help="analytic (default, deterministic) or measured on this machine",
-    )
-    group.add_argument(
-        "--expected",
-        type=_expected,
-        metavar="NAME=SIZE[,NAME=SIZE]",
-        help="with --dynamic: the sizes to predict time at, e.g. seq=512 (default: the upper "
-        "bounds, else the example's sizes; memory is always predicted at those)",
-    )
-    group.add_argument(
-        "--device-spec",
-        metavar="NAME|FILE.json",
-        help="target device for the cost model (default h100); a table name or a JSON spec",
-    )
-    group.add_argument(
-        "--link",
-        type=_link,
-        metavar="NAME|GBPS",
-        help="stage-to-stage link: nvlink4, pcie4, ib-ndr, ... or a bandwidth in GB/s",
-    )
+    _add_options(parser.add_argument_group("profiling"), PROFILING)
 
 
 def _partition_options(parser: argparse.ArgumentParser, *, stages_required: bool = True) -> None:
     group = parser.add_argument_group("partitioning")
-    group.add_argument(
-        "--stages", type=_count(1), required=stages_required, help="number of pipeline stages"
-    )
-    group.add_argument(
-        "--devices",
-        type=_count(1),
-        help="number of devices (ranks); fewer than --stages puts several stages on a device (default: one stage per device)",
-    )
-    _method_options(group)
-    group.add_argument(
-        "--schedule",
-        choices=SCHEDULES,
-        help="schedule the partition is made for and train.py runs by default (default: 1f1b for one stage per device, auto otherwise)",
-    )
-    group.add_argument(
-        "--microbatches",
-        type=_count(1),
-        help="microbatches per step the cost model assumes (default 2 x stages)",
-    )
-    group.add_argument(
-        "--dp-shard",
-        type=_count(1),
-        default=1,
-        metavar="N",
-        help="plan for each stage's parameters, gradients and optimizer state sharded over N "
-        "data-parallel ranks (train.py --dp-shard N): 1/N of them per rank, plus the largest "
-        "block gathered at a time (default 1)",
-    )
+    _add_option(group, "stages", required=stages_required)
+    _add_options(group, PARTITIONING[1:])
 
 
-def _method_options(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--method",
-        choices=sorted(METHODS),
-        default=DEFAULT_METHOD,
-        help=f"partitioning method (default {DEFAULT_METHOD})",
-    )
-    group.add_argument(
-        "--optimizer",
-        choices=["sgd", "adamw"],
-        default="adamw",
-        help="optimizer whose state the memory model counts (default adamw)",
-    )
-
-
-def _search_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+def _search_options(parser: argparse.ArgumentParser) -> ArgumentContainer:
     group = parser.add_argument_group("plan search")
-    group.add_argument(
-        "--global-batch",
-        type=_count(1),
-        metavar="B",
-        help="example microbatches per optimizer step, over all data-parallel ranks: the "
-        "search splits them into microbatches, accumulation and shards (default 2 x --devices)",
-    )
-    group.add_argument(
-        "--memory-margin",
-        type=_fraction,
-        default=0.1,
-        metavar="F",
-        help="fraction of each device's memory a plan leaves free (default 0.1)",
-    )
-    group.add_argument(
-        "--max-stages-per-device",
-        type=_count(1),
-        default=2,
-        metavar="K",
-        help="stages per device the search tries: 1 .. K (default 2)",
-    )
+    _add_options(group, PLAN_SEARCH)
     return group
 
 
-def _fraction(text: str) -> float:
-    """An argparse type: a number in [0, 1)."""
-    value = _tolerance(text)
-    if value >= 1:
-        raise argparse.ArgumentTypeError(f"must be less than 1, got {text!r}")
-    return value
-
-
-def _options(args: argparse.Namespace, **overrides) -> CompileOptions:
-    fields = {}
-    for name in CompileOptions.__dataclass_fields__:
-        if getattr(args, name, None) is not None:
-            fields[name] = getattr(args, name)
-    fields.update(overrides)
-    fields.setdefault("stages", 1)
-    return CompileOptions(**fields)
+def _options(args: argparse.Namespace, **overrides: Any) -> CompileOptions:
+    """The compile options given on the command line (the defaults for those not given)."""
+    given = {name: getattr(args, name) for name in OPTIONS if getattr(args, name, None) is not None}
+    given.update(overrides)
+    given.setdefault("stages", 1)
+    return CompileOptions(**given)
 
 
 def cmd_trace(args: argparse.Namespace) -> None:
@@ -253,7 +100,7 @@ def cmd_trace(args: argparse.Namespace) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> None:
     graph = load_graph(args.graph)
-    spec = args.spec or graph.model.get("source")
+    spec = args.spec or graph.model.source
     example = load_example(spec) if (args.profile == "measured" and spec) else None
     prof = profile_step(graph, _options(args), example)
     prof.save(args.output)
@@ -302,7 +149,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
         print(format_partition(result.graph, result.partition))
     print(f"wrote {result.partition.num_stages}-stage pipeline to {result.out}")
     part = result.partition
-    processes = len(set(part.device_of_stage)) * part.settings.get("dp_shard", 1)
+    processes = len(set(part.device_of_stage)) * (part.settings.dp_shard or 1)
     print(f"train it: torchrun --nproc-per-node={processes} {result.out / 'train.py'} --steps 100")
 
 
@@ -327,7 +174,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print(
         f"best: autopipe compile {args.spec} --out DIR --search --devices {args.devices}"
         f"{f' --global-batch {args.global_batch}' if args.global_batch else ''}"
-        f"{f' --max-stages-per-device {args.max_stages_per_device}' if args.max_stages_per_device != 2 else ''}"
+        f"{f' --max-stages-per-device {options.max_stages_per_device}' if options.max_stages_per_device != 2 else ''}"
         f"  (= --stages "
         f"{c.stages} --devices {c.ranks} --schedule {c.schedule} --microbatches {c.microbatches} "
         f"--accumulate {c.accumulate} --dp-shard {c.dp_shard})"
@@ -346,13 +193,6 @@ def cmd_verify(args: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    import json
-
-    import torch
-
-    from .artifacts import atomic_write_text
-    from .profiling.calibrate import calibrate
-
     device = torch.device(args.device) if args.device else None
     spec = calibrate(device, args.name, log=lambda message: print(message, file=sys.stderr))
     atomic_write_text(args.output, json.dumps(spec.to_json(), indent=1) + "\n")
@@ -362,19 +202,16 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from .report import write_report
-
     print(f"wrote {write_report(args.dir)}")
 
 
 def cmd_show(args: argparse.Namespace) -> None:
-    from .report import show_table
-
     print(show_table(args.dir))
 
 
 def cmd_merge(args: argparse.Namespace) -> None:
-    from .runtime.data import PipelineRunError
+    # imported here, not above: train_state brings torch.distributed.pipelining, torch._dynamo and
+    # torch.distributed.checkpoint, which would slow every other command's start-up
     from .runtime.train_state import STEP_NAME, merge_checkpoint, save_weights
 
     source = Path(args.checkpoint)
@@ -440,19 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     _trace_options(p)
     _profile_options(p)
     _partition_options(p, stages_required=False)
-    p.add_argument(
-        "--accumulate",
-        type=_count(1),
-        metavar="K",
-        help="pipeline runs per optimizer step train.py defaults to (default 1)",
-    )
-    search = _search_options(p)
-    search.add_argument(
-        "--search",
-        action="store_true",
-        help="search the plan for --devices devices (stages, placement, schedule, microbatches, "
-        "accumulation, recomputation, --dp-shard) and generate the best; see `autopipe plan`",
-    )
+    _add_option(p, "accumulate")
+    _add_option(_search_options(p), "search")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser(
@@ -464,11 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
         "side by side. `autopipe compile --search` generates the best.",
     )
     p.add_argument("spec", help=spec_help)
-    p.add_argument(
-        "--devices", type=_count(1), required=True, help="devices to plan for (all of them)"
-    )
-    _method_options(p)
-    p.add_argument("--top", type=_count(1), default=15, help="plans to print (default 15)")
+    _add_option(p, "devices", required=True, help="devices to plan for (all of them)")
+    _add_options(p, ("method", "optimizer"))
+    p.add_argument("--top", type=COUNT.parse, default=15, help="plans to print (default 15)")
     _search_options(p)
     _trace_options(p)
     _profile_options(p)
@@ -559,10 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
         "manifest written at generation",
     )
     p.add_argument(
-        "--rtol", type=_tolerance, default=1e-4, help="relative tolerance (default 1e-4)"
+        "--rtol", type=TOLERANCE.parse, default=1e-4, help="relative tolerance (default 1e-4)"
     )
     p.add_argument(
-        "--atol", type=_tolerance, default=1e-5, help="absolute tolerance (default 1e-5)"
+        "--atol", type=TOLERANCE.parse, default=1e-5, help="absolute tolerance (default 1e-5)"
     )
     p.set_defaults(func=cmd_verify)
 

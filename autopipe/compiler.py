@@ -10,115 +10,24 @@ from collections.abc import Callable
 from torch import nn
 
 from .artifacts import artifact_text
-from .checks import check_count, is_text
-from .tracing.dynamic import dynamic_dims
 from .errors import ArtifactError, AutopipeError, PartitionError
 from .progress import QUIET, Phases
 from .codegen import check_output_dir, package_files, with_manifest, write_package
-from .ir.graph import Graph
-from .partitioning import DEFAULT_METHOD, METHODS, Partition, partition
-from .partitioning.cost import STATE_FACTOR
-from .partitioning.simulator import SCHEDULES
+from .ir import Graph
+from .partitioning import Partition, partition
 from .partitioning.partition import PARTITION_KIND
 from .partitioning.search import Plan, plan_table, search
-from .profiling import PROFILE_MODES, DeviceSpec, Profile, device_spec, profile, with_link
-from .profiling.devices import link_bandwidth
+from .profiling import DeviceSpec, Profile, device_spec, profile, with_link
 from .profiling.profile import PROFILE_KIND
+from .report import write_report
 from .spec import Example, load_example, load_function
 from .tracing import trace
 from .tracing.loss import trace_loss
-from .tracing.units import check_replay
+from .ir.analysis import check_replay
+from .options import CompileOptions
 
 ARTIFACTS = "artifacts"
 TOP_PLANS = 10  # plans a searched partition records (the report shows them)
-
-
-@dataclass
-class CompileOptions:
-    """Everything that decides the compiled pipeline besides the model."""
-
-    stages: int
-    devices: int | None = None  # default: one stage per device
-    profile: str = "analytic"
-    method: str = DEFAULT_METHOD
-    depth: int | None = None
-    basic_blocks: tuple[str, ...] = ()
-    inline_blocks: bool = False  # no block submodules: every operator in the stage's forward
-    #: dimensions that change from batch to batch: ``--dynamic`` texts, DynamicDims, or
-    #: ``{"seq": [("input_ids", 1), ("labels", 1)]}`` (see autopipe/tracing/dynamic.py)
-    dynamic: Any = ()
-    #: sizes of dynamic dimensions to predict time at ({"seq": 512}; default: the planned sizes)
-    expected: dict[str, int] | None = None
-    device_spec: str | None = None  # the hardware model: a table name or a JSON file
-    link: str | None = None
-    schedule: str | None = None  # default: 1f1b for one stage per device, auto otherwise
-    microbatches: int | None = None
-    optimizer: str = "adamw"
-    dp_shard: int = 1  # data-parallel ranks each stage's training state is sharded over
-    accumulate: int = 1  # pipeline runs per optimizer step (train.py's default --accumulate)
-    #: search the whole plan for ``devices`` devices instead of taking the options above
-    search: bool = False
-    global_batch: int | None = None  # with search: example microbatches per step (2 x devices)
-    memory_margin: float = 0.1  # with search: the fraction of each device's memory left free
-    max_stages_per_device: int = 2  # with search: stages per device tried, 1 .. this
-
-    def __post_init__(self) -> None:
-        """Check every option, so that a wrong one fails before the expensive steps."""
-        check_count(self.stages, "--stages")
-        check_count(self.accumulate, "--accumulate")
-        check_count(self.max_stages_per_device, "--max-stages-per-device")
-        if self.global_batch is not None:
-            check_count(self.global_batch, "--global-batch")
-        if not (isinstance(self.memory_margin, float | int) and 0 <= self.memory_margin < 1):
-            raise AutopipeError(
-                f"--memory-margin must be a fraction of memory in [0, 1), got {self.memory_margin!r}"
-            )
-        if self.search:
-            if self.devices is None:
-                raise AutopipeError(
-                    "--search needs --devices: the number of devices to plan for (pipeline "
-                    "ranks x --dp-shard)"
-                )
-            check_count(self.devices, "--devices")
-        elif self.devices is not None:
-            check_count(self.devices, "--devices")
-            if self.devices > self.stages:
-                raise AutopipeError(
-                    f"--devices {self.devices} is more than --stages {self.stages}: every device "
-                    f"runs at least one stage; use at most {self.stages} devices or more stages"
-                )
-        if self.microbatches is not None:
-            check_count(self.microbatches, "--microbatches")
-        check_count(self.dp_shard, "--dp-shard")
-        if self.depth is not None:
-            check_count(self.depth, "--depth", minimum=0)
-        for option, value, choices in (
-            ("--profile", self.profile, PROFILE_MODES),
-            ("--method", self.method, sorted(METHODS)),
-            ("--schedule", self.schedule, (None, *SCHEDULES)),
-            ("--optimizer", self.optimizer, tuple(STATE_FACTOR)),
-        ):
-            if value not in choices:
-                known = ", ".join(c for c in choices if c is not None)
-                raise AutopipeError(f"{option} {value!r} is unknown; choose one of {known}")
-        if isinstance(self.basic_blocks, str) or not all(map(is_text, self.basic_blocks)):
-            raise AutopipeError(
-                f"basic_blocks must be a tuple of class names, got {self.basic_blocks!r}"
-            )
-        self.dynamic = dynamic_dims(self.dynamic)
-        expected = self.expected or {}
-        if not (
-            isinstance(expected, dict)
-            and all(is_text(k) and isinstance(v, int) and v >= 2 for k, v in expected.items())
-        ):
-            raise AutopipeError(
-                f"expected must give sizes of dynamic dimensions by name, as in "
-                f'{{"seq": 512}}; got {self.expected!r}'
-            )
-        if not isinstance(self.inline_blocks, bool):
-            raise AutopipeError(f"inline_blocks must be True or False, got {self.inline_blocks!r}")
-        if self.link is not None:
-            link_bandwidth(self.link)
 
 
 @dataclass
@@ -210,7 +119,7 @@ def partition_step(graph: Graph, prof: Profile, options: CompileOptions) -> Part
             accumulate=best.candidate.accumulate,
             global_batch=best.global_batch,
             memory_margin=options.memory_margin,
-            plans=[plan.to_json() for plan in plans[:TOP_PLANS]],
+            plans=tuple(plan.to_json() for plan in plans[:TOP_PLANS]),
         )
     part = partition(
         graph,
@@ -278,16 +187,15 @@ def compile_example(
     with phases.phase("partition") as details:
         part = partition_step(graph, prof, options)
         predicted = part.predicted
+        assert predicted is not None  # partition() always predicts
         details.append(
-            f"method {part.method}, bottleneck {predicted['bottleneck'] * 1e3:.3f} ms "
-            f"(lower bound {predicted['lower_bound'] * 1e3:.3f} ms)"
+            f"method {part.method}, bottleneck {predicted.bottleneck * 1e3:.3f} ms "
+            f"(lower bound {predicted.lower_bound * 1e3:.3f} ms)"
         )
     with phases.phase("generate") as details:
         generate_step(graph, part, out, prof=prof, force=force)
         details.append(f"{part.num_stages} stage modules in {out}")
     if report:
-        from .report import write_report
-
         with phases.phase("report") as details:
             details.append(str(write_report(out)))
     timings = dict(phases.timings)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 
-from .ir.graph import Graph, TensorMeta, planned_sizes
-from .runtime.shapes import evaluate
+from .ir import Graph, TensorMeta
+from .ir.sizes import planned_sizes
+from .runtime.core.shapes import evaluate
 from .partitioning import Partition
 from .partitioning.cost import Throughput
 from .partitioning.search import plan_table
@@ -24,73 +25,77 @@ def format_partition(graph: Graph, part: Partition) -> str:
         f"{'stage':>5} {'device':>6} {'units':>5} {'params':>9} {'fwd ms':>9} {'bwd ms':>9} "
         f"{'comm ms':>8} {'time ms':>9} {'mem GiB':>8}  first .. last unit"
     ]
-    for s, cost in enumerate(predicted["stages"]):
+    for s, cost in enumerate(predicted.stages):
         first, last = stage_span(graph, part.stage_of_unit, s)
         units = part.stage_of_unit.count(s)
         rows.append(
-            f"{s:>5} {part.device_of_stage[s]:>6} {units:>5} {cost['parameters'] / 1e6:>7.1f}MB "
-            f"{cost['forward'] * 1e3:>9.3f} {cost['backward'] * 1e3:>9.3f} {cost['communication'] * 1e3:>8.3f} "
-            f"{cost['time'] * 1e3:>9.3f} {cost['memory'] / 1024**3:>8.2f}  {first} .. {last}"
+            f"{s:>5} {part.device_of_stage[s]:>6} {units:>5} {cost.parameters / 1e6:>7.1f}MB "
+            f"{cost.forward * 1e3:>9.3f} {cost.backward * 1e3:>9.3f} {cost.communication * 1e3:>8.3f} "
+            f"{cost.time * 1e3:>9.3f} {cost.memory / 1024**3:>8.2f}  {first} .. {last}"
         )
-    bottleneck, bound = predicted["bottleneck"], predicted["lower_bound"]
+    bottleneck, bound = predicted.bottleneck, predicted.lower_bound
     over = max((bottleneck / bound - 1) * 100, 0.0) if bound else 0.0  # float error: not -0.0
     settings = part.settings
     rows.append(
         f"bottleneck {bottleneck * 1e3:.3f} ms, lower bound {bound * 1e3:.3f} ms (+{over:.1f}%); "
-        f"predicted step {predicted['step_time'] * 1e3:.3f} ms with {settings.get('microbatches')} microbatches, "
-        f"{predicted.get('bubble', 0) * 100:.0f}% bubble ({settings.get('schedule')} schedule, "
+        f"predicted step {predicted.step_time * 1e3:.3f} ms with {settings.microbatches} microbatches, "
+        f"{predicted.bubble * 100:.0f}% bubble ({settings.schedule} schedule, "
         f"{part.profile_source}, method {part.method})"
     )
     rows += memory_lines(part)
     rows.append(throughput_line(graph, part))
-    if graph.model.get("symbols"):
+    if graph.model.symbols:
         rows.append(f"dynamic dimensions: {dimensions_text(graph, part)}")
     if part.recompute:
         rows.append(
             f"stages {', '.join(map(str, part.recompute))} recompute their activations in backward "
-            f"to fit the {settings.get('device')}'s memory (train.py --recompute auto)"
+            f"to fit the {settings.device}'s memory (train.py --recompute auto)"
         )
     return "\n".join(rows)
 
 
 def memory_lines(part: Partition) -> list[str]:
     """Each rank's predicted peak and what it holds then (the fullest ranks, if many)."""
-    peaks = part.predicted.get("memory_peaks", [])
-    capacity = part.costs.get("memory_capacity") if part.costs else None
-    margin = part.settings.get("memory_margin", 0.0)
+    predicted = part.predicted
+    assert predicted is not None  # a partition's summary needs its prediction
+    peaks = predicted.memory_peaks or ()
+    capacity = part.costs.memory_capacity if part.costs else None
+    margin = part.settings.memory_margin or 0.0
     of = f" of {capacity / GiB:.2f} GiB" if capacity else ""
     if capacity and margin:
         of = f" of {capacity / (1 - margin) / GiB:.2f} GiB less the {margin:.0%} margin"
-    totals = part.predicted["device_memory"]  # each rank's peak: its parts summed
+    totals = predicted.device_memory  # each rank's peak: its parts summed
     rows = []
     shown = sorted(range(len(peaks)), key=lambda r: -totals[r])
     for rank in sorted(shown[:MEMORY_RANKS]):
         peak, total = peaks[rank], totals[rank]
         parts = ", ".join(
-            f"{label} {peak[k] / GiB:.3f}"
-            + (f" ({_count(peak['in_flight'], 'microbatch')})" if k == "activations" else "")
+            f"{label} {getattr(peak, k) / GiB:.3f}"
+            + (f" ({_count(peak.in_flight, 'microbatch')})" if k == "activations" else "")
             for k, label in MEMORY_PARTS.items()
         )
-        rows.append(f"rank {rank} peak {total / GiB:.3f} GiB{of} at {peak['moment']}: {parts}")
+        rows.append(f"rank {rank} peak {total / GiB:.3f} GiB{of} at {peak.moment}: {parts}")
     return rows
 
 
 def throughput_line(graph: Graph, part: Partition) -> str:
     """The plan's predicted step, rate and model FLOPs utilisation."""
-    figures = Throughput.of(part.predicted, part.settings, len(set(part.device_of_stage)))
-    tokens = tokens_per_microbatch(graph, part.settings.get("timed_at", {}))
+    settings, predicted = part.settings, part.predicted
+    assert predicted is not None  # a partition's summary needs its prediction
+    figures = Throughput.of(predicted, settings, len(set(part.device_of_stage)))
+    tokens = tokens_per_microbatch(graph, settings.timed_at or {})
     rate = figures.microbatches / figures.step_time if figures.step_time else 0.0
     line = (
-        f"plan: {part.settings.get('microbatches')} microbatches x "
-        f"{part.settings.get('accumulate', 1)} accumulation x "
-        f"{_count(part.settings.get('dp_shard', 1), 'shard')} per step on "
+        f"plan: {settings.microbatches} microbatches x "
+        f"{settings.accumulate or 1} accumulation x "
+        f"{_count(settings.dp_shard or 1, 'shard')} per step on "
         f"{_count(figures.devices, 'device')}: {figures.step_time * 1e3:.3f} ms, "
         f"{rate:.1f} microbatches/s"
     )
     if tokens:
         line += f", {rate * tokens:,.0f} tokens/s"
     if figures.mfu is not None:
-        line += f", MFU {figures.mfu * 100:.3g}% of {part.settings.get('device')}"
+        line += f", MFU {figures.mfu * 100:.3g}% of {settings.device}"
     return line
 
 
@@ -98,24 +103,24 @@ def dimensions_text(graph: Graph, part: Partition) -> str:
     """The dynamic dimensions, their bounds and the sizes the predictions are for ("" if
     none): memory at the planned sizes (upper bounds, else the example's), time at the
     --expected sizes where given."""
-    symbols = graph.model.get("symbols", {})
+    symbols = graph.model.symbols
     if not symbols:
         return ""
     bounds = ", ".join(
-        f"{name} {s['min']}..{'' if s['max'] is None else s['max']}" for name, s in symbols.items()
+        f"{name} {s.min}..{'' if s.max is None else s.max}" for name, s in symbols.items()
     )
-    planned = ", ".join(f"{name}={s['planned']}" for name, s in symbols.items())
-    open_ended = [name for name, s in symbols.items() if s["max"] is None]
+    planned = ", ".join(f"{name}={s.planned}" for name, s in symbols.items())
+    open_ended = [name for name, s in symbols.items() if s.max is None]
     caveat = (
         f" ({', '.join(open_ended)} without an upper bound: planned at the example's size, "
         "longer batches need more memory than predicted)"
         if open_ended
         else ""
     )
-    timed_at = part.settings.get("timed_at", {})
+    timed_at = part.settings.timed_at or {}
     if not timed_at:
         return f"{bounds}; time and memory predicted at {planned}{caveat}"
-    timed = {name: timed_at.get(name, s["planned"]) for name, s in symbols.items()}
+    timed = {name: timed_at.get(name, s.planned) for name, s in symbols.items()}
     at = ", ".join(f"{name}={size}" for name, size in timed.items())
     return f"{bounds}; time predicted at {at} (--expected), memory at {planned}{caveat}"
 
@@ -138,7 +143,7 @@ def tokens_per_microbatch(graph: Graph, sizes: dict[str, int] | None = None) -> 
 
 def format_plans(part: Partition) -> str:
     """The plans a searched partition was chosen from, best (the chosen) first."""
-    plans = part.settings.get("plans", [])
+    plans = list(part.settings.plans or ())
     return f"{len(plans)} best plans searched, #0 chosen:\n" + plan_table(plans)
 
 

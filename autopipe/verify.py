@@ -18,12 +18,13 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .checks import check_tolerance
 from .codegen import edited_files
 from .codegen.package import MANIFEST
 from .errors import ArtifactError, AutopipeError, VerificationError
-from .runtime.data import PipelineRunError, dimension_sizes
-from .runtime.pipeline import Pipeline, PipelineFormatError, Stage
+from .options import TOLERANCE
+from .runtime.core.dimensions import dimension_sizes
+from .runtime.core.errors import PipelineRunError
+from .runtime.core.pipeline import Pipeline, PipelineFormatError, Stage
 from .runtime.support import stage_state
 from .spec import Example
 
@@ -104,8 +105,8 @@ def verify(
 ) -> VerifyReport:
     """Compare the pipeline in ``path`` with ``example.model`` on the example microbatch, and
     its files with the manifest written when it was generated."""
-    check_tolerance(rtol, "--rtol")
-    check_tolerance(atol, "--atol")
+    TOLERANCE.check(rtol, "--rtol")
+    TOLERANCE.check(atol, "--atol")
     package = load_pipeline(path)
     try:
         pipeline = Pipeline.from_json(package.PIPELINE)

@@ -37,7 +37,7 @@ from autopipe.partitioning import Partition, partition
 from autopipe.partitioning.cost import CostModel
 from autopipe.profiling import device_spec, profile
 from autopipe.profiling.profile import graph_digest
-from autopipe.runtime.pipeline import Pipeline
+from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.spec import Example
 
 logging.set_verbosity_error()
@@ -196,7 +196,7 @@ def run_model(name: str, devices_list: list[int], gpu: str) -> list[Row]:
                 microbatches=microbatches,
             )
             seconds[method] = time.perf_counter() - begin
-            results[method] = (part.predicted["step_time"], part.predicted["bottleneck"])
+            results[method] = (part.predicted.step_time, part.predicted.bottleneck)
         rows.append(Row(name, devices, results, model.lower_bound(devices), seconds))
     return rows
 

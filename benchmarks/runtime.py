@@ -309,7 +309,7 @@ spec = importlib.util.spec_from_file_location("pkg", sys.argv[1] + "/__init__.py
 package = importlib.util.module_from_spec(spec); sys.modules["pkg"] = package
 spec.loader.exec_module(package)
 from pkg.runtime.driver import compile_stage
-from pkg.runtime.pipeline import Pipeline
+from pkg.runtime.core.pipeline import Pipeline
 torch.manual_seed(0)
 pipeline = Pipeline.from_json(package.PIPELINE)
 index, reps, compiled = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "compiled"

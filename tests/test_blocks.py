@@ -14,7 +14,7 @@ import models
 from autopipe.codegen import package_files
 from autopipe.compiler import CompileOptions, compile_spec
 from autopipe.runtime.options import parse_config
-from autopipe.runtime.pipeline import Pipeline
+from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline
 
@@ -109,7 +109,7 @@ def test_stage_code_of_a_24_layer_model_is_a_quarter_of_inline_code(tmp_path):
         "tests/models.py:gpt2_meta_24", tmp_path / "p", CompileOptions(stages=8), report=False
     )
     structured = package_files(result.graph, result.partition)
-    result.graph.model["inline_blocks"] = True
+    result.graph.model = result.graph.model.updated(inline_blocks=True)
     inline = package_files(result.graph, result.partition)
 
     def lines(files):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autopipe.runtime.checkpoint import Checkpoint, CheckpointError, save_safetensors
-from autopipe.runtime.data import PipelineRunError
+from autopipe.runtime.core.errors import PipelineRunError
 from autopipe.runtime.train_state import load_weights
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from autopipe.runtime.pipeline import Pipeline
+from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline
 

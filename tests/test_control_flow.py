@@ -14,11 +14,11 @@ from autopipe.artifacts import read_artifact
 from autopipe.compiler import CompileOptions, compile_spec, load_graph
 from autopipe.ir.cond import COND, forced_branch
 from autopipe.errors import ArtifactError, TraceError
-from autopipe.ir.graph import Graph
+from autopipe.ir import Graph
 from autopipe.profiling.analytic import _unit_cost, profile_analytic
 from autopipe.profiling.devices import device_spec
 from autopipe.spec import load_example
-from autopipe.tracing.units import unit_workloads
+from autopipe.ir.analysis import unit_workloads
 from autopipe.verify import load_pipeline, verify
 
 from conftest import assert_black_formatted, compile_model

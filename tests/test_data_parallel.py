@@ -18,7 +18,7 @@ from autopipe.errors import AutopipeError
 from autopipe.profiling import device_spec
 from autopipe.runtime import train_state
 from autopipe.runtime.options import parse_config
-from autopipe.runtime.pipeline import Pipeline
+from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.spec import load_example
 
 from autopipe.verify import load_pipeline
@@ -220,8 +220,8 @@ def test_partition_planned_for_sharding_fits_where_replication_cannot(tmp_path):
     model = "gpt2_wide_meta"
     roomy = compile_model(model, tmp_path / "roomy", 2)
     sharded = compile_model(model, tmp_path / "sharded", 2, dp_shard=4)
-    replicated_state = max(4 * s["parameters"] for s in roomy.partition.predicted["stages"])
-    sharded_peak = max(sharded.partition.predicted["device_memory"])
+    replicated_state = max(4 * s.parameters for s in roomy.partition.predicted.stages)
+    sharded_peak = max(sharded.partition.predicted.device_memory)
     assert sharded_peak < replicated_state
     small = device_spec("h100").to_json() | {
         "name": "small",
@@ -233,7 +233,7 @@ def test_partition_planned_for_sharding_fits_where_replication_cannot(tmp_path):
         compile_model(model, tmp_path / "refused", 2, device_spec=str(spec_file))
     assert not (tmp_path / "refused").exists()
     fits = compile_model(model, tmp_path / "fits", 2, device_spec=str(spec_file), dp_shard=4)
-    assert max(fits.partition.predicted["device_memory"]) <= small["memory"]
+    assert max(fits.partition.predicted.device_memory) <= small["memory"]
     assert json.loads((tmp_path / "fits" / "pipeline.json").read_text())["dp_shard"] == 4
 
 

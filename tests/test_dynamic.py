@@ -14,12 +14,14 @@ import torch
 import models
 from autopipe.tracing.dynamic import DynamicDim, dynamic_dims, formula, parse_dynamic
 from autopipe.errors import ArtifactError, AutopipeError, TraceError
-from autopipe.ir.graph import Graph, sizes_in
+from autopipe.ir import Graph, Size
+from autopipe.ir.codec import decode, encode
+from autopipe.ir.types import sizes_in
 from autopipe.profiling import Profile, profile
 from autopipe.runtime.data import Batches
 from autopipe.runtime.options import parse_config
-from autopipe.runtime.pipeline import Pipeline, PipelineFormatError
-from autopipe.runtime.shapes import FormulaError, evaluate
+from autopipe.runtime.core.pipeline import Pipeline, PipelineFormatError
+from autopipe.runtime.core.shapes import FormulaError, evaluate
 from autopipe.spec import Example, load_example
 from autopipe.tracing import trace
 from autopipe.verify import verify
@@ -111,8 +113,6 @@ def test_dimension_names_the_generated_code_needs_are_refused():
 
 
 def test_a_negative_size_round_trips():
-    from autopipe.ir.graph import Size, decode, encode
-
     assert (
         decode(encode([Size(-32, "-seq")])) == [-32]
         and decode(encode(Size(-3, "-seq"))).formula == "-seq"
@@ -133,7 +133,7 @@ def gpt2_graph() -> Graph:
 
 def test_every_traced_size_is_a_formula_planned_at_the_upper_bounds(gpt2_graph):
     graph = gpt2_graph
-    assert graph.model["symbols"] == {
+    assert graph.model.symbols_json() == {
         "seq": {"min": 4, "max": 32, "planned": 32, "sources": [["input_ids", 1], ["labels", 1]]},
         "batch": {"min": 2, "max": 4, "planned": 4, "sources": [["input_ids", 0], ["labels", 0]]},
     }
@@ -151,7 +151,7 @@ def test_every_traced_size_is_a_formula_planned_at_the_upper_bounds(gpt2_graph):
 
 def test_without_an_upper_bound_the_graph_is_planned_at_the_examples_size():
     graph = trace(load_example(spec("gpt2")), dynamic=dynamic_dims(["seq=input_ids:1,labels:1"]))
-    assert graph.model["symbols"]["seq"] == {
+    assert graph.model.symbols_json()["seq"] == {
         "min": 2,
         "max": None,
         "planned": 16,

@@ -21,7 +21,7 @@ from autopipe.errors import (
     TraceError,
     WriteError,
 )
-from autopipe.ir.graph import Graph
+from autopipe.ir import Graph
 from autopipe.profiling.profile import Profile
 from autopipe.spec import load_example
 from autopipe.verify import verify
@@ -224,14 +224,14 @@ def test_hand_edited_package_is_reported(tmp_path, capsys):
     assert "the pipeline is as generated" in capsys.readouterr().out
     stage = out / "stage1.py"
     stage.write_text(stage.read_text() + "# a hand edit\n")
-    (out / "runtime" / "schedule.py").unlink()
+    (out / "runtime" / "core" / "schedules.py").unlink()
     (out / "stage9.py").write_text("# mine\n")
     with pytest.raises(SystemExit) as exc:
         autopipe(["verify", str(out)])
     assert exc.value.code == 1
     printed = capsys.readouterr().out
     assert "edited since generation (3 files" in printed
-    for rel in ("stage1.py", "runtime/schedule.py", "stage9.py"):
+    for rel in ("stage1.py", "runtime/core/schedules.py", "stage9.py"):
         assert f"  {rel}\n" in printed
     with pytest.raises(SystemExit):
         autopipe(["verify", str(out), "--spec", spec("mlp")])

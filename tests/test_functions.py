@@ -17,7 +17,7 @@ import function_models
 from autopipe.compiler import load_graph
 from autopipe.errors import ArtifactError, TraceError
 from autopipe.ir.autograd_function import FUNCTION_TARGET
-from autopipe.ir.graph import Graph, Ref
+from autopipe.ir import Graph, Ref
 from autopipe.spec import load_example
 from autopipe.tracing.export import trace
 from autopipe.verify import verify

@@ -8,7 +8,7 @@ import torch
 
 from autopipe.artifacts import dumps
 from autopipe.compiler import CompileOptions, trace_step
-from autopipe.ir.graph import Graph, TensorMeta
+from autopipe.ir import Graph, TensorMeta
 from autopipe.spec import load_example
 
 from conftest import spec
@@ -84,4 +84,4 @@ def test_meta_models_trace_without_weights():
         )
     ids = torch.randint(0, 50, (2, 16))
     graph = trace_step(Example(model, (ids,), {"labels": ids}), CompileOptions(stages=1))
-    assert graph.model["on_meta"] and graph.model["input_ranges"]["input_ids"] == int(ids.max())
+    assert graph.model.on_meta and graph.model.input_ranges["input_ids"] == int(ids.max())

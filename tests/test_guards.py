@@ -21,10 +21,10 @@ import torch
 from autopipe.cli import main as autopipe_main
 from autopipe.runtime import driver, train_state
 from autopipe.runtime.checkpoint import Checkpoint, CheckpointError, save_safetensors
-from autopipe.runtime.data import PipelineRunError
+from autopipe.runtime.core.errors import PipelineRunError
 from autopipe.runtime.guards import RunLock
 from autopipe.runtime.options import parse_config
-from autopipe.runtime.pipeline import Pipeline
+from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.spec import load_example
 
 from autopipe.verify import load_pipeline

@@ -15,7 +15,7 @@ import torch
 from autopipe.compiler import CompileOptions, profile_step, trace_step
 from autopipe.partitioning.cost import OPTIMIZER_TEMPORARIES, STATE_FACTOR, CostModel
 from autopipe.partitioning.simulator import schedule_orders, simulate
-from autopipe.runtime.schedule import PipelineCosts, device_memory
+from autopipe.runtime.core.schedules import PipelineCosts, device_memory
 from autopipe.spec import load_example
 
 from conftest import compile_model, spec, torchrun
@@ -238,5 +238,5 @@ def test_predicted_peaks_match_the_live_tensor_peaks_of_a_run(tmp_path, schedule
     log = tmp_path / "log.jsonl"
     torchrun(out / "train.py", 2, "--steps", "3", "--track-memory", "--log-json", str(log))
     measured = json.loads(log.read_text().splitlines()[-1])["peak_memory"]
-    predicted = result.partition.predicted["device_memory"]
+    predicted = list(result.partition.predicted.device_memory)
     assert predicted == pytest.approx(measured, rel=0.1)

@@ -116,9 +116,9 @@ def test_partition_reports_prediction():
     part = partition(GRAPH, random_profile([1.0] * UNITS, [0] * UNITS, 1e3), 3)
     assert part.num_stages == 3 and part.method == "mpipe"  # the default
     predicted = part.predicted
-    assert predicted["bottleneck"] >= predicted["lower_bound"]
-    assert len(predicted["stages"]) == 3
-    assert math.isclose(predicted["bottleneck"], max(s["time"] for s in predicted["stages"]))
+    assert predicted.bottleneck >= predicted.lower_bound
+    assert len(predicted.stages) == 3
+    assert math.isclose(predicted.bottleneck, max(s.time for s in predicted.stages))
 
 
 def test_recomputation_switched_on_for_devices_short_of_memory():
@@ -132,10 +132,10 @@ def test_recomputation_switched_on_for_devices_short_of_memory():
     model = CostModel(GRAPH, profile, schedule="1f1b", microbatches=4)
     plain = model.evaluate(part.stage_of_unit, part.device_of_stage, "1f1b")
     assert max(plain.device_memory) > 10 * 1024**3
-    assert max(part.predicted["device_memory"]) <= 10 * 1024**3
-    stages = part.predicted["stages"]
+    assert max(part.predicted.device_memory) <= 10 * 1024**3
+    stages = part.predicted.stages
     for s in part.recompute:  # backward pays for the forward again
-        assert stages[s]["backward"] == pytest.approx(stages[s]["forward"] / 0.4)
+        assert stages[s].backward == pytest.approx(stages[s].forward / 0.4)
 
     tiny = random_profile([1.0] * UNITS, [0] * UNITS, 1e3, memory_gib=1e-9)
     with pytest.raises(PartitionError, match="fits the memory of H100"):

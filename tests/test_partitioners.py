@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopipe.ir.graph import Graph, Node, Ref, TensorMeta, Unit
+from autopipe.ir import Graph, ModelFacts, Node, Ref, TensorMeta, Unit
 from autopipe.ir.ordering import order_edges
 from autopipe.partitioning import METHODS, partition
 from autopipe.profiling import Profile, UnitCost, device_spec
@@ -48,7 +48,7 @@ def random_graph(seed: int, size: int, fan_in: int, inplace: float) -> Graph:
         params={},
         buffers={},
         constants={},
-        model={"class": "Random"},
+        model=ModelFacts.from_json({"class": "Random"}, ""),
         units=[Unit(i, f"n{i}", [f"n{i}"]) for i in range(size)],
     )
 
@@ -91,7 +91,7 @@ def test_partitions_are_complete_acyclic_and_exact(graph, seed, method, data):
             assert stage_of[u] <= stage_of[v]
     for before, after in order_edges(graph):  # nor do write-order edges
         assert stage_of[before] <= stage_of[after]
-    assert part.predicted["bottleneck"] >= part.predicted["lower_bound"] * (1 - 1e-9)
+    assert part.predicted.bottleneck >= part.predicted.lower_bound * (1 - 1e-9)
 
 
 @settings(max_examples=15, deadline=None)
@@ -120,5 +120,5 @@ def test_refinement_never_worse_than_its_start(graph, seed):
     dp = partition(graph, profile, stages, method="dp").predicted
     acyclic = partition(graph, profile, stages, method="acyclic").predicted
     mpipe = partition(graph, profile, stages, method="mpipe").predicted
-    assert acyclic["bottleneck"] <= dp["bottleneck"] * (1 + 1e-9)
-    assert mpipe["step_time"] <= dp["step_time"] * (1 + 1e-9)
+    assert acyclic.bottleneck <= dp.bottleneck * (1 + 1e-9)
+    assert mpipe.step_time <= dp.step_time * (1 + 1e-9)

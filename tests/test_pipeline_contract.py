@@ -1,4 +1,4 @@
-"""The typed pipeline contract (runtime/pipeline.py): ``from_json`` / ``to_json`` give back every
+"""The typed pipeline contract (runtime/core/pipeline.py): ``from_json`` / ``to_json`` give back every
 generated description exactly, malformed descriptions are refused naming the field, and the facts
 derived from a description are the ones the runtime acts on."""
 
@@ -16,10 +16,11 @@ from types import SimpleNamespace
 import pytest
 
 from autopipe.artifacts import ARTIFACT_VERSION, dumps
-from autopipe.runtime import driver, pipeline as contract
+from autopipe.runtime import driver
+from autopipe.runtime.core import pipeline as contract
 from autopipe.runtime.data import Batches
 from autopipe.runtime.options import parse_config, schedule_problem
-from autopipe.runtime.pipeline import Pipeline, PipelineFormatError, as_pipeline
+from autopipe.runtime.core.pipeline import Pipeline, PipelineFormatError, as_pipeline
 from autopipe.runtime.train_state import fingerprint
 from autopipe.verify import load_pipeline
 
@@ -56,7 +57,7 @@ def test_round_trip_of_compiled_packages(tmp_path, name, stages, options):
         assert pipeline.loss.target.name == "target" and pipeline.loss.module == "loss"
     else:
         assert pipeline.loss.output in pipeline.outputs
-    assert (tmp_path / "pipe" / "runtime" / "pipeline.py").read_text() == Path(
+    assert (tmp_path / "pipe" / "runtime" / "core" / "pipeline.py").read_text() == Path(
         contract.__file__
     ).read_text()
 

@@ -163,7 +163,7 @@ def test_a_measured_profile_is_reported_as_measured_on_this_machine(tmp_path):
     from conftest import compile_model
 
     result = compile_model("mlp", tmp_path / "pipe", 2, profile="measured", report=True)
-    assert result.partition.settings["measured_on"].startswith("cpu (")
+    assert result.partition.settings.measured_on.startswith("cpu (")
     source = result.partition.profile_source
     assert source.startswith("measured on cpu (") and source.endswith("memory and link of H100")
     assert source in (tmp_path / "pipe" / "report" / "report.html").read_text()

@@ -4,6 +4,7 @@ autopipe's own errors. Never a wrong pipeline."""
 
 from __future__ import annotations
 
+import dataclasses
 import ast
 import json
 from pathlib import Path
@@ -216,7 +217,8 @@ def test_corrupted_artefacts_give_a_clear_error_and_write_nothing(
     try:
         graph = load_graph(folder / "graph.json")
         part = Partition.load(folder / "partition.json")
-        part.graph_digest = graph_digest(graph)  # let a corrupted graph reach code generation
+        # let a corrupted graph reach code generation
+        part = dataclasses.replace(part, graph_digest=graph_digest(graph))
         generate_step(graph, part, out)
     except AutopipeError as exc:
         assert str(exc)

@@ -18,7 +18,7 @@ import torch
 import models
 from autopipe.cli import main as autopipe_main
 from autopipe.runtime import train_state
-from autopipe.runtime.pipeline import Pipeline
+from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline
 

@@ -18,8 +18,8 @@ from autopipe.errors import PartitionError
 from autopipe.partitioning import partition
 from autopipe.partitioning.search import candidates, search
 from autopipe.profiling import device_spec
-from autopipe.runtime.options import placement, schedule_problem_for
-from autopipe.runtime.pipeline import Pipeline
+from autopipe.runtime.core.schedules import placement, schedule_problem_for
+from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline
 
@@ -103,11 +103,11 @@ def test_search_fits_a_device_the_default_plan_does_not_and_trains_exactly(tmp_p
         device_spec=str(spec_file),
     )  # fmt: skip
     settings = result.partition.settings
-    chosen = settings["plans"][0]
-    assert max(result.partition.predicted["device_memory"]) <= memory
+    chosen = settings.plans[0]
+    assert max(result.partition.predicted.device_memory) <= memory
     assert (chosen["stages"], chosen["schedule"]) == (
         result.partition.num_stages,
-        settings["schedule"],
+        settings.schedule,
     )
     assert chosen["microbatches"] * chosen["accumulate"] * chosen["dp_shard"] == 4
     pipeline = Pipeline.from_json(load_pipeline(out).PIPELINE)

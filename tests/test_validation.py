@@ -15,7 +15,7 @@ import autopipe
 from autopipe.cli import main as autopipe_cli
 from autopipe.compiler import CompileOptions, partition_step, profile_step, trace_step
 from autopipe.errors import AutopipeError, PartitionError, TraceError, WriteError
-from autopipe.ir.graph import Graph
+from autopipe.ir import Graph
 from autopipe.partitioning import Partition
 from autopipe.profiling.devices import KNOWN_DEVICES
 from autopipe.spec import load_example

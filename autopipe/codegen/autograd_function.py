@@ -7,11 +7,13 @@ original function's own forward and backward (see ``autopipe/ir/autograd_functio
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from ..ir.autograd_function import FUNCTION_TARGET, FunctionDef
-from ..ir.graph import Graph, Node, Ref
+from ..ir import FUNCTION_TARGET, Graph, Node, Ref
+from ..ir.autograd_function import FunctionDef
 from . import emit
+
+__all__ = ["call_statement", "class_source", "function_classes"]
 
 #: indentation of a method body in a class
 _BODY = 8
@@ -22,6 +24,18 @@ def function_classes(graph: Graph, nodes: Iterable[Node]) -> list[str]:
     order of first call; black formats them with the module they go into."""
     names = dict.fromkeys(n.args[0] for n in nodes if n.target == FUNCTION_TARGET)
     return [class_source(graph.functions[name]) for name in names]
+
+
+def call_statement(
+    graph: Graph, node: Node, ref: Callable[[Ref], str], indent: int, target: str
+) -> list[str]:
+    """``target = GeLUFunction.apply(x)``: a call of a custom function's generated class, as
+    black lays it out at ``indent`` spaces."""
+    name, inputs = node.args
+    return emit.assignment(target, f"{name}.apply", [ref(r) for r in inputs], indent)
+
+
+emit.register_emitter(FUNCTION_TARGET, call_statement)
 
 
 def class_source(fdef: FunctionDef) -> str:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..ir.graph import COND, FUNCTION_TARGET, Graph, Node, Ref, TensorMeta
+from ..ir import COND, FUNCTION_TARGET, Graph, Node, Ref, TensorMeta
 from ..ir.analysis import BlockCall
 from . import emit
 from .names import identifier, namespace, operator_name

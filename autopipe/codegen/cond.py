@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..ir import COND, Graph, Node, Ref
 from ..ir.cond import branches
-from ..ir.graph import COND, Graph, Node, Ref
 from . import emit
 
 __all__ = ["branch_functions", "cond_statement"]
@@ -48,6 +48,9 @@ def cond_statement(
     return emit.black_statement(f"{target} = {call}", indent)
 
 
+emit.register_emitter(COND, cond_statement)
+
+
 def branch_functions(graph: Graph, nodes: list[Node], model_class: str) -> list[str]:
     """Source of the branch functions of the conds among ``nodes``, one string per function."""
     functions = []
@@ -65,7 +68,7 @@ def _function(branch: Graph, name: str, side: str, model_class: str) -> str:
     constants = [n.name for n in branch.nodes if n.kind == "constant"]
     lines = [
         f"def {name}({', '.join(branch.inputs)}):",
-        f"    # {side} branch of torch.cond at {branch.model.get('source')}",
+        f"    # {side} branch of torch.cond at {branch.model.source}",
     ]
     if constants or emit.uses_device(calls):
         lines.append(f"    device = {branch.inputs[0]}.device")

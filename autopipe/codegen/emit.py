@@ -5,14 +5,33 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import black
 import torch
 
-from ..ir.graph import COND, FUNCTION_TARGET, Graph, Node, Ref, Size, decode_tensor, dtype_name
+from ..ir import Graph, Node, Ref, Size
+from ..ir.codec import decode_tensor
+from ..ir.kinds import kind_of
+from ..ir.types import dtype_name
 
 BLACK_MODE = black.Mode(line_length=100)
+
+#: Writes the statement of one higher-order node (:mod:`autopipe.ir.kinds`), as black lays it out:
+#: ``emitter(graph, node, ref, indent, target)`` -> lines assigning the node's value to ``target``.
+Emitter = Callable[[Graph, Node, Callable[[Ref], str], int, str], list[str]]
+
+#: the emitter of each higher-order node kind, by target: registered by the kind's codegen module
+#: (codegen/cond.py, codegen/autograd_function.py)
+_EMITTERS: dict[str, Emitter] = {}
+
+
+def register_emitter(target: str, emitter: Emitter) -> None:
+    """Let :func:`forward_body` write nodes calling ``target`` with ``emitter``."""
+    if target in _EMITTERS:
+        raise ValueError(f"an emitter for {target!r} is registered already")
+    _EMITTERS[target] = emitter
+
 
 _TORCH_CONSTANTS: dict[Any, str] = {
     torch.strided: "torch.strided",
@@ -50,11 +69,8 @@ def literal(value: Any, ref: Callable[[Ref], str]) -> str:
 
 def operator_call(node: Node, ref: Callable[[Ref], str]) -> tuple[str, list[str]]:
     """The callable and the argument sources of one call node: ``("aten.addmm.default",
-    ["bias", "x", "weight"])``; a ``getitem`` is ``("x[0]", [])``; a custom autograd function
-    is ``("GeLUFunction.apply", ["x"])`` (its class: autopipe/codegen/autograd_function.py)."""
-    if node.target == FUNCTION_TARGET:
-        name, inputs = node.args
-        return f"{name}.apply", [ref(r) for r in inputs]
+    ["bias", "x", "weight"])``; a ``getitem`` is ``("x[0]", [])``. Higher-order nodes are written
+    by their kind's emitter (:func:`register_emitter`)."""
     if node.target == "getitem":
         source, index = node.args
         return f"{ref(source)}[{index}]", []
@@ -181,7 +197,7 @@ class ModuleCall:
 
 def forward_body(
     graph: Graph,
-    items: list[Node | ModuleCall],
+    items: Sequence[Node | ModuleCall],
     ref: Callable[[Ref], str],
     label: Callable[[Node], str],
     base: int = 8,
@@ -212,10 +228,11 @@ def forward_body(
         if node_label != current:
             lines.append(f"{indent}# {node_label}")
             current = node_label
-        if node.target == COND:  # torch.cond(pred, branch functions, operands)
-            from .cond import cond_statement
-
-            statement = cond_statement(graph, node, ref, base + len(indent), target(node.name))
+        emitter = _EMITTERS.get(node.target)
+        if emitter is not None:  # torch.cond, a custom autograd function, ...
+            statement = emitter(graph, node, ref, base + len(indent), target(node.name))
+        elif kind_of(node.target) is not None:
+            raise TypeError(f"no emitter is registered for the node kind {node.target}")
         else:
             fn, args = operator_call(node, ref)
             call_args = args if node.target != "getitem" else None

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable
 
 from ..checks import RESERVED, Namespace
-from ..ir.graph import Graph, Node
+from ..ir import Graph, Node
 
 #: names generated code uses for other things, and Python's builtins (never shadowed)
 UNAVAILABLE = RESERVED | set(dir(builtins))
@@ -46,7 +46,7 @@ def value_names(
     program order) and the values crossing stage boundaries. Other values keep their names, so
     the new ones avoid every name of the graph."""
     kept = set(graph.inputs) | set(graph.outputs)
-    space = namespace([node.name for node in graph.nodes] + list(graph.model.get("symbols", {})))
+    space = namespace([node.name for node in graph.nodes] + list(graph.model.symbols))
     names: dict[str, str] = {}
     for fqn, outputs in outputs_of_calls:
         base = f"{identifier(fqn)}_out"

@@ -19,10 +19,12 @@ import torch
 
 from ..artifacts import ARTIFACT_VERSION, dumps, write_error
 from ..errors import ArtifactError, OutputExistsError
-from ..ir.graph import COND, Graph, Node, ParamInfo, Ref, dtype_name
+from ..ir import COND, Graph, Node, ParamInfo, Ref
+from ..ir.types import dtype_name
 from ..partitioning import Partition, default_schedule
 from ..partitioning.cost import iteration_time
-from ..runtime.pipeline import Pipeline, default_microbatches
+from ..partitioning.partition import PredictedStep, costs_to_json
+from ..runtime.core.pipeline import Pipeline, default_microbatches
 from . import emit
 from .sizes import size_lines, used_symbols
 from ..ir.analysis import block_calls
@@ -35,27 +37,17 @@ from .blocks import (
     stage_submodules,
 )
 from .cond import branch_functions
+from .context import PackageContext, StageContext
 from .autograd_function import function_classes
 from .names import value_names
 from .plan import StagePlan, plan_stages
 
 TEMPLATES = Path(str(importlib.resources.files("autopipe.templates")))
 RUNTIME = Path(__file__).resolve().parent.parent / "runtime"
-#: autopipe.runtime, copied verbatim into each package as its runtime/ subpackage
-RUNTIME_MODULES = (
-    "__init__.py",
-    "support.py",
-    "schedule.py",
-    "pipeline.py",
-    "shapes.py",
-    "checkpoint.py",
-    "options.py",
-    "data.py",
-    "guards.py",
-    "parallel.py",
-    "train_state.py",
-    "metrics.py",
-    "driver.py",
+#: autopipe.runtime, copied verbatim into each package as its runtime/ subpackage: every module
+#: under it (core/ included), by path relative to it, sorted
+RUNTIME_MODULES = tuple(
+    sorted(path.relative_to(RUNTIME).as_posix() for path in RUNTIME.rglob("*.py"))
 )
 BLACK_MODE = emit.BLACK_MODE
 #: stands for a forward body in a rendered file until the (already formatted) body is spliced in
@@ -104,13 +96,14 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
     """The files of a generated pipeline package, by relative path."""
     plans = plan_stages(graph, part.stage_of_unit, part.device_of_stage)
     device_of_stage = part.device_of_stage
-    model_class = graph.model["class"].rsplit(".", 1)[-1]
-    common = {
-        "model_class": model_class,
-        "num_stages": len(plans),
-        "num_processes": len(set(device_of_stage)) * part.settings.get("dp_shard", 1),
-        "stage_classes": [f"Stage{plan.index}" for plan in plans],
-    }
+    model_class = graph.model.cls.rsplit(".", 1)[-1]
+    package = PackageContext(
+        model_class=model_class,
+        num_stages=len(plans),
+        num_processes=len(set(device_of_stage)) * (part.settings.dp_shard or 1),
+        stage_classes=[f"Stage{plan.index}" for plan in plans],
+    )
+    common = package.variables()
     calls = block_calls(graph)
     submodules = {
         plan.index: stage_submodules(graph, plan.nodes, plan.state_names, calls) for plan in plans
@@ -134,12 +127,12 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
     bodies: dict[str, list[str]] = {}
     sources: dict[str, str] = {}
     for plan in plans:
-        context = _stage_context(graph, plan, model_class, submodules[plan.index], names)
-        context["parameters"], context["buffers"] = rows[plan.index]
-        context["functions"] = [*function_classes(graph, plan.nodes), *context["functions"]]
-        bodies[f"stage{plan.index}.py"] = context.pop("body")
+        context = _stage_context(
+            graph, plan, package, submodules[plan.index], names, rows[plan.index]
+        )
+        bodies[f"stage{plan.index}.py"] = context.body
         sources[f"stage{plan.index}.py"] = render(
-            "stage.py.j2", **common, **context, body=[BODY_MARKER]
+            "stage.py.j2", **context.variables(body=[BODY_MARKER])
         )
     if classes:
         definitions = [
@@ -150,7 +143,7 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
             "blocks.py.j2", **common, classes=definitions, example=every[0].fqn
         )
     sources["__init__.py"] = render(
-        "__init__.py.j2", **common, modules=sorted(set(graph.model.get("operators", {}).values()))
+        "__init__.py.j2", **common, modules=sorted(set(graph.model.operators.values()))
     )
     sources["train.py"] = render("train.py.j2", **common)
     if graph.loss is not None:
@@ -195,10 +188,14 @@ def _loss_context(loss: Graph, model_class: str) -> dict[str, Any]:
 def _stage_context(
     graph: Graph,
     plan: StagePlan,
-    model_class: str,
+    package: PackageContext,
     submodules: list[Submodule],
     names: dict[str, str],
-) -> dict[str, Any]:
+    rows: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+) -> StageContext:
+    """Everything ``stage.py.j2`` renders one stage with; ``rows``: its own parameter and
+    buffer rows."""
+    model_class = package.model_class
     state_refs = {name: emit.attribute_path(held) for name, held in plan.state_names.items()}
 
     def rename(name: str) -> str:
@@ -240,28 +237,30 @@ def _stage_context(
         f"{len(plan.nodes)} operators, from {first.scope_label or model_class} "
         f"to {final.scope_label or model_class}"
     )
-    return {
-        "stage": plan,
-        "inputs": [rename(n) for n in plan.inputs],
-        "outputs": [rename(n) for n in plan.outputs],
-        "cloned_inputs": [rename(n) for n in plan.cloned_inputs],
-        "sizes": sizes,
-        "summary": summary,
-        "body": body,
-        "returns": [
-            f"{rename(n)}.contiguous()" if n in produced else rename(n) for n in plan.outputs
-        ],
-        "operators": operators,
-        "functions": branch_functions(graph, plan.nodes, model_class),  # of torch.cond
-        "formats": {rename(n): f for n, f in _memory_formats(graph, plan.inputs).items()},
-        "uses_device": emit.uses_device(plan.nodes) or bool(constant_lines),
-        "blocks": [(sub.fqn, sub.class_name) for sub in submodules],
-        "support": sorted(
+    branches = branch_functions(graph, plan.nodes, model_class)  # of torch.cond
+    return StageContext(
+        package=package,
+        stage=plan,
+        summary=summary,
+        inputs=[rename(n) for n in plan.inputs],
+        outputs=[rename(n) for n in plan.outputs],
+        cloned_inputs=[rename(n) for n in plan.cloned_inputs],
+        sizes=sizes,
+        returns=[f"{rename(n)}.contiguous()" if n in produced else rename(n) for n in plan.outputs],
+        operators=operators,
+        functions=[*function_classes(graph, plan.nodes), *branches],
+        formats={rename(n): f for n, f in _memory_formats(graph, plan.inputs).items()},
+        uses_device=emit.uses_device(plan.nodes) or bool(constant_lines),
+        blocks=[(sub.fqn, sub.class_name) for sub in submodules],
+        support=sorted(
             ["build_state", "init_state"]
             + (["add_submodule"] if submodules else [])
             + (["require_operators"] if operators else [])
         ),
-    }
+        parameters=rows[0],
+        buffers=rows[1],
+        body=body,
+    )
 
 
 def _memory_formats(graph: Graph, names: list[str]) -> dict[str, str]:
@@ -285,7 +284,7 @@ def _memory_formats(graph: Graph, names: list[str]) -> dict[str, str]:
 def _operators(graph: Graph, nodes: list) -> dict[str, str]:
     """Operators from outside torch the nodes call, in torch.cond branches too ("ns::name") ->
     the module registering them."""
-    providers = graph.model.get("operators", {})
+    providers = graph.model.operators
     used = {n.target.rsplit(".", 1)[0].replace(".", "::") for n in _calls(nodes)}
     return {name: providers[name] for name in sorted(used) if name in providers}
 
@@ -401,7 +400,7 @@ def pipeline_description(
     description: dict[str, Any] = {
         "format": "autopipe.pipeline",
         "version": ARTIFACT_VERSION,
-        "model": graph.model["class"],
+        "model": graph.model.cls,
         "signature": graph.signature,
         "inputs": graph.inputs,
         "outputs": graph.outputs,
@@ -424,36 +423,37 @@ def pipeline_description(
         "schedule": _schedule_description(part),
         "tied": tied,
         "aliases": aliases,
-        "input_ranges": graph.model.get("input_ranges", {})
-        | (graph.loss.model.get("input_ranges", {}) if graph.loss is not None else {}),
-        "dp_shard": part.settings.get("dp_shard", 1),
+        "input_ranges": dict(graph.model.input_ranges)
+        | (dict(graph.loss.model.input_ranges) if graph.loss is not None else {}),
+        "dp_shard": part.settings.dp_shard or 1,
     }
-    if part.predicted:
-        description["plan"] = _plan_description(part, graph)
-    if graph.model.get("symbols"):
-        description["dimensions"] = graph.model["symbols"]
+    if part.predicted is not None:
+        description["plan"] = _plan_description(part, part.predicted, graph)
+    if graph.model.symbols:
+        description["dimensions"] = graph.model.symbols_json()
     return Pipeline.from_json(description).to_json()  # the runtime's contract, checked here
 
 
-def _plan_description(part: Partition, graph: Graph) -> dict[str, Any]:
+def _plan_description(part: Partition, predicted: PredictedStep, graph: Graph) -> dict[str, Any]:
     """The plan train.py defaults to, and the step time and FLOPs its metrics compare with
     (with dynamic dimensions: at the ``sizes`` they were predicted for)."""
-    predicted, accumulate = part.predicted, part.settings.get("accumulate", 1)
-    symbols, timed_at = graph.model.get("symbols", {}), part.settings.get("timed_at", {})
-    sizes = {name: timed_at.get(name, symbol["planned"]) for name, symbol in symbols.items()}
+    settings = part.settings
+    accumulate = settings.accumulate or 1
+    symbols, timed_at = graph.model.symbols, settings.timed_at or {}
+    sizes = {name: timed_at.get(name, symbol.planned) for name, symbol in symbols.items()}
     return ({"sizes": sizes} if sizes else {}) | {
-        "microbatches": part.settings.get("microbatches") or default_microbatches(part.num_stages),
+        "microbatches": settings.microbatches or default_microbatches(part.num_stages),
         "accumulate": accumulate,
         "step_time": iteration_time(predicted, accumulate),
-        "flops_per_microbatch": predicted.get("flops", 0.0),
-        "peak_flops": predicted.get("peak_flops", 0.0),
-        "device": part.settings.get("device", ""),
+        "flops_per_microbatch": 0.0 if predicted.flops is None else predicted.flops,
+        "peak_flops": 0.0 if predicted.peak_flops is None else predicted.peak_flops,
+        "device": "" if settings.device is None else settings.device,
     }
 
 
 def _schedule_description(part: Partition) -> dict[str, Any]:
     """The default schedule, and the stage costs the ``auto`` schedule orders actions by."""
-    costs = part.costs or {
+    costs = costs_to_json(part.costs) or {
         "forward": [1.0] * part.num_stages,
         "backward": [2.0] * part.num_stages,
         "activations": [0.0] * part.num_stages,
@@ -462,7 +462,7 @@ def _schedule_description(part: Partition) -> dict[str, Any]:
         "send_backward": [0.0] * (part.num_stages - 1),
     }
     return {
-        "name": part.settings.get("schedule") or default_schedule(part.device_of_stage),
+        "name": part.settings.schedule or default_schedule(part.device_of_stage),
         "costs": costs,
     }
 

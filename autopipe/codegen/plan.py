@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import PartitionError
-from ..ir.graph import Graph, Node, TensorMeta
+from ..ir import Graph, Node, TensorMeta
 from ..ir.ordering import alias_chain, written_values
 
 

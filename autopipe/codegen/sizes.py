@@ -9,13 +9,14 @@ from typing import Any
 import sympy
 
 from ..errors import AutopipeError
-from ..ir.graph import Graph, Node, TensorMeta, sizes_in
-from ..runtime.shapes import names_in
+from ..ir import Graph, Node, TensorMeta
+from ..ir.types import sizes_in
+from ..runtime.core.shapes import names_in
 
 
 def symbol_names(graph: Graph) -> list[str]:
     """The graph's dynamic dimensions, in declaration order."""
-    return list(graph.model.get("symbols", {}))
+    return list(graph.model.symbols)
 
 
 def used_symbols(graph: Graph, nodes: Iterable[Node]) -> list[str]:

@@ -1,0 +1,50 @@
+"""The graph IR shared by every step of the compiler: its types (:mod:`.types`), container
+(:mod:`.graph`), JSON codec (:mod:`.codec`), invariants (:mod:`.lint`), model facts
+(:mod:`.model`), dynamic sizes (:mod:`.sizes`), interpreter and in-place ordering, and the
+higher-order node kinds (:mod:`.kinds`: ``torch.cond`` in :mod:`.cond`, custom autograd functions
+in :mod:`.autograd_function`), which register themselves when the package is imported.
+
+Layers, lowest first: types; codec, sizes, model, kinds; lint; graph; interpreter; the kinds'
+modules; analysis and ordering. A module imports only modules below it.
+"""
+
+from __future__ import annotations
+
+from . import autograd_function, cond  # noqa: F401 - register the higher-order node kinds
+from .graph import GRAPH_KIND, Graph
+from .kinds import HigherOrderKind
+from .model import DynamicSymbol, ModelFacts
+from .types import (
+    COND,
+    FUNCTION_TARGET,
+    NODE_KINDS,
+    PLACEHOLDER_KINDS,
+    BufferInfo,
+    Node,
+    ParamInfo,
+    Ref,
+    Scope,
+    Size,
+    TensorMeta,
+    Unit,
+)
+
+__all__ = [
+    "BufferInfo",
+    "COND",
+    "DynamicSymbol",
+    "FUNCTION_TARGET",
+    "GRAPH_KIND",
+    "Graph",
+    "HigherOrderKind",
+    "ModelFacts",
+    "NODE_KINDS",
+    "Node",
+    "PLACEHOLDER_KINDS",
+    "ParamInfo",
+    "Ref",
+    "Scope",
+    "Size",
+    "TensorMeta",
+    "Unit",
+]

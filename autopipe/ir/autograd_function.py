@@ -21,16 +21,37 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..checks import is_class_name, is_identifier, is_int, is_value_name, require
 from ..errors import ArtifactError
-from .graph import FUNCTION_TARGET, Graph, Node, Ref, decode_tensor, dtype_from_name
-from .interpreter import run_nodes
+from .codec import decode_tensor
+from .graph import Graph
+from .interpreter import node_context, replace_devices, run_nodes
+from .kinds import HigherOrderKind, register
+from .types import (
+    FUNCTION_TARGET,
+    Node,
+    Ref,
+    TensorMeta,
+    dtype_from_name,
+    json_list,
+    map_refs,
+)
 
-__all__ = ["FUNCTION_TARGET", "FunctionDef", "call_function", "is_function_name"]
+__all__ = [
+    "FUNCTION_TARGET",
+    "FunctionDef",
+    "call_function",
+    "is_function_name",
+    "lint_call",
+    "lint_functions",
+    "read_functions",
+    "run_call",
+]
 
 #: Module-level names of generated stage and loss modules; function classes keep away from them.
 MODULE_NAMES = frozenset(
@@ -99,7 +120,7 @@ class FunctionDef:
         """Names, in the forward graph, of the tensors saved for backward."""
         return self.forward.outputs[self.outputs :]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "qualname": self.qualname,
@@ -113,15 +134,15 @@ class FunctionDef:
         }
 
     @classmethod
-    def from_json(cls, data: dict, where: str) -> FunctionDef:
+    def from_json(cls, data: dict[str, Any], where: str) -> FunctionDef:
         require(isinstance(data, dict), where, data, "an object")
         name = data["name"]
         return cls(
             name=name,
             qualname=data["qualname"],
             source=data["source"],
-            forward=Graph._from_json(data["forward"], f"{where}.forward."),
-            backward=Graph._from_json(data["backward"], f"{where}.backward."),
+            forward=Graph.decode(data["forward"], f"{where}.forward."),
+            backward=Graph.decode(data["backward"], f"{where}.backward."),
             outputs=data["outputs"],
             grads=data["grads"],
             non_differentiable=data.get("non_differentiable", []),
@@ -129,10 +150,27 @@ class FunctionDef:
         )
 
 
+def read_functions(records: Any, where: str) -> dict[str, FunctionDef]:
+    """The definitions a graph artefact's ``functions`` lists, by name."""
+    functions: dict[str, FunctionDef] = {}
+    for i, record in enumerate(json_list(records, "functions")):
+        function = FunctionDef.from_json(record, f"{where}functions[{i}]")
+        require(
+            function.name not in functions,
+            f"{where}functions[{i}].name",
+            function.name,
+            "the name of one function",
+        )
+        functions[function.name] = function
+    return functions
+
+
 # -- invariants (Graph.lint) ------------------------------------------------------------------
 def lint_functions(graph: Graph, where: str) -> None:
-    """Check ``graph.functions``: each definition on its own, and its name against the graph's
-    value names (a stage's forward must not shadow the class it calls)."""
+    """Check ``graph.functions`` (if it has any): each definition on its own, and its name
+    against the graph's value names (a stage's forward must not shadow the class it calls)."""
+    if not graph.functions:
+        return
     require(isinstance(graph.functions, dict), f"{where}functions", graph.functions, "an object")
     for key, fdef in graph.functions.items():
         field_ = f"{where}functions[{key!r}]"
@@ -175,10 +213,10 @@ def _lint_function(fdef: FunctionDef, field_: str) -> None:
     )
     require(bool(forward.inputs), f"{field_}.forward.inputs", [], "one tensor argument or more")
     saved = fdef.saved
-    expected = [forward[n].tensor_meta for n in saved] + [
-        forward[n].tensor_meta for n in forward.outputs[:outputs]
+    expected = [_io_meta(forward, n) for n in saved] + [
+        _io_meta(forward, n) for n in forward.outputs[:outputs]
     ]
-    got = [backward[n].tensor_meta for n in backward.inputs]
+    got = [_io_meta(backward, n) for n in backward.inputs]
     require(
         len(got) == len(expected)
         and all((a.shape, a.dtype) == (b.shape, b.dtype) for a, b in zip(got, expected)),
@@ -206,6 +244,13 @@ def _lint_function(fdef: FunctionDef, field_: str) -> None:
         f"increasing indices of results (below {outputs})",
     )
     _lint_amp(fdef.amp, f"{field_}.amp")
+
+
+def _io_meta(graph: Graph, name: str) -> TensorMeta:
+    """The tensor metadata of an input or output of a function's forward or backward graph."""
+    meta = graph[name].tensor_meta
+    assert meta is not None  # traced from tensors; Graph.lint checks it when the graph is read
+    return meta
 
 
 def _lint_amp(amp: Any, field_: str) -> None:
@@ -240,6 +285,7 @@ def lint_call(graph: Graph, node: Node, field_: str) -> None:
         args,
         "[the name of a function in functions, a list of its tensor arguments]",
     )
+    assert fdef is not None  # require raised otherwise
     inputs = [graph[r.name].tensor_meta if isinstance(r, Ref) else None for r in args[1]]
     wanted = [fdef.forward[n].tensor_meta for n in fdef.forward.inputs]
     require(
@@ -268,13 +314,33 @@ def lint_call(graph: Graph, node: Node, field_: str) -> None:
 
 
 # -- running a function (requires-grad pass, profiling) ---------------------------------------
-def call_function(fdef: FunctionDef, inputs: list, device: torch.device) -> tuple:
+def run_call(
+    node: Node, env: Mapping[str, Any], device: torch.device, functions: Mapping[str, Any] | None
+) -> Any:
+    """Run a call of a custom function (the interpreter's hook for the kind): its traced forward,
+    and backward for autograd, under the node's grad / autocast modes."""
+    args = replace_devices(map_refs(node.args, lambda r: env[r.name]), device)
+    name, inputs = args
+    fdef = (functions or {})[name]
+    if node.context:
+        with node_context(node.context, device):
+            return call_function(fdef, inputs, device)
+    return call_function(fdef, inputs, device)
+
+
+def call_function(
+    fdef: FunctionDef, inputs: list[torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, ...]:
     """Run a traced function forward, with its traced backward for autograd, as the generated
     class does."""
-    return _GraphFunction.apply(fdef, device, *inputs)
+    # torch leaves Function.apply unannotated
+    results: tuple[torch.Tensor, ...] = _GraphFunction.apply(  # type: ignore[no-untyped-call]
+        fdef, device, *inputs
+    )
+    return results
 
 
-def _run_graph(sub: Graph, values: list, device: torch.device) -> list:
+def _run_graph(sub: Graph, values: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     env: dict[str, Any] = dict(zip(sub.inputs, values))
     for name, literal in sub.constants.items():
         env[name] = decode_tensor(literal, device)
@@ -286,7 +352,9 @@ class _GraphFunction(torch.autograd.Function):
     """The interpreter's counterpart of a generated function class."""
 
     @staticmethod
-    def forward(ctx, fdef: FunctionDef, device: torch.device, *inputs):
+    def forward(
+        ctx: Any, fdef: FunctionDef, device: torch.device, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         values = _run_graph(fdef.forward, list(inputs), device)
         results, saved = values[: fdef.outputs], values[fdef.outputs :]
         ctx.save_for_backward(*saved)
@@ -296,8 +364,8 @@ class _GraphFunction(torch.autograd.Function):
         return tuple(results)
 
     @staticmethod
-    def backward(ctx, *grads):
-        fdef = ctx.fdef
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        fdef: FunctionDef = ctx.fdef
         returned = iter(_run_graph(fdef.backward, [*ctx.saved_tensors, *grads], ctx.device))
         return (None, None, *(next(returned) if flag else None for flag in fdef.grads))
 
@@ -308,3 +376,15 @@ def _is_dtype_name(name: Any) -> bool:
     except (ArtifactError, TypeError):
         return False
     return True
+
+
+register(
+    HigherOrderKind(
+        FUNCTION_TARGET,
+        operator=torch.ops.autopipe.function.default,
+        lint=lint_call,
+        run=run_call,
+        lint_graph=lint_functions,
+        read_definitions=read_functions,
+    )
+)

@@ -17,16 +17,21 @@ import contextlib
 import contextvars
 import dataclasses
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from ..checks import require
-from .graph import COND, Graph, Node, Ref, TensorMeta, decode_tensor
+from .codec import decode_tensor
+from .graph import Graph
+from .interpreter import node_context, run_node
+from .kinds import HigherOrderKind, register
+from .types import COND, Node, Ref, TensorMeta
 
 __all__ = [
     "COND",
+    "CondOperator",
     "branches",
     "forced_branch",
     "has_cond",
@@ -40,6 +45,19 @@ __all__ = [
 SCHEMA = torch._C.parse_schema(
     "higher_order::cond(Tensor pred, Any true_fn, Any false_fn, Tensor[] operands) -> Tensor[]"
 )
+
+
+class CondOperator:
+    """``torch.ops.higher_order.cond`` as :func:`~autopipe.ir.interpreter.resolve_target` gives
+    it: its schema says it writes and aliases none of its arguments; cond nodes run through
+    :func:`run_cond`."""
+
+    def __init__(self, schema: torch._C.FunctionSchema):
+        self._schema = schema
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a cond node runs through autopipe.interpreter.run_node")
+
 
 #: Names of the functions generated code defines for branches; no value of a graph with a cond
 #: may take one (it would hide the function from the stage's forward)
@@ -81,8 +99,8 @@ def lint_cond(graph: Graph, node: Node, field: str) -> None:
     require(not taken, field, taken, "in a graph whose values leave _cond_true_K etc. free")
     require(
         isinstance(pred, Ref)
-        and graph[pred.name].tensor_meta is not None
-        and graph[pred.name].tensor_meta.numel == 1,
+        and (meta := graph[pred.name].tensor_meta) is not None
+        and meta.numel == 1,
         f"{field}.args[0]",
         pred,
         "a one-element tensor value (the predicate)",
@@ -140,12 +158,10 @@ def _same_value(a: TensorMeta | None, b: TensorMeta | None) -> bool:
 
 
 # -- running ----------------------------------------------------------------------------------
-def run_cond(node: Node, env: dict[str, Any], device: torch.device) -> tuple:
+def run_cond(node: Node, env: Mapping[str, Any], device: torch.device) -> tuple[Any, ...]:
     """Run a cond node on the values in ``env``: through ``torch.ops.higher_order.cond``, as the
     generated code does (on fake tensors it runs both branches and checks they agree; outputs
     need gradients when an operand does), or inline the branch :func:`forced_branch` names."""
-    from .interpreter import node_context
-
     pred, true_branch, false_branch, operands = node.args
     values = tuple(env[o.name] for o in operands)
     true_fn, false_fn = _branch_function(true_branch, device), _branch_function(
@@ -158,11 +174,10 @@ def run_cond(node: Node, env: dict[str, Any], device: torch.device) -> tuple:
         return tuple(torch.ops.higher_order.cond(env[pred.name], true_fn, false_fn, values))
 
 
-def _branch_function(branch: Graph, device: torch.device) -> Callable[..., tuple]:
+def _branch_function(branch: Graph, device: torch.device) -> Callable[..., tuple[Any, ...]]:
     """A Python function running a branch graph's operators on its operands."""
-    from .interpreter import run_node
 
-    def run(*operands: torch.Tensor) -> tuple:
+    def run(*operands: torch.Tensor) -> tuple[Any, ...]:
         env: dict[str, Any] = dict(zip(branch.inputs, operands))
         for node in branch.nodes:
             if node.kind == "constant":
@@ -195,10 +210,21 @@ def worst_branch(nodes: Iterable[Node], cost: Callable[[], Any]) -> Any:
     with forced_branch(False):
         other = cost()
     if dataclasses.is_dataclass(taken):
-        return type(taken)(
+        rebuild: Callable[..., Any] = type(taken)
+        return rebuild(
             **{
                 f.name: max(getattr(taken, f.name), getattr(other, f.name))
                 for f in dataclasses.fields(taken)
             }
         )
     return max(taken, other)
+
+
+def _run(
+    node: Node, env: Mapping[str, Any], device: torch.device, functions: Mapping[str, Any] | None
+) -> tuple[Any, ...]:
+    """The run hook of the cond kind (a branch graph has no functions of its own)."""
+    return run_cond(node, env, device)
+
+
+register(HigherOrderKind(COND, operator=CondOperator(SCHEMA), lint=lint_cond, run=_run))

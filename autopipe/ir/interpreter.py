@@ -14,36 +14,36 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
-from .graph import COND, FUNCTION_TARGET, Graph, Node, map_refs
+from .graph import Graph
+from .kinds import kind_of
+from .types import Node, map_refs
 
-_OPS: dict[str, Callable] = {"getitem": operator.getitem}
+__all__ = [
+    "empty_placeholder",
+    "node_context",
+    "replace_devices",
+    "resolve_target",
+    "run_node",
+    "run_nodes",
+]
+
+_OPS: dict[str, Callable[..., Any]] = {"getitem": operator.getitem}
 
 
-def resolve_target(target: str) -> Callable:
-    """The callable an operator name denotes: ``"aten.addmm.default"`` -> ``torch.ops.aten.addmm.default``."""
+def resolve_target(target: str) -> Callable[..., Any]:
+    """The callable an operator name denotes: ``"aten.addmm.default"`` -> ``torch.ops.aten.addmm.default``;
+    for a higher-order node kind (:mod:`autopipe.ir.kinds`), the operator it registers (for its
+    schema)."""
     fn = _OPS.get(target)
-    if fn is None and target == COND:  # run by run_node; resolved for its schema
-        from .cond import SCHEMA
-
-        fn = _OPS[target] = _Cond(SCHEMA)
-    if fn is None and target == FUNCTION_TARGET:
-        from . import autograd_function  # noqa: F401 - registers the operator (for its schema)
     if fn is None:
-        namespace, name, overload = target.split(".")
-        fn = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+        kind = kind_of(target)
+        if kind is not None:
+            fn = kind.operator
+        else:
+            namespace, name, overload = target.split(".")
+            fn = getattr(getattr(getattr(torch.ops, namespace), name), overload)
         _OPS[target] = fn
     return fn
-
-
-class _Cond:
-    """``torch.ops.higher_order.cond`` as :func:`resolve_target` gives it: its schema says it
-    writes and aliases none of its arguments; :func:`run_node` runs cond nodes itself."""
-
-    def __init__(self, schema: torch._C.FunctionSchema):
-        self._schema = schema
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError("a cond node runs through autopipe.interpreter.run_node")
 
 
 def replace_devices(value: Any, device: torch.device) -> Any:
@@ -57,7 +57,9 @@ def replace_devices(value: Any, device: torch.device) -> Any:
     return value
 
 
-def node_context(context: tuple, device: torch.device) -> contextlib.AbstractContextManager:
+def node_context(
+    context: tuple[Any, ...], device: torch.device
+) -> contextlib.ExitStack[bool | None]:
     """The grad / autocast modes a node runs under."""
     stack = contextlib.ExitStack()
     for entry in context:
@@ -72,22 +74,20 @@ def node_context(context: tuple, device: torch.device) -> contextlib.AbstractCon
 
 
 def run_node(
-    node: Node, env: Mapping[str, Any], device: torch.device, functions: Mapping | None = None
+    node: Node,
+    env: Mapping[str, Any],
+    device: torch.device,
+    functions: Mapping[str, Any] | None = None,
 ) -> Any:
     """Execute one call node with its inputs taken from ``env``; ``functions`` are the custom
-    autograd functions of its graph (``Graph.functions``)."""
-    if node.target == COND:
-        from .cond import run_cond
-
-        return run_cond(node, env, device)
+    autograd functions of its graph (``Graph.functions``). A higher-order node runs through the
+    hook its kind registers (:mod:`autopipe.ir.kinds`)."""
+    kind = kind_of(node.target)
+    if kind is not None:  # torch.cond, a custom autograd function, ...
+        return kind.run(node, env, device, functions)
     fn = resolve_target(node.target)
     args = replace_devices(map_refs(node.args, lambda r: env[r.name]), device)
     kwargs = replace_devices(map_refs(node.kwargs, lambda r: env[r.name]), device)
-    if node.target == FUNCTION_TARGET:  # its traced forward, and backward for autograd
-        from .autograd_function import call_function
-
-        name, inputs = args
-        fn, args = call_function, ((functions or {})[name], inputs, device)
     try:
         if node.context:
             with node_context(node.context, device):
@@ -106,7 +106,7 @@ def run_nodes(
     nodes: Iterable[Node],
     env: dict[str, Any],
     device: torch.device,
-    functions: Mapping | None = None,
+    functions: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Execute call nodes in order, adding their values to ``env``."""
     for node in nodes:
@@ -117,6 +117,7 @@ def run_nodes(
 def empty_placeholder(graph: Graph, node: Node, device: torch.device) -> torch.Tensor:
     """An uninitialised tensor for a placeholder, with the autograd flag the model gives it."""
     meta = node.tensor_meta
+    assert meta is not None  # lint: a placeholder has tensor metadata
     requires_grad = meta.requires_grad
     if node.kind == "param":
         requires_grad = graph.param_of(node.target).requires_grad

@@ -7,8 +7,19 @@ when no data edge says so; partitioners that reorder units honour these *order e
 
 from __future__ import annotations
 
-from .graph import Graph, Node
+from typing import Protocol, cast
+
+import torch
+
+from .graph import Graph
+from .types import Node
 from .interpreter import resolve_target
+
+
+class _Operator(Protocol):
+    """An operator with a schema: a torch ``OpOverload`` or a higher-order kind's operator."""
+
+    _schema: torch._C.FunctionSchema
 
 
 def alias_chain(graph: Graph, name: str) -> list[str]:
@@ -40,7 +51,7 @@ def written_values(node: Node) -> list[str]:
     """Names of the values an operator writes in place (as it names them in its arguments)."""
     if node.kind != "call" or node.target == "getitem":
         return []
-    schema = resolve_target(node.target)._schema
+    schema = _schema(node.target)
     return [
         value.name
         for arg, value in zip(schema.arguments, node.args)
@@ -80,12 +91,12 @@ def order_edges(graph: Graph) -> list[tuple[str, str]]:
 
 
 def _returns_alias(target: str) -> bool:
-    schema = resolve_target(target)._schema
+    schema = _schema(target)
     return bool(schema.returns) and schema.returns[0].alias_info is not None
 
 
 def _aliased_argument(node: Node) -> str | None:
-    schema = resolve_target(node.target)._schema
+    schema = _schema(node.target)
     if not schema.returns or schema.returns[0].alias_info is None:
         return None
     sets = schema.returns[0].alias_info.before_set
@@ -95,5 +106,11 @@ def _aliased_argument(node: Node) -> str | None:
             and arg.alias_info.before_set & sets
             and hasattr(value, "name")
         ):
-            return value.name
+            name: str = value.name
+            return name
     return None
+
+
+def _schema(target: str) -> torch._C.FunctionSchema:
+    """The schema of the operator a call node's ``target`` names."""
+    return cast(_Operator, resolve_target(target))._schema

@@ -10,13 +10,13 @@ simulated training step under the schedule.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from collections.abc import Callable
 
 from ..checks import is_int
 from ..errors import DeviceMemoryError, PartitionError
-from ..ir.graph import Graph
+from ..ir import Graph
 from ..profiling.profile import Profile
 from .acyclic import solve_acyclic
 from .blocks import align_to_blocks
@@ -24,12 +24,11 @@ from .cost import STATE_FACTOR, CostModel, Prediction
 from .dp import solve_contiguous
 from .metis import solve_metis
 from .mpipe import solve_mpipe
-from .partition import Partition
+from .partition import Partition, PartitionSettings, stage_costs
 from .refine import looped_devices
-from ..runtime.options import MULTI_STAGE
-from ..runtime.options import placement as torch_placement
-from ..runtime.pipeline import default_microbatches
-from .simulator import SCHEDULES
+from ..runtime.core.pipeline import default_microbatches
+from ..runtime.core.schedules import COMPILE_SCHEDULES, MULTI_STAGE
+from ..runtime.core.schedules import placement as torch_placement
 
 
 def solve_dp(
@@ -80,7 +79,7 @@ def plan_recompute(
     stages: frozenset[int] = frozenset()
     blocks: frozenset[str] = frozenset()
     for device in sorted(short):
-        chosen = frozenset()
+        chosen: frozenset[str] = frozenset()
         for block in _blocks_by_value(model, stage_of_unit, device_of_stage, device):
             chosen |= {block}
             prediction = evaluate(stages, blocks | chosen)
@@ -166,8 +165,10 @@ def partition(
         raise PartitionError(f"--dp-shard must be at least 1, got {dp_shard!r}")
     if method not in METHODS:
         raise PartitionError(f"unknown method {method!r}; available: {', '.join(sorted(METHODS))}")
-    if schedule is not None and schedule not in SCHEDULES:
-        raise PartitionError(f"unknown schedule {schedule!r}; available: {', '.join(SCHEDULES)}")
+    if schedule is not None and schedule not in COMPILE_SCHEDULES:
+        raise PartitionError(
+            f"unknown schedule {schedule!r}; available: {', '.join(COMPILE_SCHEDULES)}"
+        )
     if num_stages > len(graph.units):
         raise PartitionError(
             f"{num_stages} stages need at least {num_stages} units, but the graph has {len(graph.units)}; use "
@@ -217,19 +218,19 @@ def partition(
         graph_digest=profile.graph_digest,
         recompute=sorted(plan.stages),
         recompute_blocks=sorted(plan.blocks),
-        settings={
-            "schedule": schedule,
-            "microbatches": microbatches or default_microbatches(num_stages),
-            "optimizer": optimizer,
-            "dp_shard": dp_shard,
-            "device": profile.device.name,
-            "link": profile.device.link,
-            "profile": profile.mode,
-        }
-        | ({"measured_on": profile.measured_on} if profile.measured_on else {})
-        | ({"timed_at": dict(profile.timed_at)} if profile.timed_at else {}),
-        predicted=prediction.to_json(),
-        costs={k: v for k, v in asdict(costs).items() if k != "device_of_stage"},
+        settings=PartitionSettings(
+            schedule=schedule,
+            microbatches=microbatches or default_microbatches(num_stages),
+            optimizer=optimizer,
+            dp_shard=dp_shard,
+            device=profile.device.name,
+            link=profile.device.link,
+            profile=profile.mode,
+            measured_on=profile.measured_on or None,
+            timed_at=dict(profile.timed_at) if profile.timed_at else None,
+        ),
+        predicted=prediction.record(),
+        costs=stage_costs(costs),
     )
 
 

@@ -7,7 +7,7 @@ boundaries forward, gradients backward, over the device link; boundaries between
 same device cost nothing. Values are relayed, so a value produced in stage ``p`` and
 read in stage ``c`` crosses every boundary between them. A whole step is simulated under the
 schedule (:mod:`.simulator`). Memory per device is walked along its actions in the schedule's
-order (``runtime.schedule.device_memory``): parameters, gradients and optimizer state of its
+order (``runtime.core.schedules.device_memory``): parameters, gradients and optimizer state of its
 stages (1/N of them each when sharded over ``--dp-shard N``, plus the parameters FSDP2 gathers
 at once: a stage's own outside its blocks and its largest block's, with their gradients),
 receive buffers, the activations and outputs of the microbatches in flight, gradients of
@@ -24,16 +24,15 @@ import networkx as nx
 import torch
 
 from ..errors import PartitionError
-from ..ir.graph import Graph, TensorMeta
+from ..ir import Graph, TensorMeta
 from ..ir.ordering import order_edges
 from ..profiling.devices import DeviceSpec
 from ..profiling.profile import Profile
-from ..ir.analysis import block_calls
-from ..tracing.units import unit_workloads
-from ..runtime.options import SPLIT_BACKWARD
-from ..runtime.pipeline import default_microbatches, flops_utilisation
-from ..runtime.schedule import MemoryPeak, device_memory
-from .simulator import PipelineCosts, Simulation, schedule_orders, simulate
+from ..ir.analysis import block_calls, unit_workloads
+from ..runtime.core.pipeline import default_microbatches, flops_utilisation
+from ..runtime.core.schedules import SPLIT_BACKWARD, MemoryPeak, PipelineCosts, device_memory
+from .partition import PartitionSettings, PredictedStage, PredictedStep
+from .simulator import Simulation, schedule_orders, simulate
 
 #: Bytes of state per parameter byte: weight + gradient (+ two Adam moments).
 STATE_FACTOR = {"sgd": 2, "adamw": 4}
@@ -95,30 +94,31 @@ class Prediction:
         """The busiest device's compute + communication for one microbatch."""
         return max(self.device_load)
 
-    def to_json(self) -> dict:
-        return {
-            "bottleneck": self.bottleneck,
-            "lower_bound": self.lower_bound,
-            "step_time": self.step_time,
-            "schedule": self.schedule,
-            "bubble": self.bubble,
-            "device_memory": self.device_memory,
-            "memory_peaks": [asdict(peak) for peak in self.memory_peaks],
-            "optimizer_time": self.optimizer_time,
-            "data_parallel_time": self.data_parallel_time,
-            "flops": self.flops,
-            "peak_flops": self.peak_flops,
-            "stages": [
-                asdict(s) | {"communication": s.communication, "time": s.time} for s in self.stages
-            ],
-        }
+    def record(self) -> PredictedStep:
+        """The prediction as the partition artefact records it."""
+        return PredictedStep(
+            bottleneck=self.bottleneck,
+            lower_bound=self.lower_bound,
+            step_time=self.step_time,
+            schedule=self.schedule,
+            bubble=self.bubble,
+            device_memory=tuple(self.device_memory),
+            memory_peaks=tuple(self.memory_peaks),
+            optimizer_time=self.optimizer_time,
+            data_parallel_time=self.data_parallel_time,
+            flops=self.flops,
+            peak_flops=self.peak_flops,
+            stages=tuple(
+                PredictedStage(**asdict(s), communication=s.communication, time=s.time)
+                for s in self.stages
+            ),
+        )
 
 
-def iteration_time(predicted: dict, accumulate: int = 1) -> float:
-    """Seconds per optimizer step of a prediction (``Prediction.to_json()``): ``accumulate``
-    pipeline runs, then the collectives and the optimizer step that follow them."""
-    once = predicted.get("data_parallel_time", 0.0) + predicted.get("optimizer_time", 0.0)
-    return accumulate * predicted["step_time"] + once
+def iteration_time(predicted: PredictedStep, accumulate: int = 1) -> float:
+    """Seconds per optimizer step of a prediction: ``accumulate`` pipeline runs, then the
+    collectives and the optimizer step that follow them."""
+    return accumulate * predicted.step_time + predicted.once_per_step
 
 
 @dataclass(frozen=True)
@@ -131,12 +131,15 @@ class Throughput:
     mfu: float | None  # model FLOPs utilisation: the fraction of the devices' peak FLOP/s
 
     @classmethod
-    def of(cls, predicted: dict, settings: dict, ranks: int) -> Throughput:
-        accumulate, shards = settings.get("accumulate", 1), settings.get("dp_shard", 1)
+    def of(cls, predicted: PredictedStep, settings: PartitionSettings, ranks: int) -> Throughput:
+        accumulate = 1 if settings.accumulate is None else settings.accumulate
+        shards = 1 if settings.dp_shard is None else settings.dp_shard
         step = iteration_time(predicted, accumulate)
-        microbatches = settings.get("microbatches", 1) * accumulate * shards
+        per_run = 1 if settings.microbatches is None else settings.microbatches
+        microbatches = per_run * accumulate * shards
         devices = ranks * shards
-        flops, peak = predicted.get("flops", 0.0), predicted.get("peak_flops", 0.0)
+        flops = 0.0 if predicted.flops is None else predicted.flops
+        peak = 0.0 if predicted.peak_flops is None else predicted.peak_flops
         return cls(
             step, microbatches, devices, flops_utilisation(flops, peak, step, microbatches, devices)
         )
@@ -221,7 +224,7 @@ class CostModel:
         self.forward = [u.forward for u in profile.units]
         self.backward = [u.backward for u in profile.units]
         self.compute = [f + b for f, b in zip(self.forward, self.backward)]
-        self.activations = [u.activations for u in profile.units]
+        self.activations: list[float] = [u.activations for u in profile.units]
         self.temporaries = [u.temporaries for u in profile.units]
         self.backward_memory = [u.backward_memory for u in profile.units]
         #: the values each unit saves among its inputs and outputs, by name
@@ -236,7 +239,7 @@ class CostModel:
         by_dtype: dict[torch.dtype, int] = {}
         for info in graph.params.values():
             by_dtype[info.dtype] = by_dtype.get(info.dtype, 0) + info.nbytes
-        self.dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.float32
+        self.dtype = max(by_dtype, key=by_dtype.__getitem__) if by_dtype else torch.float32
         self.num_units = len(graph.units)
         self.param_bytes = self._parameter_bytes(graph)
         self.blocks = block_costs(graph)
@@ -518,11 +521,11 @@ class CostModel:
         largest = [0.0] * num_stages
         blocked: set[int] = set()
         for block in self.blocks.values():
-            s = block.stage(stage_of_unit)
-            if s is not None:
+            stage = block.stage(stage_of_unit)
+            if stage is not None:
                 blocked.update(block.units)
                 held = sum(self.temporaries[u] for u in block.units)
-                largest[s] = max(largest[s], held)
+                largest[stage] = max(largest[stage], held)
         for unit, s in enumerate(stage_of_unit):
             if unit not in blocked:
                 inline[s] += self.temporaries[unit]

@@ -9,11 +9,12 @@ allowed. ``O(stages x units^2)`` work, vectorised over the start of the last sta
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..errors import DeviceMemoryError, PartitionError
-from ..runtime.pipeline import default_microbatches
+from ..runtime.core.pipeline import default_microbatches
 from .cost import CostModel, in_flight
 
 
@@ -34,7 +35,7 @@ def _solve(model: CostModel, num_stages: int) -> list[int]:
         )
     dtype = torch.float64
 
-    def prefix(values) -> torch.Tensor:
+    def prefix(values: Sequence[float]) -> torch.Tensor:
         out = torch.zeros(n + 1, dtype=dtype)
         out[1:] = torch.cumsum(torch.tensor(values, dtype=dtype), 0)
         return out
@@ -112,7 +113,11 @@ def _solve(model: CostModel, num_stages: int) -> list[int]:
     return stage_of_unit
 
 
-def _equal_split_bound(compute: torch.Tensor, num_stages: int, stage_costs) -> float:
+def _equal_split_bound(
+    compute: torch.Tensor,
+    num_stages: int,
+    stage_costs: Callable[[int, slice, slice], torch.Tensor],
+) -> float:
     """The slowest stage (communication and memory included) of the split into stages of equal
     compute: an upper bound on the optimum's bottleneck, or infinity if a stage does not fit."""
     n = compute.numel() - 1

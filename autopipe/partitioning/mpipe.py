@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from ..runtime.pipeline import default_microbatches
+from ..runtime.core.pipeline import default_microbatches
 from .acyclic import solve_acyclic
 from .cost import CostModel
 from .dp import solve_contiguous
@@ -99,27 +99,27 @@ def coarsen(model: CostModel, size: int) -> list[list[int]]:
         return intervals
     weights = [sum(model.compute[u] for u in c) for c in intervals]
     # centres at equal steps of cumulative compute, then round-robin growth, lightest first
-    total, running, centres = sum(weights), 0.0, []
+    total, running = sum(weights), 0.0
+    centres: list[int] = []
     for i, w in enumerate(weights):
         if running + w / 2 >= total * len(centres) / size and len(centres) < size:
             centres.append(i)
         running += w
     owner = [-1] * len(intervals)
-    spans = []
+    spans: list[tuple[int, int, float]] = []  # (first interval, last interval, compute)
     for c, i in enumerate(centres):
         owner[i] = c
-        spans.append([i, i, weights[i]])
+        spans.append((i, i, weights[i]))
     while -1 in owner:
         grown = False
         for c in sorted(range(len(spans)), key=lambda c: (spans[c][2], c)):
-            low, high, _ = spans[c]
+            low, high, weight = spans[c]
             options = [j for j in (low - 1, high + 1) if 0 <= j < len(intervals) and owner[j] == -1]
             if not options:
                 continue
             j = min(options, key=lambda j: (weights[j], j))
             owner[j] = c
-            spans[c][0], spans[c][1] = min(low, j), max(high, j)
-            spans[c][2] += weights[j]
+            spans[c] = (min(low, j), max(high, j), weight + weights[j])
             grown = True
             break
         if not grown:  # cannot happen: every unowned interval touches an owned one
@@ -191,7 +191,7 @@ def _runs_to_stages(
         device_load = [0.0] * (max(devices) + 1)
         for s, d in enumerate(devices):
             device_load[d] += loads[s]
-        best = None
+        best: tuple[float, int, int] | None = None
         for s in range(len(devices) - 1):
             for keep in (devices[s], devices[s + 1]):
                 moved = loads[s + 1] if keep == devices[s] else loads[s]
@@ -201,6 +201,7 @@ def _runs_to_stages(
                 key = (max(after), s, keep)
                 if best is None or key < best:
                     best = key
+        assert best is not None  # two devices or more: there is a pair to merge
         _, s, keep = best
         stage_of_unit = [x - 1 if x > s else x for x in stage_of_unit]
         devices[s : s + 2] = [keep]

@@ -1,24 +1,49 @@
-"""The partition artefact: which stage each unit runs in, which device each stage runs on."""
+"""The partition artefact: which stage each unit runs in, which device each stage runs on.
+
+Beside the assignment, a partition records the settings it was made for
+(:class:`PartitionSettings`), what the cost model predicts for it (:class:`PredictedStep`) and the
+per-stage costs the ``auto`` schedule orders actions by (the runtime's
+:class:`~autopipe.runtime.core.pipeline.StageCosts`). ``Partition.from_json`` checks a payload
+(raising :class:`ArtifactError` naming the first bad field) and builds these frozen objects;
+``to_json`` writes the payload back, key for key.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..artifacts import read_artifact, write_artifact
 from ..checks import is_int, is_number, is_text, require
 from ..errors import ArtifactError, PartitionError
-from ..ir.graph import Graph
+from ..ir import Graph
 from ..ir.ordering import order_edges
 from ..profiling.profile import graph_digest, profile_source
-from ..runtime.options import MULTI_STAGE, SCHEDULES, SINGLE_STAGE
-from ..runtime.options import placement as torch_placement
-from ..runtime.pipeline import MEMORY_DETAIL
-from ..runtime.schedule import MemoryPeak
+from ..runtime.core.pipeline import MEMORY_DETAIL, StageCosts
+from ..runtime.core.schedules import (
+    MULTI_STAGE,
+    SCHEDULES,
+    SINGLE_STAGE,
+    MemoryPeak,
+    PipelineCosts,
+)
+from ..runtime.core.schedules import placement as torch_placement
+
+__all__ = [
+    "PARTITION_KIND",
+    "Partition",
+    "PartitionSettings",
+    "PredictedStage",
+    "PredictedStep",
+    "costs_from_json",
+    "costs_to_json",
+    "stage_costs",
+]
 
 PARTITION_KIND = "partition"
-#: per-stage cost lists (runtime.schedule.PipelineCosts fields): stage counts less the offset
+#: per-stage cost lists (runtime.core.schedules.PipelineCosts fields): stage counts less the offset
 _STAGE_COSTS = {
     "forward": 0,
     "backward": 0,
@@ -30,28 +55,285 @@ _STAGE_COSTS = {
 #: predicted figures of the memory and throughput model, optional
 _PREDICTED_OPTIONAL = ("optimizer_time", "data_parallel_time", "flops", "peak_flops")
 _MEMORY_PEAK = set(MemoryPeak.__dataclass_fields__)
-_PREDICTED_STAGE = (
-    "forward",
-    "backward",
-    "comm_forward",
-    "comm_backward",
-    "memory",
-    "parameters",
-    "communication",
-    "time",
-)
 
 
-@dataclass
+def _unknown(data: dict[str, Any], known: Any, where: str) -> None:
+    """Raise an :class:`ArtifactError` for the first key of ``data`` not among ``known``."""
+    for key in data:
+        if key not in known:
+            raise ArtifactError(f"{where}.{key} is not a field of the partition artefact")
+
+
+@dataclass(frozen=True)
+class PartitionSettings:
+    """What the partition was made for: train.py's defaults (schedule, microbatches, optimizer,
+    sharding), the device it was costed on, and with the plan search, the plans it was chosen
+    from. Fields are None where the artefact omits them (partitions from before them)."""
+
+    schedule: str | None = None
+    microbatches: int | None = None
+    optimizer: str | None = None
+    dp_shard: int | None = None  # data-parallel ranks per stage
+    device: str | None = None
+    link: str | None = None
+    profile: str | None = None  # the profile's mode
+    measured_on: str | None = None
+    timed_at: dict[str, int] | None = None  # dynamic dimensions: the sizes the profile timed
+    accumulate: int | None = None  # pipeline runs per optimizer step
+    global_batch: int | None = None
+    memory_margin: float | None = None
+    plans: tuple[dict[str, Any], ...] | None = None  # search.Plan.to_json(), best first
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> PartitionSettings:
+        require(isinstance(data, dict), where, data, "an object")
+        microbatches = data.get("microbatches")
+        require(
+            microbatches is None or is_int(microbatches, 1),
+            f"{where}.microbatches",
+            microbatches,
+            "a number of microbatches (1 or more)",
+        )
+        dp_shard = data.get("dp_shard", 1)
+        require(is_int(dp_shard, 1), f"{where}.dp_shard", dp_shard, "a number of ranks (1 or more)")
+        for key in ("accumulate", "global_batch"):
+            value = data.get(key, 1)
+            require(is_int(value, 1), f"{where}.{key}", value, "a count (1 or more)")
+        margin = data.get("memory_margin", 0.0)
+        require(is_number(margin, 0) and margin < 1, f"{where}.memory_margin", margin, "in [0, 1)")
+        plans = data.get("plans", [])
+        require(
+            isinstance(plans, list) and all(isinstance(p, dict) for p in plans),
+            f"{where}.plans",
+            plans,
+            "a list of plans (objects)",
+        )
+        for key in ("optimizer", "device", "link", "profile", "measured_on"):
+            value = data.get(key, "")
+            require(is_text(value), f"{where}.{key}", value, "a one-line text")
+        timed_at = data.get("timed_at", {})
+        require(
+            isinstance(timed_at, dict) and all(is_int(v, 2) for v in timed_at.values()),
+            f"{where}.timed_at",
+            timed_at,
+            "sizes of dynamic dimensions by name",
+        )
+        schedule = data.get("schedule")
+        require(
+            schedule is None or schedule in SCHEDULES,
+            f"{where}.schedule",
+            schedule,
+            f"one of {SCHEDULES}",
+        )
+        _unknown(data, cls.__dataclass_fields__, where)
+        return cls(
+            **{k: data.get(k) for k in cls.__dataclass_fields__ if k not in ("timed_at", "plans")},
+            timed_at=None if "timed_at" not in data else dict(timed_at),
+            plans=None if "plans" not in data else tuple(dict(p) for p in plans),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        for key in self.__dataclass_fields__:
+            value = getattr(self, key)
+            if key == "timed_at" and value is not None:
+                value = dict(value)
+            elif key == "plans" and value is not None:
+                value = [dict(plan) for plan in value]
+            if value is not None:
+                data[key] = value
+        return data
+
+
+@dataclass(frozen=True)
+class PredictedStage:
+    """One stage's predicted costs for one microbatch (seconds and bytes)."""
+
+    forward: float
+    backward: float
+    comm_forward: float  # seconds receiving and sending activations off-device
+    comm_backward: float  # seconds receiving and sending gradients off-device
+    memory: float  # its static memory plus its activations in flight
+    parameters: float  # parameter bytes
+    communication: float  # comm_forward + comm_backward
+    time: float  # one microbatch through the stage, transfers overlapping compute
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> PredictedStage:
+        require(isinstance(data, dict), where, data, "an object")
+        for key in cls.__dataclass_fields__:
+            value = data.get(key)
+            require(is_number(value, 0), f"{where}.{key}", value, ">= 0")
+        _unknown(data, cls.__dataclass_fields__, where)
+        return cls(**data)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class PredictedStep:
+    """What the cost model predicts for the partition: one pipeline run (seconds), the memory of
+    each device at its peak (bytes), and each stage's costs. The optional figures are None in
+    partitions made before them."""
+
+    bottleneck: float  # the busiest device's compute + communication for one microbatch
+    lower_bound: float  # max(total compute / devices, heaviest unit)
+    step_time: float  # simulated pipeline run under the schedule
+    schedule: str | None  # the schedule simulated
+    bubble: float  # idle fraction of device time in the simulated step
+    device_memory: tuple[float, ...]  # peak bytes per device
+    memory_peaks: tuple[MemoryPeak, ...] | None  # what each device's peak holds
+    optimizer_time: float | None  # the slowest device's optimizer step
+    data_parallel_time: float | None  # collectives once per step that no compute hides
+    flops: float | None  # forward + backward FLOPs per microbatch (no recomputation)
+    peak_flops: float | None  # one device's peak FLOP/s for the model's parameter dtype
+    stages: tuple[PredictedStage, ...]
+
+    @classmethod
+    def from_json(
+        cls, data: Any, num_stages: int, num_devices: int, where: str
+    ) -> PredictedStep | None:
+        """The prediction ``data`` describes, or None for an empty object (no prediction)."""
+        require(isinstance(data, dict), where, data, "an object")
+        if not data:
+            return None
+        for key in ("bottleneck", "lower_bound", "step_time", "bubble"):
+            require(is_number(data.get(key), 0), f"{where}.{key}", data.get(key), ">= 0")
+        for key in _PREDICTED_OPTIONAL:  # absent from partitions made before them
+            if key in data:
+                value = data[key]
+                require(is_number(value, 0), f"{where}.{key}", value, ">= 0")
+        device_memory = _numbers(data.get("device_memory"), f"{where}.device_memory", num_devices)
+        peaks = data.get("memory_peaks", [])
+        require(
+            isinstance(peaks, list) and len(peaks) in (0, num_devices),
+            f"{where}.memory_peaks",
+            peaks,
+            f"a list of {num_devices} device peaks",
+        )
+        for device, peak in enumerate(peaks):
+            at = f"{where}.memory_peaks[{device}]"
+            require(isinstance(peak, dict) and set(peak) == _MEMORY_PEAK, at, peak, "a memory peak")
+            for key in _MEMORY_PEAK - {"moment"}:
+                require(is_number(peak[key], 0), f"{at}.{key}", peak[key], ">= 0")
+            require(is_text(peak["moment"]), f"{at}.moment", peak["moment"], "an action")
+        rows = data.get("stages")
+        require(
+            isinstance(rows, list) and len(rows) == num_stages,
+            f"{where}.stages",
+            rows,
+            f"a list of {num_stages} stage costs",
+        )
+        stages = tuple(
+            PredictedStage.from_json(row, f"{where}.stages[{s}]") for s, row in enumerate(rows)
+        )
+        schedule = data.get("schedule")
+        require(schedule is None or is_text(schedule), f"{where}.schedule", schedule, "a schedule")
+        _unknown(data, cls.__dataclass_fields__, where)
+        return cls(
+            bottleneck=data["bottleneck"],
+            lower_bound=data["lower_bound"],
+            step_time=data["step_time"],
+            schedule=schedule,
+            bubble=data["bubble"],
+            device_memory=device_memory,
+            memory_peaks=(
+                None if "memory_peaks" not in data else tuple(MemoryPeak(**p) for p in peaks)
+            ),
+            optimizer_time=data.get("optimizer_time"),
+            data_parallel_time=data.get("data_parallel_time"),
+            flops=data.get("flops"),
+            peak_flops=data.get("peak_flops"),
+            stages=stages,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "bottleneck": self.bottleneck,
+            "lower_bound": self.lower_bound,
+            "step_time": self.step_time,
+        }
+        if self.schedule is not None:
+            data["schedule"] = self.schedule
+        data |= {"bubble": self.bubble, "device_memory": list(self.device_memory)}
+        if self.memory_peaks is not None:
+            data["memory_peaks"] = [dataclasses.asdict(peak) for peak in self.memory_peaks]
+        for key in _PREDICTED_OPTIONAL:
+            if getattr(self, key) is not None:
+                data[key] = getattr(self, key)
+        data["stages"] = [stage.to_json() for stage in self.stages]
+        return data
+
+    @property
+    def once_per_step(self) -> float:
+        """Seconds an optimizer step spends once, after its pipeline runs: the collectives no
+        compute hides and the optimizer step (0 where the partition predates them)."""
+        return (0.0 if self.data_parallel_time is None else self.data_parallel_time) + (
+            0.0 if self.optimizer_time is None else self.optimizer_time
+        )
+
+
+def costs_from_json(data: Any, num_stages: int, where: str) -> StageCosts | None:
+    """The per-stage costs a partition records (None for an empty object: partitions from
+    before them), checked as the partition artefact requires: every table, and the capacity."""
+    require(isinstance(data, dict), where, data, "an object")
+    if not data:
+        return None
+    required = {*_STAGE_COSTS, "memory_capacity"}
+    require(
+        required <= set(data) <= required | set(MEMORY_DETAIL),
+        where,
+        sorted(data),
+        f"the per-stage costs {sorted(required)} (and optionally {list(MEMORY_DETAIL)})",
+    )
+    tables = {
+        key: _numbers(data[key], f"{where}.{key}", num_stages - offset)
+        for key, offset in _STAGE_COSTS.items()
+    }
+    detail = {
+        key: _numbers(data[key], f"{where}.{key}", num_stages)
+        for key in MEMORY_DETAIL
+        if key in data
+    }
+    capacity = data["memory_capacity"]
+    require(is_number(capacity, 0, strict=True), f"{where}.memory_capacity", capacity, "> 0")
+    return StageCosts(**tables, memory_capacity=capacity, memory_detail=detail)
+
+
+def stage_costs(costs: PipelineCosts) -> StageCosts:
+    """The simulator's per-stage costs as the partition records them (every memory table)."""
+    return StageCosts(
+        **{key: tuple(getattr(costs, key)) for key in _STAGE_COSTS},
+        memory_capacity=costs.memory_capacity,
+        memory_detail={key: tuple(getattr(costs, key)) for key in MEMORY_DETAIL},
+    )
+
+
+def costs_to_json(costs: StageCosts | None) -> dict[str, Any]:
+    """The per-stage costs as the partition artefact writes them (the capacity before the
+    memory model's tables)."""
+    if costs is None:
+        return {}
+    data: dict[str, Any] = {key: list(getattr(costs, key)) for key in _STAGE_COSTS}
+    data["memory_capacity"] = costs.memory_capacity
+    return data | {key: list(values) for key, values in costs.memory_detail.items()}
+
+
+@dataclass(frozen=True)
 class Partition:
+    """Which stage each unit runs in and which device each stage runs on, with the settings,
+    prediction and per-stage costs it was made with."""
+
     method: str
     stage_of_unit: list[int]
     device_of_stage: list[int]
     graph_digest: str
-    settings: dict = field(default_factory=dict)  # schedule, microbatches, optimizer, dp_shard ...
-    predicted: dict = field(default_factory=dict)  # Prediction.to_json()
-    #: per-stage costs the ``auto`` schedule orders actions by (runtime.schedule.PipelineCosts fields)
-    costs: dict = field(default_factory=dict)
+    #: schedule, microbatches, optimizer, dp_shard ...
+    settings: PartitionSettings = field(default_factory=PartitionSettings)
+    predicted: PredictedStep | None = None
+    #: per-stage costs the ``auto`` schedule orders actions by
+    costs: StageCosts | None = None
     #: stages whose activations are recomputed in backward, to fit device memory
     recompute: list[int] = field(default_factory=list)
     #: blocks (original names) of other stages recomputed one by one, to fit device memory
@@ -63,7 +345,9 @@ class Partition:
         1 thread), memory and link of H100``."""
         settings = self.settings
         return profile_source(
-            settings.get("profile", "?"), settings.get("device"), settings.get("measured_on", "")
+            "?" if settings.profile is None else settings.profile,
+            str(settings.device),  # "None" where the partition does not say
+            "" if settings.measured_on is None else settings.measured_on,
         )
 
     @property
@@ -93,191 +377,31 @@ class Partition:
 
     def with_settings(self, **settings: Any) -> Partition:
         """This partition with more settings recorded (train.py's defaults, the plan search)."""
-        return dataclasses.replace(self, settings=self.settings | settings)
+        return dataclasses.replace(self, settings=dataclasses.replace(self.settings, **settings))
 
     def validate(self) -> None:
         """Check the partition on its own: stage and device numbers, settings, costs.
         Raises :class:`ArtifactError` naming the first field that is wrong."""
-        require(is_text(self.method), "method", self.method, "a method name")
-        require(is_text(self.graph_digest), "graph_digest", self.graph_digest, "a digest")
-        stages, devices = self.num_stages, len(set(self.device_of_stage))
-        require(stages >= 1, "device_of_stage", self.device_of_stage, "a list of 1 or more ranks")
-        for unit, stage in enumerate(self.stage_of_unit):
-            require(
-                0 <= stage < stages,
-                f"stage_of_unit[{unit}]",
-                stage,
-                f"a stage of the partition's {stages} (0 .. {stages - 1})",
-            )
-        empty = sorted(set(range(stages)) - set(self.stage_of_unit))
-        if empty:
-            raise ArtifactError(f"stage_of_unit leaves stage(s) {empty} without units")
-        for stage, device in enumerate(self.device_of_stage):
-            require(
-                0 <= device < devices,
-                f"device_of_stage[{stage}]",
-                device,
-                f"one of the partition's {devices} device ranks, numbered 0 .. {devices - 1}",
-            )
-        require(
-            all(is_int(s) and 0 <= s < stages for s in self.recompute)
-            and len(set(self.recompute)) == len(self.recompute),
-            "recompute",
-            self.recompute,
-            f"a list of distinct stages (0 .. {stages - 1})",
-        )
-        require(
-            isinstance(self.recompute_blocks, list)
-            and all(isinstance(b, str) and b for b in self.recompute_blocks)
-            and len(set(self.recompute_blocks)) == len(self.recompute_blocks),
-            "recompute_blocks",
-            self.recompute_blocks,
-            "a list of distinct block names",
-        )
-        self._validate_settings()
-        require(isinstance(self.costs, dict), "costs", self.costs, "an object")
-        if self.costs:
-            required = {*_STAGE_COSTS, "memory_capacity"}
-            require(
-                required <= set(self.costs) <= required | set(MEMORY_DETAIL),
-                "costs",
-                sorted(self.costs),
-                f"the per-stage costs {sorted(required)} (and optionally {list(MEMORY_DETAIL)})",
-            )
-            for key, offset in _STAGE_COSTS.items():
-                _require_numbers(self.costs[key], f"costs.{key}", stages - offset)
-            for key in MEMORY_DETAIL:
-                if key in self.costs:
-                    _require_numbers(self.costs[key], f"costs.{key}", stages)
-            capacity = self.costs["memory_capacity"]
-            require(is_number(capacity, 0, strict=True), "costs.memory_capacity", capacity, "> 0")
-        self._validate_predicted()
+        _parse(self.to_json())
 
-    def _validate_settings(self) -> None:
-        settings = self.settings
-        require(isinstance(settings, dict), "settings", settings, "an object")
-        microbatches = settings.get("microbatches")
-        require(
-            microbatches is None or is_int(microbatches, 1),
-            "settings.microbatches",
-            microbatches,
-            "a number of microbatches (1 or more)",
-        )
-        dp_shard = settings.get("dp_shard", 1)
-        require(is_int(dp_shard, 1), "settings.dp_shard", dp_shard, "a number of ranks (1 or more)")
-        for key in ("accumulate", "global_batch"):
-            value = settings.get(key, 1)
-            require(is_int(value, 1), f"settings.{key}", value, "a count (1 or more)")
-        margin = settings.get("memory_margin", 0.0)
-        require(is_number(margin, 0) and margin < 1, "settings.memory_margin", margin, "in [0, 1)")
-        plans = settings.get("plans", [])
-        require(
-            isinstance(plans, list) and all(isinstance(p, dict) for p in plans),
-            "settings.plans",
-            plans,
-            "a list of plans (objects)",
-        )
-        for key in ("optimizer", "device", "link", "profile", "measured_on"):
-            value = settings.get(key, "")
-            require(is_text(value), f"settings.{key}", value, "a one-line text")
-        timed_at = settings.get("timed_at", {})
-        require(
-            isinstance(timed_at, dict) and all(is_int(v, 2) for v in timed_at.values()),
-            "settings.timed_at",
-            timed_at,
-            "sizes of dynamic dimensions by name",
-        )
-        schedule = settings.get("schedule")
-        if schedule is None:
-            return
-        require(schedule in SCHEDULES, "settings.schedule", schedule, f"one of {SCHEDULES}")
-        stages, devices = self.num_stages, len(set(self.device_of_stage))
-        if schedule in SINGLE_STAGE:
-            fits = self.device_of_stage == list(range(stages))
-        elif schedule in MULTI_STAGE:
-            fits = stages % devices == 0 and stages > devices
-            fits = fits and self.device_of_stage == torch_placement(schedule, stages, devices)
-        else:
-            fits = True
-        require(
-            fits,
-            "device_of_stage",
-            self.device_of_stage,
-            f"a placement the {schedule} schedule runs (see `autopipe partition --schedule`)",
-        )
-
-    def _validate_predicted(self) -> None:
-        predicted = self.predicted
-        require(isinstance(predicted, dict), "predicted", predicted, "an object")
-        if not predicted:
-            return
-        for key in ("bottleneck", "lower_bound", "step_time", "bubble"):
-            require(
-                is_number(predicted.get(key), 0), f"predicted.{key}", predicted.get(key), ">= 0"
-            )
-        for key in _PREDICTED_OPTIONAL:  # absent from partitions made before them
-            if key in predicted:
-                value = predicted[key]
-                require(is_number(value, 0), f"predicted.{key}", value, ">= 0")
-        devices = len(set(self.device_of_stage))
-        _require_numbers(predicted.get("device_memory"), "predicted.device_memory", devices)
-        peaks = predicted.get("memory_peaks", [])
-        require(
-            isinstance(peaks, list) and len(peaks) in (0, devices),
-            "predicted.memory_peaks",
-            peaks,
-            f"a list of {devices} device peaks",
-        )
-        for device, peak in enumerate(peaks):
-            where = f"predicted.memory_peaks[{device}]"
-            require(
-                isinstance(peak, dict) and set(peak) == _MEMORY_PEAK, where, peak, "a memory peak"
-            )
-            for key in _MEMORY_PEAK - {"moment"}:
-                require(is_number(peak[key], 0), f"{where}.{key}", peak[key], ">= 0")
-            require(is_text(peak["moment"]), f"{where}.moment", peak["moment"], "an action")
-        rows = predicted.get("stages")
-        require(
-            isinstance(rows, list) and len(rows) == self.num_stages,
-            "predicted.stages",
-            rows,
-            f"a list of {self.num_stages} stage costs",
-        )
-        for stage, row in enumerate(rows):
-            require(isinstance(row, dict), f"predicted.stages[{stage}]", row, "an object")
-            for key in _PREDICTED_STAGE:
-                value = row.get(key)
-                require(is_number(value, 0), f"predicted.stages[{stage}].{key}", value, ">= 0")
-
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "method": self.method,
             "graph_digest": self.graph_digest,
-            "settings": self.settings,
+            "settings": self.settings.to_json(),
             "device_of_stage": self.device_of_stage,
             "stage_of_unit": self.stage_of_unit,
-            "predicted": self.predicted,
-            "costs": self.costs,
+            "predicted": {} if self.predicted is None else self.predicted.to_json(),
+            "costs": costs_to_json(self.costs),
             "recompute": self.recompute,
             "recompute_blocks": self.recompute_blocks,
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> Partition:
+    def from_json(cls, data: dict[str, Any]) -> Partition:
         """The partition a ``autopipe.partition`` payload describes, checked with :meth:`validate`."""
         try:
-            part = cls(
-                method=data["method"],
-                stage_of_unit=_ints(data["stage_of_unit"], "stage_of_unit"),
-                device_of_stage=_ints(data["device_of_stage"], "device_of_stage"),
-                graph_digest=data["graph_digest"],
-                settings=data.get("settings", {}),
-                predicted=data.get("predicted", {}),
-                costs=data.get("costs", {}),
-                recompute=_ints(data.get("recompute", []), "recompute"),
-                recompute_blocks=data.get("recompute_blocks", []),
-            )
-            part.validate()
+            return _parse(data)
         except KeyError as exc:
             raise ArtifactError(
                 f"the partition artefact has no {exc}; run `autopipe partition` again"
@@ -286,18 +410,99 @@ class Partition:
             raise ArtifactError(
                 f"the partition artefact is invalid: {exc}; run `autopipe partition` again"
             ) from None
-        return part
 
-    def save(self, path) -> None:
+    def save(self, path: str | Path) -> None:
         write_artifact(path, PARTITION_KIND, self.to_json())
 
     @classmethod
-    def load(cls, path) -> Partition:
+    def load(cls, path: str | Path) -> Partition:
         data = read_artifact(path, PARTITION_KIND)
         try:
             return cls.from_json(data)
         except ArtifactError as exc:
             raise ArtifactError(f"{path}: {exc}") from None
+
+
+def _parse(data: dict[str, Any]) -> Partition:
+    """The partition ``data`` describes; raises :class:`KeyError` for a missing required field
+    and :class:`ArtifactError` naming the first wrong one."""
+    method = data["method"]
+    stage_of_unit = _ints(data["stage_of_unit"], "stage_of_unit")
+    device_of_stage = _ints(data["device_of_stage"], "device_of_stage")
+    digest = data["graph_digest"]
+    recompute = _ints(data.get("recompute", []), "recompute")
+    recompute_blocks = data.get("recompute_blocks", [])
+    require(is_text(method), "method", method, "a method name")
+    require(is_text(digest), "graph_digest", digest, "a digest")
+    stages, devices = len(device_of_stage), len(set(device_of_stage))
+    require(stages >= 1, "device_of_stage", device_of_stage, "a list of 1 or more ranks")
+    for unit, stage in enumerate(stage_of_unit):
+        require(
+            0 <= stage < stages,
+            f"stage_of_unit[{unit}]",
+            stage,
+            f"a stage of the partition's {stages} (0 .. {stages - 1})",
+        )
+    empty = sorted(set(range(stages)) - set(stage_of_unit))
+    if empty:
+        raise ArtifactError(f"stage_of_unit leaves stage(s) {empty} without units")
+    for stage, device in enumerate(device_of_stage):
+        require(
+            0 <= device < devices,
+            f"device_of_stage[{stage}]",
+            device,
+            f"one of the partition's {devices} device ranks, numbered 0 .. {devices - 1}",
+        )
+    require(
+        all(is_int(s) and 0 <= s < stages for s in recompute)
+        and len(set(recompute)) == len(recompute),
+        "recompute",
+        recompute,
+        f"a list of distinct stages (0 .. {stages - 1})",
+    )
+    require(
+        isinstance(recompute_blocks, list)
+        and all(isinstance(b, str) and b for b in recompute_blocks)
+        and len(set(recompute_blocks)) == len(recompute_blocks),
+        "recompute_blocks",
+        recompute_blocks,
+        "a list of distinct block names",
+    )
+    settings = PartitionSettings.from_json(data.get("settings", {}), "settings")
+    _check_placement(settings.schedule, device_of_stage)
+    costs = costs_from_json(data.get("costs", {}), stages, "costs")
+    predicted = PredictedStep.from_json(data.get("predicted", {}), stages, devices, "predicted")
+    return Partition(
+        method=method,
+        stage_of_unit=stage_of_unit,
+        device_of_stage=device_of_stage,
+        graph_digest=digest,
+        settings=settings,
+        predicted=predicted,
+        costs=costs,
+        recompute=recompute,
+        recompute_blocks=recompute_blocks,
+    )
+
+
+def _check_placement(schedule: str | None, device_of_stage: list[int]) -> None:
+    """Check that ``schedule`` (when the partition names one) runs the stages' placement."""
+    if schedule is None:
+        return
+    stages, devices = len(device_of_stage), len(set(device_of_stage))
+    if schedule in SINGLE_STAGE:
+        fits = device_of_stage == list(range(stages))
+    elif schedule in MULTI_STAGE:
+        fits = stages % devices == 0 and stages > devices
+        fits = fits and device_of_stage == torch_placement(schedule, stages, devices)
+    else:
+        fits = True
+    require(
+        fits,
+        "device_of_stage",
+        device_of_stage,
+        f"a placement the {schedule} schedule runs (see `autopipe partition --schedule`)",
+    )
 
 
 def _ints(value: Any, field_name: str) -> list[int]:
@@ -307,13 +512,14 @@ def _ints(value: Any, field_name: str) -> list[int]:
         value,
         "a list of integers of at least 0",
     )
-    return value
+    return value  # type: ignore[no-any-return]
 
 
-def _require_numbers(value: Any, field_name: str, length: int) -> None:
+def _numbers(value: Any, field_name: str, length: int) -> tuple[float, ...]:
     require(
         isinstance(value, list) and len(value) == length and all(is_number(v, 0) for v in value),
         field_name,
         value,
         f"a list of {length} numbers of at least 0",
     )
+    return tuple(value)

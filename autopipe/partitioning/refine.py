@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from ..errors import PartitionError
-from ..runtime.pipeline import default_microbatches
+from ..runtime.core.pipeline import default_microbatches
 from .cost import CostModel, in_flight, stage_time
 
 _EPS = 1e-12
@@ -290,10 +290,11 @@ def looped_devices(num_stages: int, num_devices: int) -> list[int]:
     return [s % num_devices for s in range(num_stages)]
 
 
-def balanced_ranks(model: CostModel, num_parts: int) -> list[float]:
+def balanced_ranks(model: CostModel, num_parts: int) -> list[int]:
     """A part index per unit cutting program order into pieces of equal compute."""
     total = sum(model.compute) or 1.0
-    ranks, running = [], 0.0
+    ranks: list[int] = []
+    running = 0.0
     for c in model.compute:
         ranks.append(min(num_parts - 1, math.floor(running / total * num_parts)))
         running += c

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import PartitionError
-from ..ir.graph import Graph
+from ..ir import Graph
 from ..profiling.profile import Profile
-from ..runtime.options import MULTI_STAGE, V_SHAPED, placement, schedule_problem_for
+from ..runtime.core.schedules import MULTI_STAGE, V_SHAPED, placement, schedule_problem_for
 from . import partition
 from .cost import iteration_time
-from .partition import Partition
+from .partition import Partition, PredictedStep
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Plan:
     global_batch: int  # example microbatches per optimizer step, over all data-parallel ranks
     capacity: float  # bytes per device
     partition: Partition | None = None
-    prediction: dict | None = None  # Prediction.to_json() of one pipeline run
+    prediction: PredictedStep | None = None  # of one pipeline run
     step_time: float = float("inf")  # seconds per optimizer step
     problem: str = ""  # why it does not fit or run
 
@@ -62,11 +63,11 @@ class Plan:
 
     @property
     def peak_memory(self) -> float:
-        return max(self.prediction["device_memory"]) if self.prediction else float("nan")
+        return max(self.prediction.device_memory) if self.prediction else float("nan")
 
     @property
     def bubble(self) -> float:
-        return self.prediction["bubble"] if self.prediction else float("nan")
+        return self.prediction.bubble if self.prediction else float("nan")
 
     @property
     def recompute(self) -> str:
@@ -80,7 +81,7 @@ class Plan:
             parts.append(f"{len(self.partition.recompute_blocks)} blocks")
         return " + ".join(parts) or "none"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The plan as the package and the report record it."""
         return dataclasses.asdict(self.candidate) | {
             "global_batch": self.global_batch,
@@ -169,6 +170,7 @@ def search(
             plans.append(plan)
             continue
         plan.prediction = plan.partition.predicted
+        assert plan.prediction is not None  # partition() predicts every partition it makes
         plan.step_time = iteration_time(plan.prediction, candidate.accumulate)
         plans.append(plan)
     order = {id(plan): i for i, plan in enumerate(plans)}
@@ -184,7 +186,7 @@ def search(
     )
 
 
-def plan_table(plans: list[dict]) -> str:
+def plan_table(plans: list[dict[str, Any]]) -> str:
     """Plans (``Plan.to_json()``, best first) side by side, as a text table."""
     header = (
         f"{'#':>2} {'dp-shard':>8} {'stages':>6} {'per rank':>8} {'schedule':<23} "

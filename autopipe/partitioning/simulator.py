@@ -19,19 +19,18 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import PartitionError
-from ..runtime.options import MULTI_STAGE, placement
-from ..runtime.schedule import (
+from ..runtime.core.schedules import (
+    COMPILE_SCHEDULES,
+    MULTI_STAGE,
     Action,
     PipelineCosts,
     ScheduleError,
     event_times,
     greedy_orders,
     peak_memory,
+    placement,
     single_stage_order,
 )
-
-#: every schedule the simulator orders; MULTI_STAGE maps torch's multi-stage ones to classes
-SCHEDULES = ("gpipe", "1f1b", "auto", *MULTI_STAGE)
 
 
 @dataclass
@@ -89,7 +88,7 @@ def schedule_orders(
             raise PartitionError(str(exc)) from None
     if schedule in MULTI_STAGE:
         return torch_orders(schedule, costs, microbatches)
-    raise PartitionError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    raise PartitionError(f"unknown schedule {schedule!r}; known: {', '.join(COMPILE_SCHEDULES)}")
 
 
 def torch_orders(schedule: str, costs: PipelineCosts, microbatches: int) -> dict[int, list[Action]]:

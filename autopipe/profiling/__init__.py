@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..errors import AutopipeError
-from ..ir.graph import Graph
-from ..runtime.pipeline import Dimension
+from ..ir import Graph
+from ..runtime.core.pipeline import Dimension
 from ..spec import Example
 from .analytic import profile_analytic
 from .devices import KNOWN_DEVICES, DeviceSpec, device_spec, with_link
@@ -56,7 +56,7 @@ def profile(
 
 def check_expected(graph: Graph, expected: dict[str, int]) -> None:
     """``expected`` names dynamic dimensions of ``graph``, at sizes within their bounds."""
-    symbols = graph.model.get("symbols", {})
+    symbols = graph.model.symbols
     for name, size in expected.items():
         if name not in symbols:
             known = ", ".join(symbols) or "none (compile with --dynamic)"
@@ -64,7 +64,7 @@ def check_expected(graph: Graph, expected: dict[str, int]) -> None:
                 f"--expected {name}={size}: {name} is not a dynamic dimension of the model; "
                 f"its dynamic dimensions are {known}"
             )
-        dimension = Dimension.from_json(symbols[name], name, f"symbols.{name}")
+        dimension = Dimension.from_json(symbols[name].to_json(), name, f"symbols.{name}")
         if not dimension.holds(size):
             raise AutopipeError(
                 f"--expected {name}={size} is outside the bounds {dimension.bounds} of {name}"

@@ -18,11 +18,11 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..ir.cond import worst_branch
-from ..ir.graph import Graph
+from ..ir import Graph
 from ..ir.interpreter import empty_placeholder
 from .devices import DeviceSpec
 from .profile import Profile, UnitCost, graph_digest
-from ..tracing.units import UnitWorkload, signature, unit_workloads
+from ..ir.analysis import UnitWorkload, signature, unit_workloads
 from .workload import output_bytes, parameter_bytes, run_forward_backward
 
 #: Operators that read only the rows they gather, not their whole (table) input.

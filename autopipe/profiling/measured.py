@@ -22,12 +22,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..ir.cond import worst_branch
-from ..ir.graph import Graph, decode_tensor
+from ..ir import Graph
+from ..ir.codec import decode_tensor
 from ..ir.interpreter import run_nodes
 from ..spec import Example
 from .devices import DeviceSpec
 from .profile import Profile, UnitCost, graph_digest
-from ..tracing.units import UnitWorkload, unit_workloads
+from ..ir.analysis import UnitWorkload, unit_workloads
 from .workload import output_bytes, parameter_bytes, run_forward_backward
 
 
@@ -181,7 +182,9 @@ def _fresh(graph: Graph, values: dict[str, Any]) -> Callable[[str], torch.Tensor
 
     def fresh(name: str) -> torch.Tensor:
         value = values[name]
-        requires_grad = graph[name].tensor_meta.requires_grad
+        meta = graph[name].tensor_meta
+        assert meta is not None  # a placeholder or a value handed between units: a tensor
+        requires_grad = meta.requires_grad
         if graph[name].kind == "param":
             requires_grad = graph.param_of(graph[name].target).requires_grad
         return value.detach().clone().requires_grad_(requires_grad and value.is_floating_point())
@@ -207,6 +210,7 @@ def _example_values(graph: Graph, example: Example | None, device: torch.device)
         if not node.is_placeholder:
             continue
         meta = node.tensor_meta
+        assert meta is not None  # lint: a placeholder has tensor metadata
         given = bound.get(node.name) if node.kind == "input" else state.get(node.target)
         if node.kind == "constant":
             tensor = decode_tensor(graph.constants[node.name])
@@ -221,7 +225,7 @@ def _example_values(graph: Graph, example: Example | None, device: torch.device)
         elif meta.dtype == torch.bool:
             tensor = torch.ones(meta.shape, dtype=torch.bool)
         else:
-            high = graph.model.get("input_ranges", {}).get(node.name, 0)
+            high = graph.model.input_ranges.get(node.name, 0)
             tensor = torch.randint(0, high + 1, meta.shape, generator=generator)
         values[node.name] = tensor.to(device=device, dtype=meta.dtype)
     return values

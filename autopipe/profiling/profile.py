@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from ..artifacts import read_artifact, write_artifact
 from ..checks import is_number, is_text, require
 from ..errors import ArtifactError, AutopipeError
-from ..ir.graph import Graph
+from ..ir import Graph
 from .devices import DeviceSpec
 
 PROFILE_KIND = "profile"

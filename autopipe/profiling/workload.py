@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..ir.graph import Graph
+from ..ir import Graph
 from ..ir.interpreter import run_nodes
-from ..runtime.metrics import LiveTensorBytes
-from ..tracing.units import UnitWorkload
+from ..runtime.core.memory import LiveTensorBytes
+from ..ir.analysis import UnitWorkload
 
 
 @dataclass

@@ -15,12 +15,13 @@ from pathlib import Path
 
 from ..artifacts import read_artifact
 from ..errors import ArtifactError
-from ..ir.graph import Graph
+from ..ir import Graph
 from ..partitioning import Partition
+from ..partitioning.partition import PartitionSettings, PredictedStep
 from ..partitioning.simulator import Simulation, schedule_orders, simulate
 from ..profiling import Profile
-from ..runtime.pipeline import Pipeline, PipelineFormatError
-from ..runtime.schedule import PipelineCosts
+from ..runtime.core.pipeline import Pipeline, PipelineFormatError
+from ..runtime.core.schedules import MemoryPeak, PipelineCosts
 
 ARTIFACTS = "artifacts"
 PIPELINE_KIND = "pipeline"
@@ -93,20 +94,25 @@ class ReportData:
         return max(self.partition.device_of_stage) + 1
 
     @property
-    def settings(self) -> dict:
+    def settings(self) -> PartitionSettings:
         return self.partition.settings
 
     @property
-    def predicted(self) -> dict:
+    def predicted(self) -> PredictedStep | None:
+        """The cost model's prediction (None for a partition without one)."""
         return self.partition.predicted
 
     @property
     def schedule(self) -> str:
-        return self.settings.get("schedule") or self.predicted.get("schedule", "1f1b")
+        if self.settings.schedule:
+            return self.settings.schedule
+        if self.predicted is None or self.predicted.schedule is None:
+            return "1f1b"
+        return self.predicted.schedule
 
     @property
     def microbatches(self) -> int:
-        return int(self.settings.get("microbatches") or self.pipeline.default_microbatches)
+        return int(self.settings.microbatches or self.pipeline.default_microbatches)
 
     @property
     def model_name(self) -> str:
@@ -119,8 +125,10 @@ class ReportData:
     @cached_property
     def costs(self) -> PipelineCosts:
         """Per-stage costs of one microbatch, as the partitioner stored them."""
-        stored = self.partition.costs or self.pipeline.schedule.costs.to_json()
-        return PipelineCosts(**stored, device_of_stage=list(self.partition.device_of_stage))
+        stored = self.partition.costs or self.pipeline.schedule.costs
+        return PipelineCosts(
+            **stored.to_json(), device_of_stage=list(self.partition.device_of_stage)
+        )
 
     @cached_property
     def simulation(self) -> Simulation:
@@ -143,16 +151,18 @@ class ReportData:
 
     def device_peak_memory(self) -> list[float]:
         """Predicted peak bytes per device (what ``memory_peaks`` breaks down, when present)."""
-        return list(self.predicted.get("device_memory") or self.simulation.peak_memory)
+        predicted = self.predicted.device_memory if self.predicted is not None else ()
+        return list(predicted or self.simulation.peak_memory)
 
     @property
     def state_factor(self) -> int:
-        return STATE_FACTOR.get(self.settings.get("optimizer", "adamw"), 4)
+        optimizer = self.settings.optimizer
+        return STATE_FACTOR.get("adamw" if optimizer is None else optimizer, 4)
 
     @property
     def dp_shard(self) -> int:
         """The data-parallel ranks per stage the partition sharded training state over."""
-        return int(self.settings.get("dp_shard", 1))
+        return int(self.settings.dp_shard or 1)
 
     def device_memory_parts(self) -> dict[str, list[float]]:
         """Static bytes per device in parts: the device's share of its stages' parameters,
@@ -161,11 +171,10 @@ class ReportData:
         parts = {k: [0.0] * self.num_devices for k in ("parameters", "gradients", "optimizer")}
         parts["gathered"] = [0.0] * self.num_devices
         factor, shards = self.state_factor, self.dp_shard
-        stages = self.predicted.get("stages", [])
+        stages = self.predicted.stages if self.predicted is not None else ()
         for s, device in enumerate(self.partition.device_of_stage):
             static = self.costs.static_memory[s]
-            known = s < len(stages) and "parameters" in stages[s]
-            share = stages[s]["parameters"] / shards if known else static / factor
+            share = stages[s].parameters / shards if s < len(stages) else static / factor
             parts["parameters"][device] += share
             parts["gradients"][device] += share
             parts["optimizer"][device] += share * (factor - 2)
@@ -177,16 +186,28 @@ class ReportData:
         peak comes after the first backward), then what the memory model adds at the peak;
         partitions from before that model: static parts and activations."""
         parts = self.device_memory_parts()
-        peaks = self.predicted.get("memory_peaks")
+        peaks = self.memory_peaks
         if not peaks:
             static, peak = self.device_static_memory(), self.device_peak_memory()
             parts["activations"] = [max(p - s, 0.0) for p, s in zip(peak, static)]
             return parts
         for key in ("buffers", "activations", "input_gradients", "transient"):
-            parts[key] = [p[key] for p in peaks]
+            parts[key] = [getattr(p, key) for p in peaks]
         for device, (static, peak) in enumerate(zip(self.device_static_memory(), peaks)):
-            parts["gradients"][device] -= max(static - peak["state"], 0.0)  # not allocated yet
+            parts["gradients"][device] -= max(static - peak.state, 0.0)  # not allocated yet
         return parts
+
+    @property
+    def memory_peaks(self) -> tuple[MemoryPeak, ...]:
+        """What each device holds at its predicted peak (none for partitions before them)."""
+        if self.predicted is None or self.predicted.memory_peaks is None:
+            return ()
+        return self.predicted.memory_peaks
+
+    @property
+    def lower_bound(self) -> float:
+        """The predicted lower bound of a microbatch's time (0 without a prediction)."""
+        return 0.0 if self.predicted is None else self.predicted.lower_bound
 
     # -- per-stage rows -----------------------------------------------------------------------
     def parameter_counts(self) -> list[int]:
@@ -205,12 +226,13 @@ class ReportData:
 
     @cached_property
     def stages(self) -> list[StageRow]:
-        part, costs = self.partition, self.predicted.get("stages", [])
+        part = self.partition
+        costs = self.predicted.stages if self.predicted is not None else ()
         descriptions = self.pipeline.stages
         params = self.parameter_counts()
         rows = []
         for s in range(self.num_stages):
-            cost = costs[s] if s < len(costs) else {}
+            cost = costs[s] if s < len(costs) else None
             units = [u for u, stage in enumerate(part.stage_of_unit) if stage == s]
             described = descriptions[s] if s < len(descriptions) else None
             rows.append(
@@ -219,11 +241,15 @@ class ReportData:
                     device=part.device_of_stage[s],
                     units=len(units),
                     parameters=params[s],
-                    forward=cost.get("forward", self.costs.forward[s]),
-                    backward=cost.get("backward", self.costs.backward[s]),
-                    communication=cost.get("communication", 0.0),
-                    time=cost.get("time", self.costs.forward[s] + self.costs.backward[s]),
-                    memory=cost.get("memory", self.costs.static_memory[s]),
+                    forward=self.costs.forward[s] if cost is None else cost.forward,
+                    backward=self.costs.backward[s] if cost is None else cost.backward,
+                    communication=0.0 if cost is None else cost.communication,
+                    time=(
+                        self.costs.forward[s] + self.costs.backward[s]
+                        if cost is None
+                        else cost.time
+                    ),
+                    memory=self.costs.static_memory[s] if cost is None else cost.memory,
                     inputs=list(described.inputs) if described else [],
                     outputs=list(described.outputs) if described else [],
                     first_unit=self.graph.units[units[0]].label if units else "",

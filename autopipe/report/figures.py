@@ -91,7 +91,7 @@ def times_figure(data: ReportData) -> Figure:
             [[r for r in stages if r.device == d] for d in devices],
             [_device_label(data, d) for d in devices],
         )
-    bound = data.predicted.get("lower_bound", 0.0) * 1e3
+    bound = data.lower_bound * 1e3
     heights = [
         sum(r.forward + r.backward for r in group) * 1e3
         for groups, _ in panels.values()

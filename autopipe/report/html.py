@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jinja2
 
-from .. import __version__
+from ..version import __version__
 from ..summary import MEMORY_PARTS, dimensions_text, throughput_line
 from ..artifacts import atomic_write_bytes
 from .data import ReportData, format_bytes, format_count
@@ -56,7 +56,7 @@ def inline_svg(svg: str, prefix: str) -> str:
 
 def figures(data: ReportData) -> list[FigureFile]:
     """Draw every figure of the report."""
-    bound = data.predicted.get("lower_bound", 0.0) * 1e3
+    bound = data.lower_bound * 1e3
     graph_fig, graph_caption = model_graph_figure(data)
     specs = [
         (
@@ -101,27 +101,30 @@ def figures(data: ReportData) -> list[FigureFile]:
 def summary_rows(data: ReportData) -> list[tuple[str, str]]:
     """The header table: what was compiled, how, and what it is predicted to do."""
     predicted, settings = data.predicted, data.settings
-    bottleneck, bound = predicted.get("bottleneck", 0.0), predicted.get("lower_bound", 0.0)
+    bottleneck = 0.0 if predicted is None else predicted.bottleneck
+    bound = data.lower_bound
     over = max((bottleneck / bound - 1) * 100, 0.0) if bound else 0.0  # float error: not -0.0
-    device = settings.get("device", "?")
-    if settings.get("link"):
-        device += f", link {settings['link']}"
+    device = "?" if settings.device is None else settings.device
+    if settings.link:
+        device += f", link {settings.link}"
+    step_time = 0.0 if predicted is None else predicted.step_time
+    bubble = data.simulation.bubble if predicted is None else predicted.bubble
     peak = data.device_peak_memory()
     rows = [
         ("model", data.model_name),
-        ("source", str(data.graph.model.get("source") or "")),
+        ("source", str(data.graph.model.source or "")),
         ("stages", str(data.num_stages)),
         ("devices", str(data.num_devices)),
         ("method", data.partition.method),
         ("schedule", f"{data.schedule}, {data.microbatches} microbatches"),
         ("cost model", data.partition.profile_source),
-        ("optimizer", str(settings.get("optimizer", "?"))),
-        ("predicted step time", f"{predicted.get('step_time', 0.0) * 1e3:.3f} ms"),
+        ("optimizer", "?" if settings.optimizer is None else settings.optimizer),
+        ("predicted step time", f"{step_time * 1e3:.3f} ms"),
         (
             "bottleneck vs lower bound",
             f"{bottleneck * 1e3:.3f} ms vs {bound * 1e3:.3f} ms (+{over:.1f}%)",
         ),
-        ("bubble", f"{predicted.get('bubble', data.simulation.bubble) * 100:.1f}% idle"),
+        ("bubble", f"{bubble * 100:.1f}% idle"),
         (
             "peak memory",
             f"{format_bytes(max(peak))} of {format_bytes(data.memory_capacity)} per device",
@@ -149,9 +152,9 @@ def render_html(data: ReportData, figure_files: list[FigureFile]) -> str:
         summary=summary_rows(data),
         stages=data.stages,
         figures=figure_files,
-        memory_peaks=data.predicted.get("memory_peaks", []),
+        memory_peaks=data.memory_peaks,
         memory_parts=MEMORY_PARTS,
-        plans=data.settings.get("plans", []),
+        plans=data.settings.plans or (),
         version=__version__,
     )
 

@@ -39,15 +39,18 @@ def show_table(directory: str | os.PathLike) -> str:
         return " ".join([*cells, " " + row[-2].ljust(inputs_width), " " + row[-1]]).rstrip()
 
     predicted = data.predicted
-    bottleneck, bound = predicted.get("bottleneck", 0.0), predicted.get("lower_bound", 0.0)
+    bottleneck = 0.0 if predicted is None else predicted.bottleneck
+    bound = data.lower_bound
+    step_time = 0.0 if predicted is None else predicted.step_time
+    bubble = 0.0 if predicted is None else predicted.bubble
     over = max((bottleneck / bound - 1) * 100, 0.0) if bound else 0.0  # float error: not -0.0
     title = (
         f"{data.model_name}: {data.num_stages} stages on {data.num_devices} devices "
         f"(method {data.partition.method}, {data.schedule} schedule, {data.microbatches} microbatches)"
     )
     footer = (
-        f"predicted step {predicted.get('step_time', 0.0) * 1e3:.3f} ms, "
-        f"{predicted.get('bubble', 0.0) * 100:.0f}% bubble; bottleneck {bottleneck * 1e3:.3f} ms, "
+        f"predicted step {step_time * 1e3:.3f} ms, "
+        f"{bubble * 100:.0f}% bubble; bottleneck {bottleneck * 1e3:.3f} ms, "
         f"lower bound {bound * 1e3:.3f} ms (+{over:.1f}%)"
     )
     return "\n".join([title, line(header), *(line(row) for row in rows), footer])

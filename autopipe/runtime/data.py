@@ -14,30 +14,25 @@ import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from .core.dimensions import dimension_sizes
+from .core.errors import PipelineRunError, first_line
+from .core.pipeline import Pipeline, Value
 from .options import TrainConfig
-from .pipeline import Pipeline, Value
 
 
-class PipelineRunError(RuntimeError):
-    """A problem with how the pipeline was started or fed; printed without a traceback, by rank 0
-    alone when ``every_rank`` finds the same problem."""
+class MapDataset(Protocol):
+    """What a ``--data`` Dataset factory's dataset must offer: its size and its items by index."""
 
-    def __init__(self, message: str, every_rank: bool = False):
-        super().__init__(message)
-        self.every_rank = every_rank
+    def __len__(self) -> int: ...
 
-
-def first_line(exc: BaseException) -> str:
-    """An exception's message in one line (its first), or its type's name when it has none."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    def __getitem__(self, index: int) -> Any: ...
 
 
-def load_function(spec: str, option: str = "--data") -> Callable:
+def load_function(spec: str, option: str = "--data") -> Callable[..., Any]:
     """Import ``FILE.py:FN`` or ``package.module:FN``."""
     location, _, name = spec.rpartition(":")
     if not location or not name:
@@ -49,6 +44,7 @@ def load_function(spec: str, option: str = "--data") -> Callable:
         if not path.is_file():
             raise PipelineRunError(f"{option}: file {location} does not exist")
         module_spec = importlib.util.spec_from_file_location(f"_autopipe_data_{path.stem}", path)
+        assert module_spec is not None and module_spec.loader is not None  # a .py file has both
         module = importlib.util.module_from_spec(module_spec)
         sys.path.insert(0, str(path.parent))
         try:
@@ -57,13 +53,13 @@ def load_function(spec: str, option: str = "--data") -> Callable:
             sys.path.remove(str(path.parent))
     else:
         module = importlib.import_module(location)
-    fn = getattr(module, name, None)
+    fn: object = getattr(module, name, None)
     if not callable(fn):
         raise PipelineRunError(f"{option}: {location} has no function {name!r}")
     return fn
 
 
-def _takes_no_arguments(fn: Callable) -> bool:
+def _takes_no_arguments(fn: Callable[..., Any]) -> bool:
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -71,54 +67,6 @@ def _takes_no_arguments(fn: Callable) -> bool:
     return all(
         p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters
     )
-
-
-def dimension_sizes(
-    pipeline: Pipeline, given: dict[str, torch.Tensor], rows: int, where: str
-) -> dict[str, int] | None:
-    """The sizes of ``pipeline``'s dynamic dimensions in the inputs ``given`` (by name), which
-    hold ``rows`` microbatches along dimension 0, checked to agree and to lie within their
-    bounds; None for a static pipeline."""
-    if not pipeline.dimensions:
-        return None
-    sizes: dict[str, int] = {}
-    for dimension in pipeline.dimensions.values():
-        found = []
-        for name, index in dimension.sources:
-            tensor = given.get(name)
-            if tensor is None or tensor.dim() <= index:
-                continue  # an input the pipeline does not read; or checked with its shape
-            size = tensor.shape[index]
-            if index == 0:
-                if size % rows:
-                    raise PipelineRunError(
-                        f"{where}: input {name!r} has {size} samples, which do not split into "
-                        f"{rows} equal microbatches (--microbatches x --accumulate x --dp x "
-                        "--dp-shard); give a multiple of that many samples"
-                    )
-                size //= rows
-            found.append((f"{name}:{index}", size))
-        if not found:
-            raise PipelineRunError(
-                f"{where}: no input sizes the dynamic dimension {dimension.name!r} (its inputs: "
-                f"{', '.join(f'{n}:{i}' for n, i in dimension.sources)})"
-            )
-        if len({size for _, size in found}) > 1:
-            shown = ", ".join(f"{source} is {size}" for source, size in found)
-            raise PipelineRunError(
-                f"{where}: the sizes of the dynamic dimension {dimension.name!r} differ "
-                f"({shown}); the inputs it sizes must agree"
-            )
-        size = found[0][1]
-        if not dimension.holds(size):
-            raise PipelineRunError(
-                f"{where}: dimension {dimension.name!r} is {size}, outside the bounds "
-                f"{dimension.bounds} the pipeline was compiled for; pad or cut "
-                f"the batch into them, or compile again with --dynamic "
-                f"{dimension.name}[MIN:MAX]=... bounds that hold it"
-            )
-        sizes[dimension.name] = size
-    return sizes
 
 
 class Batches:
@@ -131,7 +79,8 @@ class Batches:
         self.parts = config.accumulate * config.data_parallel  # pipeline runs per step, all ranks
         self.seed = config.seed
         self.pad_to_multiple = config.pad_to_multiple
-        self.fn = self.dataset = None
+        self.fn: Callable[..., Any] | None = None
+        self.dataset: MapDataset | None = None
         if config.data:
             fn = load_function(config.data)
             if _takes_no_arguments(fn):
@@ -174,7 +123,10 @@ class Batches:
     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Pipeline run ``index`` (accumulation round x dp + replica) of a step's batch."""
         inputs, target = batch
-        chunk = lambda t: t.chunk(self.parts)[index]  # noqa: E731
+
+        def chunk(t: torch.Tensor) -> torch.Tensor:
+            return t.chunk(self.parts)[index]
+
         return [chunk(t) for t in inputs], (chunk(target) if target is not None else None)
 
     def dimensions(self, inputs: list[torch.Tensor], step: int) -> dict[str, int] | None:
@@ -183,7 +135,9 @@ class Batches:
         given = {value.name: t for value, t in zip(self.pipeline.data_inputs, inputs)}
         return dimension_sizes(self.pipeline, given, self.rows, f"step {step}")
 
-    def _inputs(self, bound: dict, step: int, target: Any) -> tuple[list[torch.Tensor], Any]:
+    def _inputs(
+        self, bound: dict[str, Any], step: int, target: Any
+    ) -> tuple[list[torch.Tensor], Any]:
         inputs = []
         for value in self.pipeline.data_inputs:
             if not isinstance(bound.get(value.name), torch.Tensor):
@@ -202,6 +156,7 @@ class Batches:
                     "this pipeline's loss needs a target: the --data function must return "
                     "(args, kwargs, target), or the dataset's items a 'target' entry"
                 )
+            assert loss.target is not None  # a loss that needs a target describes it
             target = self._check(target, loss.target, sizes)
         return inputs, target
 
@@ -237,7 +192,7 @@ class Batches:
                 inputs[position] = torch.cat([tensor, pad], dim=index)
         return inputs
 
-    def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         signature = self.pipeline.signature
         if len(args) > len(signature):
             raise PipelineRunError(
@@ -272,16 +227,20 @@ class Batches:
     def _from_dataset(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Samples ``step * B ... (step + 1) * B - 1`` of an endless stream of seeded epoch
         permutations of the dataset (B: samples per step)."""
+        assert self.dataset is not None  # called only with a dataset
         size = len(self.dataset)
         count = self.samples
         if size == 0:
             raise PipelineRunError("--data: the dataset is empty")
-        items, epoch, order = [], None, None
+        items: list[Any] = []
+        epoch: int | None = None
+        order: torch.Tensor | None = None
         for position in range(step * count, (step + 1) * count):
             if position // size != epoch:
                 epoch = position // size
                 generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
                 order = torch.randperm(size, generator=generator)
+            assert order is not None  # drawn at the first position
             items.append(self.dataset[int(order[position % size])])
         if not all(isinstance(item, dict) for item in items):
             raise PipelineRunError(
@@ -302,7 +261,10 @@ class Batches:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         inputs = [self._random(value, generator) for value in self.pipeline.data_inputs]
         loss = self.pipeline.loss
-        target = self._random(loss.target, generator) if loss.needs_target else None
+        target = None
+        if loss.needs_target:
+            assert loss.target is not None  # a loss that needs a target describes it
+            target = self._random(loss.target, generator)
         return inputs, target
 
     def _random(self, value: Value, generator: torch.Generator) -> torch.Tensor:

@@ -19,13 +19,14 @@ import json
 import operator
 import os
 import re
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import fx
 from torch._subclasses import FakeTensorMode
+from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
+from torch.autograd.function import _SingleLevelFunction
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
@@ -33,19 +34,12 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..ir import autograd_function as ir
 from ..checks import RESERVED, Namespace
 from ..errors import TraceError
-from ..ir.graph import (
-    Graph,
-    Node,
-    Ref,
-    TensorMeta,
-    Unit,
-    UnsupportedValue,
-    dtype_name,
-    encode_args,
-    encode_tensor,
-    value_meta,
-)
+from ..ir import Graph, ModelFacts, Node, Ref, TensorMeta, Unit
+from ..ir.codec import UnsupportedValue, encode_args, encode_tensor
+from ..ir.types import dtype_name, value_meta
+from ..ir.interpreter import resolve_target
 from ..ir.ordering import alias_chain, written_values
+from .user_line import in_stack_trace, in_traceback, on_stack
 
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 #: Constants larger than this are not embedded in a function's graph.
@@ -78,7 +72,7 @@ class FunctionCapture:
         self._by_content: dict[str, str] = {}
         self.capturing = False
 
-    def call(self, cls: type, args: tuple, kwargs: dict) -> Any:
+    def call(self, cls: type[torch.autograd.Function], args: tuple, kwargs: dict) -> Any:
         """What ``cls.apply(*args, **kwargs)`` returns while tracing: the results of one
         ``autopipe.function`` operator, which the exported graph records."""
         try:
@@ -95,12 +89,16 @@ class FunctionCapture:
         except _Refused as refusal:
             raise _refusal_error(cls, refusal) from None
         name = self._register(cls, fdef)
-        results = [fdef.forward[n].tensor_meta for n in fdef.forward.outputs[: fdef.outputs]]
-        ir.TRACING_OUTPUTS[name] = [(m.shape, m.stride, m.dtype) for m in results]
+        results = []
+        for n in fdef.forward.outputs[: fdef.outputs]:
+            m = fdef.forward[n].tensor_meta
+            assert m is not None  # a forward returns tensors (_results refuses anything else)
+            results.append((m.shape, m.stride, m.dtype))
+        ir.TRACING_OUTPUTS[name] = results
         outputs = torch.ops.autopipe.function.default(name, [bound[i] for i in positions])
         return outputs[0] if single else tuple(outputs)
 
-    def _register(self, cls: type, fdef: ir.FunctionDef) -> str:
+    def _register(self, cls: type[torch.autograd.Function], fdef: ir.FunctionDef) -> str:
         """The name of ``fdef``: the one an identical earlier capture got, else a new one after
         the class (``GeLUFunction``, ``GeLUFunction_1`` for other shapes)."""
         content = json.dumps(fdef.to_json() | {"name": ""}, sort_keys=True)
@@ -145,11 +143,12 @@ def custom_functions_captured() -> Iterator[FunctionCapture]:
             return original.__func__(cls, *args, **kwargs)
         return capture.call(cls, args, kwargs)
 
-    torch.autograd.Function.apply = classmethod(apply)
+    # patching torch's class deliberately (restored below)
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
     try:
         yield capture
     finally:
-        torch.autograd.Function.apply = original
+        torch.autograd.Function.apply = original  # type: ignore[method-assign]
         ir.TRACING_OUTPUTS.clear()
 
 
@@ -157,8 +156,6 @@ def refuse_lost_backwards(exported: torch.export.ExportedProgram) -> None:
     """Refuse a custom function that TorchDynamo traced instead of autopipe: ``torch.cond``
     traces its branches with Dynamo, which turns a call into ``autograd_function_apply`` and
     torch.export then keeps only the forward, so its backward would be lost silently."""
-    from .export import _FRAME, _is_user_file
-
     modules = [exported.graph_module, *exported.graph_module.modules()]
     for module in modules:
         graph = getattr(module, "graph", None)
@@ -166,11 +163,9 @@ def refuse_lost_backwards(exported: torch.export.ExportedProgram) -> None:
             trace = node.meta.get("stack_trace") or ""
             if "autograd_function_apply" not in trace:
                 continue
-            frames = [m for m in _FRAME.finditer(trace) if _is_user_file(m["file"])]
-            where = (
-                f"{frames[-1]['file']}:{frames[-1]['line']}" if frames else "a torch.cond branch"
-            )
-            code = f"\n    {frames[-1]['code'].strip()}" if frames else ""
+            line = in_stack_trace(trace)
+            where = line.where if line else "a torch.cond branch"
+            code = line.code_block if line else ""
             raise TraceError(
                 f"the model calls a custom autograd function inside a torch.cond branch at "
                 f"{where}:{code}\ntorch.cond traces its branches with TorchDynamo, which keeps only "
@@ -181,13 +176,11 @@ def refuse_lost_backwards(exported: torch.export.ExportedProgram) -> None:
 
 
 # -- the call ---------------------------------------------------------------------------------
-def _has_setup_context(cls: type) -> bool:
-    from torch.autograd.function import _SingleLevelFunction
-
+def _has_setup_context(cls: type[torch.autograd.Function]) -> bool:
     return cls.setup_context is not _SingleLevelFunction.setup_context
 
 
-def _bind(cls: type, args: tuple, kwargs: dict) -> tuple[list, int]:
+def _bind(cls: type[torch.autograd.Function], args: tuple, kwargs: dict) -> tuple[list, int]:
     """The arguments ``forward`` receives (defaults filled in, ctx left out) and how many of them
     autograd counts as inputs (backward returns a gradient, or None, for each)."""
     signature = inspect.signature(cls.forward)
@@ -219,13 +212,10 @@ def _check_arguments(bound: list, positions: list[int], count: int) -> None:
             )
 
 
-def _refusal_error(cls: type, refusal: _Refused) -> TraceError:
-    from .export import _is_user_file
-
-    stack = [f for f in traceback.extract_stack()[:-1] if _is_user_file(f.filename)]
-    call = stack[-1] if stack else None
-    where = f"{call.filename}:{call.lineno}" if call else "the model's forward"
-    code = f"\n    {call.line.strip()}" if call and call.line else ""
+def _refusal_error(cls: type[torch.autograd.Function], refusal: _Refused) -> TraceError:
+    call = on_stack()
+    where = call.where if call else "the model's forward"
+    code = call.code_block if call else ""
     return TraceError(
         f"the model calls the custom autograd function {cls.__qualname__} at {where}:{code}\n"
         f"autopipe cannot reproduce {f'its {refusal.part}' if refusal.part else 'it'}: "
@@ -288,7 +278,7 @@ class _Context:
 
 
 def _trace_function(
-    cls: type, bound: list, positions: list[int], count: int, needs: tuple
+    cls: type[torch.autograd.Function], bound: list, positions: list[int], count: int, needs: tuple
 ) -> tuple[ir.FunctionDef, bool]:
     """Trace ``cls``'s forward and backward on fake tensors like ``bound``'s tensors. Returns the
     definition (named after the class, renamed on registration) and whether forward returns one
@@ -392,7 +382,7 @@ def _trace_function(
     return fdef, record["single"]
 
 
-def _amp_decorators(cls: type) -> dict[str, Any]:
+def _amp_decorators(cls: type[torch.autograd.Function]) -> dict[str, Any]:
     """The ``torch.amp.custom_fwd`` / ``custom_bwd`` decorators of a function's forward and
     backward, which the generated class repeats (they switch autocast inside the function)."""
     amp: dict[str, Any] = {}
@@ -461,14 +451,15 @@ def _argument_names(fn: Callable, skip: int) -> list[str]:
     return names
 
 
-def _origin(cls: type) -> tuple[str, str]:
+def _origin(cls: type[torch.autograd.Function]) -> tuple[str, str]:
     """``module.Qualname`` and ``FILE:LINE`` of a class, both without absolute paths: the file
     relative to the package root its module name gives, else the file's name alone."""
     code = getattr(cls.forward, "__code__", None)
     try:
-        path = inspect.getsourcefile(cls) or code.co_filename
+        source_file = inspect.getsourcefile(cls)
     except (TypeError, AttributeError):
-        path = getattr(code, "co_filename", "unknown.py")
+        source_file = None
+    path = source_file if source_file else getattr(code, "co_filename", "unknown.py")
     try:
         line = inspect.getsourcelines(cls)[1]
     except (OSError, TypeError):
@@ -538,8 +529,6 @@ def _graph_of(
 
 
 def _failure(exc: Exception) -> str:
-    from .export import user_frame
-
     name = type(exc).__name__
     text = str(exc).strip()
     message = (text.splitlines()[0] if text else name).rstrip(".")
@@ -547,10 +536,10 @@ def _failure(exc: Exception) -> str:
         message = f"Python code depends on tensor values ({message})"
     else:
         message = f"{name}: {message}"
-    frame = user_frame(exc)
-    if frame is not None:
-        line = f": {frame.line.strip()}" if frame.line else ""
-        message += f" (at {frame.filename}:{frame.lineno}{line})"
+    line = in_traceback(exc)
+    if line is not None:
+        code = f": {line.code}" if line.code else ""
+        message += f" (at {line.where}{code})"
     return message
 
 
@@ -634,7 +623,7 @@ def _convert(traced: fx.GraphModule, input_names: list[str], qualname: str) -> t
         params={},
         buffers={},
         constants={k: v for k, v in constants.items() if k in {n.name for n in nodes}},
-        model={"class": qualname},
+        model=ModelFacts.of_subgraph(qualname),
         units=[Unit(0, qualname, [n.name for n in nodes if n.kind == "call"])] if calls else [],
     )
     return graph, values
@@ -643,8 +632,6 @@ def _convert(traced: fx.GraphModule, input_names: list[str], qualname: str) -> t
 def _switch_mode(node: fx.Node, modes: list[tuple]) -> bool:
     """Apply a node that enters or leaves an autocast region, or switches grad mode, to the
     list of modes (traced under no_grad); False for any other node."""
-    from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
-
     if node.target is _enter_autocast:
         device_type, dtype, enabled = (list(node.args) + [None, None, True])[:3]
         if not isinstance(device_type, str) or not isinstance(enabled, bool):
@@ -668,14 +655,15 @@ def _switch_mode(node: fx.Node, modes: list[tuple]) -> bool:
 
 def _live_calls(nodes: list[Node], outputs: list[str]) -> set[str]:
     """Calls whose values reach the outputs, or that write in place to a value that does."""
-    from ..ir.interpreter import resolve_target
-
     used = set(outputs)
     live: set[str] = set()
     for node in reversed(nodes):
         if node.kind != "call":
             continue
-        mutates = node.target != "getitem" and bool(resolve_target(node.target)._schema.is_mutable)
+        # OpOverload._schema: torch's internal record of an operator's signature
+        mutates = node.target != "getitem" and bool(
+            resolve_target(node.target)._schema.is_mutable  # type: ignore[attr-defined]
+        )
         if node.name in used or mutates:
             live.add(node.name)
             used.update(node.inputs)

@@ -10,20 +10,21 @@ operator as the model's own graph is, into a small :class:`~autopipe.ir.graph.Gr
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import operator
-import os
-import traceback
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
 
-from ..checks import Namespace, op_overload
+from ..checks import op_overload
 from ..errors import TraceError
-from ..ir.graph import COND, Graph, Node, Ref, TensorMeta, Unit
+from ..ir import COND, Graph, ModelFacts, Node, Ref, TensorMeta, Unit
+from .converter import Converter
+from .passes import drop_dead, move_getitems_after_sources
+from .user_line import at_node, on_stack
+from .values import constant_literal, scope_of, symbolic_size_error, tensor_meta_of, value_meta_of
 
 __all__ = ["cond_grad_mode_checked", "convert_cond", "cond_location"]
 
@@ -33,17 +34,15 @@ def cond_grad_mode_checked() -> Iterator[None]:
     """Refuse ``torch.cond`` called under another grad mode than the model's forward (inside
     ``torch.no_grad()``) while exporting: torch.export drops such a region around a cond, and
     the pipeline would then train the parameters the branches read."""
-    from .export import _is_user_file
-
     original = torch.cond
     outer = torch.is_grad_enabled()
 
     @functools.wraps(original)
     def cond(*args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() != outer:
-            stack = [f for f in traceback.extract_stack()[:-1] if _is_user_file(f.filename)]
-            where = f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "the model's forward"
-            code = f"\n    {stack[-1].line.strip()}" if stack and stack[-1].line else ""
+            line = on_stack()
+            where = line.where if line else "the model's forward"
+            code = line.code_block if line else ""
             raise TraceError(
                 f"the model calls torch.cond under torch.no_grad() at {where}:{code}\n"
                 "torch.export drops a no-grad region around a torch.cond, so the pipeline would "
@@ -59,13 +58,13 @@ def cond_grad_mode_checked() -> Iterator[None]:
         torch.cond = original
 
 
-def convert_cond(converter: Any, node: fx.Node, owner: torch.nn.Module, context: tuple) -> None:
-    """Add the cond ``node`` of ``owner``'s graph to ``converter`` (an export ``_Converter``)
-    as one node whose arguments hold its two branches as graphs."""
-    from .export import _symbolic_size_error, _scope, _value_meta
-
+def convert_cond(
+    converter: Converter, node: fx.Node, owner: torch.nn.Module, context: tuple
+) -> None:
+    """Add the cond ``node`` of ``owner``'s graph to ``converter`` as one node whose arguments
+    hold its two branches as graphs."""
     where = cond_location(node)
-    if getattr(converter, "cond_branch", False):
+    if converter.cond_branch:
         raise TraceError(
             f"the model nests torch.cond inside a branch of torch.cond at {where}; autopipe "
             "compiles a torch.cond whose branches hold torch operators only. Merge the "
@@ -77,7 +76,7 @@ def convert_cond(converter: Any, node: fx.Node, owner: torch.nn.Module, context:
             "--dynamic dimensions yet (its branches are traced for fixed sizes). Compile "
             "without --dynamic, or compute the choice with torch.where"
         )
-    error = _symbolic_size_error(node)
+    error = symbolic_size_error(node)
     if error is not None:
         raise error
     pred, true_node, false_node, operands = node.args
@@ -87,20 +86,21 @@ def convert_cond(converter: Any, node: fx.Node, owner: torch.nn.Module, context:
             f"torch.cond at {where} has the predicate {pred!r}; autopipe supports a tensor "
             "predicate (a Python bool chooses its branch when tracing)"
         )
+    assert isinstance(operands, (list, tuple))  # torch.cond records its operands as a list
     operand_refs = [converter.names.get(o) if isinstance(o, fx.Node) else o for o in operands]
     if not all(isinstance(ref, Ref) for ref in operand_refs):
         raise TraceError(
             f"torch.cond at {where} has operands that are not tensors ({list(operands)}); "
             "autopipe supports tensor operands only"
         )
-    meta = _value_meta(node)
+    meta = value_meta_of(node)
     if not isinstance(meta, tuple) or not all(isinstance(m, TensorMeta) for m in meta):
         raise TraceError(
             f"torch.cond at {where} returns values that are not tensors; autopipe supports "
             "branches returning tensors only"
         )
     true_branch, false_branch = (
-        _branch(converter, operator.attrgetter(n.target)(owner), node, side, where)
+        _branch(converter, _submodule(owner, n), node, side, where)
         for n, side in ((true_node, "true"), (false_node, "false"))
     )
     ir = Node(
@@ -109,22 +109,20 @@ def convert_cond(converter: Any, node: fx.Node, owner: torch.nn.Module, context:
         target=COND,
         args=(pred_ref, true_branch, false_branch, operand_refs),
         meta=meta,
-        scope=_scope(node),
+        scope=scope_of(node),
         context=context,
     )
     converter.names[node] = Ref(ir.name)
     converter.nodes.append(ir)
 
 
-def _branch(converter: Any, module: fx.GraphModule, cond: fx.Node, side: str, where: str) -> Graph:
+def _branch(
+    converter: Converter, module: fx.GraphModule, cond: fx.Node, side: str, where: str
+) -> Graph:
     """One branch of ``cond`` as a graph of its own: inputs (the operands), tensor constants
     created inside it, and its operators, named apart from the model's values (a branch becomes
     a function of its own in the generated code)."""
-    from .export import _constant_literal, _drop_dead, _move_getitems_after_sources, _tensor_meta
-
-    sub = copy.copy(converter)  # the same conversion, into fresh tables
-    sub.nodes, sub.names, sub.taken = [], {}, Namespace()
-    sub.inputs, sub.outputs, sub.constants = [], [], {}
+    sub = converter.subgraph_converter()  # the same conversion, into fresh tables
     sub.cond_branch = True
     outputs: list[str] = []
     stack = cond.meta.get("nn_module_stack")
@@ -132,20 +130,20 @@ def _branch(converter: Any, module: fx.GraphModule, cond: fx.Node, side: str, wh
         if inner.op == "placeholder":
             name = sub.fresh(inner.name)
             sub.inputs.append(name)
-            sub.nodes.append(Node(name, "input", meta=_tensor_meta(inner)))
+            sub.nodes.append(Node(name, "input", meta=tensor_meta_of(inner)))
             sub.names[inner] = Ref(name)
         elif inner.op == "get_attr":
             value = operator.attrgetter(inner.target)(module)
             if isinstance(value, torch.Tensor):  # a tensor the branch creates from data
                 name = sub.fresh(inner.name)
-                sub.constants[name] = _constant_literal(inner.target, value)
+                sub.constants[name] = constant_literal(inner.target, value)
                 meta = TensorMeta.of(value, requires_grad=False)
                 sub.nodes.append(Node(name, "constant", target=name, meta=meta))
                 sub.names[inner] = Ref(name)
         elif inner.op == "call_function":
             if not inner.meta.get("nn_module_stack") and stack:
                 inner.meta["nn_module_stack"] = stack  # comment it with the cond's module
-            sub._call(inner, module, (), None)
+            sub.call(inner, module, (), None)
         elif inner.op == "output":
             results = [sub.names.get(r) if isinstance(r, fx.Node) else r for r in inner.args[0]]
             if not all(isinstance(r, Ref) for r in results):
@@ -153,9 +151,9 @@ def _branch(converter: Any, module: fx.GraphModule, cond: fx.Node, side: str, wh
                     f"the {side} branch of torch.cond at {where} returns {inner.args[0]!r}; "
                     "autopipe supports branches returning tensors computed in them"
                 )
-            outputs = [r.name for r in results]
-    _move_getitems_after_sources(sub.nodes)
-    nodes = _drop_dead(sub.nodes, set(outputs))
+            outputs = [cast(Ref, r).name for r in results]  # all Refs, checked above
+    move_getitems_after_sources(sub.nodes)
+    nodes = drop_dead(sub.nodes, set(outputs))
     calls = [n for n in nodes if n.kind == "call"]
     for n in calls:
         n.unit = 0
@@ -179,26 +177,21 @@ def _branch(converter: Any, module: fx.GraphModule, cond: fx.Node, side: str, wh
         params={},
         buffers={},
         constants=sub.constants,
-        model={"class": _module_class(stack), "source": where},
+        model=ModelFacts.of_subgraph(_module_class(stack), where),
         units=[Unit(0, f"{side} branch", [n.name for n in calls])] if calls else [],
     )
 
 
-def cond_location(node: fx.Node) -> str:
-    """``FILE:LINE`` of the user's ``torch.cond`` call (the innermost frame in user code), with
-    FILE relative to the working directory when inside it (generated code carries no absolute
-    paths), else its name alone."""
-    from .export import _FRAME, _is_user_file
+def _submodule(owner: torch.nn.Module, node: fx.node.Argument) -> fx.GraphModule:
+    """The submodule of ``owner`` a ``get_attr`` node names (a branch of a cond)."""
+    assert isinstance(node, fx.Node) and isinstance(node.target, str)  # torch.cond's branches
+    return operator.attrgetter(node.target)(owner)
 
-    frames = [
-        m for m in _FRAME.finditer(node.meta.get("stack_trace") or "") if _is_user_file(m["file"])
-    ]
-    if not frames:
-        return "the model's forward"
-    path = os.path.abspath(frames[-1]["file"])
-    cwd = os.getcwd()
-    shown = os.path.relpath(path, cwd) if path.startswith(cwd + os.sep) else os.path.basename(path)
-    return f"{shown}:{frames[-1]['line']}"
+
+def cond_location(node: fx.Node) -> str:
+    """``FILE:LINE`` of the user's ``torch.cond`` call (see :mod:`autopipe.tracing.user_line`),
+    else "the model's forward"."""
+    return at_node(node)[0]
 
 
 def _module_class(stack: Any) -> str:

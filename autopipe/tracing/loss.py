@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
-from ..ir.graph import COND, Graph
+from ..ir import COND, Graph
 from ..spec import Example
 from .export import trace
 
@@ -81,5 +81,5 @@ def trace_loss(example: Example, loss_fn: Callable) -> Graph:
         )
     target_value = example.target
     if not target_value.is_meta and not target_value.is_floating_point() and target_value.numel():
-        graph.model["input_ranges"] = {"target": int(target_value.max())}
+        graph.model = graph.model.updated(input_ranges={"target": int(target_value.max())})
     return graph

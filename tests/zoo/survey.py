@@ -117,7 +117,7 @@ def _run_standalone(package_dir: str, inputs: str) -> str:
     """In the --standalone process: one package's stages forward and backward."""
     import torch
 
-    from autopipe.runtime.pipeline import Pipeline
+    from autopipe.runtime.core.pipeline import Pipeline
     from autopipe.runtime.support import stage_state
     from autopipe.verify import load_pipeline
 

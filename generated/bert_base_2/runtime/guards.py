@@ -14,11 +14,12 @@ import shutil
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .data import PipelineRunError, first_line
+from .core.errors import PipelineRunError, first_line
 
 
 def agree(problem: str | None) -> str | None:
@@ -160,14 +161,14 @@ class RunLock:
             self.path.unlink(missing_ok=True)
             self.held = False
 
-    def _owner(self) -> dict | None:
+    def _owner(self) -> dict[str, Any] | None:
         try:
             owner = json.loads(self.path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
         return owner if isinstance(owner, dict) else None
 
-    def _stale(self, owner: dict | None) -> bool:
+    def _stale(self, owner: dict[str, Any] | None) -> bool:
         if owner is None:  # unreadable: stale unless it is being written right now
             try:
                 return time.time() - self.path.stat().st_mtime > 10
@@ -178,12 +179,12 @@ class RunLock:
         return _process_start(owner["pid"]) != owner.get("start")
 
     @staticmethod
-    def _who(owner: dict | None) -> str:
+    def _who(owner: dict[str, Any] | None) -> str:
         if owner is None:
             return "owner unknown"
         return f"pid {owner.get('pid')} on {owner.get('host')} since {owner.get('since')}"
 
-    def _busy(self, owner: dict | None) -> str:
+    def _busy(self, owner: dict[str, Any] | None) -> str:
         return (
             f"--checkpoint-dir {self.path.parent} is in use by another training run "
             f"({self._who(owner)}); give this run another --checkpoint-dir, or wait for that one "

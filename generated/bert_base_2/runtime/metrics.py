@@ -17,48 +17,9 @@ from typing import IO
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from .core.memory import LiveTensorBytes
 from .support import local_shard
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """The most bytes of tensor storage alive at once while active: every operator's outputs
-    are counted until their storage is freed (views share their base's). CPU runs use it for
-    ``--track-memory``, where the process's resident size would count the allocator's caches and
-    the interpreter; it slows every operator down. Storages in ``existing`` (and results of
-    in-place operators on them) are not counted: the profiler measures what a unit adds."""
-
-    def __init__(self, existing: set[StorageWeakRef] | frozenset = frozenset()) -> None:
-        super().__init__()
-        self.existing = existing
-        self.live: dict[StorageWeakRef, int] = {}
-        self.bytes = 0
-        self.peak = 0
-        self.active = False
-
-    def __enter__(self) -> LiveTensorBytes:
-        self.active = True
-        return super().__enter__()
-
-    def __exit__(self, *exc) -> None:
-        self.active = False
-        super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for ref in [r for r in self.live if r.expired()]:
-            self.bytes -= self.live.pop(ref)
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
-                ref = StorageWeakRef(tensor.untyped_storage())
-                if ref not in self.live and ref not in self.existing:
-                    self.live[ref] = tensor.untyped_storage().nbytes()
-                    self.bytes += self.live[ref]
-        self.peak = max(self.peak, self.bytes)
-        return out
 
 
 def peak_memory(device: torch.device, tracker: LiveTensorBytes | None = None) -> int:

@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import importlib
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import ClassVar, TypeVar, cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-#: in the message of the checks generated code makes of sizes computed from tensor values
-SPECIALISED_SIZE = "the pipeline was compiled for that size"
+#: name -> (shape, dtype, requires_grad, initialisation rule): a stage's or block's PARAMETERS.
+ParameterTable = dict[str, tuple[tuple[int, ...], torch.dtype, bool, str]]
+#: name -> (shape, dtype, persistent, initialisation rule or fixed value): BUFFERS.
+BufferTable = dict[str, tuple[tuple[int, ...], torch.dtype, bool, "str | torch.Tensor"]]
+
+
+_T = TypeVar("_T")
 
 
 class MissingOperatorError(ImportError):
@@ -38,8 +44,9 @@ def require_operators(operators: dict[str, str]) -> None:
 class IndexedModule(nn.Module):
     """A module whose children named ``"0"``, ``"1"`` ... are reached as ``module[0]``."""
 
-    def __getitem__(self, key) -> nn.Module:
-        return self._modules[str(key)]
+    def __getitem__(self, key: int | str) -> nn.Module:
+        # torch types _modules' values as Optional; the numbered children are real modules
+        return cast(nn.Module, self._modules[str(key)])
 
 
 class ModuleScope(IndexedModule):
@@ -52,10 +59,10 @@ class Block(IndexedModule):
     called by the stage, holding its parameters and buffers (``PARAMETERS`` / ``BUFFERS``,
     named within the block)."""
 
-    PARAMETERS: dict = {}
-    BUFFERS: dict = {}
+    PARAMETERS: ClassVar[ParameterTable] = {}
+    BUFFERS: ClassVar[BufferTable] = {}
 
-    def __init__(self, device="cpu", meta_state: bool = False):
+    def __init__(self, device: torch.device | str = "cpu", meta_state: bool = False):
         super().__init__()
         build_state(self, self.PARAMETERS, self.BUFFERS, device, meta_state)
 
@@ -73,7 +80,11 @@ def _parent(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
 
 
 def build_state(
-    root: nn.Module, parameters: dict, buffers: dict, device, meta_state: bool = False
+    root: nn.Module,
+    parameters: ParameterTable,
+    buffers: BufferTable,
+    device: torch.device | str,
+    meta_state: bool = False,
 ) -> None:
     """Create the parameters and buffers of a stage, uninitialised, on ``device``.
 
@@ -97,7 +108,9 @@ def build_state(
 
 
 @torch.no_grad()
-def init_state(root: nn.Module, parameters: dict, buffers: dict, seed: int = 0) -> None:
+def init_state(
+    root: nn.Module, parameters: ParameterTable, buffers: BufferTable, seed: int = 0
+) -> None:
     """Initialise a stage and its blocks deterministically: every tensor is drawn from a
     generator seeded by ``seed`` and its full name, so a parameter gets the same values whatever
     the partition.
@@ -113,9 +126,9 @@ def init_state(root: nn.Module, parameters: dict, buffers: dict, seed: int = 0) 
     for prefix, module, parameters, buffers in tables:
         for name, (_shape, _dtype, _requires_grad, rule) in parameters.items():
             _fill(module.get_parameter(name), rule, seed, prefix + name)
-        for name, (_shape, _dtype, _persistent, rule) in buffers.items():
-            if isinstance(rule, str):
-                _fill(module.get_buffer(name), rule, seed, prefix + name)
+        for name, (_shape, _dtype, _persistent, init) in buffers.items():
+            if isinstance(init, str):
+                _fill(module.get_buffer(name), init, seed, prefix + name)
 
 
 def _fill(tensor: torch.Tensor, rule: str, seed: int, name: str) -> None:
@@ -153,8 +166,8 @@ def copy_whole(tensor: torch.Tensor, values: torch.Tensor) -> None:
 
 
 def stage_state(
-    stage: nn.Module, state: dict[str, torch.Tensor], aliases: Sequence[Sequence[str]]
-) -> dict[str, torch.Tensor]:
+    stage: nn.Module, state: Mapping[str, _T], aliases: Sequence[Sequence[str]]
+) -> dict[str, _T]:
     """The entries of an original-model ``state_dict`` a stage holds, tied aliases resolved.
     Raises ``KeyError`` naming the first missing entry."""
     alias_of = {name: group for group in aliases for name in group}

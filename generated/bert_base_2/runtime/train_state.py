@@ -26,13 +26,15 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -43,10 +45,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .checkpoint import Checkpoint, CheckpointError, save_safetensors
-from .data import PipelineRunError, first_line
+from .core.errors import PipelineRunError, first_line
 from .guards import agree, describe_write_error
 from .parallel import Layout
-from .pipeline import Pipeline, as_pipeline
+from .core.pipeline import Pipeline, as_pipeline
 from .support import copy_whole, local_shard, stage_state
 
 FORMAT, VERSION = "autopipe.checkpoint", 2
@@ -57,7 +59,10 @@ CHECKPOINT_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp|rank\d+\.pt")
 
 # -- original-model weights -------------------------------------------------------------------
 def load_weights(
-    stages: dict[int, nn.Module], path: str, pipeline: Pipeline | dict, device: torch.device
+    stages: dict[int, nn.Module],
+    path: str,
+    pipeline: Pipeline | dict[str, Any],
+    device: torch.device,
 ) -> None:
     """Fill each local stage (built with ``meta_state``, or sharded by FSDP2 and materialised)
     with its own tensors from an original-model checkpoint, reading nothing else: a rank holds
@@ -119,10 +124,11 @@ def gather_weights(
     }
     if layout.dp_rank != 0:
         local = {}
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local, gathered, dst=0)
     if dist.get_rank() != 0:
         return None
+    assert gathered is not None  # rank 0 gathers
     merged: dict[str, torch.Tensor] = {}
     for part in gathered:
         merged.update(part)
@@ -169,7 +175,9 @@ STEP_NAME = re.compile(r"step-\d{8}")
 class TrainingCheckpoints:
     """The checkpoints of one run in ``root``; every rank holds one of these."""
 
-    def __init__(self, root: str | Path, pipeline: Pipeline | dict, layout: Layout, keep: int):
+    def __init__(
+        self, root: str | Path, pipeline: Pipeline | dict[str, Any], layout: Layout, keep: int
+    ):
         """``pipeline``: a Pipeline, or a package's ``PIPELINE`` dict."""
         self.root = Path(root)
         self.pipeline = as_pipeline(pipeline)
@@ -343,7 +351,8 @@ class TrainingCheckpoints:
                 local_shard(target).copy_(local_shard(value))
         for index, stage in stages.items():
             tensors, osd = state[index]
-            set_model_state_dict(stage, tensors)
+            # torch annotates a dict of its ValueType where a Mapping of tensors would do
+            set_model_state_dict(stage, tensors)  # type: ignore[arg-type]
             set_optimizer_state_dict(stage, optimizers[index], osd)
         same_layout = (
             manifest["world_size"] == dist.get_world_size()
@@ -353,12 +362,12 @@ class TrainingCheckpoints:
         rank_file = path / f"rank{self.layout.rank}.pt"
         if same_layout and rank_file.is_file():
             _set_rng_state(_load(rank_file, "cpu")["rng"], self.layout.device)
-        return manifest["step"]
+        return cast(int, manifest["step"])  # checked by read_manifest
 
 
 def _source(
     path: Path,
-    saved: dict,
+    saved: dict[str, TensorStorageMetadata | BytesStorageMetadata],
     aliases: Sequence[str],
     index: int,
     tensor: torch.Tensor,
@@ -400,7 +409,9 @@ def stage_training_state(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """One stage's model state and torch's optimizer state dict of it, keyed by the original
     model's names (DTensors when sharded; the optimizer's state created if it has none yet)."""
-    return get_model_state_dict(stage), get_optimizer_state_dict(stage, optimizer)
+    # a model's state: tensors (torch types it as any state_dict value)
+    tensors = cast(dict[str, torch.Tensor], get_model_state_dict(stage))
+    return tensors, get_optimizer_state_dict(stage, optimizer)
 
 
 def training_state(
@@ -497,7 +508,9 @@ def _stop_signals_deferred() -> Iterator[None]:
         return
     caught: list[int] = []
     stops = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.signal(s, lambda signum, _frame: caught.append(signum)) for s in stops}
+    previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {
+        s: signal.signal(s, lambda signum, _frame: caught.append(signum)) for s in stops
+    }
     try:
         yield
     finally:
@@ -546,7 +559,7 @@ def damage(path: Path) -> str | None:
     return None
 
 
-def read_manifest(path: Path) -> dict:
+def read_manifest(path: Path) -> dict[str, Any]:
     try:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -573,12 +586,14 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def merge_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+def merge_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The whole original-model state_dict held by a checkpoint directory (``DIR`` for its
     latest, or ``DIR/step-N``), and its manifest."""
     path = Path(path)
     if not (path / MANIFEST).is_file() and (path / "latest").is_file():
-        path = latest_checkpoint(path)
+        latest = latest_checkpoint(path)
+        assert latest is not None  # its `latest` pointer is a file
+        path = latest
     problem = damage(path)
     if problem:
         raise PipelineRunError(f"checkpoint {path} is damaged ({problem})")
@@ -587,7 +602,11 @@ def merge_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     try:
         saved = reader.read_metadata().state_dict_metadata
         state = {
-            key[len("model.") :]: torch.empty(meta.size, dtype=meta.properties.dtype)
+            # the model's entries are tensors (a bytes entry fails here, as damage)
+            key[len("model.") :]: torch.empty(
+                cast(TensorStorageMetadata, meta).size,
+                dtype=cast(TensorStorageMetadata, meta).properties.dtype,
+            )
             for key, meta in saved.items()
             if key.startswith("model.")
         }
@@ -602,10 +621,11 @@ def merge_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     return state, manifest
 
 
-def _load(path: Path, device: torch.device | str) -> dict:
+def _load(path: Path, device: torch.device | str) -> dict[str, Any]:
     """A checkpoint file, or PipelineRunError naming it when it is truncated or corrupted."""
     try:
-        return torch.load(path, map_location=device, weights_only=True, mmap=True)
+        loaded = torch.load(path, map_location=device, weights_only=True, mmap=True)
+        return cast(dict[str, Any], loaded)  # what _save wrote
     except (OSError, RuntimeError, ValueError, EOFError) as exc:
         raise PipelineRunError(
             f"{path} cannot be read ({first_line(exc)}); the checkpoint is damaged"

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,11 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from .data import Batches, PipelineRunError, first_line
+from .core.errors import SPECIALISED_SIZE, PipelineRunError, first_line
+from .core.memory import LiveTensorBytes
+from .core.pipeline import Pipeline, PipelineFormatError
+from .core.schedules import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, greedy_orders
+from .data import Batches
 from .guards import (
     RunLock,
     agree,
@@ -46,12 +50,10 @@ from .guards import (
     nonfinite_problem,
     output_problems,
 )
-from .metrics import LiveTensorBytes, Metrics, gather_per_rank, peak_memory, state_bytes
-from .options import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, TrainConfig, parse_config
+from .metrics import Metrics, gather_per_rank, peak_memory, state_bytes
+from .options import TrainConfig, parse_config
 from .parallel import DataParallelStage, GradientSync, Layout, init_distributed, shard_stage
-from .pipeline import Pipeline, PipelineFormatError
-from .schedule import greedy_orders
-from .support import SPECIALISED_SIZE, MissingOperatorError
+from .support import MissingOperatorError
 from .train_state import (
     TrainingCheckpoints,
     gather_weights,
@@ -63,6 +65,8 @@ from .train_state import (
 _KINDS = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
 #: microbatches x stages from which building the schedule takes long enough to say so
 LARGE_SCHEDULE = 4096
+#: this rank's pipeline stages and a schedule over them, for some sizes of dynamic dimensions
+Shaped = tuple[list[DataParallelStage], _PipelineSchedule]
 
 
 # -- stages -----------------------------------------------------------------------------------
@@ -82,7 +86,7 @@ class KeepBuffers:
                 buffer.copy_(value)
 
 
-def checkpointed(module: nn.Module, forward: Callable) -> Callable:
+def checkpointed(module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
     """``forward`` keeping only its inputs for backward, which recomputes the rest; ``module``'s
     buffers (BatchNorm's running statistics) are left as the first forward set them."""
 
@@ -170,14 +174,21 @@ class StageRunner(nn.Module):
         return tuple(fixed)
 
 
-def make_loss_fn(package: ModuleType, pipeline: Pipeline, device: torch.device) -> Callable:
+#: what the schedule calls on the last stage's output and the target: the microbatch's loss
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def make_loss_fn(package: ModuleType, pipeline: Pipeline, device: torch.device) -> LossFn:
     loss = pipeline.loss
     if loss.module is not None:
         module = importlib.import_module(f"{package.__name__}.{loss.module}").Loss().to(device)
 
-        def user_loss(output, target):
+        def user_loss(
+            output: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor
+        ) -> torch.Tensor:
             outputs = output if isinstance(output, tuple) else (output,)
-            return module(*outputs, target)
+            loss: torch.Tensor = module(*outputs, target)
+            return loss
 
         return user_loss
     if loss.output is None:
@@ -187,7 +198,9 @@ def make_loss_fn(package: ModuleType, pipeline: Pipeline, device: torch.device) 
         )
     index = pipeline.outputs.index(loss.output)
 
-    def output_loss(output, _target):
+    def output_loss(
+        output: torch.Tensor | tuple[torch.Tensor, ...], _target: torch.Tensor
+    ) -> torch.Tensor:
         outputs = output if isinstance(output, tuple) else (output,)
         return outputs[index]
 
@@ -199,26 +212,27 @@ def build_schedule(
     stages: list[DataParallelStage],
     pipeline: Pipeline,
     microbatches: int,
-    loss_fn: Callable,
+    loss_fn: LossFn,
 ) -> _PipelineSchedule:
     """A torch.distributed.pipelining schedule over this rank's stages. Gradients are left
     unscaled (sums over microbatches): the driver scales them once per optimizer step."""
     if name in SINGLE_STAGE:
-        return get_schedule_class(SINGLE_STAGE[name])(
+        # torch leaves get_schedule_class's return unannotated
+        return get_schedule_class(SINGLE_STAGE[name])(  # type: ignore[no-any-return]
             stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
         )
     if name in MULTI_STAGE:
         try:
-            return get_schedule_class(MULTI_STAGE[name])(
+            return get_schedule_class(MULTI_STAGE[name])(  # type: ignore[no-any-return]  # torch
                 stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
             )
         except (ValueError, AssertionError) as exc:
             raise PipelineRunError(f"--schedule {name} does not fit: {exc}") from None
     orders = greedy_orders(pipeline.pipeline_costs(), microbatches)
-    schedule = _PipelineScheduleRuntime(
+    schedule = _PipelineScheduleRuntime(  # type: ignore[no-untyped-call]  # torch: unannotated
         stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
     )
-    actions = {
+    actions: dict[int, list[_Action | None]] = {
         rank: [_Action(a.stage, _KINDS[a.kind], a.microbatch) for a in order]
         for rank, order in orders.items()
     }
@@ -332,6 +346,7 @@ def save_trained(
 ) -> None:
     """Rank 0: ``--save``; if that fails after all, the next place that takes the state, and
     an error saying where it went: trained weights are never dropped."""
+    assert config.save is not None  # called only with --save
     failures = []
     for path in [Path(config.save), *fallback_paths(config.save, config.checkpoint_dir, step)]:
         try:
@@ -350,29 +365,6 @@ def save_trained(
     raise PipelineRunError(
         f"could not write the trained state_dict anywhere ({'; '.join(failures)}){kept}"
     )
-
-
-def train(package: ModuleType, pipeline: Pipeline, config: TrainConfig) -> None:
-    layout = init_distributed(pipeline, config.device, config.dp, config.dp_shard, config.timeout)
-    torch.manual_seed(config.seed * 1_000_003 + layout.rank)  # dropout streams differ per rank
-    reporting = layout.pp_rank == pipeline.last_rank and layout.dp_rank == 0
-    if config.dp_shard != pipeline.dp_shard:
-        say(
-            f"warning: the partition planned each device's memory for --dp-shard "
-            f"{pipeline.dp_shard}, this run shards over {config.dp_shard}"
-            + (
-                f": it may not fit; recompile with autopipe compile --dp-shard {config.dp_shard}"
-                if config.dp_shard < pipeline.dp_shard
-                else ""
-            )
-        )
-    check_outputs(config, reporting)
-    lock = lock_checkpoints(config)
-    try:
-        _train(package, pipeline, config, layout, reporting)
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def build_stages(
@@ -439,179 +431,282 @@ def build_stages(
     return modules, runners
 
 
-def _train(
-    package: ModuleType, pipeline: Pipeline, config: TrainConfig, layout: Layout, reporting: bool
-) -> None:
-    checkpoints = (
-        TrainingCheckpoints(config.checkpoint_dir, pipeline, layout, config.keep_checkpoints)
-        if config.checkpoint_dir
-        else None
-    )
-    resume = resume_point(checkpoints, config)
-    tracker = None
-    if config.track_memory and layout.device.type == "cpu":  # from the stages' allocation on
-        tracker = LiveTensorBytes()
-        tracker.__enter__()
+def train(package: ModuleType, pipeline: Pipeline, config: TrainConfig) -> None:
+    layout = init_distributed(pipeline, config.device, config.dp, config.dp_shard, config.timeout)
+    torch.manual_seed(config.seed * 1_000_003 + layout.rank)  # dropout streams differ per rank
+    reporting = layout.pp_rank == pipeline.last_rank and layout.dp_rank == 0
+    if config.dp_shard != pipeline.dp_shard:
+        say(
+            f"warning: the partition planned each device's memory for --dp-shard "
+            f"{pipeline.dp_shard}, this run shards over {config.dp_shard}"
+            + (
+                f": it may not fit; recompile with autopipe compile --dp-shard {config.dp_shard}"
+                if config.dp_shard < pipeline.dp_shard
+                else ""
+            )
+        )
+    check_outputs(config, reporting)
+    lock = lock_checkpoints(config)
     try:
-        _run(package, pipeline, config, layout, reporting, checkpoints, resume, tracker)
+        TrainingRun(package, pipeline, config, layout, reporting).run()
     finally:
-        if tracker is not None and tracker.active:
-            tracker.__exit__(None, None, None)
+        if lock is not None:
+            lock.release()
 
 
-def _run(
-    package: ModuleType,
-    pipeline: Pipeline,
-    config: TrainConfig,
-    layout: Layout,
-    reporting: bool,
-    checkpoints: TrainingCheckpoints | None,
-    resume: Path | None,
-    tracker: LiveTensorBytes | None,
-) -> None:
-    device = layout.device
-    local = pipeline.stages_on(layout.pp_rank)
-    num_stages = pipeline.num_stages
-    modules, runners = build_stages(package, pipeline, config, layout, resume)
-    optimizers = {i: make_optimizer(config, m) for i, m in modules.items()}
-    start = 0
-    if resume is not None:
-        say(f"loading the checkpoint {resume}")
-        start = checkpoints.restore(resume, modules, optimizers)
-    schedulers = {i: make_scheduler(config, o, start) for i, o in optimizers.items()}
-    is_first, is_last = 0 in modules, num_stages - 1 in modules
-    loss_fn = make_loss_fn(package, pipeline, device)
+class TrainingRun:
+    """This rank's part of one training run, in named phases: :meth:`setup` (the checkpoint to
+    resume from, stages, optimizers, schedules, data and metrics), :meth:`step` (one optimizer
+    step), :meth:`checkpoint` (after a step, when one is due) and :meth:`finish` (``--save``);
+    :meth:`run` runs them in that order. What a phase builds for the later ones is kept as
+    attributes."""
 
-    def shaped(sizes: dict[str, int] | None) -> tuple[list[DataParallelStage], Any]:
+    # built by setup
+    modules: dict[int, nn.Module]  # this rank's stages, by index
+    runners: dict[int, StageRunner]  # ... as the schedule runs them
+    optimizers: dict[int, torch.optim.Optimizer]
+    schedulers: dict[int, torch.optim.lr_scheduler.LambdaLR]
+    is_first: bool  # this rank holds the first stage (it reads the inputs)
+    is_last: bool  # ... the last stage (it computes the loss)
+    needs_target: bool  # ... and the loss takes a target from the data
+    loss_fn: LossFn
+    sync: GradientSync
+    batches: Batches
+    metrics: Metrics
+
+    def __init__(
+        self,
+        package: ModuleType,
+        pipeline: Pipeline,
+        config: TrainConfig,
+        layout: Layout,
+        reporting: bool,
+    ) -> None:
+        self.package = package
+        self.pipeline = pipeline
+        self.config = config
+        self.layout = layout
+        self.reporting = reporting  # this rank prints and logs the steps
+        self.device = layout.device
+        self.checkpoints = (
+            TrainingCheckpoints(config.checkpoint_dir, pipeline, layout, config.keep_checkpoints)
+            if config.checkpoint_dir
+            else None
+        )
+        self.tracker: LiveTensorBytes | None = None  # --track-memory on CPU
+        self.resume: Path | None = None  # the checkpoint this run continues from
+        self.last_checkpoint: Path | None = None  # the newest checkpoint of the run
+        self.start = 0  # the first step to run
+        self.flops_scale = 1.0  # this step's FLOPs relative to the plan's (dynamic dimensions)
+        self.schedules = ShapedSchedules(self.shaped)
+
+    def run(self) -> None:
+        """Every phase in order; live tensors are counted (``--track-memory`` on CPU) from the
+        stages' allocation to the end of the second step, or of the run."""
+        try:
+            self.setup()
+            try:
+                for step in range(self.start, self.config.steps):
+                    self.step(step)
+                    self.checkpoint(step + 1)
+            finally:
+                self.metrics.close()
+            self.finish()
+        finally:
+            if self.tracker is not None and self.tracker.active:
+                self.tracker.__exit__(None, None, None)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """The checkpoint to resume from; this rank's stages, filled by initialisation,
+        ``--load`` or the checkpoint; their optimizers and learning-rate schedules; the
+        schedule of a static pipeline; gradient synchronisation, the batches and the metrics."""
+        config, pipeline = self.config, self.pipeline
+        self.resume = self.last_checkpoint = resume_point(self.checkpoints, config)
+        if config.track_memory and self.device.type == "cpu":  # from the stages' allocation on
+            self.tracker = LiveTensorBytes()
+            self.tracker.__enter__()
+        self.modules, self.runners = build_stages(
+            self.package, pipeline, config, self.layout, self.resume
+        )
+        self.optimizers = {i: make_optimizer(config, m) for i, m in self.modules.items()}
+        if self.resume is not None:
+            say(f"loading the checkpoint {self.resume}")
+            assert self.checkpoints is not None  # a run resumes only from its checkpoints
+            self.start = self.checkpoints.restore(self.resume, self.modules, self.optimizers)
+        self.schedulers = {
+            i: make_scheduler(config, o, self.start) for i, o in self.optimizers.items()
+        }
+        self.is_first = 0 in self.modules
+        self.is_last = pipeline.num_stages - 1 in self.modules
+        self.loss_fn = make_loss_fn(self.package, pipeline, self.device)
+        if not pipeline.dimensions:
+            self.schedules.get(None)  # built before the first step, as its errors are the options'
+        self.sync = GradientSync(pipeline, self.layout, self.modules)
+        self.batches = Batches(pipeline, config)
+        self.needs_target = self.is_last and pipeline.loss.needs_target
+        self.metrics = self.make_metrics()
+
+    def make_metrics(self) -> Metrics:
+        """The per-step metrics, with what the plan predicts and where the run starts noted."""
+        config, pipeline, plan = self.config, self.pipeline, self.pipeline.plan
+        samples, tokens = self.batches.samples, pipeline.tokens_per_sample
+        per_step = config.microbatches * config.accumulate * self.layout.dp_size  # example ones
+        metrics = Metrics(
+            reporting=self.reporting,
+            steps=config.steps,
+            samples_per_step=samples,
+            tokens_per_step=samples * tokens if tokens else None,
+            log_json=config.log_json,
+            log_every=config.log_every,
+            resumed_at=self.start if self.resume is not None else None,
+            utilisation=lambda seconds: (
+                plan.utilisation(seconds / self.flops_scale, per_step, dist.get_world_size())
+                if plan
+                else None
+            ),
+        )
+        if plan and plan.step_time:
+            metrics.note(plan_note(pipeline, config, dist.get_world_size()))
+        if self.resume is not None:
+            metrics.note(f"resumed from {self.resume} at step {self.start}")
+        elif config.resume:
+            metrics.note(f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0")
+        return metrics
+
+    def shaped(self, sizes: dict[str, int] | None) -> Shaped:
         """This rank's pipeline stages, with buffers of the sizes ``sizes`` of the dynamic
         dimensions, and a schedule over them."""
+        config, pipeline = self.config, self.pipeline
         stages = [
             DataParallelStage(
-                runners[s.index],
+                self.runners[s.index],
                 s.index,
-                num_stages,
-                device,
+                pipeline.num_stages,
+                self.device,
                 input_args=tuple(value.meta_tensor(sizes) for value in pipeline.received(s)),
                 output_args=tuple(value.meta_tensor(sizes) for value in pipeline.returned(s)),
-                group=layout.pp_group,
+                group=self.layout.pp_group,
             )
-            for s in local
+            for s in pipeline.stages_on(self.layout.pp_rank)
         ]
         for stage in stages:
             stage.reduce_every_microbatch = config.gathers_per_block
             stage.overlap = config.dp_overlap
-        if config.microbatches * num_stages >= LARGE_SCHEDULE:
+        if config.microbatches * pipeline.num_stages >= LARGE_SCHEDULE:
             say(
                 f"building the {config.schedule} schedule of {config.microbatches} microbatches ..."
             )
-        schedule = build_schedule(config.schedule, stages, pipeline, config.microbatches, loss_fn)
+        schedule = build_schedule(
+            config.schedule, stages, pipeline, config.microbatches, self.loss_fn
+        )
         return stages, schedule
 
-    schedules = ShapedSchedules(shaped)
-    if not pipeline.dimensions:
-        schedules.get(None)  # built before the first step, as its errors are the options'
-    sync = GradientSync(pipeline, layout, modules)
-    batches = Batches(pipeline, config)
-    needs_target = is_last and pipeline.loss.needs_target
-    samples = batches.samples
-    tokens = pipeline.tokens_per_sample
-    plan = pipeline.plan
-    per_step = config.microbatches * config.accumulate * layout.dp_size  # example microbatches
-    metrics = Metrics(
-        reporting=reporting,
-        steps=config.steps,
-        samples_per_step=samples,
-        tokens_per_step=samples * tokens if tokens else None,
-        log_json=config.log_json,
-        log_every=config.log_every,
-        resumed_at=start if resume is not None else None,
-        utilisation=lambda seconds: (
-            plan.utilisation(seconds / flops_scale, per_step, dist.get_world_size())
-            if plan
-            else None
-        ),
-    )
-    if plan and plan.step_time:
-        metrics.note(plan_note(pipeline, config, dist.get_world_size()))
-    if resume is not None:
-        metrics.note(f"resumed from {resume} at step {start}")
-    elif config.resume:
-        metrics.note(f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0")
-    runs = config.microbatches * config.accumulate
-    checkpoint = resume
-    flops_scale = 1.0  # this step's FLOPs relative to the plan's (dynamic dimensions)
-    try:
-        for step in range(start, config.steps):
-            began = time.perf_counter()
-            for optimizer in optimizers.values():
-                optimizer.zero_grad(set_to_none=True)
-            losses: list[torch.Tensor] = []
-            reads = is_first or needs_target
-            if pipeline.dimensions:  # every rank learns the step's sizes from the data's
-                batch, sizes = agree_dimensions(batches, step, reads, layout)
-                flops_scale = pipeline.flops_scale(sizes)
-                metrics.samples_per_step = batches.rows * pipeline.samples_in_microbatch(sizes)
-                if tokens:
-                    per_sample = pipeline.tokens_in_sample(sizes)
-                    metrics.tokens_per_step = metrics.samples_per_step * per_sample
-            else:
-                batch, sizes = batches(step) if reads else None, None
-            stages, schedule = schedules.get(sizes)
-            for round_ in range(config.accumulate):
-                for stage in stages:  # gradients are reduced in the last round only
-                    stage.final_round = round_ == config.accumulate - 1
-                inputs, target = (
-                    batches.part(batch, round_ * layout.dp_size + layout.dp_rank)
-                    if batch
-                    else ([], None)
-                )
-                kwargs: dict[str, Any] = {}
-                run_losses: list[torch.Tensor] = []  # the schedule refills it every run
-                if is_last:
-                    if target is None:  # the loss is a model output
-                        target = torch.zeros(config.microbatches)
-                    kwargs = {"target": target.to(device), "losses": run_losses}
-                    kwargs["return_outputs"] = False
-                schedule.step(*[t.to(device) for t in inputs] if is_first else [], **kwargs)
-                losses += run_losses
-            sync.scale(1.0 / runs)  # the mean over this rank's microbatches
-            sync.reduce()
-            grad_norm = sync.clip(config.clip_grad_norm)
-            loss = None
-            if is_last:
-                mean = torch.stack([l.detach().float() for l in losses]).mean().to(device)
-                if layout.dp_size > 1:
-                    dist.all_reduce(mean, group=layout.dp_group)
-                    mean /= layout.dp_size
-                loss = mean.item()
-            problem = nonfinite_problem(step, loss, grad_norm, device)
-            if problem and not config.skip_nonfinite:
-                raise PipelineRunError(problem, every_rank=True)
-            lr = next(iter(schedulers.values())).get_last_lr()[0]  # this step's
-            for index, optimizer in optimizers.items():
-                if not problem:
-                    optimizer.step()
-                schedulers[index].step()
-            if tracker is not None and tracker.active and step == start + 1:
-                tracker.__exit__(None, None, None)  # the second step reached the steady peak
-            memory = gather_per_rank(peak_memory(device, tracker), device)
-            state = gather_per_rank(state_bytes(modules.values(), optimizers.values()), device)
-            seconds = time.perf_counter() - began
-            loss = float("nan") if loss is None else loss
-            metrics.record(step, loss, seconds, lr, grad_norm, memory, state, skipped=bool(problem))
-            done = step + 1
-            if checkpoints and (
-                done == config.steps
-                or (config.checkpoint_every and done % config.checkpoint_every == 0)
-            ):
-                checkpoint = checkpoints.save(done, modules, optimizers)
-                metrics.note(f"checkpoint {checkpoint}")
-    finally:
-        metrics.close()
-    if config.save:
-        state = gather_weights(modules, pipeline, layout)
-        if state is not None:
-            save_trained(state, config, config.steps, checkpoint)
+    # -- step ----------------------------------------------------------------------------------
+    def step(self, step: int) -> None:
+        """One optimizer step: the step's batch through ``--accumulate`` pipeline runs, the
+        gradients averaged, reduced and clipped, the optimizers and learning rates stepped
+        (unless the loss or gradient norm is not finite), and the step's metrics recorded."""
+        config, layout, metrics = self.config, self.layout, self.metrics
+        began = time.perf_counter()
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=True)
+        batch, sizes = self.read_batch(step)
+        stages, schedule = self.schedules.get(sizes)
+        losses = self.run_pipeline(batch, stages, schedule)
+        runs = config.microbatches * config.accumulate
+        self.sync.scale(1.0 / runs)  # the mean over this rank's microbatches
+        self.sync.reduce()
+        grad_norm = self.sync.clip(config.clip_grad_norm)
+        loss = None
+        if self.is_last:
+            mean = torch.stack([l.detach().float() for l in losses]).mean().to(self.device)
+            if layout.dp_size > 1:
+                dist.all_reduce(mean, group=layout.dp_group)
+                mean /= layout.dp_size
+            loss = mean.item()
+        problem = nonfinite_problem(step, loss, grad_norm, self.device)
+        if problem and not config.skip_nonfinite:
+            raise PipelineRunError(problem, every_rank=True)
+        # this step's; a float, as --lr is (torch's annotation allows a tensor)
+        lr = cast(float, next(iter(self.schedulers.values())).get_last_lr()[0])
+        for index, optimizer in self.optimizers.items():
+            if not problem:
+                optimizer.step()
+            self.schedulers[index].step()
+        tracker = self.tracker
+        if tracker is not None and tracker.active and step == self.start + 1:
+            tracker.__exit__(None, None, None)  # the second step reached the steady peak
+        memory = gather_per_rank(peak_memory(self.device, tracker), self.device)
+        state = gather_per_rank(
+            state_bytes(self.modules.values(), self.optimizers.values()), self.device
+        )
+        seconds = time.perf_counter() - began
+        loss = float("nan") if loss is None else loss
+        metrics.record(step, loss, seconds, lr, grad_norm, memory, state, skipped=bool(problem))
+
+    def read_batch(self, step: int) -> tuple[Any, dict[str, int] | None]:
+        """The step's batch on the ranks that read data (else None), and the sizes of the
+        dynamic dimensions, which every rank learns (None for a static pipeline)."""
+        pipeline, metrics, batches = self.pipeline, self.metrics, self.batches
+        reads = self.is_first or self.needs_target
+        if not pipeline.dimensions:
+            return batches(step) if reads else None, None
+        batch, sizes = agree_dimensions(batches, step, reads, self.layout)
+        self.flops_scale = pipeline.flops_scale(sizes)
+        metrics.samples_per_step = batches.rows * pipeline.samples_in_microbatch(sizes)
+        if pipeline.tokens_per_sample:
+            per_sample = pipeline.tokens_in_sample(sizes)
+            assert per_sample is not None  # the pipeline has tokens per sample
+            metrics.tokens_per_step = metrics.samples_per_step * per_sample
+        return batch, sizes
+
+    def run_pipeline(
+        self, batch: Any, stages: list[DataParallelStage], schedule: _PipelineSchedule
+    ) -> list[torch.Tensor]:
+        """The step's ``--accumulate`` pipeline runs, gradients reduced in the last: the losses
+        of this rank's microbatches (on the last stage's rank; none elsewhere)."""
+        config, layout = self.config, self.layout
+        losses: list[torch.Tensor] = []
+        for round_ in range(config.accumulate):
+            for stage in stages:  # gradients are reduced in the last round only
+                stage.final_round = round_ == config.accumulate - 1
+            inputs, target = (
+                self.batches.part(batch, round_ * layout.dp_size + layout.dp_rank)
+                if batch
+                else ([], None)
+            )
+            kwargs: dict[str, Any] = {}
+            run_losses: list[torch.Tensor] = []  # the schedule refills it every run
+            if self.is_last:
+                if target is None:  # the loss is a model output
+                    target = torch.zeros(config.microbatches)
+                kwargs = {"target": target.to(self.device), "losses": run_losses}
+                kwargs["return_outputs"] = False
+            schedule.step(*[t.to(self.device) for t in inputs] if self.is_first else [], **kwargs)
+            losses += run_losses
+        return losses
+
+    # -- checkpoint ----------------------------------------------------------------------------
+    def checkpoint(self, done: int) -> None:
+        """After ``done`` steps: a training checkpoint every ``--checkpoint-every`` steps and
+        after the last, when there is a ``--checkpoint-dir``."""
+        config = self.config
+        if self.checkpoints and (
+            done == config.steps
+            or (config.checkpoint_every and done % config.checkpoint_every == 0)
+        ):
+            self.last_checkpoint = self.checkpoints.save(done, self.modules, self.optimizers)
+            self.metrics.note(f"checkpoint {self.last_checkpoint}")
+
+    # -- finish --------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """``--save``: the trained original-model state_dict, gathered to global rank 0."""
+        config = self.config
+        if config.save:
+            state = gather_weights(self.modules, self.pipeline, self.layout)
+            if state is not None:
+                save_trained(state, config, config.steps, self.last_checkpoint)
 
 
 # -- dynamic dimensions -----------------------------------------------------------------------
@@ -621,12 +716,13 @@ class ShapedSchedules:
     lengths cost nothing (a static pipeline has one entry, for ``None``). Each kept entry holds
     its stages' receive buffers (``--pad-to-multiple`` limits how many sizes occur)."""
 
-    def __init__(self, build: Callable[[dict[str, int] | None], tuple], keep: int = 4):
+    def __init__(self, build: Callable[[dict[str, int] | None], Shaped], keep: int = 4):
         self.build = build
         self.keep = keep
-        self.built: dict[tuple, tuple] = {}  # sizes -> (stages, schedule), least recent first
+        #: sizes -> (stages, schedule), least recent first
+        self.built: dict[tuple[tuple[str, int], ...], Shaped] = {}
 
-    def get(self, sizes: dict[str, int] | None) -> tuple:
+    def get(self, sizes: dict[str, int] | None) -> Shaped:
         key = tuple(sorted(sizes.items())) if sizes is not None else ()
         entry = self.built.pop(key, None) or self.build(sizes)
         self.built[key] = entry
@@ -648,6 +744,7 @@ def agree_dimensions(
         try:
             batch = batches(step)
             sizes = batches.dimensions(batch[0], step) if batch[0] else {}
+            assert sizes is not None  # the pipeline has dynamic dimensions
             found = [sizes.get(name, 0) for name in names]
         except Exception as exc:  # noqa: BLE001 - every rank must reach the all-reduce
             problem = exc
@@ -672,6 +769,7 @@ def agree_dimensions(
 def plan_note(pipeline: Pipeline, config: TrainConfig, world: int) -> str:
     """What the compiled plan predicts, for the metrics to be read against."""
     plan = pipeline.plan
+    assert plan is not None  # noted only for a pipeline with a plan
     planned = pipeline.num_ranks * pipeline.dp_shard
     per_step = plan.microbatches * plan.accumulate * pipeline.dp_shard
     mfu = plan.utilisation(plan.step_time, per_step, planned)

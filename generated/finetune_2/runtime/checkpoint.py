@@ -92,6 +92,8 @@ class SafetensorsFile:
 class TorchFile:
     """Tensors of one ``torch.save`` file (state_dict), memory-mapped when the format allows."""
 
+    _state: dict[str, torch.Tensor]  # torch.load's result, checked to be a dict below
+
     def __init__(self, path: Path):
         try:
             try:
@@ -135,7 +137,7 @@ def _weight_map(index: Path) -> dict[str, Path]:
     return where
 
 
-def _open_file(path: Path):
+def _open_file(path: Path) -> SafetensorsFile | TorchFile:
     return SafetensorsFile(path) if path.suffix == ".safetensors" else TorchFile(path)
 
 
@@ -145,7 +147,7 @@ class Checkpoint:
     def __init__(self, path: str | Path):
         path = Path(path)
         self.path = path
-        self._files: dict[Path, object] = {}
+        self._files: dict[Path, SafetensorsFile | TorchFile] = {}
         if path.is_dir():
             indexes = sorted(path.glob("*.index.json"))
             if indexes:
@@ -166,7 +168,7 @@ class Checkpoint:
         else:
             raise CheckpointError(f"{path} does not exist")
 
-    def _file(self, path: Path):
+    def _file(self, path: Path) -> SafetensorsFile | TorchFile:
         if path not in self._files:
             if not path.is_file():
                 raise CheckpointError(f"checkpoint shard {path} does not exist")

@@ -1,33 +1,22 @@
-"""Command line of a generated ``train.py``, and which torch schedules fit the pipeline.
+"""Command line of a generated ``train.py``: one argparse group per concern (run, optimisation,
+data and weights, checkpoints, metrics), each option declared once with its help text, and one
+validation of the parsed options against each other and the pipeline.
 
-Copied into every generated pipeline as ``runtime/options.py``; it needs only torch.
+Copied into every generated pipeline as ``runtime/options.py``; it needs only torch. The schedules
+it offers, and whether one fits the pipeline, come from the catalogue in ``core/schedules.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .pipeline import Pipeline
-
-#: --schedule names -> torch.distributed.pipelining classes running one stage per rank, in order
-SINGLE_STAGE = {"gpipe": "GPipe", "1f1b": "1F1B"}
-#: ... and running several stages per rank: looped placements (stage s on rank s mod ranks) or V
-MULTI_STAGE = {
-    "interleaved-1f1b": "Interleaved1F1B",
-    "looped-bfs": "LoopedBFS",
-    "interleaved-zero-bubble": "InterleavedZeroBubble",
-    "zbv": "ZBVZeroBubble",
-    "dualpipev": "DualPipeV",
-}
-#: "auto": autopipe's order for any placement (runtime/schedule.py), run by torch's schedule runtime
-SCHEDULES = (*SINGLE_STAGE, *MULTI_STAGE, "auto")
-#: schedules that split each backward into an input part and a weight part (zero bubble)
-SPLIT_BACKWARD = ("interleaved-zero-bubble", "zbv", "dualpipev")
-V_SHAPED = ("zbv", "dualpipev")
+from .core.pipeline import Pipeline
+from .core.schedules import SCHEDULES, SPLIT_BACKWARD, schedule_problem_for
 
 
 @dataclass(frozen=True)
@@ -89,31 +78,41 @@ class TrainConfig:
 
 
 def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
-    num_stages, ranks = pipeline.num_stages, pipeline.num_ranks
-    microbatches = pipeline.default_microbatches
+    """train.py's command line: the options of every concern's group (:data:`OPTION_GROUPS`),
+    parsed and then checked once by :func:`validate` (a bad option exits with argparse's usage
+    and message)."""
     parser = argparse.ArgumentParser(
         prog="train.py",
-        description=f"Train {pipeline.model_class} as a {num_stages}-stage pipeline "
-        f"(torchrun --nproc-per-node={ranks * pipeline.dp_shard} train.py; with --dp M --dp-shard "
-        f"N, {ranks} x M x N processes).",
+        description=f"Train {pipeline.model_class} as a {pipeline.num_stages}-stage pipeline "
+        f"(torchrun --nproc-per-node={pipeline.num_ranks * pipeline.dp_shard} train.py; with --dp "
+        f"M --dp-shard N, {pipeline.num_ranks} x M x N processes).",
     )
-    run = parser.add_argument_group("run")
-    run.add_argument("--steps", type=int, default=10, help="optimizer steps to run (default 10)")
-    run.add_argument(
+    for add_options in OPTION_GROUPS:
+        add_options(parser, pipeline)
+    args = parser.parse_args(argv)
+    validate(parser, args, pipeline)
+    return TrainConfig(**vars(args))
+
+
+def run_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
+    """The run's shape: steps, microbatches, schedule, data parallelism, device."""
+    group = parser.add_argument_group("run")
+    group.add_argument("--steps", type=int, default=10, help="optimizer steps to run (default 10)")
+    group.add_argument(
         "--microbatches",
         type=int,
-        default=microbatches,
+        default=pipeline.default_microbatches,
         help="microbatches per pipeline run; a step's batch is microbatches x accumulate x dp x dp-shard "
-        f"example microbatches (default {microbatches}, the plan's)",
+        f"example microbatches (default {pipeline.default_microbatches}, the plan's)",
     )
     default_schedule = pipeline.schedule.name
-    run.add_argument(
+    group.add_argument(
         "--schedule",
         choices=SCHEDULES,
         default=default_schedule,
         help=f"pipeline schedule (default {default_schedule}, the one the partition was made for)",
     )
-    run.add_argument(
+    group.add_argument(
         "--dp",
         type=int,
         default=1,
@@ -121,16 +120,16 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
         help="data-parallel replicas of each stage, gradients all-reduced while backward runs "
         "(default 1)",
     )
-    run.add_argument(
+    group.add_argument(
         "--dp-shard",
         type=int,
         default=pipeline.dp_shard,
         metavar="N",
         help="shard each stage's parameters, gradients and optimizer state over N ranks (FSDP2); "
-        f"with --dp M the world size is {ranks} x M x N (default {pipeline.dp_shard}, what the "
-        "partition planned memory for)",
+        f"with --dp M the world size is {pipeline.num_ranks} x M x N (default "
+        f"{pipeline.dp_shard}, what the partition planned memory for)",
     )
-    run.add_argument(
+    group.add_argument(
         "--gather",
         choices=["auto", "block", "step"],
         default="auto",
@@ -141,23 +140,23 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
         "(fewer collectives, but the whole stage's parameters and gradients are held during the "
         "step); auto: block, or step under the split-backward schedules (default auto)",
     )
-    run.add_argument(
+    group.add_argument(
         "--dp-overlap",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reduce each block's gradients as soon as its last backward ends, while the rest "
         "of the backward runs; --no-dp-overlap reduces them all after it (default: overlap)",
     )
-    run.add_argument(
+    group.add_argument(
         "--device",
         choices=["cpu", "cuda"],
         default="cuda" if torch.cuda.is_available() else "cpu",
         help="cuda runs NCCL with one GPU per rank, cpu runs gloo (default: cuda when available)",
     )
-    run.add_argument(
+    group.add_argument(
         "--seed", type=int, default=0, help="seed of initialisation, dropout and synthetic data"
     )
-    run.add_argument(
+    group.add_argument(
         "--timeout",
         type=float,
         default=300.0,
@@ -165,34 +164,37 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
         help="how long a rank waits for the others before giving up (default 300)",
     )
 
-    optim = parser.add_argument_group("optimisation")
-    optim.add_argument(
+
+def optimisation_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
+    """The optimizer, its learning-rate schedule, precision, recomputation."""
+    group = parser.add_argument_group("optimisation")
+    group.add_argument(
         "--optimizer", choices=["sgd", "adamw"], default="adamw", help="optimizer (default adamw)"
     )
-    optim.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
-    optim.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
-    optim.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
-    optim.add_argument(
+    group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    group.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
+    group.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
+    group.add_argument(
         "--warmup-steps",
         type=int,
         default=0,
         metavar="N",
         help="linear learning-rate warm-up from 0 over N steps (default 0)",
     )
-    optim.add_argument(
+    group.add_argument(
         "--lr-decay",
         choices=["constant", "linear", "cosine"],
         default="constant",
         help="learning-rate decay after warm-up, down to --min-lr at --steps (default constant)",
     )
-    optim.add_argument("--min-lr", type=float, default=0.0, help="final learning rate of decay")
-    optim.add_argument(
+    group.add_argument("--min-lr", type=float, default=0.0, help="final learning rate of decay")
+    group.add_argument(
         "--clip-grad-norm",
         type=float,
         metavar="MAX",
         help="clip gradients to this global norm over all stages (tied parameters counted once)",
     )
-    optim.add_argument(
+    group.add_argument(
         "--accumulate",
         type=int,
         default=pipeline.default_accumulate,
@@ -200,25 +202,25 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
         help="gradient accumulation: K pipeline runs per optimizer step (default "
         f"{pipeline.default_accumulate}, the plan's)",
     )
-    optim.add_argument(
+    group.add_argument(
         "--bf16",
         action="store_true",
         help="run the stages under bfloat16 autocast (values between stages stay in their dtype)",
     )
-    optim.add_argument(
+    group.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile each stage, its blocks as nested compile regions (one compilation "
         "per block class, reused by identical blocks); a stage with blocks recomputed one by one "
         "compiles block by block",
     )
-    optim.add_argument(
+    group.add_argument(
         "--skip-nonfinite",
         action="store_true",
         help="skip a step whose loss or gradient norm is not finite (default: stop the run there; "
         "either way such a step never reaches the weights or a checkpoint)",
     )
-    optim.add_argument(
+    group.add_argument(
         "--recompute",
         default="auto",
         metavar="auto|all|none|S,S|blocks[:S,S|/K]",
@@ -228,8 +230,11 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
         "partitioner chose to fit device memory (default auto)",
     )
 
-    data = parser.add_argument_group("data and weights")
-    data.add_argument(
+
+def data_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
+    """Where batches and weights come from, and where trained weights go."""
+    group = parser.add_argument_group("data and weights")
+    group.add_argument(
         "--data",
         metavar="FILE.py:FN",
         help="FN(step) returns (args, kwargs) or (args, kwargs, target), the step's whole batch "
@@ -237,7 +242,7 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
         "(input names, and 'target' for a --loss), read in a seeded order "
         "(default: synthetic batches of the example's shapes)",
     )
-    data.add_argument(
+    group.add_argument(
         "--pad-to-multiple",
         type=int,
         default=1,
@@ -247,68 +252,90 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
         "occur; inputs named *labels* are padded with -100 (ignored by the loss), others with 0 "
         "(attention masks: masked out). Default 1: no padding",
     )
-    data.add_argument(
+    group.add_argument(
         "--load",
         metavar="PATH",
         help="original-model weights: a torch.save state_dict, a .safetensors file or a Hugging "
         "Face checkpoint directory (sharded with an index JSON); each rank reads only its tensors",
     )
-    data.add_argument(
+    group.add_argument(
         "--save",
         metavar="PATH",
         help="write the trained original-model state_dict here (.safetensors or torch.save)",
     )
 
-    ckpt = parser.add_argument_group("checkpoints")
-    ckpt.add_argument(
+
+def checkpoint_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
+    """Training checkpoints: where, how often, how many, resuming."""
+    group = parser.add_argument_group("checkpoints")
+    group.add_argument(
         "--checkpoint-dir", metavar="DIR", help="write training checkpoints into DIR/step-N"
     )
-    ckpt.add_argument(
+    group.add_argument(
         "--checkpoint-every",
         type=int,
         default=0,
         metavar="N",
         help="checkpoint every N steps (and after the last); default: only after the last",
     )
-    ckpt.add_argument(
+    group.add_argument(
         "--keep-checkpoints",
         type=int,
         default=3,
         metavar="N",
         help="keep the newest N checkpoints (default 3; 0 keeps all)",
     )
-    ckpt.add_argument(
+    group.add_argument(
         "--resume",
         action="store_true",
         help="continue from the latest checkpoint in --checkpoint-dir (weights, optimizer, "
         "learning rate, RNG and data position), if there is one",
     )
-    ckpt.add_argument(
+    group.add_argument(
         "--resume-from",
         metavar="step-N",
         help="continue from this checkpoint of --checkpoint-dir instead of the latest (e.g. when "
         "the latest is damaged)",
     )
 
-    logs = parser.add_argument_group("metrics")
-    logs.add_argument(
+
+def metrics_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
+    """What each step reports, and where."""
+    group = parser.add_argument_group("metrics")
+    group.add_argument(
         "--log-json",
         metavar="PATH",
         help="write one JSON object per step: step, loss, time, samples_per_s, tokens_per_s, lr, "
         "grad_norm, peak_memory and state_bytes (bytes per rank: the peak, and the parameters, "
         "gradients and optimizer state held)",
     )
-    logs.add_argument(
+    group.add_argument(
         "--track-memory",
         action="store_true",
         help="on CPU, report peak memory as the most bytes of live tensors (counted operator by "
         "operator through setup and the first two steps, which run slower) instead of the "
         "process's resident size; CUDA always reports the allocator's peak",
     )
-    logs.add_argument(
+    group.add_argument(
         "--log-every", type=int, default=1, metavar="N", help="print every N steps (default 1)"
     )
-    args = parser.parse_args(argv)
+
+
+#: train.py's option groups, in the order ``--help`` shows them
+OPTION_GROUPS: tuple[Callable[[argparse.ArgumentParser, Pipeline], None], ...] = (
+    run_options,
+    optimisation_options,
+    data_options,
+    checkpoint_options,
+    metrics_options,
+)
+
+
+def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, pipeline: Pipeline) -> None:
+    """Check the parsed options against each other and the pipeline, exiting through
+    ``parser.error`` at the first problem, and resolve what they leave to the pipeline
+    (``--resume-from`` implies ``--resume``; ``--recompute`` becomes stage and block sets,
+    ``--gather auto`` block or step)."""
     for name in ("steps", "checkpoint_every", "warmup_steps", "keep_checkpoints"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0")
@@ -341,7 +368,6 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
             f"--gather block does not work with --schedule {args.schedule}: its weight passes "
             "need each stage's parameters gathered from the input backward on; use --gather step"
         )
-    return TrainConfig(**vars(args))
 
 
 def recompute_choice(
@@ -399,61 +425,3 @@ def _stage_numbers(
 def schedule_problem(name: str, pipeline: Pipeline, microbatches: int) -> str | None:
     """Why schedule ``name`` cannot run this pipeline, naming what would; None if it can."""
     return schedule_problem_for(name, pipeline.rank_of_stage, pipeline.num_ranks, microbatches)
-
-
-def schedule_problem_for(name: str, placed: list[int], ranks: int, microbatches: int) -> str | None:
-    """Why schedule ``name`` cannot run stages placed on ``placed`` ranks (of ``ranks``) with
-    ``microbatches`` microbatches, naming what would; None if it can."""
-    num_stages = len(placed)
-    if name in SINGLE_STAGE:
-        if placed != list(range(num_stages)):
-            fits = [s for s in MULTI_STAGE if placed == placement(s, num_stages, ranks)]
-            return (
-                f"--schedule {name} runs one stage per rank, in order, but this pipeline places its "
-                f"{num_stages} stages on ranks {placed}; use --schedule {' or '.join(['auto', *fits])}"
-            )
-        if name == "1f1b" and microbatches < num_stages:
-            return (
-                f"--schedule 1f1b needs at least as many microbatches as stages ({num_stages}); got "
-                f"--microbatches {microbatches}. Use --microbatches {num_stages} or more, or --schedule gpipe."
-            )
-    elif name in MULTI_STAGE:
-        expected = placement(name, num_stages, ranks)
-        if num_stages % ranks or placed != expected:
-            shape = "V-shaped" if name in V_SHAPED else "looped"
-            fits = [
-                s
-                for s in (*SINGLE_STAGE, *MULTI_STAGE)
-                if s != name and placed == placement(s, num_stages, ranks)
-            ]
-            return (
-                f"--schedule {name} needs stage s on rank {expected} ({shape}), but this pipeline "
-                f"places its stages on ranks {placed}; use --schedule {' or '.join(['auto', *fits])}, "
-                f"or compile with --schedule {name}"
-            )
-        if name in V_SHAPED and num_stages != 2 * ranks:
-            return f"--schedule {name} runs exactly two stages per rank; this pipeline has {num_stages} stages on {ranks} ranks"
-        rounds = max(1, microbatches // ranks)
-        if name in ("interleaved-1f1b", "interleaved-zero-bubble") and microbatches % rounds:
-            fits = [
-                m
-                for m in range(microbatches, 2 * microbatches + ranks)
-                if m % max(1, m // ranks) == 0
-            ]
-            return (
-                f"--schedule {name} runs microbatches in rounds of the {ranks} ranks and needs a "
-                f"multiple of the rounds; --microbatches {microbatches} is not. Use --microbatches {fits[0]}"
-            )
-        if name == "dualpipev" and microbatches < num_stages:
-            return (
-                f"--schedule dualpipev needs at least as many microbatches as stages ({num_stages}); "
-                f"use --microbatches {num_stages} or more"
-            )
-    return None
-
-
-def placement(schedule: str, num_stages: int, ranks: int) -> list[int]:
-    """The stage -> rank placement a torch schedule runs: in order, looped, or V-shaped."""
-    if schedule in V_SHAPED:
-        return [s if s < ranks else 2 * ranks - 1 - s for s in range(num_stages)]
-    return [s % ranks for s in range(num_stages)]

@@ -26,8 +26,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
 
-from .data import PipelineRunError
-from .pipeline import Pipeline
+from .core.errors import PipelineRunError
+from .core.pipeline import Pipeline
 from .support import local_shard
 
 
@@ -151,7 +151,7 @@ class DataParallelStage(PipelineStage):
     overlap = True
 
     def backward_maybe_with_nosync(
-        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+        self, backward_type: str, bwd_kwargs: dict[str, Any], last_backward: bool = False
     ) -> tuple[tuple[torch.Tensor | None, ...], Any]:
         last = last_backward and self.final_round
         reduce_now = self.reduce_every_microbatch or (last and self.overlap)

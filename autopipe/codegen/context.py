@@ -1,0 +1,57 @@
+"""The typed contexts the package templates are rendered with.
+
+Every template of a package receives the :class:`PackageContext` variables; a stage module
+(``stage.py.j2``) receives a :class:`StageContext`, one field per template variable, built in one
+place (``codegen/package.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .plan import StagePlan
+
+__all__ = ["PackageContext", "StageContext"]
+
+
+@dataclass(frozen=True)
+class PackageContext:
+    """What every template of a generated package is rendered with."""
+
+    model_class: str  # the model's class name, without its module
+    num_stages: int
+    num_processes: int  # pipeline ranks x data-parallel shards (torchrun's --nproc-per-node)
+    stage_classes: list[str]  # ``Stage0``, ``Stage1``, ...
+
+    def variables(self) -> dict[str, Any]:
+        """The template variables, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What ``stage.py.j2`` is rendered with: the package's variables and one stage's."""
+
+    package: PackageContext
+    stage: StagePlan
+    summary: str  # ``N operators, from <scope> to <scope>``
+    inputs: list[str]  # the values it receives, under their generated names
+    outputs: list[str]  # ... and returns
+    cloned_inputs: list[str]  # inputs written in place, cloned first
+    sizes: list[str]  # lines computing dynamic dimensions from the inputs
+    returns: list[str]  # the return expressions
+    operators: dict[str, str]  # operators from outside torch -> the module registering them
+    functions: list[str]  # module-level definitions: autograd functions, then cond branches
+    formats: dict[str, str]  # inputs restored to the model's memory layout -> the format
+    uses_device: bool  # whether the forward body names ``device``
+    blocks: list[tuple[str, str]]  # submodules: (original name, block class)
+    support: list[str]  # the runtime.support helpers it imports
+    parameters: list[dict[str, Any]]  # its own parameter rows (its blocks hold the rest)
+    buffers: list[dict[str, Any]]
+    body: list[str]  # the forward body's lines (spliced in after formatting)
+
+    def variables(self, body: list[str]) -> dict[str, Any]:
+        """The template variables, by name, with ``body`` standing for the forward body."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "package"}
+        return self.package.variables() | own | {"body": body}

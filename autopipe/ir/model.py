@@ -1,0 +1,227 @@
+"""What a graph records about the model it was traced from (``Graph.model``): its class and
+spec, how it was traced (on the meta device, with which blocks and unit depth), the value ranges
+of its integer inputs, the modules that register its custom operators, and its dynamic
+dimensions.
+
+Graphs traced from a model record every fact; the graphs of a ``torch.cond`` branch record the
+class and source line, those of a custom autograd function the class alone. :class:`ModelFacts`
+keeps which facts its record holds, so that ``to_json`` gives back the record it was read from.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..checks import is_class_name, is_fqn, is_identifier, is_int, is_text, is_value_name, require
+from ..errors import ArtifactError
+
+__all__ = ["DynamicSymbol", "ModelFacts"]
+
+#: the record's keys, in the order a graph artefact writes them
+_KEYS = (
+    "class",
+    "source",
+    "on_meta",
+    "input_ranges",
+    "depth",
+    "basic_blocks",
+    "inline_blocks",
+    "operators",
+    "symbols",
+)
+
+
+@dataclass(frozen=True)
+class DynamicSymbol:
+    """A dynamic dimension of the model's inputs: its bounds, the size the graph is planned for
+    (its upper bound, or the example's size when it has none), and the ``(input, dimension)``
+    pairs it sizes."""
+
+    min: int
+    max: int | None
+    planned: int
+    sources: tuple[tuple[str, int], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "min": self.min,
+            "max": self.max,
+            "planned": self.planned,
+            "sources": [list(s) for s in self.sources],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, name: str, where: str) -> DynamicSymbol:
+        require(
+            is_value_name(name)
+            and isinstance(data, dict)
+            and sorted(data) == ["max", "min", "planned", "sources"]
+            and is_int(data["min"], 2)
+            and is_int(data["planned"], data["min"])
+            and (data["max"] is None or is_int(data["max"], data["planned"]))
+            and isinstance(data["sources"], list)
+            and all(
+                isinstance(s, list) and len(s) == 2 and is_identifier(s[0]) and is_int(s[1], 0)
+                for s in data["sources"]
+            ),
+            f"{where}model.symbols.{name}",
+            data,
+            "a dynamic dimension {min >= 2, planned >= min, max >= planned or null, "
+            "sources: [[input, dimension], ...]}",
+        )
+        return cls(
+            data["min"], data["max"], data["planned"], tuple((s, d) for s, d in data["sources"])
+        )
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The facts a graph records about its model; see the module docstring."""
+
+    #: module and qualified name of the model's class (``"transformers....GPT2LMHeadModel"``)
+    cls: str
+    #: the model spec it was built from (``autopipe trace``), the ``FILE:LINE`` of a cond branch
+    source: str | None = None
+    #: traced on the meta device (no weights)
+    on_meta: bool = False
+    #: the largest value of each integer input, by name (embedding lookups are profiled in range)
+    input_ranges: Mapping[str, int] = field(default_factory=dict)
+    #: the module depth units were grouped at (None: automatic)
+    depth: int | None = None
+    #: the classes given as ``--basic-blocks``
+    basic_blocks: tuple[str, ...] = ()
+    #: whether stages inline blocks instead of holding them as submodules
+    inline_blocks: bool = False
+    #: the module that registers each custom operator (``namespace::name``) the graph calls
+    operators: Mapping[str, str] = field(default_factory=dict)
+    #: the dynamic dimensions, by name
+    symbols: Mapping[str, DynamicSymbol] = field(default_factory=dict)
+    #: the keys the record holds (a branch's or a function's graph records fewer facts)
+    keys: frozenset[str] = frozenset(_KEYS[:8])
+
+    @classmethod
+    def of_subgraph(cls, class_name: str, source: str | None = None) -> ModelFacts:
+        """The facts of a graph traced from part of a model (a ``torch.cond`` branch, a custom
+        autograd function): its class, and the source line when there is one."""
+        keys = {"class"} | ({"source"} if source is not None else set())
+        return cls(cls=class_name, source=source, keys=frozenset(keys))
+
+    def planned_sizes(self) -> dict[str, int]:
+        """The size each dynamic dimension is planned for, by name."""
+        return {name: s.planned for name, s in self.symbols.items()}
+
+    def symbols_json(self) -> dict[str, dict[str, Any]]:
+        """The dynamic dimensions as the graph artefact (and ``pipeline.json``) write them."""
+        return {name: s.to_json() for name, s in self.symbols.items()}
+
+    def updated(self, **changes: Any) -> ModelFacts:
+        """A copy with some facts changed (by field name); the changed facts are recorded."""
+        names = {"cls": "class"}
+        keys = self.keys | {names.get(k, k) for k in changes}
+        return ModelFacts(**{**self._fields(), **changes, "keys": frozenset(keys)})
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "cls": self.cls,
+            "source": self.source,
+            "on_meta": self.on_meta,
+            "input_ranges": self.input_ranges,
+            "depth": self.depth,
+            "basic_blocks": self.basic_blocks,
+            "inline_blocks": self.inline_blocks,
+            "operators": self.operators,
+            "symbols": self.symbols,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        values = {
+            "class": self.cls,
+            "source": self.source,
+            "on_meta": self.on_meta,
+            "input_ranges": dict(self.input_ranges),
+            "depth": self.depth,
+            "basic_blocks": list(self.basic_blocks),
+            "inline_blocks": self.inline_blocks,
+            "operators": dict(self.operators),
+            "symbols": self.symbols_json(),
+        }
+        return {
+            key: values[key]
+            for key in _KEYS
+            if key in self.keys or (key == "symbols" and self.symbols)
+        }
+
+    def lint(self, where: str) -> None:
+        """Check the facts as :meth:`from_json` checks a record (a graph built in memory)."""
+        ModelFacts.from_json(self.to_json(), where)
+
+    @classmethod
+    def from_json(cls, model: Any, where: str) -> ModelFacts:
+        """The facts a graph artefact's ``model`` record holds, checked; importing the modules
+        that register its custom operators. ``where`` prefixes the field names of errors."""
+        require(isinstance(model, dict), f"{where}model", model, "an object")
+        unknown = sorted(set(model) - set(_KEYS))
+        require(not unknown, f"{where}model", unknown, f"an object with the keys {list(_KEYS)}")
+        require(
+            is_class_name(model.get("class")), f"{where}model.class", model.get("class"), "a class"
+        )
+        source = model.get("source")
+        require(source is None or is_text(source), f"{where}model.source", source, "a model spec")
+        on_meta = model.get("on_meta", False)
+        require(isinstance(on_meta, bool), f"{where}model.on_meta", on_meta, "true or false")
+        ranges = model.get("input_ranges", {})
+        require(
+            isinstance(ranges, dict) and all(is_int(v) for v in ranges.values()),
+            f"{where}model.input_ranges",
+            ranges,
+            "an object of integers by input name",
+        )
+        depth = model.get("depth")
+        require(depth is None or is_int(depth, 0), f"{where}model.depth", depth, "null or a depth")
+        blocks = model.get("basic_blocks", [])
+        require(
+            isinstance(blocks, list) and all(map(is_text, blocks)),
+            f"{where}model.basic_blocks",
+            blocks,
+            "a list of class names",
+        )
+        inline = model.get("inline_blocks", False)
+        require(isinstance(inline, bool), f"{where}model.inline_blocks", inline, "true or false")
+        operators = model.get("operators", {})
+        require(
+            isinstance(operators, dict)
+            and all(
+                is_text(name) and name.count("::") == 1 and is_fqn(module)
+                for name, module in operators.items()
+            ),
+            f"{where}model.operators",
+            operators,
+            "an object of module names by operator (namespace::name)",
+        )
+        symbols = model.get("symbols", {})
+        require(isinstance(symbols, dict), f"{where}model.symbols", symbols, "an object")
+        dims = {name: DynamicSymbol.from_json(s, name, where) for name, s in symbols.items()}
+
+        for name, module in sorted(operators.items()):  # registers them, for the graph's lint
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                raise ArtifactError(
+                    f"the graph calls the operator {name}, registered by the module {module}, "
+                    f"which cannot be imported here ({exc}); install the package that provides it"
+                ) from None
+        return cls(
+            cls=model["class"],
+            source=source,
+            on_meta=on_meta,
+            input_ranges=dict(ranges),
+            depth=depth,
+            basic_blocks=tuple(blocks),
+            inline_blocks=inline,
+            operators=dict(operators),
+            symbols=dims,
+            keys=frozenset(model),
+        )

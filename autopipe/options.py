@@ -1,0 +1,456 @@
+"""The compile options, each declared once: a field of :class:`CompileOptions` with its help text
+and its :class:`Rule`, from which the command line's arguments are built (the flag is the field's
+name, ``--dp-shard`` for ``dp_shard``).
+
+Each option is checked once, by its rule: :meth:`Rule.check` when the options are made (the
+Python API and the command line alike, :class:`AutopipeError`), and :meth:`Rule.parse` when the
+command line reads the option's text, where a wrong value is argparse's usage error (exit 2,
+``argument --stages: must be ...``) saying the same rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from abc import ABC, abstractmethod
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from .checks import is_int, is_number, is_text
+from .errors import AutopipeError
+from .partitioning import DEFAULT_METHOD, METHODS
+from .partitioning.cost import STATE_FACTOR
+from .profiling import PROFILE_MODES
+from .profiling.devices import link_bandwidth
+from .runtime.core.schedules import COMPILE_SCHEDULES
+from .tracing.dynamic import parse_dynamic, dynamic_dims
+
+__all__ = [
+    "COUNT",
+    "OPTIONS",
+    "TOLERANCE",
+    "Choice",
+    "ClassNames",
+    "CompileOptions",
+    "Count",
+    "DynamicDims",
+    "Flag",
+    "Fraction",
+    "Link",
+    "Option",
+    "Rule",
+    "Sizes",
+    "Tolerance",
+    "FIELDS",
+    "flag_of",
+    "name_of",
+]
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of option ``name``: ``--dp-shard`` for ``dp_shard``."""
+    return "--" + name.replace("_", "-")
+
+
+def name_of(flag: str) -> str:
+    """The Python name of option ``flag``: ``dp_shard`` for ``--dp-shard``."""
+    return flag.removeprefix("--").replace("-", "_")
+
+
+class Rule(ABC):
+    """What the values of an option must be: :meth:`check` for a value given in Python,
+    :meth:`parse` for the text given on the command line."""
+
+    #: the values argparse offers and checks itself (``invalid choice``), if any
+    choices: tuple[str, ...] | None = None
+
+    @abstractmethod
+    def check(self, value: Any, flag: str) -> Any:
+        """``value`` as the options keep it; an :class:`AutopipeError` naming ``flag`` if it is
+        not a value of this rule."""
+
+    def parse(self, text: str) -> Any:
+        """The value ``text`` stands for on the command line (the text itself, unless a rule says
+        otherwise); an :class:`argparse.ArgumentTypeError` if it stands for none."""
+        return text
+
+
+@dataclass(frozen=True)
+class Count(Rule):
+    """An option that counts something (``--stages``): an integer of at least ``minimum``."""
+
+    minimum: int = 1
+
+    @property
+    def rule(self) -> str:
+        return f"must be an integer of at least {self.minimum}"
+
+    def check(self, value: Any, flag: str) -> Any:
+        if not is_int(value, self.minimum):
+            raise AutopipeError(f"{flag} {self.rule}, got {value!r}")
+        return value
+
+    def parse(self, text: str) -> int:
+        try:
+            value: int | None = int(text)
+        except ValueError:
+            value = None
+        if value is None or not is_int(value, self.minimum):
+            raise argparse.ArgumentTypeError(f"{self.rule}, got {text!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class Tolerance(Rule):
+    """A comparison tolerance (``--rtol``): a finite number of at least 0."""
+
+    rule = "must be a finite number of at least 0"
+
+    def check(self, value: Any, flag: str) -> Any:
+        if not is_number(value, 0):
+            raise AutopipeError(f"{flag} {self.rule}, got {value!r}")
+        return value
+
+    def parse(self, text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not is_number(value, 0):
+            raise argparse.ArgumentTypeError(f"{self.rule}, got {text!r}")
+        return value
+
+
+#: integers of at least 1 (``--top``)
+COUNT = Count(1)
+#: comparison tolerances (``--rtol``, ``--atol``)
+TOLERANCE = Tolerance()
+
+
+@dataclass(frozen=True)
+class Fraction(Rule):
+    """A fraction of something (``--memory-margin``, of memory): a number in [0, 1)."""
+
+    of: str
+
+    @staticmethod
+    def holds(value: Any) -> bool:
+        return isinstance(value, float | int) and 0 <= value < 1
+
+    def check(self, value: Any, flag: str) -> Any:
+        if not self.holds(value):
+            raise AutopipeError(f"{flag} must be a fraction of {self.of} in [0, 1), got {value!r}")
+        return value
+
+    def parse(self, text: str) -> float:
+        value = TOLERANCE.parse(text)
+        if not self.holds(value):
+            raise argparse.ArgumentTypeError(f"must be less than 1, got {text!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class Choice(Rule):
+    """One of a list of names (``--method``); on the command line, argparse's choices."""
+
+    choices: tuple[str, ...]
+
+    def check(self, value: Any, flag: str) -> Any:
+        if value not in self.choices:
+            raise AutopipeError(
+                f"{flag} {value!r} is unknown; choose one of {', '.join(self.choices)}"
+            )
+        return value
+
+
+@dataclass(frozen=True)
+class ClassNames(Rule):
+    """Module class names (``--basic-blocks GPT2Block,T5Block``): a tuple of names."""
+
+    def check(self, value: Any, flag: str) -> Any:
+        if isinstance(value, str) or not all(map(is_text, value)):
+            raise AutopipeError(f"{name_of(flag)} must be a tuple of class names, got {value!r}")
+        return value
+
+    def parse(self, text: str) -> tuple[str, ...]:
+        return tuple(c for c in text.split(",") if c)
+
+
+@dataclass(frozen=True)
+class Flag(Rule):
+    """A switch (``--inline-blocks``): True or False."""
+
+    def check(self, value: Any, flag: str) -> Any:
+        if not isinstance(value, bool):
+            raise AutopipeError(f"{name_of(flag)} must be True or False, got {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class DynamicDims(Rule):
+    """Dimensions that change from batch to batch: ``--dynamic`` declarations (see
+    :mod:`autopipe.tracing.dynamic`), kept as a tuple of :class:`DynamicDim`."""
+
+    def check(self, value: Any, flag: str) -> Any:
+        return dynamic_dims(value)
+
+    def parse(self, text: str) -> Any:
+        try:
+            return parse_dynamic(text)
+        except AutopipeError as exc:
+            message = str(exc).removeprefix(f"{flag_of('dynamic')} {text!r} ")
+            raise argparse.ArgumentTypeError(message) from None
+
+
+@dataclass(frozen=True)
+class Sizes(Rule):
+    """Sizes of dynamic dimensions by name (``--expected seq=512``): each at least 2."""
+
+    def check(self, value: Any, flag: str) -> Any:
+        sizes = value or {}
+        if not (
+            isinstance(sizes, dict)
+            and all(is_text(k) and isinstance(v, int) and v >= 2 for k, v in sizes.items())
+        ):
+            raise AutopipeError(
+                f"{name_of(flag)} must give sizes of dynamic dimensions by name, as in "
+                f'{{"seq": 512}}; got {value!r}'
+            )
+        return value
+
+    def parse(self, text: str) -> dict[str, int]:
+        sizes = {}
+        for item in text.split(","):
+            name, _, size = item.partition("=")
+            if not name.strip().isidentifier() or not size.strip().isdigit():
+                raise argparse.ArgumentTypeError(f"{item!r} must be NAME=SIZE, e.g. seq=512")
+            sizes[name.strip()] = int(size)
+        return sizes
+
+
+@dataclass(frozen=True)
+class Link(Rule):
+    """The stage-to-stage link: a known link name or a bandwidth in GB/s greater than 0."""
+
+    def check(self, value: Any, flag: str) -> Any:
+        link_bandwidth(value)
+        return value
+
+    def parse(self, text: str) -> str:
+        try:
+            link_bandwidth(text)
+        except AutopipeError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag_of('link')} ")) from None
+        return text
+
+
+@dataclass(frozen=True)
+class Option:
+    """How a compile option is given on the command line, besides its flag: its help text,
+    the rule its values follow, and argparse's ``metavar`` and ``action``."""
+
+    help: str
+    rule: Rule | None = None
+    metavar: str | None = None
+    action: str | None = None  # "store_true" or "append"
+
+    def arguments(self) -> dict[str, Any]:
+        """``ArgumentParser.add_argument``'s keywords for this option: its value is None when it
+        is not given, and :class:`CompileOptions` has the default."""
+        arguments: dict[str, Any] = {"help": self.help, "default": None}
+        if self.action is not None:
+            arguments["action"] = self.action
+        if self.metavar is not None:
+            arguments["metavar"] = self.metavar
+        if self.rule is not None and self.rule.choices is not None:
+            arguments["choices"] = self.rule.choices
+        elif self.rule is not None and self.action != "store_true":
+            arguments["type"] = self.rule.parse
+        return arguments
+
+
+def option(
+    default: Any = MISSING,
+    *,
+    help: str,
+    rule: Rule | None = None,
+    metavar: str | None = None,
+    action: str | None = None,
+) -> Any:
+    """A field of :class:`CompileOptions`: its default and its :class:`Option`."""
+    return field(default=default, metadata={"option": Option(help, rule, metavar, action)})
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Everything that decides the compiled pipeline besides the model."""
+
+    stages: int = option(help="number of pipeline stages", rule=Count(1))
+    #: default: one stage per device
+    devices: int | None = option(
+        None,
+        help="number of devices (ranks); fewer than --stages puts several stages on a device "
+        "(default: one stage per device)",
+        rule=Count(1),
+    )
+    profile: str = option(
+        "analytic",
+        help="analytic (default, deterministic) or measured on this machine",
+        rule=Choice(PROFILE_MODES),
+    )
+    method: str = option(
+        DEFAULT_METHOD,
+        help=f"partitioning method (default {DEFAULT_METHOD})",
+        rule=Choice(tuple(sorted(METHODS))),
+    )
+    depth: int | None = option(
+        None,
+        help="group operators by module scope down to this depth (default: every module)",
+        rule=Count(0),
+    )
+    basic_blocks: tuple[str, ...] = option(
+        (),
+        help="module classes kept whole in one unit (e.g. GPT2Block)",
+        rule=ClassNames(),
+        metavar="CLASS,...",
+    )
+    #: no block submodules: every operator in the stage's forward
+    inline_blocks: bool = option(
+        False,
+        help="generate every operator inline in the stages' forward, with no block submodules",
+        rule=Flag(),
+        action="store_true",
+    )
+    #: dimensions that change from batch to batch: ``--dynamic`` texts, DynamicDims, or
+    #: ``{"seq": [("input_ids", 1), ("labels", 1)]}`` (see autopipe/tracing/dynamic.py)
+    dynamic: Any = option(
+        (),
+        help="a dimension that changes from batch to batch, traced as such: seq=input_ids:1,"
+        "labels:1 (repeatable; from 2 and unbounded by default: planned at the example's size)",
+        rule=DynamicDims(),
+        metavar="NAME[MIN:MAX]=INPUT:DIM,...",
+        action="append",
+    )
+    #: sizes of dynamic dimensions to predict time at ({"seq": 512}; default: the planned sizes)
+    expected: dict[str, int] | None = option(
+        None,
+        help="with --dynamic: the sizes to predict time at, e.g. seq=512 (default: the upper "
+        "bounds, else the example's sizes; memory is always predicted at those)",
+        rule=Sizes(),
+        metavar="NAME=SIZE[,NAME=SIZE]",
+    )
+    #: the hardware model: a table name or a JSON file (checked when it is read)
+    device_spec: str | None = option(
+        None,
+        help="target device for the cost model (default h100); a table name or a JSON spec",
+        metavar="NAME|FILE.json",
+    )
+    link: str | None = option(
+        None,
+        help="stage-to-stage link: nvlink4, pcie4, ib-ndr, ... or a bandwidth in GB/s",
+        rule=Link(),
+        metavar="NAME|GBPS",
+    )
+    #: default: 1f1b for one stage per device, auto otherwise
+    schedule: str | None = option(
+        None,
+        help="schedule the partition is made for and train.py runs by default (default: 1f1b "
+        "for one stage per device, auto otherwise)",
+        rule=Choice(COMPILE_SCHEDULES),
+    )
+    microbatches: int | None = option(
+        None,
+        help="microbatches per step the cost model assumes (default 2 x stages)",
+        rule=Count(1),
+    )
+    optimizer: str = option(
+        "adamw",
+        help="optimizer whose state the memory model counts (default adamw)",
+        rule=Choice(tuple(STATE_FACTOR)),
+    )
+    #: data-parallel ranks each stage's training state is sharded over
+    dp_shard: int = option(
+        1,
+        help="plan for each stage's parameters, gradients and optimizer state sharded over N "
+        "data-parallel ranks (train.py --dp-shard N): 1/N of them per rank, plus the largest "
+        "block gathered at a time (default 1)",
+        rule=Count(1),
+        metavar="N",
+    )
+    #: pipeline runs per optimizer step (train.py's default --accumulate)
+    accumulate: int = option(
+        1,
+        help="pipeline runs per optimizer step train.py defaults to (default 1)",
+        rule=Count(1),
+        metavar="K",
+    )
+    #: search the whole plan for ``devices`` devices instead of taking the options above
+    search: bool = option(
+        False,
+        help="search the plan for --devices devices (stages, placement, schedule, microbatches, "
+        "accumulation, recomputation, --dp-shard) and generate the best; see `autopipe plan`",
+        action="store_true",
+    )
+    #: with search: example microbatches per step (default 2 x devices)
+    global_batch: int | None = option(
+        None,
+        help="example microbatches per optimizer step, over all data-parallel ranks: the "
+        "search splits them into microbatches, accumulation and shards (default 2 x --devices)",
+        rule=Count(1),
+        metavar="B",
+    )
+    #: with search: the fraction of each device's memory left free
+    memory_margin: float = option(
+        0.1,
+        help="fraction of each device's memory a plan leaves free (default 0.1)",
+        rule=Fraction("memory"),
+        metavar="F",
+    )
+    #: with search: stages per device tried, 1 .. this
+    max_stages_per_device: int = option(
+        2,
+        help="stages per device the search tries: 1 .. K (default 2)",
+        rule=Count(1),
+        metavar="K",
+    )
+
+    def __post_init__(self) -> None:
+        """Check every option by its rule, so that a wrong one fails before the expensive steps
+        (in this order, which decides the message when several are wrong)."""
+        self._check("stages", "accumulate", "max_stages_per_device", "global_batch")
+        self._check("memory_margin")
+        if self.search and self.devices is None:
+            raise AutopipeError(
+                "--search needs --devices: the number of devices to plan for (pipeline "
+                "ranks x --dp-shard)"
+            )
+        self._check("devices")
+        if not self.search and self.devices is not None and self.devices > self.stages:
+            raise AutopipeError(
+                f"--devices {self.devices} is more than --stages {self.stages}: every device "
+                f"runs at least one stage; use at most {self.stages} devices or more stages"
+            )
+        self._check("microbatches", "dp_shard", "depth")
+        self._check("profile", "method", "schedule", "optimizer")
+        self._check("basic_blocks", "dynamic", "expected", "inline_blocks", "link")
+
+    def _check(self, *names: str) -> None:
+        """Check options ``names`` by their rules (None passes where it is the default), keeping
+        the value each rule returns."""
+        for name in names:
+            value, declared = getattr(self, name), FIELDS[name]
+            if value is None and declared.default is None:
+                continue
+            rule = OPTIONS[name].rule
+            assert rule is not None, f"option {name} has no rule to check"
+            checked = rule.check(value, flag_of(name))
+            if checked is not value:
+                object.__setattr__(self, name, checked)
+
+
+#: the fields of :class:`CompileOptions` by name
+FIELDS = {declared.name: declared for declared in fields(CompileOptions)}
+#: how each compile option is given on the command line, by name
+OPTIONS: dict[str, Option] = {
+    name: declared.metadata["option"] for name, declared in FIELDS.items()
+}

@@ -1,0 +1,132 @@
+"""Tables of the model a trace records: its parameters and buffers (with every name each has),
+and its forward's inputs (their names, the example's values by name, integer ranges)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..errors import TraceError
+from ..ir import BufferInfo, Graph, ParamInfo
+from ..ir.codec import encode_tensor
+from ..spec import Example
+
+__all__ = [
+    "bound_inputs",
+    "buffer_table",
+    "check_state_known",
+    "forward_signature",
+    "integer_input_ranges",
+    "parameter_table",
+    "state_tensors",
+]
+
+
+def state_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The model's parameters, then its buffers."""
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def _owner_class(model: torch.nn.Module, fqn: str) -> str:
+    owner = model.get_submodule(fqn.rpartition(".")[0])
+    return f"{type(owner).__module__}.{type(owner).__qualname__}"
+
+
+def parameter_table(model: torch.nn.Module) -> dict[str, ParamInfo]:
+    """The model's parameters by their first name, each with every name it has (tied ones)."""
+    groups: dict[int, list[str]] = {}
+    tensors: dict[int, torch.nn.Parameter] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+        tensors[id(param)] = param
+    table = {}
+    for key, names in groups.items():
+        p = tensors[key]
+        table[names[0]] = ParamInfo(
+            tuple(names), tuple(p.shape), p.dtype, p.requires_grad, _owner_class(model, names[0])
+        )
+    return table
+
+
+def buffer_table(model: torch.nn.Module) -> dict[str, BufferInfo]:
+    """The model's buffers by their first name; a non-persistent buffer with its value (not
+    saved in checkpoints, the generated pipeline rebuilds it from this)."""
+    persistent = set(model.state_dict().keys())
+    groups: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, buf in model.named_buffers(remove_duplicate=False):
+        groups.setdefault(id(buf), []).append(name)
+        tensors[id(buf)] = buf
+    table = {}
+    for key, names in groups.items():
+        buf = tensors[key]
+        is_persistent = names[0] in persistent
+        value = None
+        if not is_persistent and not buf.is_meta:
+            value = encode_tensor(buf)
+        table[names[0]] = BufferInfo(
+            tuple(names),
+            tuple(buf.shape),
+            buf.dtype,
+            is_persistent,
+            _owner_class(model, names[0]),
+            value,
+        )
+    return table
+
+
+def check_state_known(graph: Graph) -> None:
+    """Check that every parameter and buffer the graph reads is in its tables, and that a
+    non-persistent buffer has its value."""
+    for node in graph.nodes:
+        if node.kind == "param":
+            graph.param_of(node.target)
+        elif node.kind == "buffer":
+            info = next((b for b in graph.buffers.values() if node.target in b.names), None)
+            if info is None:
+                raise TraceError(
+                    f"buffer {node.target} is used by the graph but not found in the model"
+                )
+            if not info.persistent and info.value is None:
+                raise TraceError(
+                    f"non-persistent buffer {node.target} has no value because the model was built "
+                    "on the meta device, and it is not saved in checkpoints, so the generated "
+                    "pipeline could not rebuild it. Build the model inside `with "
+                    "autopipe.empty_weights():` instead of `torch.device('meta')` (parameters stay "
+                    "on meta, buffers keep their values), or build it on CPU."
+                )
+
+
+def forward_signature(model: torch.nn.Module) -> list[str]:
+    """The names of the forward's parameters (``*args`` and ``**kwargs`` left out)."""
+    params = inspect.signature(model.forward).parameters.values()
+    return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def bound_inputs(example: Example) -> dict[str, Any]:
+    """The example's inputs by the name of the forward parameter each one is."""
+    sig = inspect.signature(example.model.forward)
+    try:
+        return dict(sig.bind(*example.args, **example.kwargs).arguments)
+    except TypeError as exc:
+        raise TraceError(
+            f"the example inputs do not match {type(example.model).__name__}.forward: {exc}"
+        ) from None
+
+
+def integer_input_ranges(bound: dict[str, Any]) -> dict[str, int]:
+    """Largest value of each integer example input, for synthetic data of the same range."""
+    ranges = {}
+    for name, value in bound.items():
+        if (
+            isinstance(value, torch.Tensor)
+            and not value.is_meta
+            and not value.is_floating_point()
+            and value.numel()
+        ):
+            ranges[name] = int(value.max())
+    return ranges

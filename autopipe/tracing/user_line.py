@@ -1,0 +1,107 @@
+"""The user's source line an error or a generated comment names, found and printed one way.
+
+A line is the innermost frame in user code: not torch, not autopipe, not the standard library.
+Its file is shown as generated code may name it, with no absolute path: within an installed
+package from the package on, else relative to the working directory, else by its name alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "UserLine",
+    "at_node",
+    "in_stack_trace",
+    "in_traceback",
+    "is_user_file",
+    "on_stack",
+    "short_path",
+]
+
+#: Directories of code that is not the user's: torch, the standard library, autopipe.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(cast(str, m.__file__))) + os.sep  # modules of source files
+    for m in (torch, inspect, pytree)  # torch, the standard library
+) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+
+#: One frame of a formatted stack trace (``node.meta["stack_trace"]``) and its source line.
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in .*\n(?P<code>.*)')
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether ``filename`` holds user code (not torch, autopipe or the standard library)."""
+    return not os.path.abspath(filename).startswith(_LIBRARY_DIRS) and not filename.startswith("<")
+
+
+def short_path(filename: str) -> str:
+    """A source file as generated code may name it (no absolute paths in generated files):
+    within an installed package from the package on, else relative to the working directory,
+    else its name."""
+    path = os.path.abspath(filename)
+    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+        if marker in path:
+            return path.rsplit(marker, 1)[1]
+    relative = os.path.relpath(path)
+    return relative if not relative.startswith("..") else os.path.basename(path)
+
+
+@dataclass(frozen=True)
+class UserLine:
+    """A line of user code: its file (as recorded), line number and source text (stripped)."""
+
+    filename: str
+    lineno: int
+    code: str
+
+    @property
+    def where(self) -> str:
+        """``FILE:LINE``, the file shown by :func:`short_path`."""
+        return f"{short_path(self.filename)}:{self.lineno}"
+
+    @property
+    def code_block(self) -> str:
+        """The source line indented on a line of its own (``"\\n    code"``), or ``""``."""
+        return f"\n    {self.code}" if self.code else ""
+
+
+def _innermost(frames: Iterable[traceback.FrameSummary]) -> UserLine | None:
+    for frame in reversed(list(frames)):
+        if is_user_file(frame.filename):
+            return UserLine(frame.filename, frame.lineno or 0, (frame.line or "").strip())
+    return None
+
+
+def in_traceback(exc: BaseException) -> UserLine | None:
+    """The innermost line of user code in the traceback of ``exc``."""
+    return _innermost(traceback.extract_tb(exc.__traceback__))
+
+
+def on_stack() -> UserLine | None:
+    """The innermost line of user code on the current call stack."""
+    return _innermost(traceback.extract_stack())
+
+
+def in_stack_trace(text: str) -> UserLine | None:
+    """The innermost line of user code in a formatted stack trace (``torch.fx`` records one per
+    node as ``node.meta["stack_trace"]``)."""
+    frames = [m for m in _FRAME.finditer(text) if is_user_file(m["file"])]
+    if not frames:
+        return None
+    return UserLine(frames[-1]["file"], int(frames[-1]["line"]), frames[-1]["code"].strip())
+
+
+def at_node(node: fx.Node) -> tuple[str, str]:
+    """Where in the user's code ``node`` was traced: ``("file.py:12", "\\n    code")``."""
+    line = in_stack_trace(node.meta.get("stack_trace") or "")
+    return (line.where, line.code_block) if line else ("the model's forward", "")

@@ -1,0 +1,730 @@
+"""The pipeline description, typed: what train.py's ranks, ``autopipe verify`` and the report
+know about a generated pipeline.
+
+Copied into every generated pipeline as ``runtime/core/pipeline.py``; it needs only torch. A
+package's ``PIPELINE`` stays the plain JSON dict that ``pipeline.json`` holds;
+``Pipeline.from_json`` checks it (raising :class:`PipelineFormatError` naming the first bad
+field) and builds these frozen objects once, and ``to_json`` gives back exactly that dict. Facts derived from the description
+(ranks, default microbatches, the stages of a rank, ...) are defined here and nowhere else.
+
+Words: a *rank* is one process of a pipeline replica. The JSON names a stage's rank ``device``
+(a key of the package contract, kept as it is); :attr:`Stage.rank` is that number.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from .schedules import PipelineCosts
+from .shapes import FormulaError, names_in, shape
+
+FORMAT, VERSION = "autopipe.pipeline", 1
+
+
+class PipelineFormatError(ValueError):
+    """A pipeline description that breaks the contract; the message names the field."""
+
+
+# -- checks of JSON values --------------------------------------------------------------------
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _fail(where: str, value: Any, expected: str) -> PipelineFormatError:
+    shown = repr(value) if len(repr(value)) <= 60 else f"a {_kind(value)}"
+    return PipelineFormatError(f"{where} must be {expected}, got {shown}")
+
+
+def _object(
+    data: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """``data``, checked to be a JSON object with the ``required`` keys and no unknown one."""
+    if not isinstance(data, dict):
+        raise _fail(where, data, "an object")
+    for key in required:
+        if key not in data:
+            raise PipelineFormatError(f"{where}.{key} is missing")
+    for key in data:
+        if key not in required and key not in optional:
+            raise PipelineFormatError(f"{where}.{key} is not a field of the pipeline contract")
+    return data
+
+
+def _check(value: Any, where: str, ok: Callable[[Any], object], expected: str) -> Any:
+    if not ok(value):
+        raise _fail(where, value, expected)
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _str(value: Any, where: str) -> str:
+    return cast(str, _check(value, where, lambda v: isinstance(v, str), "a string"))
+
+
+def _list(value: Any, where: str, ok: Callable[[Any], object], item: str) -> tuple[Any, ...]:
+    """``value``, checked to be a list of ``item``s (each one ``ok``), as a tuple."""
+    _check(value, where, lambda v: isinstance(v, list), f"a list of {item}s")
+    for i, element in enumerate(value):
+        _check(element, f"{where}[{i}]", ok, f"a {item}")
+    return tuple(value)
+
+
+def _names(value: Any, where: str) -> tuple[str, ...]:
+    return _list(value, where, lambda v: isinstance(v, str), "string")
+
+
+def _numbers(value: Any, where: str, length: int) -> tuple[float, ...]:
+    numbers = _list(value, where, _is_number, "number")
+    if len(numbers) != length:
+        raise _fail(where, value, f"a list of {length} numbers")
+    return numbers
+
+
+def _known(names: tuple[str, ...], where: str, known: Any, what: str) -> None:
+    for i, name in enumerate(names):
+        if name not in known:
+            raise PipelineFormatError(f"{where}[{i}] = {name!r} is not {what}")
+
+
+def default_microbatches(num_stages: int) -> int:
+    """Microbatches per pipeline run when none are given: two per stage, for the partitioner's
+    cost model as for train.py."""
+    return 2 * num_stages
+
+
+# -- the description --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Dimension:
+    """A dynamic dimension: sizes of the inputs ``sources`` (input, dimension) that change from
+    batch to batch within ``min`` .. ``max`` (None: no upper bound); values' shapes are
+    formulas of its name, and their ``shape`` is for its ``planned`` size."""
+
+    name: str
+    min: int
+    max: int | None
+    planned: int
+    sources: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def from_json(cls, data: Any, name: str, where: str) -> Dimension:
+        _check(name, where, str.isidentifier, "named by an identifier")
+        _object(data, where, ("min", "max", "planned", "sources"))
+        low = _check(data["min"], f"{where}.min", lambda v: _is_int(v) and v >= 2, "2 or more")
+        planned = _check(
+            data["planned"], f"{where}.planned", lambda v: _is_int(v) and v >= low, ">= min"
+        )
+        high = _check(
+            data["max"],
+            f"{where}.max",
+            lambda v: v is None or (_is_int(v) and v >= planned),
+            "null or >= planned",
+        )
+        sources = _list(
+            data["sources"],
+            f"{where}.sources",
+            lambda v: isinstance(v, list)
+            and len(v) == 2
+            and isinstance(v[0], str)
+            and _is_int(v[1])
+            and v[1] >= 0,
+            "[input, dimension] pair",
+        )
+        return cls(name, low, high, planned, tuple((i, d) for i, d in sources))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "min": self.min,
+            "max": self.max,
+            "planned": self.planned,
+            "sources": [list(s) for s in self.sources],
+        }
+
+    def holds(self, size: int) -> bool:
+        """Whether ``size`` is within the bounds."""
+        return self.min <= size and (self.max is None or size <= self.max)
+
+    @property
+    def bounds(self) -> str:
+        """``[16:256]``, ``[2:]`` without an upper bound."""
+        return f"[{self.min}:{'' if self.max is None else self.max}]"
+
+
+@dataclass(frozen=True)
+class Value:
+    """A tensor passed into, between or out of stages. ``shape`` is its shape in the example
+    microbatch (at the planned sizes of dynamic dimensions); ``sizes``, for a value with dynamic
+    dimensions, one formula of their names (or a fixed size) per dimension."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # a torch dtype's name: "float32"
+    requires_grad: bool
+    sizes: tuple[str | int, ...] | None = None
+
+    @classmethod
+    def from_json(cls, data: Any, name: str, where: str) -> Value:
+        _object(data, where, ("shape", "dtype", "requires_grad"), ("sizes",))
+        shape = _list(data["shape"], f"{where}.shape", lambda v: _is_int(v) and v >= 0, "size")
+        sizes = None
+        if "sizes" in data:
+            sizes = _list(
+                data["sizes"],
+                f"{where}.sizes",
+                lambda v: (_is_int(v) and v >= 0) or isinstance(v, str),
+                "size or formula",
+            )
+            if len(sizes) != len(shape):
+                raise _fail(f"{where}.sizes", data["sizes"], f"a list of {len(shape)} sizes")
+        dtype = _check(
+            data["dtype"],
+            f"{where}.dtype",
+            lambda v: isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype),
+            "the name of a torch dtype",
+        )
+        requires_grad = _check(
+            data["requires_grad"], f"{where}.requires_grad", lambda v: isinstance(v, bool), "a bool"
+        )
+        return cls(name, shape, dtype, requires_grad, sizes)
+
+    def to_json(self) -> dict[str, Any]:
+        data = {"shape": list(self.shape), "dtype": self.dtype, "requires_grad": self.requires_grad}
+        return data | ({"sizes": list(self.sizes)} if self.sizes is not None else {})
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return cast(torch.dtype, getattr(torch, self.dtype))  # checked by from_json
+
+    def shape_for(self, dimensions: dict[str, int] | None = None) -> tuple[int, ...]:
+        """This value's shape for the dynamic dimensions' sizes ``dimensions`` (a static value:
+        its shape)."""
+        if self.sizes is None or dimensions is None:
+            return self.shape
+        return shape(self.sizes, dimensions)
+
+    def meta_tensor(self, dimensions: dict[str, int] | None = None) -> torch.Tensor:
+        """An empty tensor of this value's shape (for the dynamic dimensions' sizes
+        ``dimensions``), dtype and autograd flag on the meta device."""
+        tensor = torch.empty(self.shape_for(dimensions), dtype=self.torch_dtype, device="meta")
+        return tensor.requires_grad_(self.requires_grad)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: the values it takes and returns (by name, in call order), and its rank."""
+
+    index: int
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    rank: int  # the JSON's "device": the rank of a replica that runs this stage
+    module: str  # the package's module defining it: "stage0"
+    recompute: bool  # activations recomputed in backward by default (the partitioner's choice)
+    blocks: tuple[str, ...] = ()  # original names of the blocks it holds as submodules, in order
+    recompute_blocks: tuple[str, ...] = ()  # of those, the partitioner's choice to recompute
+
+    @classmethod
+    def from_json(cls, data: Any, index: int, where: str) -> Stage:
+        keys = ("inputs", "outputs", "device", "module", "recompute", "blocks", "recompute_blocks")
+        _object(data, where, keys)
+        return cls(
+            index=index,
+            inputs=_names(data["inputs"], f"{where}.inputs"),
+            outputs=_names(data["outputs"], f"{where}.outputs"),
+            rank=_check(
+                data["device"], f"{where}.device", lambda v: _is_int(v) and v >= 0, "a rank >= 0"
+            ),
+            module=_str(data["module"], f"{where}.module"),
+            recompute=_check(
+                data["recompute"], f"{where}.recompute", lambda v: isinstance(v, bool), "a bool"
+            ),
+            blocks=_names(data["blocks"], f"{where}.blocks"),
+            recompute_blocks=_check(
+                _names(data["recompute_blocks"], f"{where}.recompute_blocks"),
+                f"{where}.recompute_blocks",
+                lambda names: set(names) <= set(data["blocks"]),
+                "names among the stage's blocks",
+            ),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+            "device": self.rank,
+            "module": self.module,
+            "recompute": self.recompute,
+            "blocks": list(self.blocks),
+            "recompute_blocks": list(self.recompute_blocks),
+        }
+
+
+@dataclass(frozen=True)
+class Loss:
+    """How train.py gets the loss: a model output (Hugging Face style), or the generated
+    module ``module`` applied to the model's outputs and a ``target`` batch."""
+
+    output: str | None = None
+    module: str | None = None
+    target: Value | None = None
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Loss:
+        if isinstance(data, dict) and "module" in data:
+            _object(data, where, ("module", "target"))
+            target = Value.from_json(data["target"], "target", f"{where}.target")
+            return cls(module=_str(data["module"], f"{where}.module"), target=target)
+        _object(data, where, ("output",))
+        output = _check(
+            data["output"], f"{where}.output", lambda v: v is None or isinstance(v, str), "a name"
+        )
+        return cls(output=output)
+
+    def to_json(self) -> dict[str, Any]:
+        if self.module is not None:
+            assert self.target is not None  # a loss module always has its target
+            return {"module": self.module, "target": self.target.to_json()}
+        return {"output": self.output}
+
+    @property
+    def needs_target(self) -> bool:
+        """Whether the loss takes a target batch beside the model's outputs."""
+        return self.module is not None
+
+
+#: StageCosts tables with a number per stage, and with one per boundary between stages
+_PER_STAGE = ("forward", "backward", "activations", "static_memory")
+_PER_BOUNDARY = ("send_forward", "send_backward")
+#: ... and the memory model's finer tables, absent from pipelines compiled before them
+MEMORY_DETAIL = (
+    "gradients",
+    "buffers",
+    "input_gradients",
+    "transient_forward",
+    "transient_backward",
+    "transient_optimizer",
+)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """What the cost model predicts per stage for one microbatch (seconds and bytes); the
+    ``auto`` schedule orders each rank's actions by these."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    activations: tuple[float, ...]  # bytes kept from a microbatch's forward to its backward
+    static_memory: tuple[float, ...]  # parameters, gradients, optimizer state
+    send_forward: tuple[float, ...]  # one fewer: the boundary after each stage but the last
+    send_backward: tuple[float, ...]
+    memory_capacity: float | None = None  # bytes per rank, when the device spec says
+    #: MEMORY_DETAIL name -> bytes per stage (see schedules.PipelineCosts)
+    memory_detail: dict[str, tuple[float, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Any, num_stages: int, where: str) -> StageCosts:
+        _object(data, where, (*_PER_STAGE, *_PER_BOUNDARY), ("memory_capacity", *MEMORY_DETAIL))
+        tables = {k: _numbers(data[k], f"{where}.{k}", num_stages) for k in _PER_STAGE}
+        detail = {
+            k: _numbers(data[k], f"{where}.{k}", num_stages) for k in MEMORY_DETAIL if k in data
+        }
+        for key in _PER_BOUNDARY:
+            tables[key] = _numbers(data[key], f"{where}.{key}", max(num_stages - 1, 0))
+        capacity = data.get("memory_capacity")
+        if capacity is not None:
+            _check(capacity, f"{where}.memory_capacity", lambda v: _is_number(v) and v > 0, "> 0")
+        return cls(**tables, memory_capacity=capacity, memory_detail=detail)
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {k: list(getattr(self, k)) for k in (*_PER_STAGE, *_PER_BOUNDARY)}
+        data |= {k: list(v) for k, v in self.memory_detail.items()}
+        if self.memory_capacity is not None:
+            data["memory_capacity"] = self.memory_capacity
+        return data
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """The plan the partition was made for (train.py's defaults) and what it predicts."""
+
+    microbatches: int  # per pipeline run
+    accumulate: int  # pipeline runs per optimizer step
+    step_time: float  # predicted seconds per optimizer step (0 when not predicted)
+    flops_per_microbatch: float  # the model's forward + backward FLOPs on one microbatch
+    peak_flops: float  # one device's peak FLOP/s, for the model's dtype (0 when unknown)
+    device: str  # the device spec the prediction is for
+    #: dynamic dimensions: the sizes the step time and FLOPs are for
+    sizes: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> TrainingPlan:
+        _object(data, where, tuple(cls.__dataclass_fields__)[:-1], ("sizes",))
+        sizes = _check(
+            data.get("sizes", {}),
+            f"{where}.sizes",
+            lambda v: isinstance(v, dict) and all(_is_int(s) and s >= 2 for s in v.values()),
+            "sizes of dynamic dimensions by name",
+        )
+        counts = {
+            k: _check(data[k], f"{where}.{k}", lambda v: _is_int(v) and v >= 1, "1 or more")
+            for k in ("microbatches", "accumulate")
+        }
+        figures = {
+            k: _check(data[k], f"{where}.{k}", lambda v: _is_number(v) and v >= 0, ">= 0")
+            for k in ("step_time", "flops_per_microbatch", "peak_flops")
+        }
+        return cls(**counts, **figures, device=_str(data["device"], f"{where}.device"), sizes=sizes)
+
+    def to_json(self) -> dict[str, Any]:
+        data = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "sizes"}
+        return ({"sizes": dict(self.sizes)} if self.sizes else {}) | data
+
+    def utilisation(self, seconds: float, microbatches: int, devices: int) -> float | None:
+        """The model FLOPs utilisation of training ``microbatches`` microbatches in
+        ``seconds`` on ``devices`` devices (see :func:`flops_utilisation`)."""
+        return flops_utilisation(
+            self.flops_per_microbatch, self.peak_flops, seconds, microbatches, devices
+        )
+
+
+def flops_utilisation(
+    flops_per_microbatch: float, peak_flops: float, seconds: float, microbatches: int, devices: int
+) -> float | None:
+    """The fraction of ``devices`` devices' peak FLOP/s that the model's FLOPs of
+    ``microbatches`` microbatches in ``seconds`` are (MFU); None when a figure is unknown."""
+    if not (peak_flops and flops_per_microbatch and seconds > 0):
+        return None
+    return flops_per_microbatch * microbatches / (seconds * devices * peak_flops)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The schedule the partition was made for (train.py's default) and its stage costs."""
+
+    name: str
+    costs: StageCosts
+
+    @classmethod
+    def from_json(cls, data: Any, num_stages: int, where: str) -> Schedule:
+        _object(data, where, ("name", "costs"))
+        return cls(
+            _str(data["name"], f"{where}.name"),
+            StageCosts.from_json(data["costs"], num_stages, f"{where}.costs"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "costs": self.costs.to_json()}
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """A parameter held by several stages (tied embeddings): its original names, and the name
+    each holding stage keeps its copy under. Its gradients are summed over the copies."""
+
+    names: tuple[str, ...]
+    holders: dict[int, str]  # stage index -> local name, by ascending stage
+
+    @classmethod
+    def from_json(cls, data: Any, num_stages: int, where: str) -> TiedParameter:
+        _object(data, where, ("names", "holders"))
+        names = _names(data["names"], f"{where}.names")
+        holders = _check(
+            data["holders"], f"{where}.holders", lambda v: isinstance(v, dict), "an object"
+        )
+        typed = {}
+        for key, name in holders.items():
+            stage = isinstance(key, str) and key.isdigit() and str(int(key)) == key
+            if not (stage and int(key) < num_stages):
+                raise _fail(
+                    f"{where}.holders", key, f"keyed by stage numbers 0 .. {num_stages - 1}"
+                )
+            typed[int(key)] = _str(name, f"{where}.holders.{key}")
+        if list(typed) != sorted(typed):
+            raise _fail(f"{where}.holders", list(holders), "keyed by ascending stage numbers")
+        return cls(names, typed)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"names": list(self.names), "holders": {str(s): n for s, n in self.holders.items()}}
+
+    @property
+    def later_holders(self) -> dict[int, str]:
+        """The holders past the first: their gradients are the same sum, counted once in norms."""
+        return dict(list(self.holders.items())[1:])
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A generated pipeline: the model's inputs and outputs, its stages and the values they
+    pass, how the loss is taken, the default schedule, and parameters held under several names."""
+
+    model: str  # the original model's class, fully qualified
+    signature: tuple[str, ...]  # the model's forward parameters, in order
+    inputs: tuple[str, ...]  # the tensors of the example, by parameter name
+    outputs: tuple[str, ...]  # one name per tensor leaf of the model's output
+    stages: tuple[Stage, ...]
+    values: dict[str, Value]  # every input, output and value between stages, by name
+    loss: Loss
+    schedule: Schedule
+    tied: tuple[TiedParameter, ...]
+    aliases: tuple[tuple[str, ...], ...]  # groups of names of one tensor in the original model
+    #: integer inputs (and "target") -> the largest value synthetic batches draw
+    input_ranges: dict[str, int]
+    dp_shard: int  # the data-parallel ranks per stage the partition planned memory for
+    plan: TrainingPlan | None = None  # absent from pipelines compiled before plans
+    #: dynamic dimensions by name (compiled with --dynamic); values' sizes are formulas of them
+    dimensions: dict[str, Dimension] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Pipeline:
+        """The description in ``data`` (a package's ``PIPELINE``), checked field by field."""
+        where = "pipeline"
+        keys: tuple[str, ...]
+        keys = ("format", "version", "model", "signature", "inputs", "outputs", "stages")
+        keys += ("values", "loss", "schedule", "tied", "aliases", "input_ranges", "dp_shard")
+        _object(data, where, keys, ("plan", "dimensions"))
+        if data["format"] != FORMAT:
+            raise _fail(f"{where}.format", data["format"], repr(FORMAT))
+        if data["version"] != VERSION:
+            raise _fail(f"{where}.version", data["version"], f"{VERSION} (this runtime's)")
+        _check(
+            data["stages"],
+            f"{where}.stages",
+            lambda v: isinstance(v, list) and v,
+            "a list of stages",
+        )
+        stages = tuple(
+            Stage.from_json(s, i, f"{where}.stages[{i}]") for i, s in enumerate(data["stages"])
+        )
+        num_stages = len(stages)
+        values = _check(
+            data["values"], f"{where}.values", lambda v: isinstance(v, dict), "an object"
+        )
+        pipeline = cls(
+            model=_str(data["model"], f"{where}.model"),
+            signature=_names(data["signature"], f"{where}.signature"),
+            inputs=_names(data["inputs"], f"{where}.inputs"),
+            outputs=_names(data["outputs"], f"{where}.outputs"),
+            stages=stages,
+            values={n: Value.from_json(v, n, f"{where}.values.{n}") for n, v in values.items()},
+            loss=Loss.from_json(data["loss"], f"{where}.loss"),
+            schedule=Schedule.from_json(data["schedule"], num_stages, f"{where}.schedule"),
+            tied=tuple(
+                TiedParameter.from_json(t, num_stages, f"{where}.tied[{i}]")
+                for i, t in enumerate(_list(data["tied"], f"{where}.tied", lambda v: True, "tie"))
+            ),
+            aliases=tuple(
+                _names(group, f"{where}.aliases[{i}]")
+                for i, group in enumerate(
+                    _list(data["aliases"], f"{where}.aliases", lambda v: True, "name group")
+                )
+            ),
+            input_ranges=_check(
+                data["input_ranges"],
+                f"{where}.input_ranges",
+                lambda v: isinstance(v, dict) and all(_is_int(x) for x in v.values()),
+                "an object of integers",
+            ),
+            dp_shard=_check(
+                data["dp_shard"], f"{where}.dp_shard", lambda v: _is_int(v) and v >= 1, "1 or more"
+            ),
+            plan=TrainingPlan.from_json(data["plan"], f"{where}.plan") if "plan" in data else None,
+            dimensions={
+                name: Dimension.from_json(d, name, f"{where}.dimensions.{name}")
+                for name, d in _check(
+                    data.get("dimensions", {}),
+                    f"{where}.dimensions",
+                    lambda v: isinstance(v, dict),
+                    "an object",
+                ).items()
+            },
+        )
+        pipeline._check_references()
+        pipeline._check_formulas()
+        return pipeline
+
+    def _check_references(self) -> None:
+        """Names refer to values and outputs that exist; ranks are numbered 0 .. ranks - 1."""
+        _known(self.inputs, "pipeline.inputs", self.values, "in pipeline.values")
+        _known(self.outputs, "pipeline.outputs", self.values, "in pipeline.values")
+        for stage in self.stages:
+            where = f"pipeline.stages[{stage.index}]"
+            _known(stage.inputs, f"{where}.inputs", self.values, "in pipeline.values")
+            _known(stage.outputs, f"{where}.outputs", self.values, "in pipeline.values")
+        if self.loss.output is not None and self.loss.output not in self.outputs:
+            raise _fail("pipeline.loss.output", self.loss.output, "one of pipeline.outputs")
+        ranks = sorted(set(self.rank_of_stage))
+        if ranks != list(range(len(ranks))):
+            raise _fail("pipeline.stages[*].device", ranks, "ranks numbered from 0 without gaps")
+
+    def _check_formulas(self) -> None:
+        """Every value's formulas read known dimensions and give its shape at their planned
+        sizes; each dimension's sources are inputs of the pipeline."""
+        upper = {name: d.planned for name, d in self.dimensions.items()}
+        for value in self.values.values():
+            if value.sizes is None:
+                continue
+            where = f"pipeline.values.{value.name}.sizes"
+            try:
+                unknown = set().union(*map(names_in, value.sizes)) - set(upper)
+                planned = shape(value.sizes, upper) if not unknown else None
+            except (FormulaError, ArithmeticError) as exc:
+                raise PipelineFormatError(f"{where}: {exc}") from None
+            if unknown:
+                raise _fail(
+                    where, list(value.sizes), f"formulas of {sorted(upper) or 'no'} dimensions"
+                )
+            if planned != value.shape:
+                raise _fail(
+                    where, list(value.sizes), f"formulas giving the shape {list(value.shape)}"
+                )
+        if self.plan is not None:
+            _known(tuple(self.plan.sizes), "pipeline.plan.sizes", upper, "a dynamic dimension")
+        for dimension in self.dimensions.values():
+            where = f"pipeline.dimensions.{dimension.name}.sources"
+            _known(tuple(i for i, _ in dimension.sources), where, self.inputs, "a pipeline input")
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON dict this was read from (``pipeline.json``), key for key."""
+        return (
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "model": self.model,
+                "signature": list(self.signature),
+                "inputs": list(self.inputs),
+                "outputs": list(self.outputs),
+                "stages": [stage.to_json() for stage in self.stages],
+                "values": {name: value.to_json() for name, value in self.values.items()},
+                "loss": self.loss.to_json(),
+                "schedule": self.schedule.to_json(),
+                "tied": [tie.to_json() for tie in self.tied],
+                "aliases": [list(group) for group in self.aliases],
+                "input_ranges": dict(self.input_ranges),
+                "dp_shard": self.dp_shard,
+            }
+            | ({"plan": self.plan.to_json()} if self.plan else {})
+            | (
+                {"dimensions": {n: d.to_json() for n, d in self.dimensions.items()}}
+                if self.dimensions
+                else {}
+            )
+        )
+
+    # -- derived facts ------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def rank_of_stage(self) -> list[int]:
+        return [stage.rank for stage in self.stages]
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks (processes) one replica of the pipeline runs on."""
+        return len(set(self.rank_of_stage))
+
+    @property
+    def default_microbatches(self) -> int:
+        """train.py's default --microbatches: the plan's."""
+        return self.plan.microbatches if self.plan else default_microbatches(self.num_stages)
+
+    @property
+    def default_accumulate(self) -> int:
+        """train.py's default --accumulate: the plan's."""
+        return self.plan.accumulate if self.plan else 1
+
+    @property
+    def model_class(self) -> str:
+        """The model's class name without its module: ``GPT2LMHeadModel``."""
+        return self.model.rsplit(".", 1)[-1]
+
+    def stages_on(self, rank: int) -> list[Stage]:
+        """The stages rank ``rank`` of a replica runs, in stage order."""
+        return [stage for stage in self.stages if stage.rank == rank]
+
+    @property
+    def last_rank(self) -> int:
+        """The rank running the last stage, which computes the loss."""
+        return self.stages[-1].rank
+
+    @property
+    def recomputed(self) -> frozenset[int]:
+        """The stages the partitioner chose to recompute (train.py's --recompute auto)."""
+        return frozenset(stage.index for stage in self.stages if stage.recompute)
+
+    @property
+    def recomputed_blocks(self) -> frozenset[str]:
+        """The blocks the partitioner chose to recompute one by one (--recompute auto)."""
+        return frozenset(b for stage in self.stages for b in stage.recompute_blocks)
+
+    def received(self, stage: Stage) -> list[Value]:
+        """The values ``stage`` receives, in its call order."""
+        return [self.values[name] for name in stage.inputs]
+
+    def returned(self, stage: Stage) -> list[Value]:
+        """The values ``stage`` returns, in order."""
+        return [self.values[name] for name in stage.outputs]
+
+    @property
+    def data_inputs(self) -> list[Value]:
+        """What a batch must hold: the inputs the first stage takes, in its order (model inputs
+        nothing reads are left out)."""
+        return self.received(self.stages[0])
+
+    @property
+    def samples_per_microbatch(self) -> int:
+        """Samples in the example microbatch: dimension 0 of the first model input."""
+        return self.samples_in_microbatch()
+
+    def samples_in_microbatch(self, dimensions: dict[str, int] | None = None) -> int:
+        """Samples in a microbatch (for the dynamic dimensions' sizes ``dimensions``)."""
+        shape = self.values[self.inputs[0]].shape_for(dimensions) if self.inputs else ()
+        return shape[0] if shape else 1
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        """Tokens in one sample, for language models: the length of an integer input of shape
+        (batch, sequence) such as ``input_ids``; None when the model has none."""
+        return self.tokens_in_sample()
+
+    def tokens_in_sample(self, dimensions: dict[str, int] | None = None) -> int | None:
+        """Tokens in one sample (for the dynamic dimensions' sizes ``dimensions``)."""
+        for name in self.inputs:
+            value = self.values[name]
+            if len(value.shape) == 2 and value.dtype in ("int64", "int32"):
+                return value.shape_for(dimensions)[1]
+        return None
+
+    def flops_scale(self, dimensions: dict[str, int] | None) -> float:
+        """A microbatch's FLOPs at the dynamic dimensions' sizes ``dimensions`` relative to the
+        plan's, estimated as the ratio of the first input's elements (the tokens, for a language
+        model): linear in them, where attention's part grows with the square of the length."""
+        if not (dimensions and self.plan and self.plan.sizes and self.inputs):
+            return 1.0
+        value = self.values[self.inputs[0]]
+        planned = math.prod(value.shape_for(self.plan.sizes))
+        return math.prod(value.shape_for(dimensions)) / planned if planned else 1.0
+
+    def tie_ranks(self, tie: TiedParameter) -> list[int]:
+        """The ranks of a replica holding a copy of ``tie``, ascending."""
+        return sorted({self.stages[s].rank for s in tie.holders})
+
+    def pipeline_costs(self) -> PipelineCosts:
+        """The stage costs under this placement, as the schedule simulator takes them."""
+        return PipelineCosts(**self.schedule.costs.to_json(), device_of_stage=self.rank_of_stage)
+
+
+def as_pipeline(pipeline: Pipeline | dict[str, Any]) -> Pipeline:
+    """``pipeline`` typed: a package's ``PIPELINE`` dict is read with ``Pipeline.from_json``."""
+    return pipeline if isinstance(pipeline, Pipeline) else Pipeline.from_json(pipeline)
