@@ -90,11 +90,13 @@ def profile_step(graph: Graph, options: CompileOptions, example: Example | None 
 
 def plan_step(graph: Graph, prof: Profile, options: CompileOptions) -> list[Plan]:
     """Every plan for ``options.devices`` devices, best first (see :mod:`.partitioning.search`)."""
+    devices = options.devices
+    assert devices is not None, "a plan is for --devices devices (CompileOptions checks it)"
     return search(
         graph,
         prof,
-        options.devices,
-        global_batch=options.global_batch or 2 * options.devices,
+        devices,
+        global_batch=options.global_batch or 2 * devices,
         method=options.method,
         optimizer=options.optimizer,
         margin=options.memory_margin,
@@ -115,6 +117,7 @@ def partition_step(graph: Graph, prof: Profile, options: CompileOptions) -> Part
                 f"margin):\n{plan_table([p.to_json() for p in plans[:TOP_PLANS]])}\nUse more devices, a smaller --global-batch, "
                 "a smaller --memory-margin or a device with more memory (--device-spec)"
             )
+        assert best.partition is not None  # a plan that fits has its partition
         return best.partition.with_settings(
             accumulate=best.candidate.accumulate,
             global_batch=best.global_batch,

@@ -29,16 +29,19 @@ def empty_weights() -> Iterator[None]:
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
         if param is not None and not param.is_meta:
-            kind = type(module._parameters[name])
+            registered = module._parameters[name]
+            assert registered is not None  # register just stored param there
+            kind = type(registered)
             module._parameters[name] = kind(
                 param.detach().to("meta"), requires_grad=param.requires_grad
             )
 
-    nn.Module.register_parameter = register_on_meta
+    # patched on the class for the duration (setattr: mypy refuses assigning to a method)
+    setattr(nn.Module, "register_parameter", register_on_meta)
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        setattr(nn.Module, "register_parameter", register)
 
 
 @contextlib.contextmanager

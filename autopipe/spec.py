@@ -73,6 +73,8 @@ def _import_file(path: Path, what: str):
     if name in sys.modules:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, resolved)
+    if module_spec is None or module_spec.loader is None:  # no loader for its suffix
+        raise SpecError(f"{what}: file {str(path)!r} is not a Python file (FILE.py)")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     sys.path.insert(0, str(resolved.parent))

@@ -21,6 +21,7 @@ def stage_span(graph: Graph, stage_of_unit: list[int], stage: int) -> tuple[str,
 def format_partition(graph: Graph, part: Partition) -> str:
     """A table of the stages with their predicted times, against the lower bound."""
     predicted = part.predicted
+    assert predicted is not None  # a partition's summary needs its prediction
     rows = [
         f"{'stage':>5} {'device':>6} {'units':>5} {'params':>9} {'fwd ms':>9} {'bwd ms':>9} "
         f"{'comm ms':>8} {'time ms':>9} {'mem GiB':>8}  first .. last unit"

@@ -42,6 +42,7 @@ def load_pipeline(path: str | Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(
         name, path / "__init__.py", submodule_search_locations=[str(path)]
     )
+    assert spec is not None and spec.loader is not None  # a .py file: a source loader
     package = importlib.util.module_from_spec(spec)
     sys.modules[name] = package
     spec.loader.exec_module(package)
@@ -191,7 +192,7 @@ def verify(
 def _projection_weights(outputs: list[torch.Tensor], seed: int) -> list[torch.Tensor | None]:
     """Fixed random weights: the outputs are back-propagated as ``sum((output * weight).sum())``."""
     generator = torch.Generator().manual_seed(seed + 1)
-    weights = []
+    weights: list[torch.Tensor | None] = []
     for out in outputs:
         if out.requires_grad and out.is_floating_point():
             weights.append(

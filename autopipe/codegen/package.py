@@ -19,7 +19,7 @@ import torch
 
 from ..artifacts import ARTIFACT_VERSION, dumps, write_error
 from ..errors import ArtifactError, OutputExistsError
-from ..ir import COND, Graph, Node, ParamInfo, Ref
+from ..ir import COND, BufferInfo, Graph, Node, ParamInfo, Ref
 from ..ir.types import dtype_name
 from ..partitioning import Partition, default_schedule
 from ..partitioning.cost import iteration_time
@@ -111,7 +111,8 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
     every = [sub for plan in plans for sub in submodules[plan.index]]
     boundary = [name for plan in plans for name in plan.inputs + plan.outputs]
     names = value_names(graph, [(sub.fqn, sub.outputs) for sub in every], boundary)
-    rows = {}  # stage -> its own (parameter rows, buffer rows); its blocks hold the rest
+    # stage -> its own (parameter rows, buffer rows); its blocks hold the rest
+    rows: dict[int, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
     for plan in plans:
         parameters, buffers = _parameter_rows(graph, plan), _buffer_rows(graph, plan)
         for sub in submodules[plan.index]:
@@ -119,10 +120,11 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
                 graph, sub, plan.state_names, _rows_of(parameters, sub), _rows_of(buffers, sub)
             )
         prefixes = tuple(f"{sub.fqn}." for sub in submodules[plan.index])
-        rows[plan.index] = tuple(
+        own_parameters, own_buffers = (
             [row for row in table if not row["name"].startswith(prefixes)]
             for table in (parameters, buffers)
         )
+        rows[plan.index] = (own_parameters, own_buffers)
     classes = name_classes(every)
     bodies: dict[str, list[str]] = {}
     sources: dict[str, str] = {}
@@ -147,13 +149,13 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
     )
     sources["train.py"] = render("train.py.j2", **common)
     if graph.loss is not None:
-        context = _loss_context(graph.loss, model_class)
-        context["functions"] = [
+        loss_context = _loss_context(graph.loss, model_class)
+        loss_context["functions"] = [
             *function_classes(graph.loss, graph.loss.calls),
-            *context.get("functions", []),
+            *loss_context.get("functions", []),
         ]
-        bodies["loss.py"] = context.pop("body")
-        sources["loss.py"] = render("loss.py.j2", **common, **context, body=[BODY_MARKER])
+        bodies["loss.py"] = loss_context.pop("body")
+        sources["loss.py"] = render("loss.py.j2", **common, **loss_context, body=[BODY_MARKER])
     files = black_format(sources)
     for name, body in bodies.items():  # emitted in black's layout already (emit.assignment)
         files[name] = files[name].replace(
@@ -377,6 +379,7 @@ def pipeline_description(
     values = {}
     for name in exchanged:
         meta = graph[name].tensor_meta
+        assert meta is not None  # lint: model inputs and outputs; plan_stages: stage boundaries
         values[names.get(name, name)] = {
             "shape": list(meta.shape),
             "dtype": dtype_name(meta.dtype),
@@ -392,11 +395,8 @@ def pipeline_description(
         for c, h in holders.items()
         if c in graph.params and len(h) > 1
     ]
-    aliases = [
-        list(info.names)
-        for info in [*graph.params.values(), *graph.buffers.values()]
-        if len(info.names) > 1
-    ]
+    state: list[ParamInfo | BufferInfo] = [*graph.params.values(), *graph.buffers.values()]
+    aliases = [list(info.names) for info in state if len(info.names) > 1]
     description: dict[str, Any] = {
         "format": "autopipe.pipeline",
         "version": ARTIFACT_VERSION,
@@ -471,6 +471,7 @@ def _loss_description(graph: Graph) -> dict[str, Any]:
     """How train.py gets the loss: a model output (Hugging Face style) or the generated loss.py."""
     if graph.loss is not None:
         target = graph.loss[graph.loss.inputs[-1]].tensor_meta
+        assert target is not None  # lint: a graph's inputs have tensor metadata
         return {
             "module": "loss",
             "target": {

@@ -42,7 +42,9 @@ class DeviceSpec:
 
     def peak_flops(self, dtype: torch.dtype | None) -> float:
         name = str(dtype).removeprefix("torch.") if dtype is not None else "default"
-        return self.flops.get(name, self.flops.get("default", self.flops.get("float32")))
+        peak = self.flops.get(name, self.flops.get("default", self.flops.get("float32")))
+        assert peak is not None  # every spec has a "default" or "float32" entry (from_json checks)
+        return peak
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -9,6 +9,7 @@ costs with the same event engine the partitioner judged the partition by.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -60,7 +61,7 @@ class ReportData:
     profile: Profile | None = None
 
     @classmethod
-    def load(cls, directory: str | Path) -> ReportData:
+    def load(cls, directory: str | os.PathLike[str]) -> ReportData:
         """Read the pipeline in ``directory`` (the ``--out`` of ``autopipe compile``)."""
         directory = Path(directory)
         if not (directory / "pipeline.json").is_file():
@@ -193,8 +194,9 @@ class ReportData:
             return parts
         for key in ("buffers", "activations", "input_gradients", "transient"):
             parts[key] = [getattr(p, key) for p in peaks]
-        for device, (static, peak) in enumerate(zip(self.device_static_memory(), peaks)):
-            parts["gradients"][device] -= max(static - peak.state, 0.0)  # not allocated yet
+        for device, (static_bytes, at_peak) in enumerate(zip(self.device_static_memory(), peaks)):
+            # not allocated yet
+            parts["gradients"][device] -= max(static_bytes - at_peak.state, 0.0)
         return parts
 
     @property

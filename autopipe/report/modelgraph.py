@@ -151,7 +151,7 @@ def model_graph_figure(data: ReportData) -> tuple[Figure, str]:
     chars = int(BOX_WIDTH * width * 72 / data.num_stages / (0.58 * FONT_SIZE))
     half_w, half_h = BOX_WIDTH / 2, BOX_HEIGHT / 2
     # block centres: column = stage, row r at y = -r
-    where = {
+    where: dict[int, tuple[float, float]] = {
         b: (s + BOX_SHIFT, -r) for s, col in enumerate(stage_blocks) for r, b in enumerate(col)
     }
     gap = (0.47 - half_w + BOX_SHIFT) * width * 72 / data.num_stages  # points left of a box
