@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from .compiler import (
 from .errors import AutopipeError
 from .options import COUNT, OPTIONS, TOLERANCE, flag_of
 from .partitioning import Partition
-from .partitioning.search import plan_table
+from .partitioning.search import plan_table, state_floor
 from .progress import NORMAL, QUIET, VERBOSE, Phases
 from .profiling import Profile
 from .profiling.calibrate import calibrate
@@ -150,7 +151,8 @@ def cmd_compile(args: argparse.Namespace) -> None:
     print(f"wrote {result.partition.num_stages}-stage pipeline to {result.out}")
     part = result.partition
     processes = len(set(part.device_of_stage)) * (part.settings.dp_shard or 1)
-    print(f"train it: torchrun --nproc-per-node={processes} {result.out / 'train.py'} --steps 100")
+    script = shlex.quote(str(result.out / "train.py"))
+    print(f"train it: torchrun --nproc-per-node={processes} {script} --steps 100")
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -166,13 +168,15 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print(plan_table([plan.to_json() for plan in plans[: args.top]]))
     best = plans[0]
     if not best.fits:
+        floor = state_floor(graph, prof, optimizer=options.optimizer, margin=options.memory_margin)
         raise AutopipeError(
-            "no plan fits: use more devices, a smaller --global-batch or --memory-margin, or a "
-            "device with more memory (--device-spec)"
+            f"no plan fits: {floor}. Use more devices, a smaller --global-batch or "
+            "--memory-margin, or a device with more memory (--device-spec)"
         )
     c = best.candidate
     print(
-        f"best: autopipe compile {args.spec} --out DIR --search --devices {args.devices}"
+        f"best: autopipe compile {shlex.quote(args.spec)} --out DIR --search "
+        f"--devices {args.devices}"
         f"{f' --global-batch {args.global_batch}' if args.global_batch else ''}"
         f"{f' --max-stages-per-device {options.max_stages_per_device}' if options.max_stages_per_device != 2 else ''}"
         f"  (= --stages "
@@ -197,7 +201,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     spec = calibrate(device, args.name, log=lambda message: print(message, file=sys.stderr))
     atomic_write_text(args.output, json.dumps(spec.to_json(), indent=1) + "\n")
     print(
-        f"wrote device spec {spec.name!r} to {args.output}; use it with --device-spec {args.output}"
+        f"wrote device spec {spec.name!r} to {args.output}; use it with --device-spec "
+        f"{shlex.quote(str(args.output))}"
     )
 
 

@@ -10,13 +10,15 @@ from collections.abc import Callable
 from torch import nn
 
 from .artifacts import artifact_text
+from .byte_units import format_bytes
 from .errors import ArtifactError, AutopipeError, PartitionError
 from .progress import QUIET, Phases
 from .codegen import check_output_dir, package_files, with_manifest, write_package
+from .codegen.output_lock import output_lock
 from .ir import Graph
 from .partitioning import Partition, partition
 from .partitioning.partition import PARTITION_KIND
-from .partitioning.search import Plan, plan_table, search
+from .partitioning.search import Plan, plan_table, search, state_floor
 from .profiling import DeviceSpec, Profile, device_spec, profile, with_link
 from .profiling.profile import PROFILE_KIND
 from .report import write_report
@@ -111,11 +113,16 @@ def partition_step(graph: Graph, prof: Profile, options: CompileOptions) -> Part
         plans = plan_step(graph, prof, options)
         best = plans[0]
         if not best.fits:
+            margin = options.memory_margin
+            floor = state_floor(graph, prof, optimizer=options.optimizer, margin=margin)
             raise PartitionError(
                 f"no plan for {options.devices} devices fits {prof.device.name}'s "
-                f"{prof.device.memory / 2**30:.1f} GiB (less the {options.memory_margin:.0%} "
-                f"margin):\n{plan_table([p.to_json() for p in plans[:TOP_PLANS]])}\nUse more devices, a smaller --global-batch, "
-                "a smaller --memory-margin or a device with more memory (--device-spec)"
+                f"{format_bytes(prof.device.memory)} per device "
+                f"({format_bytes(prof.device.memory * (1 - margin))} less the {margin:.0%} "
+                f"margin):\n{plan_table([p.to_json() for p in plans[:TOP_PLANS]])}\n"
+                f"{floor[:1].upper()}{floor[1:]}. Use "
+                "more devices, a smaller --global-batch, a smaller --memory-margin or a device "
+                "with more memory (--device-spec)"
             )
         assert best.partition is not None  # a plan that fits has its partition
         return best.partition.with_settings(
@@ -173,9 +180,24 @@ def compile_example(
     """Trace, profile, partition and generate in one go; with ``report``, also write
     ``out/report/report.html`` and its figures. ``phases`` shows progress (default: silent)."""
     out = Path(out)
+    phases = phases or Phases(QUIET)
+    with output_lock(out, note=phases.note):  # another compile into ``out`` is refused
+        return _compile_locked(example, out, options, source, loss, force, report, phases)
+
+
+def _compile_locked(
+    example: Example,
+    out: Path,
+    options: CompileOptions,
+    source: str | None,
+    loss: str | Callable | None,
+    force: bool,
+    report: bool,
+    phases: Phases,
+) -> CompileResult:
+    """The steps of :func:`compile_example`, ``out``'s lock held."""
     check_output_dir(out, force)  # fail before the expensive steps
     target_device(options)
-    phases = phases or Phases(QUIET)
     with phases.phase("trace") as details:
         graph = trace_step(example, options, source, loss)
         details.append(f"{len(graph.calls)} operators in {len(graph.units)} units")

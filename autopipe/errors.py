@@ -29,12 +29,24 @@ class PartitionError(AutopipeError):
 
 
 class DeviceMemoryError(PartitionError):
-    """No partition keeps every device within its memory."""
+    """No partition keeps every device within its memory. ``need`` is the sentence saying what
+    the closest one needs against the device's capacity, ``peak`` the bytes its fullest rank
+    needs, ``advice`` what would fit (empty when not worked out)."""
+
+    def __init__(self, need: str, advice: str = "", *, peak: float = 0.0):
+        super().__init__(f"{need}. {advice}" if advice else need)
+        self.need = need
+        self.advice = advice
+        self.peak = peak
 
 
 class OutputExistsError(AutopipeError):
     """The output exists and autopipe may not replace it: ``--force`` was not given, or it is
     not a pipeline autopipe generated."""
+
+
+class OutputLockedError(AutopipeError):
+    """Another autopipe process is writing the output directory right now."""
 
 
 class WriteError(AutopipeError):

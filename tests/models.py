@@ -6,6 +6,8 @@ the original can be compared exactly. Data functions (``*_batch``) feed train.py
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -498,3 +500,24 @@ class FixedPositions(nn.Module):
 def fixed_positions():
     torch.manual_seed(0)
     return FixedPositions(), (torch.randn(BATCH, 16, 8),)
+
+
+def gpt2_two_layers():
+    """The test GPT-2 with 2 layers instead of 3: another model with a subset of its tensors."""
+    return gpt2(layers=2)
+
+
+def gpt2_batch_failing_at_step_1(step: int, microbatches: int = 4):
+    """gpt2_batch, but user code that raises at step 1 (a defect in a --data function)."""
+    if step == 1:
+        shards = {"train": 0}
+        return shards["validation"]
+    return gpt2_batch(step, microbatches)
+
+
+def cnn_batch_failing_on_rank_1(step: int, microbatches: int = 4):
+    """cnn_batch, except on rank 1 (which reads the target for the loss): a failure only a
+    rank other than 0 finds."""
+    if os.environ.get("RANK") == "1":
+        raise ValueError(f"no target shard for step {step} on this node")
+    return cnn_batch(step, microbatches)

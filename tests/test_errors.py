@@ -200,8 +200,9 @@ def test_runtime_errors(tmp_path):
     )
     assert result.returncode != 0
     assert (
-        "input 'input_ids' has shape [8, 16]" in result.stderr
-        and "expects shape [6, 16]" in result.stderr
+        "step 0: input 'input_ids' has 8 rows (dimension 0), this pipeline takes 6 per step"
+        in result.stderr
+        and "--microbatches 4" in result.stderr
     )
     result = subprocess.run(
         [sys.executable, str(out / "train.py"), "--schedule", "1f1b", "--microbatches", "1"],

@@ -24,7 +24,7 @@ PACKAGE = ROOT / "autopipe"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("autopipe.runtime",),
     ("autopipe.errors", "autopipe.version", "autopipe.templates"),
-    ("autopipe.checks", "autopipe.artifacts", "autopipe.progress"),
+    ("autopipe.checks", "autopipe.artifacts", "autopipe.progress", "autopipe.byte_units"),
     ("autopipe.spec", "autopipe.meta"),
     ("autopipe.ir",),
     ("autopipe.tracing", "autopipe.profiling"),

@@ -103,11 +103,14 @@ def test_memory_decides_the_placement():
 
 
 def test_too_small_a_device_is_refused_clearly():
-    """One unit's state takes 1.25 GiB: no placement fits a device of 1 GiB, even recomputing."""
+    """One unit's state takes 1.25 GiB: no placement fits a device of 1 GiB, even recomputing;
+    the refusal gives each rank's need against the capacity, and that neither more devices nor
+    sharding make it fit (what each still needs)."""
     graph = chain_with_parameters()
     small = profile(graph, COMPUTE, spec=device(memory=GiB))
     with pytest.raises(PartitionError) as failure:
         partition(graph, small, 8, num_devices=4, method="mpipe", microbatches=MICROBATCHES)
     message = str(failure.value)
-    assert "even with its activations recomputed, but A100 has 1.00 GiB" in message
-    assert "state alone take 8.00 GiB: use at least 8 devices" in message
+    assert "fits the memory of A100 (1.00 GiB per device) even recomputing" in message
+    assert "they need 2.50 GiB, 2.50 GiB, 2.50 GiB and 2.50 GiB on ranks 0 to 3" in message
+    assert "no number of devices up to 8 does (on 8 a device still needs 1.25 GiB)" in message

@@ -40,6 +40,7 @@ from .cond import branch_functions
 from .context import PackageContext, StageContext
 from .autograd_function import function_classes
 from .names import value_names
+from .output_lock import check_unlocked, output_lock
 from .plan import StagePlan, plan_stages
 
 TEMPLATES = Path(str(importlib.resources.files("autopipe.templates")))
@@ -431,7 +432,26 @@ def pipeline_description(
         description["plan"] = _plan_description(part, part.predicted, graph)
     if graph.model.symbols:
         description["dimensions"] = graph.model.symbols_json()
+    description["identity"] = model_identity(graph)
     return Pipeline.from_json(description).to_json()  # the runtime's contract, checked here
+
+
+def model_identity(graph: Graph) -> dict[str, Any]:
+    """The identity checkpoints are keyed by (``pipeline.json``'s ``identity``): every tensor of
+    the model's ``state_dict`` under its first name, and a digest of the model's class, module
+    tree and tensors. It leaves out what another compile of the same model may change (the
+    example's sizes, dynamic dimensions, the operators a trace records), so that a checkpoint
+    resumes under any package of the same model."""
+    state: list[ParamInfo | BufferInfo] = [*graph.params.values()]
+    state += [info for info in graph.buffers.values() if info.persistent]
+    tensors = {
+        info.names[0]: {"shape": list(info.shape), "dtype": dtype_name(info.dtype)}
+        for info in state
+    }
+    modules = sorted({(s.fqn, s.cls) for node in graph.nodes for s in node.scope})
+    identity = {"class": graph.model.cls, "modules": modules, "tensors": tensors}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return {"digest": digest, "tensors": tensors}
 
 
 def _plan_description(part: Partition, predicted: PredictedStep, graph: Graph) -> dict[str, Any]:
@@ -568,28 +588,30 @@ def edited_files(directory: str | os.PathLike) -> list[str]:
 def write_package(out: str | os.PathLike, files: dict[str, str], force: bool = False) -> Path:
     """Write ``files`` as directory ``out`` all at once: into a temporary sibling first, then
     moved into place, so a failure (a full disk, say) never leaves a half-written pipeline
-    behind and keeps the one ``out`` held before."""
+    behind and keeps the one ``out`` held before. Holds ``out``'s lock meanwhile (taken again
+    if this process holds it already), so another autopipe writing it is refused."""
     out = Path(out)
-    check_output_dir(out, force)
-    existed = out.exists()
-    tmp: Path | None = None
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the package is meant to be shared
-        for rel, text in sorted(files.items()):
-            path = tmp / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text, encoding="utf-8")
-        _move_into_place(tmp, out)
-    except OSError as exc:
-        kept = f"{out} is unchanged" if existed else f"{out} was not created"
-        raise write_error(out, exc, kept) from exc
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)  # gone already when it was moved into place
+    with output_lock(out):
+        check_output_dir(out, force)
+        existed = out.exists()
+        tmp: Path | None = None
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+            umask = os.umask(0)
+            os.umask(umask)
+            tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the package is to be shared
+            for rel, text in sorted(files.items()):
+                path = tmp / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text, encoding="utf-8")
+            _move_into_place(tmp, out)
+        except OSError as exc:
+            kept = f"{out} is unchanged" if existed else f"{out} was not created"
+            raise write_error(out, exc, kept) from exc
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)  # gone already once moved into place
     return out
 
 
@@ -617,7 +639,9 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 def check_output_dir(out: Path, force: bool) -> None:
     """Refuse an ``out`` that writing a package there would lose something in. Allowed: a path
     that does not exist, an empty directory, and with ``force`` a package autopipe generated
-    (a valid manifest) holding nothing but its files, its report and Python caches."""
+    (a valid manifest) holding nothing but its files, its report and Python caches; and not
+    while another autopipe process writes it (holds its lock)."""
+    check_unlocked(out)
     if out.is_symlink():
         raise OutputExistsError(
             f"{out} is a symbolic link; give the directory it points to, or another path, as --out"

@@ -9,11 +9,13 @@ simulated training step under the schedule.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from collections.abc import Callable
 
+from ..byte_units import format_bytes, format_bytes_each
 from ..checks import is_int
 from ..errors import DeviceMemoryError, PartitionError
 from ..ir import Graph
@@ -93,31 +95,31 @@ def plan_recompute(
     needed = prediction.device_memory
     worst = max(range(len(needed)), key=needed.__getitem__)
     if needed[worst] > capacity:
-        raise PartitionError(
-            f"device {worst} needs {needed[worst] / 2**30:.2f} GiB even with its activations "
-            f"recomputed, but {model.device.name} has {capacity / 2**30:.2f} GiB. "
-            + state_advice(model)
-        )
+        raise DeviceMemoryError(recompute_need(model, prediction), peak=needed[worst])
     return RecomputePlan(stages, blocks, prediction)
 
 
-def state_advice(model: CostModel) -> str:
-    """How much the model's training state takes, and what makes it fit."""
-    state = sum(model.param_bytes) * STATE_FACTOR[model.optimizer]
-    capacity = model.device.memory
-    shards = model.dp_shard
-    sharded = (
-        f", {state / shards / 2**30:.2f} GiB per rank sharded over --dp-shard {shards}"
-        if shards > 1
-        else ""
-    )
+def recompute_need(model: CostModel, prediction: Prediction) -> str:
+    """What each rank of ``prediction`` needs against the device's capacity, and what the fullest
+    one holds at its peak (some do not fit even recomputing)."""
+    needed = prediction.device_memory
+    fullest = max(range(len(needed)), key=needed.__getitem__)
+    peak = prediction.memory_peaks[fullest]
+    microbatches = f"{peak.in_flight} microbatch{'' if peak.in_flight == 1 else 'es'}"
+    parts = [
+        (peak.state, "of parameters, gradients and optimizer state"),
+        (peak.activations, f"of activations for {microbatches}"),
+        (peak.buffers, "of receive buffers"),
+        (peak.input_gradients, "of gradients of received inputs"),
+        (peak.transient, "of temporaries"),
+    ]
+    held = ", ".join(f"{format_bytes(size)} {what}" for size, what in parts if size > 0)
+    moment = "the optimizer step" if peak.moment == "optimizer" else f"action {peak.moment}"
     return (
-        f"The model's parameters, gradients and optimizer state alone take "
-        f"{state / 2**30:.2f} GiB{sharded}: use at least "
-        f"{math.ceil(state / shards / capacity)} devices (more stages and --devices), shard "
-        f"each stage over more ranks (--dp-shard {max(2, 2 * shards)}: about "
-        f"{state / max(2, 2 * shards) / 2**30:.2f} GiB per rank), fewer microbatches, or a "
-        "device with more memory (--device-spec)"
+        f"no partition into {len(prediction.device_of_stage)} stages on {len(needed)} devices "
+        f"fits the memory of {model.device.name} ({format_bytes(model.device.memory)} per "
+        f"device) even recomputing the activations of every rank short of memory: they need "
+        f"{format_bytes_each(needed, 'rank')} (rank {fullest} at its peak, {moment}: {held})"
     )
 
 
@@ -138,6 +140,23 @@ def _blocks_by_value(
     return [fqn for _, fqn in sorted(ranked)]
 
 
+@dataclass(frozen=True)
+class PartitionRequest:
+    """What :func:`partition` is asked for (its arguments but the graph and the profile)."""
+
+    num_stages: int
+    num_devices: int | None = None  # default: one stage each
+    method: str = DEFAULT_METHOD
+    schedule: str | None = None
+    microbatches: int | None = None
+    optimizer: str = "adamw"
+    dp_shard: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.num_stages if self.num_devices is None else self.num_devices
+
+
 def partition(
     graph: Graph,
     profile: Profile,
@@ -149,10 +168,28 @@ def partition(
     microbatches: int | None = None,
     optimizer: str = "adamw",
     dp_shard: int = 1,
+    advise: bool = True,
 ) -> Partition:
     """Split ``graph`` into ``num_stages`` stages on ``num_devices`` devices (default: one each),
-    each stage's training state sharded over ``dp_shard`` data-parallel ranks."""
-    num_devices = num_stages if num_devices is None else num_devices
+    each stage's training state sharded over ``dp_shard`` data-parallel ranks. When no partition
+    fits the device's memory, the error says what each rank needs against its capacity and, with
+    ``advise``, the smallest changes that fit (:func:`memory_advice`)."""
+    request = PartitionRequest(
+        num_stages, num_devices, method, schedule, microbatches, optimizer, dp_shard
+    )
+    try:
+        return _partition(graph, profile, request)
+    except DeviceMemoryError as exc:
+        if not advise:
+            raise
+        advice = memory_advice(graph, profile, request)
+        raise DeviceMemoryError(exc.need, advice, peak=exc.peak) from None
+
+
+def _partition(graph: Graph, profile: Profile, request: PartitionRequest) -> Partition:
+    num_stages, num_devices, method = request.num_stages, request.devices, request.method
+    schedule, microbatches = request.schedule, request.microbatches
+    optimizer, dp_shard = request.optimizer, request.dp_shard
     if not is_int(num_stages, 1):
         raise PartitionError(f"--stages must be at least 1, got {num_stages!r}")
     if not (is_int(num_devices, 1) and num_devices <= num_stages):
@@ -231,6 +268,151 @@ def partition(
         ),
         predicted=prediction.record(),
         costs=stage_costs(costs),
+    )
+
+
+#: values :func:`smallest_fitting` tries one by one before it doubles them
+LINEAR_TRIES = 4
+#: the most ranks per stage :func:`memory_advice` tries
+MAX_DP_SHARD = 1024
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """A changed request, partitioned: the partition if it fits, and its fullest rank's need
+    (NaN where the request itself is refused)."""
+
+    request: PartitionRequest
+    partition: Partition | None
+    peak: float
+
+    @property
+    def fits(self) -> bool:
+        return self.partition is not None
+
+
+def attempt(graph: Graph, profile: Profile, request: PartitionRequest) -> Attempt:
+    """``request`` partitioned, or why not in bytes."""
+    try:
+        part = _partition(graph, profile, request)
+    except DeviceMemoryError as exc:
+        return Attempt(request, None, exc.peak)
+    except PartitionError:  # the changed request is not a valid one
+        return Attempt(request, None, math.nan)
+    assert part.predicted is not None  # partition() predicts every partition it makes
+    return Attempt(request, part, max(part.predicted.device_memory))
+
+
+def smallest_fitting(
+    low: int, high: int, attempt_with: Callable[[int], Attempt]
+) -> tuple[int | None, Attempt | None]:
+    """The smallest value in ``low .. high`` whose attempt fits, found by trying
+    ``LINEAR_TRIES`` values one by one, then doubling, then bisecting between the last that did
+    not fit and the first that did (memory falls as the value grows); with its attempt. None if
+    none fits, with the attempt of the largest value tried (None if none was)."""
+    failed, value, last = low - 1, low, None
+    while True:
+        if value > high:
+            return None, last
+        result = attempt_with(value)
+        if result.fits:
+            break
+        last = result
+        if value == high:
+            return None, last
+        failed, value = value, min(high, value + 1 if value - low + 1 < LINEAR_TRIES else 2 * value)
+    while value - failed > 1:
+        middle = (failed + value) // 2
+        trial = attempt_with(middle)
+        if trial.fits:
+            value, result = middle, trial
+        else:
+            failed = middle
+    return value, result
+
+
+def memory_advice(graph: Graph, profile: Profile, request: PartitionRequest) -> str:
+    """The smallest changes to ``request`` that make every rank fit the device's memory, each
+    partitioned to prove it, with its fullest rank's need: more devices (and as many more stages
+    as they need), and more data-parallel ranks sharing each stage's state
+    (``--dp-shard``). Recomputation needs no advice: :func:`partition` already recomputes
+    wherever a rank is short of memory."""
+    model = CostModel(
+        graph,
+        profile,
+        schedule=request.schedule or "1f1b",
+        microbatches=request.microbatches,
+        optimizer=request.optimizer,
+        dp_shard=request.dp_shard,
+    )
+    capacity = profile.device.memory
+    stages, devices = request.num_stages, request.devices
+    state = float(sum(model.param_bytes)) * STATE_FACTOR[request.optimizer]  # unsharded
+
+    def stages_on(count: int) -> int:
+        """Stages on ``count`` devices: as many per device as the schedule's placement runs,
+        else the stages requested while there are more of them, one each beyond."""
+        if request.schedule in MULTI_STAGE:
+            return count * (stages // devices)
+        return max(stages, count)
+
+    unit_state = [float(sum(p.values())) * model.state_factor() for p in model.unit_params]
+    largest = max(range(model.num_units), key=unit_state.__getitem__)
+    most = max((d for d in range(devices, model.num_units + 1) if stages_on(d) <= model.num_units))
+    if unit_state[largest] > capacity:
+        more_devices = (
+            f"no number of devices does: unit {graph.units[largest].label} alone holds "
+            f"{format_bytes(unit_state[largest])} of parameters, gradients and optimizer state"
+        )
+    elif devices == most:
+        more_devices = (
+            f"more devices cannot: each stage needs one of the graph's {model.num_units} units"
+        )
+    else:
+        fewest = max(devices + 1, math.ceil(state / request.dp_shard / capacity))
+        count, result = smallest_fitting(
+            fewest,
+            most,
+            lambda d: attempt(
+                graph, profile, dataclasses.replace(request, num_stages=stages_on(d), num_devices=d)
+            ),
+        )
+        if count is not None and result is not None:
+            flags = f"--stages {stages_on(count)}" + (
+                f" --devices {count}" if count != stages_on(count) else ""
+            )
+            more_devices = f"{flags} ({count} devices, at most {format_bytes(result.peak)} each)"
+        else:
+            more_devices = f"no number of devices up to {most} does"
+            if fewest > most:
+                more_devices += f" (the training state alone needs {fewest})"
+            elif result is not None and math.isfinite(result.peak):
+                more_devices += (
+                    f" (on {result.request.devices} a device still needs "
+                    f"{format_bytes(result.peak)})"
+                )
+    fewest_shards = max(request.dp_shard + 1, math.ceil(state / devices / capacity))
+    shards, result = smallest_fitting(
+        fewest_shards,
+        MAX_DP_SHARD,
+        lambda k: attempt(graph, profile, dataclasses.replace(request, dp_shard=k)),
+    )
+    if shards is not None and result is not None:
+        more_shards = (
+            f"--dp-shard {shards} ({devices * shards} devices in all, at most "
+            f"{format_bytes(result.peak)} each)"
+        )
+    else:
+        more_shards = f"no --dp-shard up to {MAX_DP_SHARD} does"
+        if result is not None and math.isfinite(result.peak):
+            more_shards += (
+                f" (with --dp-shard {result.request.dp_shard} a device still needs "
+                f"{format_bytes(result.peak)}: the parameters FSDP2 gathers and the activations "
+                "are not sharded)"
+            )
+    return (
+        f"What fits, the smallest change of each kind (partitioned to check): {more_devices}; "
+        f"{more_shards}; or a device with more memory (--device-spec)"
     )
 
 

@@ -247,6 +247,8 @@ class CostModel:
         self.dag = self._unit_dag(graph)
         #: stages -> the best contiguous stage_of_unit (dp.solve_contiguous fills it)
         self.contiguous_optimum: dict[int, list[int]] = {}
+        #: whether it counts every stage as recomputing its activations (no activations kept)
+        self.recomputes_all = False
 
     # -- construction -------------------------------------------------------------------------
     def _parameter_bytes(self, graph: Graph) -> list[int]:
@@ -600,6 +602,7 @@ class CostModel:
         (each keeps only its inputs, which its neighbour already counts)."""
         recomputing = copy.copy(self)
         recomputing.activations = [0.0] * self.num_units
+        recomputing.recomputes_all = True
         return recomputing
 
     @staticmethod

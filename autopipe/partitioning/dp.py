@@ -8,11 +8,14 @@ allowed. ``O(stages x units^2)`` work, vectorised over the start of the last sta
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from ..byte_units import format_bytes, format_bytes_each
 from ..errors import DeviceMemoryError, PartitionError
 from ..runtime.core.pipeline import default_microbatches
 from .cost import CostModel, in_flight
@@ -91,7 +94,7 @@ def _solve(model: CostModel, num_stages: int) -> list[int]:
             best[k, ends] = candidates.min(0).values
     optimum = float(best[num_stages, n])
     if not math.isfinite(optimum):
-        raise DeviceMemoryError(_memory_message(model, num_stages, microbatches))
+        raise memory_error(model, num_stages)
     # among partitions with that bottleneck, the most balanced (least sum of squares); ties -> earliest cut
     limit = optimum * (1 + 1e-9)
     total = torch.full((num_stages + 1, n + 1), inf, dtype=dtype)
@@ -133,17 +136,88 @@ def _equal_split_bound(
     return max(costs)
 
 
-def _memory_message(model: CostModel, num_stages: int, microbatches: int) -> str:
-    state = sum(model.param_bytes) * model.state_factor()
-    activations = sum(model.activations) * microbatches
-    need = (state + activations) / num_stages / 1024**3
-    sharded = f" (per rank, sharded over --dp-shard {model.dp_shard})" if model.dp_shard > 1 else ""
-    return (
-        f"no split into {num_stages} stages fits the memory of {model.device.name} "
-        f"({model.device.memory / 1024**3:.1f} GiB per device): parameters, gradients and optimizer "
-        f"state take {state / 1024**3:.1f} GiB{sharded} and activations up to "
-        f"{activations / 1024**3:.1f} GiB, about {need:.1f} GiB per stage. Use at least "
-        f"{math.ceil((state + activations) / model.device.memory)} stages, shard the state over "
-        "more ranks (--dp-shard), fewer microbatches in flight, or a device with more memory "
-        "(--device-spec)."
+@dataclass(frozen=True)
+class StageMemory:
+    """What one stage holds as the contiguous split counts it: its parameters, gradients and
+    optimizer state, and the activations of the microbatches it holds in flight."""
+
+    state: float
+    activations: float
+    in_flight: int
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations
+
+
+def least_memory_split(model: CostModel, num_stages: int) -> list[StageMemory]:
+    """Each stage's memory, as :func:`solve_contiguous` counts it, in the contiguous split into
+    ``num_stages`` stages whose fullest stage holds the least."""
+    n = model.num_units
+    params = list(itertools.accumulate(model.param_bytes, initial=0))
+    saved = list(itertools.accumulate(model.activations, initial=0.0))
+    microbatches = model.microbatches or default_microbatches(num_stages)
+    held = [in_flight(k, num_stages, model.schedule, microbatches) for k in range(num_stages)]
+    factor = model.state_factor()
+
+    def memory(stage: int, first: int, end: int) -> float:
+        return (params[end] - params[first]) * factor + (saved[end] - saved[first]) * held[stage]
+
+    def starts_within(capacity: float) -> list[int] | None:
+        """The first unit of each stage of a split whose every stage holds at most ``capacity``,
+        or None if there is none: stages packed from the last one back, each taking as many
+        units as fit (a stage holds no more microbatches than the one before it, so a unit that
+        fits a stage fits every later one, and this finds a split whenever one exists)."""
+        starts = [0] * num_stages
+        end = n
+        for stage in reversed(range(num_stages)):
+            first = end - 1
+            if first < stage or memory(stage, first, end) > capacity:
+                return None
+            while first > stage and memory(stage, first - 1, end) <= capacity:
+                first -= 1
+            starts[stage], end = first, first
+        return starts if end == 0 else None
+
+    low, high = 0.0, memory(0, 0, n)  # one stage holding everything bounds any split's stage
+    for _ in range(64):
+        middle = (low + high) / 2
+        if starts_within(middle) is None:
+            low = middle
+        else:
+            high = middle
+    starts = starts_within(high)
+    assert starts is not None  # ``high`` always admits a split
+    ends = [*starts[1:], n]
+    return [
+        StageMemory(
+            (params[end] - params[first]) * factor,
+            (saved[end] - saved[first]) * held[stage],
+            held[stage],
+        )
+        for stage, (first, end) in enumerate(zip(starts, ends))
+    ]
+
+
+def memory_error(model: CostModel, num_stages: int) -> DeviceMemoryError:
+    """No contiguous split into ``num_stages`` stages fits: what the least a split needs is."""
+    stages = least_memory_split(model, num_stages)
+    fullest = max(range(num_stages), key=lambda s: stages[s].total)
+    worst = stages[fullest]
+    shards = model.dp_shard
+    sharded = f", its 1/{shards} share under --dp-shard {shards}" if shards > 1 else ""
+    recomputed = held = ""
+    if model.recomputes_all:
+        recomputed = " even with every stage's activations recomputed"
+    else:
+        microbatches = f"{worst.in_flight} microbatch{'es' if worst.in_flight != 1 else ''}"
+        held = f" and {format_bytes(worst.activations)} of activations for {microbatches} in flight"
+    split = f"{num_stages} stage{'s' if num_stages != 1 else ''}"
+    need = (
+        f"no split into {split} fits the memory of {model.device.name} "
+        f"({format_bytes(model.device.memory)} per device){recomputed}: the split needing the "
+        f"least memory needs at least {format_bytes_each([s.total for s in stages], 'stage')} "
+        f"(stage {fullest}: {format_bytes(worst.state)} of parameters, gradients and optimizer "
+        f"state{sharded}{held})"
     )
+    return DeviceMemoryError(need, peak=worst.total)

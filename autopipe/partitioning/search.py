@@ -12,15 +12,17 @@ deterministic).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import PartitionError
+from ..byte_units import format_bytes
+from ..errors import DeviceMemoryError, PartitionError
 from ..ir import Graph
 from ..profiling.profile import Profile
 from ..runtime.core.schedules import MULTI_STAGE, V_SHAPED, placement, schedule_problem_for
 from . import partition
-from .cost import iteration_time
+from .cost import STATE_FACTOR, CostModel, iteration_time
 from .partition import Partition, PredictedStep
 
 
@@ -164,7 +166,12 @@ def search(
                 microbatches=candidate.microbatches,
                 optimizer=optimizer,
                 dp_shard=candidate.dp_shard,
+                advise=False,  # the table shows what each rank needs; advice comes once
             )
+        except DeviceMemoryError as exc:
+            plan.problem = f"a device needs at least {format_bytes(exc.peak)}, even recomputing"
+            plans.append(plan)
+            continue
         except PartitionError as exc:
             plan.problem = str(exc).split(". ")[0]
             plans.append(plan)
@@ -195,11 +202,11 @@ def plan_table(plans: list[dict[str, Any]]) -> str:
     )
     rows = [header]
     for i, plan in enumerate(plans):
-        capacity = _size(plan["capacity"])
+        capacity = format_bytes(plan["capacity"])
         if plan["step_time"] is not None:
             figures = (
                 f"{plan['step_time'] * 1e3:9.3f} {plan['throughput']:8.1f} {plan['bubble']:6.0%} "
-                f"{_size(plan['peak_memory']):>10} {capacity:>10}  {plan['recompute']}"
+                f"{format_bytes(plan['peak_memory']):>10} {capacity:>10}  {plan['recompute']}"
             )
         else:
             figures = f"{'-':>9} {'-':>8} {'-':>6} {'-':>10} {capacity:>10}  {plan['problem']}"
@@ -211,9 +218,14 @@ def plan_table(plans: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def _size(nbytes: float) -> str:
-    """Bytes in the largest binary unit below them, three significant digits."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.3g} {unit}"
-    return f"{nbytes:.0f} B"
+def state_floor(graph: Graph, profile: Profile, *, optimizer: str, margin: float) -> str:
+    """In words: the fewest devices any plan needs for the model's parameters, gradients and
+    optimizer state alone, however they are split and sharded, on ``profile``'s device less the
+    ``margin``."""
+    model = CostModel(graph, profile, optimizer=optimizer)
+    state = float(sum(model.param_bytes)) * STATE_FACTOR[optimizer]
+    usable = profile.device.memory * (1 - margin)
+    return (
+        f"the model's parameters, gradients and optimizer state alone take {format_bytes(state)}: "
+        f"at least {math.ceil(state / usable)} devices of {format_bytes(usable)} whatever the plan"
+    )

@@ -16,10 +16,13 @@ import contextlib
 import importlib
 import math
 import os
+import shlex
 import shutil
 import signal
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -37,15 +40,18 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from .core.errors import SPECIALISED_SIZE, PipelineRunError, first_line
+from .core.errors import SPECIALISED_SIZE, PipelineRunError, UserCodeError, first_line
 from .core.memory import LiveTensorBytes
 from .core.pipeline import Pipeline, PipelineFormatError
 from .core.schedules import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, greedy_orders
 from .data import Batches
+from .failures import FailureBoard
 from .guards import (
+    RankFailedError,
     RunLock,
     agree,
     describe_write_error,
+    edited_files,
     fallback_paths,
     nonfinite_problem,
     output_problems,
@@ -181,13 +187,18 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 def make_loss_fn(package: ModuleType, pipeline: Pipeline, device: torch.device) -> LossFn:
     loss = pipeline.loss
     if loss.module is not None:
-        module = importlib.import_module(f"{package.__name__}.{loss.module}").Loss().to(device)
+        imported = importlib.import_module(f"{package.__name__}.{loss.module}")
+        module = imported.Loss().to(device)
+        where = f"{imported.__file__} (traced from the loss function given at compile time)"
 
         def user_loss(
             output: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor
         ) -> torch.Tensor:
             outputs = output if isinstance(output, tuple) else (output,)
-            loss: torch.Tensor = module(*outputs, target)
+            try:
+                loss: torch.Tensor = module(*outputs, target)
+            except Exception as exc:  # noqa: BLE001 - named as the user's code failing
+                raise UserCodeError("--loss", where, exc) from exc
             return loss
 
         return user_loss
@@ -329,6 +340,7 @@ def resume_point(checkpoints: TrainingCheckpoints | None, config: TrainConfig) -
         for stale in checkpoints.root.glob(".step-*.partial"):  # a save that never finished
             shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
+    checkpoints.refuse_other_models()  # before resuming from, or writing beside, another's
     if config.resume_from:
         return checkpoints.named(config.resume_from)
     latest = checkpoints.latest()
@@ -397,7 +409,7 @@ def build_stages(
         say(f"recomputing {held} block(s) of this rank's stages in backward")
     if load and not layout.sharded:
         say(f"loading weights from {load}")
-        load_weights(modules, load, pipeline, device)
+        loaded(load_weights(modules, load, pipeline, device, config.load_partial), load)
     autocast = device.type if config.bf16 else None
     runners = {
         s.index: StageRunner(
@@ -424,11 +436,17 @@ def build_stages(
     if layout.sharded and resume is None:
         if load:
             say(f"loading weights from {load} (each rank its shards)")
-            load_weights(modules, load, pipeline, device)
+            loaded(load_weights(modules, load, pipeline, device, config.load_partial), load)
         else:
             for module in modules.values():
                 module.initialise(config.seed)
     return modules, runners
+
+
+def loaded(left_out: int, path: str) -> None:
+    """Say how many tensors of a --load checkpoint --load-partial left out."""
+    if left_out:
+        say(f"--load-partial: left out {left_out} tensor(s) of {path} that this model has not")
 
 
 def train(package: ModuleType, pipeline: Pipeline, config: TrainConfig) -> None:
@@ -507,7 +525,13 @@ class TrainingRun:
             self.setup()
             try:
                 for step in range(self.start, self.config.steps):
-                    self.step(step)
+                    try:
+                        self.step(step)
+                    except Exception as exc:  # noqa: BLE001 - user code is named with its step
+                        failure = _user_code_error(exc)
+                        if failure is None:
+                            raise
+                        raise failure.at_step(step) from exc
                     self.checkpoint(step + 1)
             finally:
                 self.metrics.close()
@@ -748,14 +772,13 @@ def agree_dimensions(
             found = [sizes.get(name, 0) for name in names]
         except Exception as exc:  # noqa: BLE001 - every rank must reach the all-reduce
             problem = exc
-    agreed = torch.tensor([int(problem is not None), *found], device=layout.device)
+    refused_by = layout.rank + 1 if problem is not None else 0  # the highest refusing rank
+    agreed = torch.tensor([refused_by, *found], device=layout.device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=layout.pp_group)
-    if isinstance(problem, PipelineRunError):
-        raise PipelineRunError(str(problem), every_rank=True)
-    if problem is not None:
+    if problem is not None:  # printed by this rank
         raise problem
     if agreed[0]:
-        raise PipelineRunError(f"step {step}: the batch was refused (see rank 0)", every_rank=True)
+        raise RankFailedError(int(agreed[0]) - 1, f"it refused the batch of step {step}")
     sizes = dict(zip(names, (int(v) for v in agreed[1:])))
     missing = [name for name, size in sizes.items() if size == 0]
     if missing:
@@ -792,6 +815,16 @@ def _stop(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(
         f"{signal.Signals(signum).name}: torchrun stops every rank when one fails or the job is cancelled"
     )
+
+
+def _user_code_error(exc: BaseException | None) -> UserCodeError | None:
+    """The failure of user code found along an exception's causes (torch's pipeline stages
+    wrap what a stage raises), or None."""
+    while exc is not None:
+        if isinstance(exc, UserCodeError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _failed_size_check(exc: BaseException | None) -> str | None:
@@ -841,41 +874,104 @@ def _main(package: ModuleType, argv: list[str]) -> int:
         print(f"train.py: error: pipeline.json breaks the contract: {exc}", file=sys.stderr)
         return 2
     config = parse_config(argv, pipeline)
-    rank = os.environ.get("RANK", "0")
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    board = FailureBoard(rank, world)
+    where = _where(pipeline, rank) if world > 1 else ""
     resume_hint = (
         f" Checkpoints written so far are complete: rerun with --resume to continue from {config.checkpoint_dir}/latest."
         if config.checkpoint_dir
         else ""
     )
     signal.signal(signal.SIGTERM, _stop)  # torchrun stops every rank with SIGTERM
+    if rank == 0:
+        warn_if_edited(package)
     try:
         train(package, pipeline, config)
+    except RankFailedError as exc:
+        _error(
+            f"train.py: rank {rank} stopped because rank {exc.failed} failed: {exc} (its error "
+            "is printed above)"
+        )
+        return 2
     except PipelineRunError as exc:
-        if not (exc.every_rank and rank != "0"):
-            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        if exc.every_rank:  # found by every rank alike: rank 0 says it
+            if rank == 0:
+                _error(f"train.py: error: {exc}")
+            return 2
+        board.post(str(exc))
+        _error(f"train.py: error: {exc}{where}")
+        if isinstance(exc, UserCodeError):
+            log = _write_traceback(exc.original, rank)
+            if log:
+                _error(f"train.py: the full traceback{where} is in {log}")
         return 2
     except MissingOperatorError as exc:
-        print(f"train.py: error: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        board.post(str(exc))
+        _error(f"train.py: error: rank {rank}: {exc}")
         return 2
     except KeyboardInterrupt as exc:
-        print(
-            f"train.py: rank {rank} stopped ({str(exc) or 'SIGINT'}).{resume_hint}",
-            file=sys.stderr,
-            flush=True,
-        )
+        failed = board.first_failed()
+        if failed is not None:
+            _error(
+                f"train.py: rank {rank} stopped because rank {failed} failed (its error is "
+                f"printed above).{resume_hint}"
+            )
+            return 2
+        _error(f"train.py: rank {rank} stopped ({str(exc) or 'SIGINT'}).{resume_hint}")
         return 130
     except Exception as exc:  # noqa: BLE001 - lost peers and failed size checks are explained
         unlike = _failed_size_check(exc)
         if unlike:  # a batch unlike the example, caught by a stage's check
-            print(f"train.py: error: rank {rank}: {unlike}", file=sys.stderr, flush=True)
+            board.post(unlike)
+            _error(f"train.py: error: rank {rank}: {unlike}")
             return 2
         if not _lost_peer(exc):
+            board.post(f"{type(exc).__name__}: {first_line(exc)}")
             raise
-        print(
+        failed = board.first_failed()
+        if failed is not None:
+            _error(
+                f"train.py: rank {rank} stopped because rank {failed} failed (its error is "
+                f"printed above).{resume_hint}"
+            )
+            return 2
+        _error(
             f"train.py: error: rank {rank} lost contact with another rank, which died or stopped "
-            f"answering within --timeout {config.timeout:g} s ({first_line(exc)[:200]}).{resume_hint}",
-            file=sys.stderr,
-            flush=True,
+            f"answering within --timeout {config.timeout:g} s ({first_line(exc)[:200]}).{resume_hint}"
         )
         return 3
     return 0
+
+
+def _error(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _where(pipeline: Pipeline, rank: int) -> str:
+    """`` (rank R, stage S)``: where an error was found, for a message's end."""
+    stages = [str(s.index) for s in pipeline.stages_on(rank % pipeline.num_ranks)]
+    return f" (rank {rank}, stage{'s' if len(stages) > 1 else ''} {', '.join(stages)})"
+
+
+def _write_traceback(exc: BaseException, rank: int) -> Path | None:
+    """The full traceback of user code's failure, in a log file of its own; its path (None
+    if it cannot be written)."""
+    path = Path(tempfile.gettempdir()) / f"autopipe-train-error-rank{rank}-{os.getpid()}.log"
+    try:
+        path.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
+    except OSError:
+        return None
+    return path
+
+
+def warn_if_edited(package: ModuleType) -> None:
+    """A warning when the package's files differ from what autopipe generated."""
+    directory = Path(package.__file__ or ".").parent
+    edited = edited_files(directory)
+    if edited:
+        shown = ", ".join(edited[:3]) + (f" and {len(edited) - 3} more" if len(edited) > 3 else "")
+        _error(
+            f"train.py: warning: {shown} differ{'s' if len(edited) == 1 else ''} from what autopipe "
+            f"generated (manifest.json): this run trains the edited code; autopipe verify "
+            f"{shlex.quote(str(directory))} says more, autopipe compile regenerates it"
+        )

@@ -53,6 +53,7 @@ class TrainConfig:
     data: str | None
     pad_to_multiple: int  # dynamic dimensions rounded up to a multiple of this (1: as given)
     load: str | None
+    load_partial: bool  # --load may hold tensors this model has not: they are left out
     save: str | None
     # checkpoints
     checkpoint_dir: str | None
@@ -256,7 +257,14 @@ def data_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
         "--load",
         metavar="PATH",
         help="original-model weights: a torch.save state_dict, a .safetensors file or a Hugging "
-        "Face checkpoint directory (sharded with an index JSON); each rank reads only its tensors",
+        "Face checkpoint directory (sharded with an index JSON); each rank reads only its tensors. "
+        "It must hold this model's tensors and no others (see --load-partial)",
+    )
+    group.add_argument(
+        "--load-partial",
+        action="store_true",
+        help="--load from a checkpoint holding more than this model's tensors (a larger model, "
+        "extra heads): this model's are loaded, the others left out and counted",
     )
     group.add_argument(
         "--save",
@@ -347,6 +355,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, pipeline
             "--pad-to-multiple pads dynamic dimensions; this pipeline has none (compile with "
             "--dynamic)"
         )
+    if args.load_partial and not args.load:
+        parser.error("--load-partial says how to read --load PATH; give --load too")
     if args.resume_from:
         args.resume = True
     if args.resume and not args.checkpoint_dir:

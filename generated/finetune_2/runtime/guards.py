@@ -7,6 +7,7 @@ Copied into every generated pipeline as ``runtime/guards.py``; it needs only tor
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -20,6 +21,14 @@ import torch
 import torch.distributed as dist
 
 from .core.errors import PipelineRunError, first_line
+
+
+class RankFailedError(PipelineRunError):
+    """This rank stops because rank ``failed`` found a problem, which that rank prints."""
+
+    def __init__(self, failed: int, message: str) -> None:
+        super().__init__(message)
+        self.failed = failed
 
 
 def agree(problem: str | None) -> str | None:
@@ -216,3 +225,26 @@ def nonfinite_problem(
         "or --clip-grad-norm), or a batch whose labels are all the ignore index (-100). "
         "--skip-nonfinite skips such steps instead of stopping"
     )
+
+
+# -- the package's own files ------------------------------------------------------------------
+def edited_files(directory: Path) -> list[str]:
+    """The files of a generated package that differ from (or are missing against) the SHA-256
+    its ``manifest.json`` records, by relative path; none when it has no readable manifest
+    (``autopipe verify`` checks the manifest itself)."""
+    try:
+        manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+        digests = manifest["files"]
+        if not isinstance(digests, dict):
+            return []
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    edited = []
+    for rel, digest in sorted(digests.items()):
+        path = directory / str(rel)
+        try:
+            if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+                edited.append(str(rel))
+        except OSError:
+            edited.append(str(rel))
+    return edited

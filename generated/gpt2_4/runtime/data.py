@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from .core.dimensions import dimension_sizes
-from .core.errors import PipelineRunError, first_line
+from .core.errors import PipelineRunError, UserCodeError, first_line
 from .core.pipeline import Pipeline, Value
 from .options import TrainConfig
 
@@ -49,6 +49,8 @@ def load_function(spec: str, option: str = "--data") -> Callable[..., Any]:
         sys.path.insert(0, str(path.parent))
         try:
             module_spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - the user's module failed to import
+            raise UserCodeError(option, spec, exc) from exc
         finally:
             sys.path.remove(str(path.parent))
     else:
@@ -81,10 +83,14 @@ class Batches:
         self.pad_to_multiple = config.pad_to_multiple
         self.fn: Callable[..., Any] | None = None
         self.dataset: MapDataset | None = None
+        self.spec = config.data or ""
         if config.data:
             fn = load_function(config.data)
             if _takes_no_arguments(fn):
-                self.dataset = fn()
+                try:
+                    self.dataset = fn()
+                except Exception as exc:  # noqa: BLE001 - named as the user's code failing
+                    raise UserCodeError("--data", config.data, exc) from exc
                 if not isinstance(self.dataset, torch.utils.data.Dataset):
                     raise PipelineRunError(
                         f"--data {config.data}: a function without arguments must return a "
@@ -109,7 +115,10 @@ class Batches:
             return self._from_dataset(step)
         if self.fn is None:
             return self._synthetic(step)
-        result = self.fn(step)
+        try:
+            result = self.fn(step)
+        except Exception as exc:  # noqa: BLE001 - named as the user's code failing
+            raise UserCodeError("--data", self.spec, exc, step) from exc
         if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
             raise PipelineRunError(
                 f"--data function returned {type(result).__name__}; expected (args, kwargs) or (args, kwargs, target)"
@@ -148,7 +157,7 @@ class Batches:
         if self.pad_to_multiple > 1:
             inputs = self._padded(inputs)
         sizes = self.dimensions(inputs, step)
-        inputs = [self._check(t, v, sizes) for t, v in zip(inputs, self.pipeline.data_inputs)]
+        inputs = [self._check(t, v, sizes, step) for t, v in zip(inputs, self.pipeline.data_inputs)]
         loss = self.pipeline.loss
         if loss.needs_target:
             if not isinstance(target, torch.Tensor):
@@ -157,7 +166,7 @@ class Batches:
                     "(args, kwargs, target), or the dataset's items a 'target' entry"
                 )
             assert loss.target is not None  # a loss that needs a target describes it
-            target = self._check(target, loss.target, sizes)
+            target = self._check(target, loss.target, sizes, step)
         return inputs, target
 
     def _padded(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -203,26 +212,53 @@ class Batches:
         return bound
 
     def _check(
-        self, tensor: torch.Tensor, value: Value, sizes: dict[str, int] | None
+        self, tensor: torch.Tensor, value: Value, sizes: dict[str, int] | None, step: int
     ) -> torch.Tensor:
+        """``tensor``, checked to be what the pipeline takes as ``value`` in a step's batch; the
+        error names the step, the input, and the fix that matches what differs."""
         micro = list(value.shape_for(sizes))
         expected = [micro[0] * self.rows, *micro[1:]] if micro else []
-        if sizes is not None and value.sizes is not None and list(tensor.shape) != expected:
-            formulas = ", ".join(map(str, value.sizes))
+        got = list(tensor.shape)
+        where = f"step {step}: input {value.name!r}"
+        if tensor.dtype != value.torch_dtype:
             raise PipelineRunError(
-                f"input {value.name!r} has shape {list(tensor.shape)}; with {sizes} this "
-                f"pipeline expects {expected} per step ({self.rows} microbatches of shape "
-                f"[{formulas}]: --microbatches x --accumulate x --dp x --dp-shard)"
+                f"{where} is {str(tensor.dtype).removeprefix('torch.')}, this pipeline takes "
+                f"{value.dtype}: convert it in the --data function "
+                f"(tensor.to(torch.{value.dtype}))"
             )
-        if list(tensor.shape) != expected or tensor.dtype != value.torch_dtype:
+        if got == expected:
+            return tensor
+        if len(got) != len(expected):
             raise PipelineRunError(
-                f"input {value.name!r} has shape {list(tensor.shape)} and dtype {str(tensor.dtype).removeprefix('torch.')}; "
-                f"this pipeline expects shape {expected} and dtype {value.dtype} per step "
-                f"({self.rows} microbatches of shape {micro}: --microbatches x --accumulate x --dp x --dp-shard). "
-                "The pipeline was compiled for that example microbatch: change --microbatches to "
-                "match your batch, or compile again."
+                f"{where} has shape {got}, this pipeline takes {len(expected)} dimensions, "
+                f"{expected} per step: give the --data function's batch that shape"
             )
-        return tensor
+        if got[1:] != expected[1:]:
+            dim = next(d for d in range(1, len(got)) if got[d] != expected[d])
+            if sizes is not None and value.sizes is not None:
+                formulas = ", ".join(map(str, value.sizes))
+                raise PipelineRunError(
+                    f"{where} has shape {got}; with {sizes} this pipeline expects {expected} "
+                    f"per step ({self.rows} microbatches of shape [{formulas}]): its inputs "
+                    "disagree on a dynamic dimension's size; give them the same lengths"
+                )
+            raise PipelineRunError(
+                f"{where} has shape {got}, this pipeline takes {expected} per step: its dimension "
+                f"{dim} is {got[dim]} where the pipeline was compiled for {expected[dim]}. To "
+                f"train on other lengths compile with --dynamic; or pad (or cut) the batch to "
+                f"{expected[dim]} in the --data function"
+            )
+        per_run = micro[0] * self.parts  # rows of one microbatch in every pipeline run
+        fix = (
+            f"run with --microbatches {got[0] // per_run}"
+            if got[0] % per_run == 0
+            else f"give the --data function batches of {expected[0]} rows"
+        )
+        raise PipelineRunError(
+            f"{where} has {got[0]} rows (dimension 0), this pipeline takes {expected[0]} per "
+            f"step: {self.rows} microbatches of {micro[0]} (--microbatches {self.microbatches} x "
+            f"--accumulate x --dp x --dp-shard = {self.rows}). To take its batches, {fix}"
+        )
 
     def _from_dataset(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Samples ``step * B ... (step + 1) * B - 1`` of an endless stream of seeded epoch
@@ -241,7 +277,12 @@ class Batches:
                 generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
                 order = torch.randperm(size, generator=generator)
             assert order is not None  # drawn at the first position
-            items.append(self.dataset[int(order[position % size])])
+            try:
+                items.append(self.dataset[int(order[position % size])])
+            except Exception as exc:  # noqa: BLE001 - named as the user's code failing
+                raise UserCodeError(
+                    "--data", f"{self.spec} (its dataset's items)", exc, step
+                ) from exc
         if not all(isinstance(item, dict) for item in items):
             raise PipelineRunError(
                 "--data: dataset items must be dicts of tensors keyed by the model's input names"

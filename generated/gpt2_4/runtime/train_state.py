@@ -6,9 +6,11 @@ A training checkpoint is a directory ``DIR/step-N`` written with ``torch.distrib
 (DCP): every rank writes its own shards in parallel, keyed by the original model's names, the
 model's state under ``model.NAME`` and the optimizer's under ``optimizer.NAME.*``; beside them
 per rank its RNG states (``rankR.pt``) and ``checkpoint.json`` (step, layout, tied names, every
-file's size). Because the names are the original model's, a checkpoint resumes under any pipeline
-of the same model: another number of stages, another partition, other ``--dp``/``--dp-shard``
-(DCP reshards on load). Ranks write into ``DIR/.step-N.partial``, which becomes ``step-N`` by one
+file's size, the model's identity). Because the names are the original model's, a checkpoint
+resumes under any pipeline of the same model: another number of stages, another partition, other
+``--dp``/``--dp-shard`` (DCP reshards on load). Only of the same model: a checkpoint of another
+one is refused, naming the first tensor that differs, and a run neither resumes from, points
+``latest`` past nor prunes checkpoints of another model (see ``identity.py``). Ranks write into ``DIR/.step-N.partial``, which becomes ``step-N`` by one
 rename once every file is on disk; ``DIR/latest`` names the newest complete one and is replaced
 atomically. A crash at any point leaves the previous checkpoint as it was.
 """
@@ -46,12 +48,16 @@ from torch.distributed.tensor import DTensor
 
 from .checkpoint import Checkpoint, CheckpointError, save_safetensors
 from .core.errors import PipelineRunError, first_line
+from .core.pipeline import ModelIdentity, PipelineFormatError
 from .guards import agree, describe_write_error
+from .identity import identity_difference, identity_from_tensors, identity_of_manifest
 from .parallel import Layout
 from .core.pipeline import Pipeline, as_pipeline
 from .support import copy_whole, local_shard, stage_state
 
-FORMAT, VERSION = "autopipe.checkpoint", 2
+FORMAT, VERSION = "autopipe.checkpoint", 3
+#: the versions this runtime reads: 2 did not record the model's identity
+READABLE_VERSIONS = (2, 3)
 MANIFEST = "checkpoint.json"
 #: the files of a checkpoint: DCP's metadata and per-rank data, per-rank RNG states
 CHECKPOINT_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp|rank\d+\.pt")
@@ -63,16 +69,45 @@ def load_weights(
     path: str,
     pipeline: Pipeline | dict[str, Any],
     device: torch.device,
-) -> None:
+    partial: bool = False,
+) -> int:
     """Fill each local stage (built with ``meta_state``, or sharded by FSDP2 and materialised)
     with its own tensors from an original-model checkpoint, reading nothing else: a rank holds
-    about its stages' size (its shards, one whole tensor at a time, when sharded).
+    about its stages' size (its shards, one whole tensor at a time, when sharded). The
+    checkpoint must hold the model's tensors and, unless ``partial``, no others. Collective
+    when a process group is up: a problem any rank finds stops every rank, with its reason.
+    Returns how many of the checkpoint's tensors were left out (``partial``).
     ``pipeline``: a Pipeline, or a package's ``PIPELINE`` dict."""
     pipeline = as_pipeline(pipeline)
+    problem, left_out = None, 0
+    try:
+        left_out = _load_weights(stages, path, pipeline, device, partial)
+    except PipelineRunError as exc:
+        problem = str(exc)
+    problem = agree(problem) if dist.is_initialized() else problem
+    if problem:
+        raise PipelineRunError(problem, every_rank=True)
+    return left_out
+
+
+def _load_weights(
+    stages: dict[int, nn.Module],
+    path: str,
+    pipeline: Pipeline,
+    device: torch.device,
+    partial: bool,
+) -> int:
     try:
         checkpoint = Checkpoint(path)
-    except CheckpointError as exc:  # every rank opens the same file and finds the same
-        raise PipelineRunError(f"--load: {exc}", every_rank=True) from None
+    except CheckpointError as exc:
+        raise PipelineRunError(f"--load: {exc}") from None
+    left_out = _foreign_tensors(checkpoint, pipeline)
+    if left_out and not partial:
+        raise PipelineRunError(
+            f"--load: {path} holds {len(left_out)} tensor(s) that {pipeline.model_class} has not "
+            f"(the first: {left_out[0]}): it is a checkpoint of another model. To load this "
+            "model's tensors from it and leave the others out, add --load-partial"
+        )
     mapped: set[str] = set()
     for index, stage in stages.items():
         wanted = stage.state_dict()
@@ -81,7 +116,8 @@ def load_weights(
             names = stage_state(stage, {name: name for name in checkpoint}, pipeline.aliases)
         except KeyError as exc:
             raise PipelineRunError(
-                f"--load: {path} has no entry {exc} (needed by stage {index}); is it a checkpoint of {pipeline.model}?"
+                f"--load: {path} has no entry {exc} (needed by stage {index}); is it a "
+                f"checkpoint of {pipeline.model}?"
             ) from None
         own = {}
         for key, source in names.items():
@@ -91,7 +127,8 @@ def load_weights(
                 raise PipelineRunError(f"--load: {exc}") from None
             if tuple(tensor.shape) != tuple(wanted[key].shape):
                 raise PipelineRunError(
-                    f"--load: {source} in {path} has shape {list(tensor.shape)}, stage {index} expects {list(wanted[key].shape)}"
+                    f"--load: {source} in {path} has shape {list(tensor.shape)}, stage {index} "
+                    f"expects {list(wanted[key].shape)}: it is a checkpoint of another model"
                 )
             if isinstance(wanted[key], DTensor):  # sharded (FSDP2): fill this rank's shard
                 copy_whole(targets[key], tensor)
@@ -102,6 +139,16 @@ def load_weights(
             mapped.add(source)
         if own:
             stage.load_state_dict(own, assign=True)
+    return len(left_out)
+
+
+def _foreign_tensors(checkpoint: Checkpoint, pipeline: Pipeline) -> list[str]:
+    """The tensors of an original-model checkpoint that the pipeline's model has not (none
+    known for a pipeline compiled before pipelines recorded the model's identity)."""
+    if pipeline.identity is None:
+        return []
+    known = set(pipeline.identity.tensors) | {n for group in pipeline.aliases for n in group}
+    return [name for name in checkpoint if name not in known]
 
 
 def expand_aliases(state: dict[str, torch.Tensor], aliases: Sequence[Sequence[str]]) -> None:
@@ -187,6 +234,44 @@ class TrainingCheckpoints:
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)
 
+    def model_difference(self, path: Path) -> str | None:
+        """How the model checkpoint ``path`` holds differs from this pipeline's, in words; None
+        for the same model (or one that cannot be told: a pipeline compiled before pipelines
+        recorded their model's identity). A checkpoint that cannot be read is left to
+        :func:`damage` to name."""
+        ours = self.pipeline.identity
+        if ours is None:
+            return None
+        try:
+            theirs = identity_of_manifest(read_manifest(path)) or _identity_of_tensors(
+                path, self.pipeline
+            )
+        except (PipelineRunError, PipelineFormatError):
+            return None
+        return identity_difference(ours, theirs)
+
+    def refuse_other_models(self) -> None:
+        """Stop every rank, before anything is trained or written, when the directory holds a
+        checkpoint of another model: resuming from it, pointing ``latest`` past it or pruning
+        it would lose another run's work. Collective."""
+        problem = None
+        if dist.get_rank() == 0:
+            for path in complete_checkpoints(self.root):
+                difference = self.model_difference(path)
+                if difference:
+                    problem = (
+                        f"{self.root} holds checkpoints of another model than "
+                        f"{self.pipeline.model_class}: {path.name} is not this model's "
+                        f"({difference}). Give this run its own --checkpoint-dir; nothing in "
+                        f"{self.root} was changed"
+                    )
+                    break
+        found = [problem]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(found, src=0)
+        if found[0]:
+            raise PipelineRunError(found[0], every_rank=True)
+
     def named(self, name: str) -> Path:
         """Checkpoint ``name`` (``step-N`` or N) of this directory, checked intact."""
         if name.isdigit():
@@ -215,14 +300,19 @@ class TrainingCheckpoints:
         final = self.root / f"step-{step:08d}"
         partial = self.root / f".step-{step:08d}.partial"
         problem = None
-        if dist.get_rank() == 0:
-            problem = self._attempt(lambda: self._start(partial), partial)
-        self._check(agree(problem), step, partial)
-        problem = self._attempt(lambda: self._write_own(partial, stages, optimizers), partial)
-        self._check(agree(problem), step, partial)
-        if dist.get_rank() == 0:
-            problem = self._attempt(lambda: self._publish(step, partial, final), partial)
-        self._check(agree(problem), step, partial)
+        try:
+            if dist.get_rank() == 0:
+                problem = self._attempt(lambda: self._start(partial), partial)
+            self._check(agree(problem), step, partial)
+            problem = self._attempt(lambda: self._write_own(partial, stages, optimizers), partial)
+            self._check(agree(problem), step, partial)
+            if dist.get_rank() == 0:
+                problem = self._attempt(lambda: self._publish(step, partial, final), partial)
+            self._check(agree(problem), step, partial)
+        except BaseException:  # a stopped run (SIGTERM, Ctrl-C, a lost rank) leaves no partial
+            if dist.get_rank() == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
         return final
 
     @staticmethod
@@ -280,6 +370,7 @@ class TrainingCheckpoints:
             "step": step,
             "pipeline": fingerprint(self.pipeline),
             "model": self.pipeline.model,
+            **({"identity": self.pipeline.identity.to_json()} if self.pipeline.identity else {}),
             "stages": self.pipeline.num_stages,
             "dp": self.layout.dp_size // self.layout.dp_shard,
             "dp_shard": self.layout.dp_shard,
@@ -303,8 +394,9 @@ class TrainingCheckpoints:
             if _named_latest(self.root) != final.name:
                 shutil.rmtree(final, ignore_errors=True)
             raise
-        if self.keep:
-            for old in complete_checkpoints(self.root)[: -self.keep]:
+        if self.keep:  # only this model's checkpoints: another's are never touched
+            own = [p for p in complete_checkpoints(self.root) if not self.model_difference(p)]
+            for old in own[: -self.keep]:
                 if old != final:  # the one `latest` names is never pruned
                     shutil.rmtree(old)
 
@@ -329,16 +421,36 @@ class TrainingCheckpoints:
         request: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # names held twice on this rank
         aliases = {n: group for group in manifest["aliases"] for n in group}
-        for index, (tensors, osd) in state.items():
-            for name, tensor in tensors.items():
-                held = _source(path, saved, aliases.get(name, ()), index, tensor, "model", name)
-                _request(request["model"], held, tensor, copies)
-            for name, entries in osd["state"].items():
-                for entry, tensor in entries.items():
-                    held = _source(
-                        path, saved, aliases.get(name, ()), index, tensor, "optimizer", name, entry
-                    )
-                    _request(request["optimizer"], held, tensor, copies)
+        problem = self.model_difference(path)
+        if problem:  # the same on every rank
+            problem = (
+                f"checkpoint {path} holds another model than {self.pipeline.model_class}: {problem}"
+            )
+        try:
+            for index, (tensors, osd) in state.items():
+                if problem:
+                    break
+                for name, tensor in tensors.items():
+                    held = _source(path, saved, aliases.get(name, ()), index, tensor, "model", name)
+                    _request(request["model"], held, tensor, copies)
+                for name, entries in osd["state"].items():
+                    for entry, tensor in entries.items():
+                        held = _source(
+                            path,
+                            saved,
+                            aliases.get(name, ()),
+                            index,
+                            tensor,
+                            "optimizer",
+                            name,
+                            entry,
+                        )
+                        _request(request["optimizer"], held, tensor, copies)
+        except PipelineRunError as exc:  # found by this rank's stages alone, maybe
+            problem = str(exc)
+        problem = agree(problem)  # every rank stops before DCP's collective load
+        if problem:
+            raise PipelineRunError(problem, every_rank=True)
         try:
             dcp.load(request, storage_reader=reader)
         except CheckpointException as exc:
@@ -388,8 +500,7 @@ def _source(
         raise PipelineRunError(
             f"checkpoint {path} has no {what} {name} (needed by stage {index} of this "
             f"pipeline): it was written for another model"
-            + (" or with another --optimizer" if kind == "optimizer" else ""),
-            every_rank=True,
+            + (" or with another --optimizer" if kind == "optimizer" else "")
         )
     meta = saved[key]
     shape, dtype = list(getattr(meta, "size", [])), getattr(meta, "properties", None)
@@ -398,8 +509,7 @@ def _source(
         raise PipelineRunError(
             f"checkpoint {path} holds {key} as {dtype} {shape}; stage {index} of this "
             f"pipeline has {tensor.dtype} {list(tensor.shape)}: it was written for another "
-            "model",
-            every_rank=True,
+            "model"
         )
     return f"{candidate}{suffix}"
 
@@ -566,10 +676,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise PipelineRunError(f"{path} is not a readable autopipe checkpoint ({exc})") from None
     if not isinstance(manifest, dict):
         raise PipelineRunError(f"{path / MANIFEST} does not hold a checkpoint manifest")
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE_VERSIONS:
         raise PipelineRunError(
             f"{path} is a {manifest.get('format')} version {manifest.get('version')} checkpoint; "
-            f"this runtime reads {FORMAT} version {VERSION}"
+            f"this runtime reads {FORMAT} versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
     fields = (
         ("step", int),
@@ -584,6 +694,21 @@ def read_manifest(path: Path) -> dict[str, Any]:
                 f"{path / MANIFEST}: {key!r} is missing or not a {kind.__name__}"
             )
     return manifest
+
+
+def _identity_of_tensors(path: Path, pipeline: Pipeline) -> ModelIdentity:
+    """The identity, without a digest, of a checkpoint that records none (version 2): its
+    model's tensors as DCP's metadata lists them."""
+    try:
+        saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 - DCP's reader raises what its storage does
+        raise PipelineRunError(f"checkpoint {path} cannot be read ({first_line(exc)})") from None
+    tensors = {
+        key[len("model.") :]: (list(meta.size), meta.properties.dtype)
+        for key, meta in saved.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    return identity_from_tensors(tensors, pipeline.aliases)
 
 
 def merge_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

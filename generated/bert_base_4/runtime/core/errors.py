@@ -9,7 +9,10 @@ raise :class:`PipelineRunError`.
 
 from __future__ import annotations
 
-__all__ = ["SPECIALISED_SIZE", "PipelineRunError", "first_line"]
+import os
+import traceback
+
+__all__ = ["SPECIALISED_SIZE", "PipelineRunError", "UserCodeError", "first_line", "user_line"]
 
 #: in the message of the checks generated code makes of sizes computed from tensor values
 SPECIALISED_SIZE = "the pipeline was compiled for that size"
@@ -28,3 +31,50 @@ def first_line(exc: BaseException) -> str:
     """An exception's message in one line (its first), or its type's name when it has none."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+#: the folders whose frames are not the user's: this runtime's and the standard library's
+_NOT_USERS = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    os.path.dirname(os.__file__) + os.sep,
+)
+
+
+class UserCodeError(PipelineRunError):
+    """An exception raised by user code the run calls: ``option`` (``--data``, ``--loss``) is
+    where the code came from, ``spec`` names it (``FILE.py:FN``), ``step`` is the optimizer step
+    it was called for (None until known). Its message names the line of the user's code that
+    raised; :attr:`original` keeps the exception, with its traceback, for the log."""
+
+    def __init__(
+        self, option: str, spec: str, original: BaseException, step: int | None = None
+    ) -> None:
+        self.option, self.spec, self.original, self.step = option, spec, original, step
+        where = f" ({user_line(original)})" if user_line(original) else ""
+        at = f" at step {step}" if step is not None else ""
+        super().__init__(
+            f"{option} {spec} raised{at}: {type(original).__name__}: {first_line(original)}{where}"
+        )
+
+    def at_step(self, step: int) -> UserCodeError:
+        """This error, saying which step it was raised at."""
+        return (
+            self
+            if self.step is not None
+            else UserCodeError(self.option, self.spec, self.original, step)
+        )
+
+
+def user_line(exc: BaseException) -> str | None:
+    """``FILE:LINE`` of the innermost frame of ``exc``'s traceback outside this runtime, torch
+    and the standard library: the line of user code that raised (None if there is none)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        installed = "site-packages" in path or "dist-packages" in path
+        if f"{os.sep}torch{os.sep}" in path or path.startswith(_NOT_USERS[0]):
+            continue
+        if installed or not path.startswith(_NOT_USERS[1]):
+            shown = os.path.relpath(path)
+            return f"{path if shown.startswith('..') else shown}:{frame.lineno}"
+    return None

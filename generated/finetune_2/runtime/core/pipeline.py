@@ -463,6 +463,45 @@ class TiedParameter:
 
 
 @dataclass(frozen=True)
+class ModelIdentity:
+    """Which model a pipeline trains, whatever its partition: every tensor of the original
+    model's ``state_dict`` (under its first name; tied names are in ``Pipeline.aliases``) with
+    its shape and dtype, and ``digest``, a digest of the traced model (its class, its module
+    tree with each module's class, and those tensors). Training checkpoints record it, and a run
+    resumes only from checkpoints of the same identity."""
+
+    digest: str
+    tensors: dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype name)
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> ModelIdentity:
+        _object(data, where, ("digest", "tensors"))
+        digest = _str(data["digest"], f"{where}.digest")
+        entries = _check(
+            data["tensors"], f"{where}.tensors", lambda v: isinstance(v, dict), "an object"
+        )
+        tensors = {}
+        for name, entry in entries.items():
+            at = f"{where}.tensors.{name}"
+            _object(entry, at, ("shape", "dtype"))
+            size = _list(entry["shape"], f"{at}.shape", lambda v: _is_int(v) and v >= 0, "size")
+            dtype = _check(
+                entry["dtype"],
+                f"{at}.dtype",
+                lambda v: isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype),
+                "the name of a torch dtype",
+            )
+            tensors[name] = (size, dtype)
+        return cls(digest, tensors)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "digest": self.digest,
+            "tensors": {n: {"shape": list(s), "dtype": d} for n, (s, d) in self.tensors.items()},
+        }
+
+
+@dataclass(frozen=True)
 class Pipeline:
     """A generated pipeline: the model's inputs and outputs, its stages and the values they
     pass, how the loss is taken, the default schedule, and parameters held under several names."""
@@ -483,6 +522,7 @@ class Pipeline:
     plan: TrainingPlan | None = None  # absent from pipelines compiled before plans
     #: dynamic dimensions by name (compiled with --dynamic); values' sizes are formulas of them
     dimensions: dict[str, Dimension] = field(default_factory=dict)
+    identity: ModelIdentity | None = None  # absent from pipelines compiled before identities
 
     @classmethod
     def from_json(cls, data: Any) -> Pipeline:
@@ -491,7 +531,7 @@ class Pipeline:
         keys: tuple[str, ...]
         keys = ("format", "version", "model", "signature", "inputs", "outputs", "stages")
         keys += ("values", "loss", "schedule", "tied", "aliases", "input_ranges", "dp_shard")
-        _object(data, where, keys, ("plan", "dimensions"))
+        _object(data, where, keys, ("plan", "dimensions", "identity"))
         if data["format"] != FORMAT:
             raise _fail(f"{where}.format", data["format"], repr(FORMAT))
         if data["version"] != VERSION:
@@ -547,6 +587,11 @@ class Pipeline:
                     "an object",
                 ).items()
             },
+            identity=(
+                ModelIdentity.from_json(data["identity"], f"{where}.identity")
+                if "identity" in data
+                else None
+            ),
         )
         pipeline._check_references()
         pipeline._check_formulas()
@@ -618,6 +663,7 @@ class Pipeline:
                 if self.dimensions
                 else {}
             )
+            | ({"identity": self.identity.to_json()} if self.identity else {})
         )
 
     # -- derived facts ------------------------------------------------------------------------
