@@ -125,7 +125,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     graph = load_graph(args.graph)
     part = Partition.load(args.partition)
     prof = Profile.load(args.profile_file) if args.profile_file else None
-    out = generate_step(graph, part, args.out, prof=prof, force=args.force)
+    out = generate_step(
+        graph, part, args.out, prof=prof, force=args.force, gpus_per_node=args.gpus_per_node
+    )
     print(f"wrote {part.num_stages}-stage pipeline to {out}")
 
 
@@ -373,6 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--force", action="store_true", help="replace --out if it is a pipeline autopipe generated"
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=COUNT.parse,
+        default=8,
+        metavar="G",
+        help="GPUs per node the package's launch/slurm.sbatch asks for (default 8)",
     )
     p.set_defaults(func=cmd_generate)
 

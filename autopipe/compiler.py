@@ -152,13 +152,15 @@ def generate_step(
     *,
     prof: Profile | None = None,
     force: bool = False,
+    gpus_per_node: int = 8,
 ) -> Path:
-    """Write the pipeline package (with the artefacts that produced it under ``artifacts/``)."""
+    """Write the pipeline package (with the artefacts that produced it under ``artifacts/``);
+    its SLURM script asks for nodes of ``gpus_per_node`` GPUs."""
     part.validate()
     part.check_graph(graph)
     if prof is not None:
         prof.check_graph(graph)
-    files = package_files(graph, part)
+    files = package_files(graph, part, gpus_per_node=gpus_per_node)
     files[f"{ARTIFACTS}/graph.json"] = graph.json_text()
     files[f"{ARTIFACTS}/partition.json"] = artifact_text(PARTITION_KIND, part.to_json())
     if prof is not None:
@@ -218,7 +220,7 @@ def _compile_locked(
             f"(lower bound {predicted.lower_bound * 1e3:.3f} ms)"
         )
     with phases.phase("generate") as details:
-        generate_step(graph, part, out, prof=prof, force=force)
+        generate_step(graph, part, out, prof=prof, force=force, gpus_per_node=options.gpus_per_node)
         details.append(f"{part.num_stages} stage modules in {out}")
     if report:
         with phases.phase("report") as details:

@@ -399,6 +399,14 @@ class CompileOptions:
         rule=Count(1),
         metavar="B",
     )
+    #: GPUs per node of the cluster the package's launch/slurm.sbatch asks for
+    gpus_per_node: int = option(
+        8,
+        help="GPUs per node of the cluster: the package's launch/slurm.sbatch asks for as few "
+        "nodes of that many GPUs as the plan's processes fill (default 8)",
+        rule=Count(1),
+        metavar="G",
+    )
     #: with search: the fraction of each device's memory left free
     memory_margin: float = option(
         0.1,
@@ -430,7 +438,7 @@ class CompileOptions:
                 f"--devices {self.devices} is more than --stages {self.stages}: every device "
                 f"runs at least one stage; use at most {self.stages} devices or more stages"
             )
-        self._check("microbatches", "dp_shard", "depth")
+        self._check("microbatches", "dp_shard", "depth", "gpus_per_node")
         self._check("profile", "method", "schedule", "optimizer")
         self._check("basic_blocks", "dynamic", "expected", "inline_blocks", "link")
 

@@ -521,3 +521,14 @@ def cnn_batch_failing_on_rank_1(step: int, microbatches: int = 4):
     if os.environ.get("RANK") == "1":
         raise ValueError(f"no target shard for step {step} on this node")
     return cnn_batch(step, microbatches)
+
+
+def gpt2_eval_batch(index: int, microbatches: int = 4):
+    """Held-out GPT-2 batches whose labels end in a different number of ignored positions per
+    row (the index -100): microbatches weigh differently in a token-weighted mean."""
+    g = torch.Generator().manual_seed(5000 + index)
+    ids = torch.randint(0, 97, (BATCH * microbatches, 16), generator=g)
+    labels = ids.clone()
+    for row, kept in enumerate(torch.randint(2, 16, (BATCH * microbatches,), generator=g)):
+        labels[row, int(kept) :] = -100
+    return (ids,), {"labels": labels}

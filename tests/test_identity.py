@@ -117,6 +117,22 @@ def test_another_models_checkpoints_are_refused_and_left_untouched(
     ]
 
 
+def test_a_larger_model_is_refused_by_every_rank_before_it_loads(
+    tmp_path, packages, single_process_group
+):
+    """Defect 2 of the issue: the larger model on the smaller one's checkpoints. The stage that
+    needs the missing layers is not rank 0's, yet the refusal comes before any rank loads, from
+    what every rank knows alike (the identities), naming the first missing tensor."""
+    root = tmp_path / "ck"
+    _checkpoint(packages["two"], root, 1)
+    three = train_state.TrainingCheckpoints(
+        root, load_pipeline(packages["three"]).PIPELINE, ONE_PROCESS, 0
+    )
+    with pytest.raises(PipelineRunError, match="it has no transformer.h.2.") as caught:
+        three.refuse_other_models()
+    assert caught.value.every_rank
+
+
 def test_the_same_model_resumes_from_another_partition(tmp_path, packages, single_process_group):
     root = tmp_path / "ck"
     _checkpoint(packages["three"], root, 1)

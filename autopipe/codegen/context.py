@@ -1,8 +1,9 @@
 """The typed contexts the package templates are rendered with.
 
 Every template of a package receives the :class:`PackageContext` variables; a stage module
-(``stage.py.j2``) receives a :class:`StageContext`, one field per template variable, built in one
-place (``codegen/package.py``).
+(``stage.py.j2``) receives a :class:`StageContext`, and the SLURM script (``slurm.sbatch.j2``) a
+:class:`LaunchContext`, one field per template variable, built in one place
+(``codegen/package.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from .plan import StagePlan
 
-__all__ = ["PackageContext", "StageContext"]
+__all__ = ["LaunchContext", "PackageContext", "StageContext", "node_layout"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +56,37 @@ class StageContext:
         """The template variables, by name, with ``body`` standing for the forward body."""
         own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "package"}
         return self.package.variables() | own | {"body": body}
+
+
+def node_layout(processes: int, gpus_per_node: int) -> tuple[int, int]:
+    """``(nodes, processes per node)`` for ``processes`` on nodes of ``gpus_per_node`` GPUs: the
+    fewest nodes that hold them with the same number on each (torchrun starts as many on every
+    node)."""
+    nodes = -(-processes // gpus_per_node)
+    while processes % nodes:
+        nodes += 1
+    return nodes, processes // nodes
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """What ``slurm.sbatch.j2`` is rendered with: the package's variables and the nodes its
+    planned processes (pipeline ranks x planned --dp-shard) take."""
+
+    package: PackageContext
+    num_ranks: int  # ranks of one pipeline replica
+    dp_shard: int  # the partition's planned --dp-shard
+    nodes: int
+    processes_per_node: int
+
+    @classmethod
+    def for_plan(
+        cls, package: PackageContext, num_ranks: int, dp_shard: int, gpus_per_node: int
+    ) -> LaunchContext:
+        nodes, per_node = node_layout(package.num_processes, gpus_per_node)
+        return cls(package, num_ranks, dp_shard, nodes, per_node)
+
+    def variables(self) -> dict[str, Any]:
+        """The template variables, by name."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "package"}
+        return self.package.variables() | own

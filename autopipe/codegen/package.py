@@ -37,7 +37,7 @@ from .blocks import (
     stage_submodules,
 )
 from .cond import branch_functions
-from .context import PackageContext, StageContext
+from .context import LaunchContext, PackageContext, StageContext
 from .autograd_function import function_classes
 from .names import value_names
 from .output_lock import check_unlocked, output_lock
@@ -93,8 +93,9 @@ def black_format(sources: dict[str, str]) -> dict[str, str]:
             gc.enable()
 
 
-def package_files(graph: Graph, part: Partition) -> dict[str, str]:
-    """The files of a generated pipeline package, by relative path."""
+def package_files(graph: Graph, part: Partition, gpus_per_node: int = 8) -> dict[str, str]:
+    """The files of a generated pipeline package, by relative path; its SLURM script asks for
+    nodes of ``gpus_per_node`` GPUs."""
     plans = plan_stages(graph, part.stage_of_unit, part.device_of_stage)
     device_of_stage = part.device_of_stage
     model_class = graph.model.cls.rsplit(".", 1)[-1]
@@ -149,6 +150,9 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
         "__init__.py.j2", **common, modules=sorted(set(graph.model.operators.values()))
     )
     sources["train.py"] = render("train.py.j2", **common)
+    ranks = len(set(device_of_stage))
+    launch = LaunchContext.for_plan(package, ranks, part.settings.dp_shard or 1, gpus_per_node)
+    launch_script = render("slurm.sbatch.j2", **launch.variables())
     if graph.loss is not None:
         loss_context = _loss_context(graph.loss, model_class)
         loss_context["functions"] = [
@@ -164,6 +168,7 @@ def package_files(graph: Graph, part: Partition) -> dict[str, str]:
             "".join(f"        {line}\n" if line else "\n" for line in body),
         )
     blocks_of_stage = {i: [sub.fqn for sub in subs] for i, subs in submodules.items()}
+    files["launch/slurm.sbatch"] = launch_script
     files["pipeline.json"] = dumps(pipeline_description(graph, plans, part, names, blocks_of_stage))
     for module in RUNTIME_MODULES:
         files[f"runtime/{module}"] = (RUNTIME / module).read_text(encoding="utf-8")

@@ -75,7 +75,8 @@ class Batches:
     """The whole batch of each step: from ``--data`` (a step function or a Dataset factory) or
     synthetic, checked against the pipeline's inputs."""
 
-    def __init__(self, pipeline: Pipeline, config: TrainConfig):
+    def __init__(self, pipeline: Pipeline, config: TrainConfig, held_out: bool = False):
+        """``held_out``: the batches of ``--eval-data`` (by index) instead of ``--data``'s."""
         self.pipeline = pipeline
         self.microbatches = config.microbatches
         self.parts = config.accumulate * config.data_parallel  # pipeline runs per step, all ranks
@@ -83,17 +84,19 @@ class Batches:
         self.pad_to_multiple = config.pad_to_multiple
         self.fn: Callable[..., Any] | None = None
         self.dataset: MapDataset | None = None
-        self.spec = config.data or ""
-        if config.data:
-            fn = load_function(config.data)
+        self.option = "--eval-data" if held_out else "--data"
+        spec = config.eval_data if held_out else config.data
+        self.spec = spec or ""
+        if spec:
+            fn = load_function(spec, self.option)
             if _takes_no_arguments(fn):
                 try:
                     self.dataset = fn()
                 except Exception as exc:  # noqa: BLE001 - named as the user's code failing
-                    raise UserCodeError("--data", config.data, exc) from exc
+                    raise UserCodeError(self.option, spec, exc) from exc
                 if not isinstance(self.dataset, torch.utils.data.Dataset):
                     raise PipelineRunError(
-                        f"--data {config.data}: a function without arguments must return a "
+                        f"{self.option} {spec}: a function without arguments must return a "
                         f"torch.utils.data.Dataset, got {type(self.dataset).__name__}"
                     )
             else:
@@ -118,10 +121,11 @@ class Batches:
         try:
             result = self.fn(step)
         except Exception as exc:  # noqa: BLE001 - named as the user's code failing
-            raise UserCodeError("--data", self.spec, exc, step) from exc
+            raise UserCodeError(self.option, self.spec, exc, step) from exc
         if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
             raise PipelineRunError(
-                f"--data function returned {type(result).__name__}; expected (args, kwargs) or (args, kwargs, target)"
+                f"{self.option} function returned {type(result).__name__}; expected (args, kwargs) "
+                "or (args, kwargs, target)"
             )
         args, kwargs, *rest = result
         args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
@@ -151,7 +155,7 @@ class Batches:
         for value in self.pipeline.data_inputs:
             if not isinstance(bound.get(value.name), torch.Tensor):
                 raise PipelineRunError(
-                    f"--data batch of step {step} has no tensor for input {value.name!r}"
+                    f"{self.option} batch of step {step} has no tensor for input {value.name!r}"
                 )
             inputs.append(bound[value.name])
         if self.pad_to_multiple > 1:
@@ -162,7 +166,7 @@ class Batches:
         if loss.needs_target:
             if not isinstance(target, torch.Tensor):
                 raise PipelineRunError(
-                    "this pipeline's loss needs a target: the --data function must return "
+                    f"this pipeline's loss needs a target: the {self.option} function must return "
                     "(args, kwargs, target), or the dataset's items a 'target' entry"
                 )
             assert loss.target is not None  # a loss that needs a target describes it
@@ -205,7 +209,7 @@ class Batches:
         signature = self.pipeline.signature
         if len(args) > len(signature):
             raise PipelineRunError(
-                f"--data gave {len(args)} positional inputs; forward takes {len(signature)}"
+                f"{self.option} gave {len(args)} positional inputs; forward takes {len(signature)}"
             )
         bound = dict(zip(signature, args))
         bound.update(kwargs)
@@ -223,7 +227,7 @@ class Batches:
         if tensor.dtype != value.torch_dtype:
             raise PipelineRunError(
                 f"{where} is {str(tensor.dtype).removeprefix('torch.')}, this pipeline takes "
-                f"{value.dtype}: convert it in the --data function "
+                f"{value.dtype}: convert it in the {self.option} function "
                 f"(tensor.to(torch.{value.dtype}))"
             )
         if got == expected:
@@ -231,7 +235,7 @@ class Batches:
         if len(got) != len(expected):
             raise PipelineRunError(
                 f"{where} has shape {got}, this pipeline takes {len(expected)} dimensions, "
-                f"{expected} per step: give the --data function's batch that shape"
+                f"{expected} per step: give the {self.option} function's batch that shape"
             )
         if got[1:] != expected[1:]:
             dim = next(d for d in range(1, len(got)) if got[d] != expected[d])
@@ -246,13 +250,13 @@ class Batches:
                 f"{where} has shape {got}, this pipeline takes {expected} per step: its dimension "
                 f"{dim} is {got[dim]} where the pipeline was compiled for {expected[dim]}. To "
                 f"train on other lengths compile with --dynamic; or pad (or cut) the batch to "
-                f"{expected[dim]} in the --data function"
+                f"{expected[dim]} in the {self.option} function"
             )
         per_run = micro[0] * self.parts  # rows of one microbatch in every pipeline run
         fix = (
             f"run with --microbatches {got[0] // per_run}"
             if got[0] % per_run == 0
-            else f"give the --data function batches of {expected[0]} rows"
+            else f"give the {self.option} function batches of {expected[0]} rows"
         )
         raise PipelineRunError(
             f"{where} has {got[0]} rows (dimension 0), this pipeline takes {expected[0]} per "
@@ -267,7 +271,7 @@ class Batches:
         size = len(self.dataset)
         count = self.samples
         if size == 0:
-            raise PipelineRunError("--data: the dataset is empty")
+            raise PipelineRunError(f"{self.option}: the dataset is empty")
         items: list[Any] = []
         epoch: int | None = None
         order: torch.Tensor | None = None
@@ -281,17 +285,18 @@ class Batches:
                 items.append(self.dataset[int(order[position % size])])
             except Exception as exc:  # noqa: BLE001 - named as the user's code failing
                 raise UserCodeError(
-                    "--data", f"{self.spec} (its dataset's items)", exc, step
+                    self.option, f"{self.spec} (its dataset's items)", exc, step
                 ) from exc
         if not all(isinstance(item, dict) for item in items):
             raise PipelineRunError(
-                "--data: dataset items must be dicts of tensors keyed by the model's input names"
+                f"{self.option}: dataset items must be dicts of tensors keyed by the model's input "
+                "names"
             )
         try:
             batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
         except RuntimeError as exc:
             raise PipelineRunError(
-                f"--data: the dataset's items of step {step} do not stack into one batch "
+                f"{self.option}: the dataset's items of step {step} do not stack into one batch "
                 f"({first_line(exc)}); items of different lengths need a --data FN(step) that "
                 "pads each step's batch (see examples/finetune.py)"
             ) from None

@@ -56,6 +56,33 @@ class Layout:
         return self.dp_size > 1
 
 
+def world_size_problem(world: int, pp: int, dp: int, dp_shard: int) -> str:
+    """Why ``world`` processes do not run ``pp`` pipeline ranks x ``dp`` x ``dp_shard``, and
+    which numbers to change: torchrun's (nodes x processes per node) or train.py's."""
+    wanted = pp * dp * dp_shard
+    flags = f"--dp {dp}" + (f" --dp-shard {dp_shard}" if dp_shard > 1 else "")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world
+    nodes = world // per_node if per_node and world % per_node == 0 else 1
+    started = (
+        f"{nodes} nodes x {per_node} processes = {world}" if nodes > 1 else f"{world} processes"
+    )
+    if wanted % per_node == 0 and nodes > 1:
+        launch = f"torchrun --nnodes={wanted // per_node} --nproc-per-node={per_node}"
+    elif nodes > 1:
+        launch = f"torchrun with --nnodes x --nproc-per-node = {wanted}"
+    else:
+        launch = f"torchrun --nproc-per-node={wanted}"
+    if world % pp:
+        return (
+            f"this pipeline runs on {pp} ranks per pipeline (x {flags}), but torchrun started "
+            f"{started}, not a multiple of {pp}; use {launch}"
+        )
+    return (
+        f"this pipeline runs on {pp} ranks per pipeline x {flags} = {wanted} processes, but "
+        f"torchrun started {started}; use {launch}, or choose --dp x --dp-shard = {world // pp}"
+    )
+
+
 def init_distributed(
     pipeline: Pipeline, device_kind: str, dp: int, dp_shard: int, timeout: float
 ) -> Layout:
@@ -63,23 +90,12 @@ def init_distributed(
     world = int(os.environ.get("WORLD_SIZE", "0"))
     pp = pipeline.num_ranks
     wanted = pp * dp * dp_shard
-    flags = f"--dp {dp}" + (f" --dp-shard {dp_shard}" if dp_shard > 1 else "")
     if world == 0:
         raise PipelineRunError(
             f"start train.py with torchrun: torchrun --nproc-per-node={wanted} train.py ..."
         )
     if world != wanted:
-        raise PipelineRunError(
-            (
-                f"this pipeline runs on {pp} ranks per pipeline x {flags} = {wanted} processes, but "
-                f"torchrun started {world}; use torchrun --nproc-per-node={wanted}, or choose "
-                f"--dp x --dp-shard = {world // pp}"
-                if world % pp == 0
-                else f"this pipeline runs on {pp} ranks per pipeline (x {flags}), but torchrun "
-                f"started {world}, not a multiple of {pp}; use torchrun --nproc-per-node={wanted}"
-            ),
-            every_rank=True,
-        )
+        raise PipelineRunError(world_size_problem(world, pp, dp, dp_shard), every_rank=True)
     wait = timedelta(seconds=timeout)
     if device_kind == "cuda":
         if not torch.cuda.is_available():

@@ -45,6 +45,7 @@ from .core.memory import LiveTensorBytes
 from .core.pipeline import Pipeline, PipelineFormatError
 from .core.schedules import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, greedy_orders
 from .data import Batches
+from .evaluation import EvalResult, LossSums, label_tokens
 from .failures import FailureBoard
 from .guards import (
     RankFailedError,
@@ -517,14 +518,20 @@ class TrainingRun:
         self.start = 0  # the first step to run
         self.flops_scale = 1.0  # this step's FLOPs relative to the plan's (dynamic dimensions)
         self.schedules = ShapedSchedules(self.shaped)
+        self.eval_schedules = ShapedSchedules(lambda sizes: self.shaped(sizes, forward_only=True))
+        self.eval_batches: Batches | None = None  # --eval-data
 
     def run(self) -> None:
         """Every phase in order; live tensors are counted (``--track-memory`` on CPU) from the
         stages' allocation to the end of the second step, or of the run."""
         try:
             self.setup()
+            config = self.config
             try:
-                for step in range(self.start, self.config.steps):
+                if config.eval_only:
+                    self.evaluate(self.start)
+                    return
+                for step in range(self.start, config.steps):
                     try:
                         self.step(step)
                     except Exception as exc:  # noqa: BLE001 - user code is named with its step
@@ -533,6 +540,12 @@ class TrainingRun:
                             raise
                         raise failure.at_step(step) from exc
                     self.checkpoint(step + 1)
+                    if config.eval_every and (step + 1) % config.eval_every == 0:
+                        self.evaluate(step + 1)
+                if self.eval_batches is not None and not (
+                    config.eval_every and config.steps % config.eval_every == 0
+                ):
+                    self.evaluate(config.steps)  # at the end, unless just done
             finally:
                 self.metrics.close()
             self.finish()
@@ -568,6 +581,8 @@ class TrainingRun:
             self.schedules.get(None)  # built before the first step, as its errors are the options'
         self.sync = GradientSync(pipeline, self.layout, self.modules)
         self.batches = Batches(pipeline, config)
+        if config.eval_data:
+            self.eval_batches = Batches(pipeline, config, held_out=True)
         self.needs_target = self.is_last and pipeline.loss.needs_target
         self.metrics = self.make_metrics()
 
@@ -598,9 +613,11 @@ class TrainingRun:
             metrics.note(f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0")
         return metrics
 
-    def shaped(self, sizes: dict[str, int] | None) -> Shaped:
+    def shaped(self, sizes: dict[str, int] | None, forward_only: bool = False) -> Shaped:
         """This rank's pipeline stages, with buffers of the sizes ``sizes`` of the dynamic
-        dimensions, and a schedule over them."""
+        dimensions, and a schedule over them. ``forward_only``: an evaluation's, stages and
+        schedule of their own (torch's schedules keep their stages' buffers per mode) that
+        only ever run ``eval``, which skips every backward action and its transfers."""
         config, pipeline = self.config, self.pipeline
         stages = [
             DataParallelStage(
@@ -617,7 +634,7 @@ class TrainingRun:
         for stage in stages:
             stage.reduce_every_microbatch = config.gathers_per_block
             stage.overlap = config.dp_overlap
-        if config.microbatches * pipeline.num_stages >= LARGE_SCHEDULE:
+        if config.microbatches * pipeline.num_stages >= LARGE_SCHEDULE and not forward_only:
             say(
                 f"building the {config.schedule} schedule of {config.microbatches} microbatches ..."
             )
@@ -669,14 +686,21 @@ class TrainingRun:
         loss = float("nan") if loss is None else loss
         metrics.record(step, loss, seconds, lr, grad_norm, memory, state, skipped=bool(problem))
 
-    def read_batch(self, step: int) -> tuple[Any, dict[str, int] | None]:
+    def read_batch(
+        self, step: int, batches: Batches | None = None
+    ) -> tuple[Any, dict[str, int] | None]:
         """The step's batch on the ranks that read data (else None), and the sizes of the
-        dynamic dimensions, which every rank learns (None for a static pipeline)."""
-        pipeline, metrics, batches = self.pipeline, self.metrics, self.batches
+        dynamic dimensions, which every rank learns (None for a static pipeline).
+        ``batches``: held-out ones, by index (the training batches by default)."""
+        pipeline, metrics = self.pipeline, self.metrics
+        held_out = batches is not None
+        batches = batches or self.batches
         reads = self.is_first or self.needs_target
         if not pipeline.dimensions:
             return batches(step) if reads else None, None
         batch, sizes = agree_dimensions(batches, step, reads, self.layout)
+        if held_out:
+            return batch, sizes
         self.flops_scale = pipeline.flops_scale(sizes)
         metrics.samples_per_step = batches.rows * pipeline.samples_in_microbatch(sizes)
         if pipeline.tokens_per_sample:
@@ -710,6 +734,68 @@ class TrainingRun:
             schedule.step(*[t.to(self.device) for t in inputs] if self.is_first else [], **kwargs)
             losses += run_losses
         return losses
+
+    # -- evaluate ------------------------------------------------------------------------------
+    def evaluate(self, done: int) -> None:
+        """After ``done`` steps: the mean loss over ``--eval-batches`` held-out batches, each
+        through forward-only pipeline runs without gradients, dropout off and nothing
+        recomputed; recorded by the reporting rank (collective)."""
+        assert self.eval_batches is not None  # called only with --eval-data
+        config, layout, batches = self.config, self.layout, self.eval_batches
+        began = time.perf_counter()
+        sums = LossSums()
+        recompute = {index: runner.recompute for index, runner in self.runners.items()}
+        for index, runner in self.runners.items():
+            runner.recompute = False
+            runner.train(False)
+        try:
+            with torch.no_grad():
+                for number in range(config.eval_batches):
+                    try:
+                        batch, sizes = self.read_batch(number, batches)
+                    except UserCodeError as exc:
+                        raise exc.at_step(done) from exc
+                    _, schedule = self.eval_schedules.get(sizes)
+                    for part in range(config.accumulate):
+                        run = part * layout.dp_size + layout.dp_rank
+                        inputs, target = batches.part(batch, run) if batch else ([], None)
+                        self.evaluate_run(inputs, target, schedule, sums)
+        finally:
+            for index, runner in self.runners.items():
+                runner.recompute = recompute[index]
+                runner.train(True)
+        loss = sums.mean(layout.dp_group if self.is_last else None, self.device)
+        result = EvalResult(loss, config.eval_batches, time.perf_counter() - began)
+        self.metrics.record_eval(done, result)
+
+    def evaluate_run(
+        self,
+        inputs: list[torch.Tensor],
+        target: torch.Tensor | None,
+        schedule: _PipelineSchedule,
+        sums: LossSums,
+    ) -> None:
+        """One forward-only pipeline run of a held-out batch's part: its microbatch losses,
+        weighted by their label tokens (learnt from the first stage's rank), added to ``sums``
+        on the last stage's rank."""
+        microbatches = self.config.microbatches
+        tokens = label_tokens(self.pipeline, inputs, microbatches) if self.is_first else None
+        weighted = "labels" in [value.name for value in self.pipeline.data_inputs]
+        weights = torch.zeros(microbatches, dtype=torch.float64, device=self.device)
+        if weighted:  # the first stage's rank counts, the last stage's weighs
+            if tokens is not None:
+                weights += tokens.to(self.device)
+            if self.layout.pp_size > 1:
+                dist.all_reduce(weights, group=self.layout.pp_group)
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if self.is_last:
+            if target is None:  # the loss is a model output
+                target = torch.zeros(microbatches)
+            kwargs = {"target": target.to(self.device), "losses": losses, "return_outputs": False}
+        schedule.eval(*[t.to(self.device) for t in inputs] if self.is_first else [], **kwargs)
+        if self.is_last:
+            sums.add(losses, weights if weighted else None)
 
     # -- checkpoint ----------------------------------------------------------------------------
     def checkpoint(self, done: int) -> None:

@@ -61,6 +61,11 @@ class TrainConfig:
     keep_checkpoints: int
     resume: bool
     resume_from: str | None
+    # evaluation
+    eval_data: str | None
+    eval_every: int  # evaluate after every N optimizer steps (0: at the end only)
+    eval_batches: int  # held-out batches per evaluation
+    eval_only: bool  # evaluate the loaded or resumed weights, train nothing
     # metrics
     log_json: str | None
     log_every: int
@@ -307,6 +312,40 @@ def checkpoint_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> N
     )
 
 
+def evaluation_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
+    """Held-out evaluation: forward-only pipeline passes, no gradients, dropout off."""
+    group = parser.add_argument_group("evaluation")
+    group.add_argument(
+        "--eval-data",
+        metavar="FILE.py:FN",
+        help="held-out batches, in --data's forms: FN(index) returning a batch of a step's size "
+        "(index 0, 1, ... of --eval-batches), or FN() returning a Dataset. Evaluated at the end of "
+        "the run, every --eval-every steps, or alone with --eval-only: the mean loss (weighted by "
+        "the tokens whose labels are not the ignore index -100, where the model takes labels) "
+        "and its perplexity",
+    )
+    group.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="evaluate after every N optimizer steps, and at the end (default 0: at the end only)",
+    )
+    group.add_argument(
+        "--eval-batches",
+        type=int,
+        default=1,
+        metavar="K",
+        help="held-out batches per evaluation, each of a step's size (default 1)",
+    )
+    group.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="evaluate the weights --load or --resume gives (or the initial ones) and stop, "
+        "training nothing",
+    )
+
+
 def metrics_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
     """What each step reports, and where."""
     group = parser.add_argument_group("metrics")
@@ -315,7 +354,8 @@ def metrics_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None
         metavar="PATH",
         help="write one JSON object per step: step, loss, time, samples_per_s, tokens_per_s, lr, "
         "grad_norm, peak_memory and state_bytes (bytes per rank: the peak, and the parameters, "
-        "gradients and optimizer state held)",
+        "gradients and optimizer state held); and one per evaluation: step, eval_loss, "
+        "eval_perplexity, eval_batches, eval_time",
     )
     group.add_argument(
         "--track-memory",
@@ -335,6 +375,7 @@ OPTION_GROUPS: tuple[Callable[[argparse.ArgumentParser, Pipeline], None], ...] =
     optimisation_options,
     data_options,
     checkpoint_options,
+    evaluation_options,
     metrics_options,
 )
 
@@ -344,10 +385,18 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, pipeline
     ``parser.error`` at the first problem, and resolve what they leave to the pipeline
     (``--resume-from`` implies ``--resume``; ``--recompute`` becomes stage and block sets,
     ``--gather auto`` block or step)."""
-    for name in ("steps", "checkpoint_every", "warmup_steps", "keep_checkpoints"):
+    for name in ("steps", "checkpoint_every", "warmup_steps", "keep_checkpoints", "eval_every"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0")
-    for name in ("microbatches", "dp", "dp_shard", "accumulate", "log_every", "pad_to_multiple"):
+    for name in (
+        "microbatches",
+        "dp",
+        "dp_shard",
+        "accumulate",
+        "log_every",
+        "pad_to_multiple",
+        "eval_batches",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.pad_to_multiple > 1 and not pipeline.dimensions:
@@ -355,6 +404,9 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, pipeline
             "--pad-to-multiple pads dynamic dimensions; this pipeline has none (compile with "
             "--dynamic)"
         )
+    if (args.eval_every or args.eval_only) and not args.eval_data:
+        flag = "--eval-only" if args.eval_only else "--eval-every"
+        parser.error(f"{flag} evaluates --eval-data FILE.py:FN; give the held-out batches")
     if args.load_partial and not args.load:
         parser.error("--load-partial says how to read --load PATH; give --load too")
     if args.resume_from:

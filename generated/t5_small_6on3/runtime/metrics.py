@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .core.memory import LiveTensorBytes
+from .evaluation import EvalResult
 from .support import local_shard
 
 
@@ -141,6 +142,28 @@ class Metrics:
             )
         elif step % self.log_every == 0 or step == self.steps - 1 or skipped:
             print(line + (" skipped: not finite" if skipped else ""), flush=True)
+
+    def record_eval(self, done: int, result: EvalResult) -> None:
+        """An evaluation after ``done`` optimizer steps: a JSON line ``{"step": done - 1,
+        "eval_loss", "eval_perplexity", "eval_batches", "eval_time"}`` (after the training line
+        of the same step) and a console line."""
+        if not self.reporting:
+            return
+        entry = {
+            "step": done - 1,
+            "eval_loss": result.loss,
+            "eval_perplexity": result.perplexity,
+            "eval_batches": result.batches,
+            "eval_time": result.seconds,
+        }
+        if self.log:
+            self.log.write(json.dumps(entry) + "\n")
+            self.log.flush()
+        self.note(
+            f"eval after step {done}: loss {result.loss:.6f}, perplexity {result.perplexity:.4g} "
+            f"({result.batches} held-out batch{'es' if result.batches > 1 else ''}, "
+            f"{result.seconds:.3f} s)"
+        )
 
     def note(self, message: str) -> None:
         if self.reporting:
