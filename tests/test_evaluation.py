@@ -86,7 +86,7 @@ def test_eval_only_gives_the_original_models_eval_loss(
     assert entry["eval_loss"] == pytest.approx(expected, abs=2e-5)
     assert entry["eval_perplexity"] == pytest.approx(math.exp(entry["eval_loss"]))
     assert entry["step"] == -1 and entry["eval_batches"] == EVAL_BATCHES
-    assert "eval after step 0: loss" in result.stdout
+    assert "eval before training: loss" in result.stdout
     assert not [e for e in map(json.loads, log.read_text().splitlines()) if "loss" in e]
 
 

@@ -159,8 +159,9 @@ class Metrics:
         if self.log:
             self.log.write(json.dumps(entry) + "\n")
             self.log.flush()
+        when = f"after step {done - 1}" if done else "before training"  # steps count from 0
         self.note(
-            f"eval after step {done}: loss {result.loss:.6f}, perplexity {result.perplexity:.4g} "
+            f"eval {when}: loss {result.loss:.6f}, perplexity {result.perplexity:.4g} "
             f"({result.batches} held-out batch{'es' if result.batches > 1 else ''}, "
             f"{result.seconds:.3f} s)"
         )
