@@ -996,12 +996,7 @@ def _main(package: ModuleType, argv: list[str]) -> int:
         _error(f"train.py: error: rank {rank}: {exc}")
         return 2
     except KeyboardInterrupt as exc:
-        failed = board.first_failed()
-        if failed is not None:
-            _error(
-                f"train.py: rank {rank} stopped because rank {failed} failed (its error is "
-                f"printed above).{resume_hint}"
-            )
+        if _said_who_failed(board, rank, resume_hint):
             return 2
         _error(f"train.py: rank {rank} stopped ({str(exc) or 'SIGINT'}).{resume_hint}")
         return 130
@@ -1014,12 +1009,7 @@ def _main(package: ModuleType, argv: list[str]) -> int:
         if not _lost_peer(exc):
             board.post(f"{type(exc).__name__}: {first_line(exc)}")
             raise
-        failed = board.first_failed()
-        if failed is not None:
-            _error(
-                f"train.py: rank {rank} stopped because rank {failed} failed (its error is "
-                f"printed above).{resume_hint}"
-            )
+        if _said_who_failed(board, rank, resume_hint):
             return 2
         _error(
             f"train.py: error: rank {rank} lost contact with another rank, which died or stopped "
@@ -1027,6 +1017,18 @@ def _main(package: ModuleType, argv: list[str]) -> int:
         )
         return 3
     return 0
+
+
+def _said_who_failed(board: FailureBoard, rank: int, resume_hint: str) -> bool:
+    """Whether another rank posted a failure, which this rank then names as why it stopped."""
+    failed = board.first_failed()
+    if failed is None:
+        return False
+    _error(
+        f"train.py: rank {rank} stopped because rank {failed} failed (its error is printed "
+        f"above).{resume_hint}"
+    )
+    return True
 
 
 def _error(line: str) -> None:
