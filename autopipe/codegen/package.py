@@ -25,6 +25,7 @@ from ..partitioning import Partition, default_schedule
 from ..partitioning.cost import iteration_time
 from ..partitioning.partition import PredictedStep, costs_to_json
 from ..runtime.core.pipeline import Pipeline, default_microbatches
+from ..runtime.core.manifest import changed_files
 from . import emit
 from .sizes import size_lines, used_symbols
 from ..ir.analysis import block_calls
@@ -577,11 +578,7 @@ def edited_files(directory: str | os.PathLike) -> list[str]:
     beside the generated ones), by relative path; raises if there is no valid manifest."""
     directory = Path(directory)
     digests = read_manifest(directory)
-    edited = []
-    for rel, digest in digests.items():
-        path = directory / rel
-        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
-            edited.append(rel)
+    edited = changed_files(directory, digests)
     generated_folders = {Path(rel).parent for rel in digests}
     for path in sorted(directory.rglob("*.py")):
         rel = path.relative_to(directory).as_posix()

@@ -22,7 +22,7 @@ from ..ir import Graph
 from ..profiling.profile import Profile
 from .acyclic import solve_acyclic
 from .blocks import align_to_blocks
-from .cost import STATE_FACTOR, CostModel, Prediction
+from .cost import CostModel, Prediction
 from .dp import solve_contiguous
 from .metis import solve_metis
 from .mpipe import solve_mpipe
@@ -347,7 +347,7 @@ def memory_advice(graph: Graph, profile: Profile, request: PartitionRequest) -> 
     )
     capacity = profile.device.memory
     stages, devices = request.num_stages, request.devices
-    state = float(sum(model.param_bytes)) * STATE_FACTOR[request.optimizer]  # unsharded
+    state = model.training_state_bytes  # unsharded
 
     def stages_on(count: int) -> int:
         """Stages on ``count`` devices: as many per device as the schedule's placement runs,

@@ -335,6 +335,11 @@ class CostModel:
             result.append(out)
         return result[0], result[1]
 
+    @property
+    def training_state_bytes(self) -> float:
+        """The whole model's parameters, gradients and optimizer state, unsharded."""
+        return float(sum(self.param_bytes)) * STATE_FACTOR[self.optimizer]
+
     def state_factor(self) -> float:
         """Bytes of parameters, gradients and optimizer state a rank holds per parameter byte
         (its 1/N share when sharded over ``--dp-shard N``)."""

@@ -22,7 +22,7 @@ from ..ir import Graph
 from ..profiling.profile import Profile
 from ..runtime.core.schedules import MULTI_STAGE, V_SHAPED, placement, schedule_problem_for
 from . import partition
-from .cost import STATE_FACTOR, CostModel, iteration_time
+from .cost import CostModel, iteration_time
 from .partition import Partition, PredictedStep
 
 
@@ -223,7 +223,7 @@ def state_floor(graph: Graph, profile: Profile, *, optimizer: str, margin: float
     optimizer state alone, however they are split and sharded, on ``profile``'s device less the
     ``margin``."""
     model = CostModel(graph, profile, optimizer=optimizer)
-    state = float(sum(model.param_bytes)) * STATE_FACTOR[optimizer]
+    state = model.training_state_bytes
     usable = profile.device.memory * (1 - margin)
     return (
         f"the model's parameters, gradients and optimizer state alone take {format_bytes(state)}: "

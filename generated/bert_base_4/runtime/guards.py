@@ -7,7 +7,6 @@ Copied into every generated pipeline as ``runtime/guards.py``; it needs only tor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .core.errors import PipelineRunError, first_line
+from .core.manifest import changed_files
 
 
 class RankFailedError(PipelineRunError):
@@ -239,12 +239,4 @@ def edited_files(directory: Path) -> list[str]:
             return []
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    edited = []
-    for rel, digest in sorted(digests.items()):
-        path = directory / str(rel)
-        try:
-            if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
-                edited.append(str(rel))
-        except OSError:
-            edited.append(str(rel))
-    return edited
+    return changed_files(directory, {str(rel): str(digest) for rel, digest in digests.items()})

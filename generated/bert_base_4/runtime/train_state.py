@@ -10,8 +10,8 @@ file's size, the model's identity). Because the names are the original model's, 
 resumes under any pipeline of the same model: another number of stages, another partition, other
 ``--dp``/``--dp-shard`` (DCP reshards on load). Only of the same model: a checkpoint of another
 one is refused, naming the first tensor that differs, and a run neither resumes from, points
-``latest`` past nor prunes checkpoints of another model (see ``identity.py``). Ranks write into ``DIR/.step-N.partial``, which becomes ``step-N`` by one
-rename once every file is on disk; ``DIR/latest`` names the newest complete one and is replaced
+``latest`` past nor prunes checkpoints of another model (see ``identity.py``). Ranks write into
+``DIR/.step-N.partial``, which becomes ``step-N`` by one rename once every file is on disk; ``DIR/latest`` names the newest complete one and is replaced
 atomically. A crash at any point leaves the previous checkpoint as it was.
 """
 
@@ -55,6 +55,8 @@ from .parallel import Layout
 from .core.pipeline import Pipeline, as_pipeline
 from .support import copy_whole, local_shard, stage_state
 
+#: DCP's metadata of a checkpoint: what it holds, by key
+StateMetadata = dict[str, TensorStorageMetadata | BytesStorageMetadata]
 FORMAT, VERSION = "autopipe.checkpoint", 3
 #: the versions this runtime reads: 2 did not record the model's identity
 READABLE_VERSIONS = (2, 3)
@@ -234,18 +236,24 @@ class TrainingCheckpoints:
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)
 
-    def model_difference(self, path: Path) -> str | None:
+    def model_difference(
+        self,
+        path: Path,
+        manifest: dict[str, Any] | None = None,
+        saved: StateMetadata | None = None,
+    ) -> str | None:
         """How the model checkpoint ``path`` holds differs from this pipeline's, in words; None
         for the same model (or one that cannot be told: a pipeline compiled before pipelines
-        recorded their model's identity). A checkpoint that cannot be read is left to
-        :func:`damage` to name."""
+        recorded their model's identity). ``manifest`` and ``saved`` (DCP's metadata): the
+        checkpoint's, when the caller has read them already. A checkpoint that cannot be read
+        is left to :func:`damage` to name."""
         ours = self.pipeline.identity
         if ours is None:
             return None
         try:
-            theirs = identity_of_manifest(read_manifest(path)) or _identity_of_tensors(
-                path, self.pipeline
-            )
+            theirs = identity_of_manifest(manifest or read_manifest(path))
+            if theirs is None:  # written before checkpoints recorded it: its tensors tell
+                theirs = _identity_of_tensors(saved or _saved_metadata(path), self.pipeline)
         except (PipelineRunError, PipelineFormatError):
             return None
         return identity_difference(ours, theirs)
@@ -411,43 +419,18 @@ class TrainingCheckpoints:
         dtype; collective. RNG states too when the layout is the same. Returns its step."""
         manifest = read_manifest(path)
         reader = FileSystemReader(path)
-        try:
-            saved = reader.read_metadata().state_dict_metadata
-        except Exception as exc:  # noqa: BLE001 - DCP's reader raises what its storage does
-            raise PipelineRunError(
-                f"checkpoint {path} cannot be read ({first_line(exc)})", every_rank=True
-            ) from None
+        saved = _saved_metadata(path, reader, every_rank=True)
         state = {i: stage_training_state(m, optimizers[i]) for i, m in stages.items()}
         request: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # names held twice on this rank
         aliases = {n: group for group in manifest["aliases"] for n in group}
-        problem = self.model_difference(path)
+        problem = self.model_difference(path, manifest, saved)
         if problem:  # the same on every rank
             problem = (
                 f"checkpoint {path} holds another model than {self.pipeline.model_class}: {problem}"
             )
-        try:
-            for index, (tensors, osd) in state.items():
-                if problem:
-                    break
-                for name, tensor in tensors.items():
-                    held = _source(path, saved, aliases.get(name, ()), index, tensor, "model", name)
-                    _request(request["model"], held, tensor, copies)
-                for name, entries in osd["state"].items():
-                    for entry, tensor in entries.items():
-                        held = _source(
-                            path,
-                            saved,
-                            aliases.get(name, ()),
-                            index,
-                            tensor,
-                            "optimizer",
-                            name,
-                            entry,
-                        )
-                        _request(request["optimizer"], held, tensor, copies)
-        except PipelineRunError as exc:  # found by this rank's stages alone, maybe
-            problem = str(exc)
+        else:
+            problem = self._request_all(path, saved, aliases, state, request, copies)
         problem = agree(problem)  # every rank stops before DCP's collective load
         if problem:
             raise PipelineRunError(problem, every_rank=True)
@@ -476,10 +459,44 @@ class TrainingCheckpoints:
             _set_rng_state(_load(rank_file, "cpu")["rng"], self.layout.device)
         return cast(int, manifest["step"])  # checked by read_manifest
 
+    @staticmethod
+    def _request_all(
+        path: Path,
+        saved: StateMetadata,
+        aliases: dict[str, Sequence[str]],
+        state: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]],
+        request: dict[str, dict[str, Any]],
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> str | None:
+        """Ask DCP for every tensor of this rank's ``state`` (model and optimizer), each checked
+        against the checkpoint's ``saved`` metadata; the first problem this rank's stages find
+        (another rank's may differ), or None."""
+        try:
+            for index, (tensors, osd) in state.items():
+                for name, tensor in tensors.items():
+                    held = _source(path, saved, aliases.get(name, ()), index, tensor, "model", name)
+                    _request(request["model"], held, tensor, copies)
+                for name, entries in osd["state"].items():
+                    for entry, tensor in entries.items():
+                        held = _source(
+                            path,
+                            saved,
+                            aliases.get(name, ()),
+                            index,
+                            tensor,
+                            "optimizer",
+                            name,
+                            entry,
+                        )
+                        _request(request["optimizer"], held, tensor, copies)
+        except PipelineRunError as exc:
+            return str(exc)
+        return None
+
 
 def _source(
     path: Path,
-    saved: dict[str, TensorStorageMetadata | BytesStorageMetadata],
+    saved: StateMetadata,
     aliases: Sequence[str],
     index: int,
     tensor: torch.Tensor,
@@ -696,13 +713,22 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def _identity_of_tensors(path: Path, pipeline: Pipeline) -> ModelIdentity:
-    """The identity, without a digest, of a checkpoint that records none (version 2): its
-    model's tensors as DCP's metadata lists them."""
+def _saved_metadata(
+    path: Path, reader: FileSystemReader | None = None, every_rank: bool = False
+) -> StateMetadata:
+    """What DCP's metadata of checkpoint ``path`` lists, by key; PipelineRunError if it cannot
+    be read."""
     try:
-        saved = FileSystemReader(path).read_metadata().state_dict_metadata
+        return (reader or FileSystemReader(path)).read_metadata().state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - DCP's reader raises what its storage does
-        raise PipelineRunError(f"checkpoint {path} cannot be read ({first_line(exc)})") from None
+        raise PipelineRunError(
+            f"checkpoint {path} cannot be read ({first_line(exc)})", every_rank=every_rank
+        ) from None
+
+
+def _identity_of_tensors(saved: StateMetadata, pipeline: Pipeline) -> ModelIdentity:
+    """The identity, without a digest, of a checkpoint that records none (version 2): its
+    model's tensors as DCP's metadata (``saved``) lists them."""
     tensors = {
         key[len("model.") :]: (list(meta.size), meta.properties.dtype)
         for key, meta in saved.items()

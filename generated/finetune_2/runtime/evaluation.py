@@ -26,6 +26,7 @@ __all__ = [
     "EvalResult",
     "LossSums",
     "label_tokens",
+    "weighs_by_tokens",
 ]
 
 #: the label of a position no loss is computed at (Hugging Face's and torch's cross entropy)
@@ -34,14 +35,16 @@ IGNORE_INDEX = -100
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
-def label_tokens(
-    pipeline: Pipeline, inputs: list[torch.Tensor], microbatches: int
-) -> torch.Tensor | None:
-    """The label tokens of each microbatch of one pipeline run's first-stage ``inputs`` (None
-    when the model takes no ``labels``): what its loss is a mean over."""
+def weighs_by_tokens(pipeline: Pipeline) -> bool:
+    """Whether the pipeline's microbatch losses are means over label tokens (the model takes
+    ``labels``), to be weighted by them."""
+    return "labels" in [value.name for value in pipeline.data_inputs]
+
+
+def label_tokens(pipeline: Pipeline, inputs: list[torch.Tensor], microbatches: int) -> torch.Tensor:
+    """The label tokens of each microbatch of one pipeline run's first-stage ``inputs`` (of a
+    pipeline that :func:`weighs_by_tokens`): what its loss is a mean over."""
     names = [value.name for value in pipeline.data_inputs]
-    if "labels" not in names:
-        return None
     labels = inputs[names.index("labels")]
     if pipeline.model_class.endswith(CAUSAL_SUFFIXES) and labels.dim() > 1:
         labels = labels[:, 1:]

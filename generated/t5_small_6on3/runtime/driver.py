@@ -45,7 +45,7 @@ from .core.memory import LiveTensorBytes
 from .core.pipeline import Pipeline, PipelineFormatError
 from .core.schedules import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, greedy_orders
 from .data import Batches
-from .evaluation import EvalResult, LossSums, label_tokens
+from .evaluation import EvalResult, LossSums, label_tokens, weighs_by_tokens
 from .failures import FailureBoard
 from .guards import (
     RankFailedError,
@@ -724,15 +724,25 @@ class TrainingRun:
                 if batch
                 else ([], None)
             )
-            kwargs: dict[str, Any] = {}
-            run_losses: list[torch.Tensor] = []  # the schedule refills it every run
-            if self.is_last:
-                if target is None:  # the loss is a model output
-                    target = torch.zeros(config.microbatches)
-                kwargs = {"target": target.to(self.device), "losses": run_losses}
-                kwargs["return_outputs"] = False
-            schedule.step(*[t.to(self.device) for t in inputs] if self.is_first else [], **kwargs)
-            losses += run_losses
+            losses += self.run_schedule(schedule.step, inputs, target)
+        return losses
+
+    def run_schedule(
+        self,
+        call: Callable[..., Any],
+        inputs: list[torch.Tensor],
+        target: torch.Tensor | None,
+    ) -> list[torch.Tensor]:
+        """One pipeline run through a schedule's ``step`` or ``eval`` (``call``): the inputs
+        given on the first stage's rank, the target and a list for the losses on the last's.
+        Returns the losses of this rank's microbatches (none but on the last stage's rank)."""
+        losses: list[torch.Tensor] = []  # the schedule fills it
+        kwargs: dict[str, Any] = {}
+        if self.is_last:
+            if target is None:  # the loss is a model output
+                target = torch.zeros(self.config.microbatches)
+            kwargs = {"target": target.to(self.device), "losses": losses, "return_outputs": False}
+        call(*[t.to(self.device) for t in inputs] if self.is_first else [], **kwargs)
         return losses
 
     # -- evaluate ------------------------------------------------------------------------------
@@ -779,23 +789,16 @@ class TrainingRun:
         weighted by their label tokens (learnt from the first stage's rank), added to ``sums``
         on the last stage's rank."""
         microbatches = self.config.microbatches
-        tokens = label_tokens(self.pipeline, inputs, microbatches) if self.is_first else None
-        weighted = "labels" in [value.name for value in self.pipeline.data_inputs]
-        weights = torch.zeros(microbatches, dtype=torch.float64, device=self.device)
-        if weighted:  # the first stage's rank counts, the last stage's weighs
-            if tokens is not None:
-                weights += tokens.to(self.device)
+        weights = None
+        if weighs_by_tokens(self.pipeline):  # the first stage's rank counts, the last's weighs
+            weights = torch.zeros(microbatches, dtype=torch.float64, device=self.device)
+            if self.is_first:
+                weights += label_tokens(self.pipeline, inputs, microbatches).to(self.device)
             if self.layout.pp_size > 1:
                 dist.all_reduce(weights, group=self.layout.pp_group)
-        losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {}
+        losses = self.run_schedule(schedule.eval, inputs, target)
         if self.is_last:
-            if target is None:  # the loss is a model output
-                target = torch.zeros(microbatches)
-            kwargs = {"target": target.to(self.device), "losses": losses, "return_outputs": False}
-        schedule.eval(*[t.to(self.device) for t in inputs] if self.is_first else [], **kwargs)
-        if self.is_last:
-            sums.add(losses, weights if weighted else None)
+            sums.add(losses, weights)
 
     # -- checkpoint ----------------------------------------------------------------------------
     def checkpoint(self, done: int) -> None:

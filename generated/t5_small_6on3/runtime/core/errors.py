@@ -33,11 +33,10 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-#: the folders whose frames are not the user's: this runtime's and the standard library's
-_NOT_USERS = (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
-    os.path.dirname(os.__file__) + os.sep,
-)
+#: this runtime's folder: its frames are not the user's
+_RUNTIME_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: the standard library's folder: not the user's either, but for the packages installed in it
+_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
 
 
 class UserCodeError(PipelineRunError):
@@ -50,7 +49,8 @@ class UserCodeError(PipelineRunError):
         self, option: str, spec: str, original: BaseException, step: int | None = None
     ) -> None:
         self.option, self.spec, self.original, self.step = option, spec, original, step
-        where = f" ({user_line(original)})" if user_line(original) else ""
+        line = user_line(original)
+        where = f" ({line})" if line else ""
         at = f" at step {step}" if step is not None else ""
         super().__init__(
             f"{option} {spec} raised{at}: {type(original).__name__}: {first_line(original)}{where}"
@@ -72,9 +72,9 @@ def user_line(exc: BaseException) -> str | None:
     for frame in reversed(frames):
         path = os.path.abspath(frame.filename)
         installed = "site-packages" in path or "dist-packages" in path
-        if f"{os.sep}torch{os.sep}" in path or path.startswith(_NOT_USERS[0]):
+        if f"{os.sep}torch{os.sep}" in path or path.startswith(_RUNTIME_DIR):
             continue
-        if installed or not path.startswith(_NOT_USERS[1]):
+        if installed or not path.startswith(_STDLIB_DIR):
             shown = os.path.relpath(path)
             return f"{path if shown.startswith('..') else shown}:{frame.lineno}"
     return None
