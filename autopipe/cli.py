@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .adapters import merged_adapter
 from .artifacts import atomic_write_text
 from .version import __version__
 from .compiler import (
@@ -33,6 +34,7 @@ from .profiling import Profile
 from .profiling.calibrate import calibrate
 from .report import show_table, write_report
 from .runtime.core.errors import PipelineRunError
+from .runtime.core.pipeline import HuggingFaceModel, PipelineFormatError
 from .spec import load_example
 from .summary import format_partition, format_plans
 from .verify import VerifyReport, check_files, verify
@@ -219,34 +221,103 @@ def cmd_show(args: argparse.Namespace) -> None:
 def cmd_merge(args: argparse.Namespace) -> None:
     # imported here, not above: train_state brings torch.distributed.pipelining, torch._dynamo and
     # torch.distributed.checkpoint, which would slow every other command's start-up
-    from .runtime.train_state import STEP_NAME, merge_checkpoint, save_weights
+    from .runtime.huggingface import write_pretrained
+    from .runtime.train_state import (
+        STEP_NAME,
+        merge_checkpoint,
+        save_weights,
+        trainable_only_note,
+    )
 
     source = Path(args.checkpoint)
     root = source.parent if STEP_NAME.fullmatch(source.name) else source
-    out = Path(args.output) if args.output else root / "merged.pt"
+    if args.merge_adapters and not args.hf:
+        raise AutopipeError("--merge-adapters says how --hf DIR is written; give --hf DIR")
+    if args.hf and args.output:
+        raise AutopipeError("give -o FILE (a state_dict) or --hf DIR (a model directory), not both")
+    out = args.hf or (Path(args.output) if args.output else root / "merged.pt")
     target, home = out.resolve(), root.resolve()
     parts = target.relative_to(home).parts if target.is_relative_to(home) else ()
-    if out.is_dir() or (
-        parts and (STEP_NAME.fullmatch(parts[0]) or parts[0] in ("latest", ".lock"))
+    option = "--hf" if args.hf else "-o"
+    if (
+        (out.is_dir() and not args.hf)
+        or (parts and (STEP_NAME.fullmatch(parts[0]) or parts[0] in ("latest", ".lock")))
+        or target == home
     ):
         raise AutopipeError(
-            f"-o {out} would overwrite part of the checkpoint directory {root}; write the merged "
-            "state_dict to a file outside its step-N directories"
+            f"{option} {out} would overwrite part of the checkpoint directory {root}; write the "
+            f"merged {'model' if args.hf else 'state_dict'} outside its step-N directories"
         )
-    if out.exists() and not args.force:
-        raise AutopipeError(f"-o {out} already exists; pass --force to replace it")
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not args.force:
+        raise AutopipeError(f"{option} {out} already exists; pass --force to replace it")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         state, manifest = merge_checkpoint(source)
     except PipelineRunError as exc:
         raise AutopipeError(str(exc)) from None
+    step = f"{manifest['model']} after step {manifest['step']}"
+    if args.hf:
+        if "huggingface" not in manifest:
+            raise AutopipeError(
+                f"--hf writes a Hugging Face model directory, and {source} holds no Hugging Face "
+                f"configuration: {manifest['model']} is not a transformers PreTrainedModel, or its "
+                "package was compiled before autopipe recorded configurations (recompile it, then "
+                "merge a checkpoint it writes); use -o FILE for a state_dict"
+            )
+        try:
+            hf = HuggingFaceModel.from_json(manifest["huggingface"], "checkpoint.json: huggingface")
+        except PipelineFormatError as exc:
+            raise AutopipeError(f"{source} is damaged ({exc})") from None
+        aliases = manifest["aliases"]
+        partial = trainable_only_note(manifest, source)
+        if partial and (hf.adapter is None or args.merge_adapters):
+            raise AutopipeError(
+                f"{source} holds only the trainable tensors (--save-trainable-only), and "
+                + (
+                    "--merge-adapters needs the base weights too; merge without "
+                    "--merge-adapters to write the adapter, for PeftModel.from_pretrained over "
+                    "the base model"
+                    if hf.adapter is not None
+                    else "a from_pretrained directory needs every weight; -o FILE writes the "
+                    "trainable ones"
+                )
+            )
+        if args.merge_adapters:
+            if hf.adapter is None:
+                raise AutopipeError(
+                    f"--merge-adapters merges a PEFT model's adapter into its base weights, and "
+                    f"{manifest['model']} is not a PEFT model; leave --merge-adapters out"
+                )
+            state, hf, aliases = merged_adapter(state, hf, aliases)
+        try:
+            count = write_pretrained(state, hf, aliases, out, dtype=dtype)
+        except (OSError, RuntimeError, PipelineRunError) as exc:
+            raise AutopipeError(f"could not write {out} ({exc}); nothing was written") from None
+        architecture = hf.config.get("architectures", ["AutoModel"])[0]
+        if hf.adapter is not None:
+            print(
+                f"wrote the adapter of {step} ({count} tensors) to {out}; load it with "
+                f"PeftModel.from_pretrained({architecture}.from_pretrained(BASE), {str(out)!r})"
+            )
+        else:
+            print(
+                f"wrote {step} ({count} tensors, tied ones once) to {out}; load it with "
+                f"{architecture}.from_pretrained"
+            )
+        return
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     try:
         save_weights(state, out)
     except (OSError, RuntimeError) as exc:
         raise AutopipeError(f"could not write {out} ({exc}); nothing was written") from None
     print(
-        f"wrote {manifest['model']} after step {manifest['step']} ({len(state)} tensors, original "
-        f"names) to {out}; load it with model.load_state_dict"
+        f"wrote {step} ({len(state)} tensors, original names) to {out}; load it with "
+        "model.load_state_dict"
     )
+    partial = trainable_only_note(manifest, source)
+    if partial:
+        print(f"note: {partial}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -442,7 +513,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="file to write: .safetensors, or anything else for torch.save (default "
         "merged.pt in the checkpoint directory)",
     )
-    p.add_argument("--force", action="store_true", help="replace the output file if it exists")
+    p.add_argument(
+        "--hf",
+        type=Path,
+        metavar="DIR",
+        help="write a Hugging Face model directory instead, which from_pretrained loads as is: "
+        "config.json and generation_config.json as recorded at compile time, safetensors "
+        "shards with an index, tied weights once (a transformers model's packages only)",
+    )
+    p.add_argument(
+        "--merge-adapters",
+        action="store_true",
+        help="with --hf, for a PEFT model: merge the trained adapter into the base model's "
+        "weights (with PEFT's merge_and_unload) and write the base model's directory; by default "
+        "the adapter is written as PEFT saves it (adapter_config.json, "
+        "adapter_model.safetensors), for PeftModel.from_pretrained over the base model",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="convert floating-point tensors to this dtype (default: as trained)",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="replace the output file or directory if it exists"
+    )
     p.set_defaults(func=cmd_merge)
 
     p = sub.add_parser(

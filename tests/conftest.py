@@ -71,15 +71,15 @@ def start_torchrun(script: Path, nproc: int, *args: str, stderr) -> subprocess.P
 
 
 def torchrun(
-    script: Path, nproc: int, *args: str, timeout: int = 600
+    script: Path, nproc: int, *args: str, timeout: int = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """Run a generated train.py on ``nproc`` local gloo ranks."""
+    """Run a generated train.py on ``nproc`` local gloo ranks (``env``: more variables)."""
     result = subprocess.run(
         torchrun_command(script, nproc, *args),
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=torchrun_env(),
+        env={**torchrun_env(), **(env or {})},
         cwd=ROOT,
     )
     if result.returncode != 0:

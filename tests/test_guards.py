@@ -138,19 +138,17 @@ def test_a_failed_final_save_is_written_elsewhere(tmp_path, monkeypatch):
     real = driver.save_weights
     refused = str(tmp_path / "gone" / "model.pt")
 
-    def save(state, path):
+    def save(state, path, file_format=None):
         if str(path) == refused:
             raise OSError(28, "No space left on device")
         real(state, path)
 
     monkeypatch.setattr(driver, "save_weights", save)
     gallery = json.loads((ROOT / "generated" / "gpt2_4" / "pipeline.json").read_text())
-    args = parse_config(
-        ["--save", refused, "--checkpoint-dir", str(tmp_path / "ckpt")],
-        Pipeline.from_json(gallery),
-    )
+    pipeline = Pipeline.from_json(gallery)
+    args = parse_config(["--save", refused, "--checkpoint-dir", str(tmp_path / "ckpt")], pipeline)
     with pytest.raises(PipelineRunError) as caught:
-        driver.save_trained(state, args, 7, None)
+        driver.save_trained(state, pipeline, args, 7, None)
     fallback = tmp_path / "ckpt" / "trained-step-7.pt"
     assert f"could not write --save {refused}" in str(caught.value)
     assert f"written to {fallback} instead" in str(caught.value)
@@ -158,7 +156,7 @@ def test_a_failed_final_save_is_written_elsewhere(tmp_path, monkeypatch):
 
     monkeypatch.setattr(driver, "save_weights", lambda *_: (_ for _ in ()).throw(OSError("bad")))
     with pytest.raises(PipelineRunError, match="anywhere .* the last checkpoint is ck/step-1"):
-        driver.save_trained(state, args, 7, Path("ck/step-1"))
+        driver.save_trained(state, pipeline, args, 7, Path("ck/step-1"))
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("autopipe.codegen", "autopipe.summary"),
     ("autopipe.report",),
     ("autopipe.options",),
-    ("autopipe.compiler", "autopipe.verify"),
+    ("autopipe.compiler", "autopipe.verify", "autopipe.adapters"),
     ("autopipe.cli",),
     ("autopipe.__main__", "autopipe"),
 )

@@ -439,6 +439,11 @@ def pipeline_description(
     if graph.model.symbols:
         description["dimensions"] = graph.model.symbols_json()
     description["identity"] = model_identity(graph)
+    frozen = [info.names[0] for info in graph.params.values() if not info.requires_grad]
+    if frozen:  # parameters that take no gradient: no gradients, optimizer state or reduction
+        description["frozen"] = frozen
+    if graph.model.huggingface is not None:
+        description["huggingface"] = dict(graph.model.huggingface)
     return Pipeline.from_json(description).to_json()  # the runtime's contract, checked here
 
 

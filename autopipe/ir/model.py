@@ -1,7 +1,8 @@
 """What a graph records about the model it was traced from (``Graph.model``): its class and
 spec, how it was traced (on the meta device, with which blocks and unit depth), the value ranges
-of its integer inputs, the modules that register its custom operators, and its dynamic
-dimensions.
+of its integer inputs, the modules that register its custom operators, its dynamic
+dimensions, and for a Hugging Face ``PreTrainedModel`` its configuration (and generation
+configuration), which a trained model's ``from_pretrained`` directory needs.
 
 Graphs traced from a model record every fact; the graphs of a ``torch.cond`` branch record the
 class and source line, those of a custom autograd function the class alone. :class:`ModelFacts`
@@ -31,6 +32,7 @@ _KEYS = (
     "inline_blocks",
     "operators",
     "symbols",
+    "huggingface",
 )
 
 
@@ -99,6 +101,10 @@ class ModelFacts:
     operators: Mapping[str, str] = field(default_factory=dict)
     #: the dynamic dimensions, by name
     symbols: Mapping[str, DynamicSymbol] = field(default_factory=dict)
+    #: a Hugging Face model's ``{"config": ..., "generation_config": ...}`` (the second may be
+    #: absent), as ``save_pretrained`` writes them, and a PEFT model's ``"adapter"``; None for
+    #: other models
+    huggingface: Mapping[str, Any] | None = None
     #: the keys the record holds (a branch's or a function's graph records fewer facts)
     keys: frozenset[str] = frozenset(_KEYS[:8])
 
@@ -134,6 +140,7 @@ class ModelFacts:
             "inline_blocks": self.inline_blocks,
             "operators": self.operators,
             "symbols": self.symbols,
+            "huggingface": self.huggingface,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -147,12 +154,10 @@ class ModelFacts:
             "inline_blocks": self.inline_blocks,
             "operators": dict(self.operators),
             "symbols": self.symbols_json(),
+            "huggingface": self.huggingface,
         }
-        return {
-            key: values[key]
-            for key in _KEYS
-            if key in self.keys or (key == "symbols" and self.symbols)
-        }
+        optional = {"symbols": bool(self.symbols), "huggingface": self.huggingface is not None}
+        return {key: values[key] for key in _KEYS if key in self.keys or optional.get(key)}
 
     def lint(self, where: str) -> None:
         """Check the facts as :meth:`from_json` checks a record (a graph built in memory)."""
@@ -204,6 +209,21 @@ class ModelFacts:
         symbols = model.get("symbols", {})
         require(isinstance(symbols, dict), f"{where}model.symbols", symbols, "an object")
         dims = {name: DynamicSymbol.from_json(s, name, where) for name, s in symbols.items()}
+        huggingface = model.get("huggingface")
+        require(
+            huggingface is None
+            or (
+                isinstance(huggingface, dict)
+                and isinstance(huggingface.get("config"), dict)
+                and set(huggingface) <= {"config", "generation_config", "adapter"}
+                and isinstance(huggingface.get("generation_config", {}), dict)
+                and isinstance(huggingface.get("adapter", {}), dict)
+            ),
+            f"{where}model.huggingface",
+            huggingface,
+            "null or {config: {...}, generation_config: {...}, adapter: {...}} (a Hugging Face "
+            "model's)",
+        )
 
         for name, module in sorted(operators.items()):  # registers them, for the graph's lint
             try:
@@ -223,5 +243,6 @@ class ModelFacts:
             inline_blocks=inline,
             operators=dict(operators),
             symbols=dims,
+            huggingface=huggingface,
             keys=frozenset(model),
         )

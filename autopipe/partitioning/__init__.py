@@ -356,7 +356,10 @@ def memory_advice(graph: Graph, profile: Profile, request: PartitionRequest) -> 
             return count * (stages // devices)
         return max(stages, count)
 
-    unit_state = [float(sum(p.values())) * model.state_factor() for p in model.unit_params]
+    unit_state = [
+        model.state_bytes(sum(p.values()), sum(b for n, b in p.items() if n not in model.frozen))
+        for p in model.unit_params
+    ]
     largest = max(range(model.num_units), key=unit_state.__getitem__)
     most = max((d for d in range(devices, model.num_units + 1) if stages_on(d) <= model.num_units))
     if unit_state[largest] > capacity:

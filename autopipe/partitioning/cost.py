@@ -12,7 +12,9 @@ stages (1/N of them each when sharded over ``--dp-shard N``, plus the parameters
 at once: a stage's own outside its blocks and its largest block's, with their gradients),
 receive buffers, the activations and outputs of the microbatches in flight, gradients of
 received inputs, and the transient of the action at the peak (forward locals, backward
-gradients, the optimizer's temporaries), all from the profile's per-unit bytes.
+gradients, the optimizer's temporaries), all from the profile's per-unit bytes. Parameters that
+do not require gradients (a frozen base under LoRA adapters, frozen embeddings) count their
+weights only: no gradient, no optimizer state, no reduce-scatter, no optimizer step.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from ..runtime.core.schedules import SPLIT_BACKWARD, MemoryPeak, PipelineCosts, 
 from .partition import PartitionSettings, PredictedStage, PredictedStep
 from .simulator import Simulation, schedule_orders, simulate
 
-#: Bytes of state per parameter byte: weight + gradient (+ two Adam moments).
+#: Bytes of state per parameter byte: weight + gradient (+ two Adam moments). A frozen parameter
+#: (``requires_grad=False``) holds its weight alone: 1.
 STATE_FACTOR = {"sgd": 2, "adamw": 4}
 #: Temporaries of torch's (foreach) optimizer step per parameter byte: AdamW builds its update
 #: denominator for every parameter at once (measured 0.75 to 1 on CPU), SGD updates in place.
@@ -241,7 +244,16 @@ class CostModel:
             by_dtype[info.dtype] = by_dtype.get(info.dtype, 0) + info.nbytes
         self.dtype = max(by_dtype, key=by_dtype.__getitem__) if by_dtype else torch.float32
         self.num_units = len(graph.units)
-        self.param_bytes = self._parameter_bytes(graph)
+        #: the parameters that take no gradient, by first name: weights only
+        self.frozen = frozenset(
+            info.names[0] for info in graph.params.values() if not info.requires_grad
+        )
+        #: parameter bytes per unit, and of those the bytes of parameters that are trained
+        self.param_bytes, self.trainable_bytes = self._parameter_bytes(graph)
+        #: parameters, gradients and optimizer state per unit, this rank's share when sharded
+        self.unit_state = [
+            self.state_bytes(p, t) for p, t in zip(self.param_bytes, self.trainable_bytes)
+        ]
         self.blocks = block_costs(graph)
         self.exchanges = self._exchanges(graph)
         self.dag = self._unit_dag(graph)
@@ -251,11 +263,11 @@ class CostModel:
         self.recomputes_all = False
 
     # -- construction -------------------------------------------------------------------------
-    def _parameter_bytes(self, graph: Graph) -> list[int]:
-        """Parameter bytes per unit, each parameter counted in the first unit that reads it
-        (``unit_params`` keeps every unit's own: a tied parameter is held by every stage that
-        reads it)."""
-        param_bytes = [0] * self.num_units
+    def _parameter_bytes(self, graph: Graph) -> tuple[list[int], list[int]]:
+        """Parameter bytes per unit, and of those the trainable parameters' (that require
+        gradients), each parameter counted in the first unit that reads it (``unit_params``
+        keeps every unit's own: a tied parameter is held by every stage that reads it)."""
+        param_bytes, trainable_bytes = [0] * self.num_units, [0] * self.num_units
         self.unit_params: list[dict[str, int]] = [{} for _ in range(self.num_units)]
         seen: set[str] = set()
         for node in graph.calls:
@@ -266,7 +278,9 @@ class CostModel:
                     if info.names[0] not in seen:
                         seen.add(info.names[0])
                         param_bytes[node.unit] += info.nbytes
-        return param_bytes
+                        if info.requires_grad:
+                            trainable_bytes[node.unit] += info.nbytes
+        return param_bytes, trainable_bytes
 
     def _exchanges(self, graph: Graph) -> list[Exchange]:
         unit_of = {n.name: n.unit for n in graph.calls}
@@ -337,51 +351,72 @@ class CostModel:
 
     @property
     def training_state_bytes(self) -> float:
-        """The whole model's parameters, gradients and optimizer state, unsharded."""
-        return float(sum(self.param_bytes)) * STATE_FACTOR[self.optimizer]
+        """The whole model's parameters, gradients and optimizer state, unsharded (the
+        gradients and optimizer state of its trainable parameters only)."""
+        trainable = sum(self.trainable_bytes)
+        frozen = sum(self.param_bytes) - trainable
+        return float(trainable * STATE_FACTOR[self.optimizer] + frozen)
 
-    def state_factor(self) -> float:
-        """Bytes of parameters, gradients and optimizer state a rank holds per parameter byte
-        (its 1/N share when sharded over ``--dp-shard N``)."""
-        return STATE_FACTOR[self.optimizer] / self.dp_shard
+    def state_factors(self) -> tuple[float, float]:
+        """Bytes of parameters, gradients and optimizer state a rank holds per byte of a
+        trainable parameter, and per byte of a frozen one (its weight alone): its 1/N share
+        when sharded over ``--dp-shard N``."""
+        return STATE_FACTOR[self.optimizer] / self.dp_shard, 1 / self.dp_shard
 
-    def stage_parameters(self, stage_of_unit: list[int], num_stages: int) -> list[float]:
-        """Parameter bytes per stage, unsharded (a tied parameter in each stage reading it)."""
+    def state_bytes(self, params: float, trainable: float) -> float:
+        """Bytes of parameters, gradients and optimizer state a rank holds of ``params``
+        parameter bytes of which ``trainable`` require gradients (see :meth:`state_factors`)."""
+        trained, frozen = self.state_factors()
+        return trainable * trained + (params - trainable) * frozen
+
+    def stage_parameters(
+        self, stage_of_unit: list[int], num_stages: int, trainable: bool = False
+    ) -> list[float]:
+        """Parameter bytes per stage, unsharded (a tied parameter in each stage reading it);
+        ``trainable``: of the parameters that require gradients only."""
         held: list[dict[str, int]] = [{} for _ in range(num_stages)]
         for unit, stage in enumerate(stage_of_unit):
             held[stage].update(self.unit_params[unit])
-        return [float(sum(params.values())) for params in held]
+        return [
+            float(sum(b for name, b in params.items() if not (trainable and name in self.frozen)))
+            for params in held
+        ]
 
-    def gathered(self, stage_of_unit: list[int], params: list[float]) -> list[float]:
+    def gathered(
+        self, stage_of_unit: list[int], params: list[float], trainable: list[float]
+    ) -> list[float]:
         """Bytes per stage that FSDP2 holds gathered at once when sharded, each parameter with
-        its gradient before the reduce-scatter: under train.py's default ``--gather`` the
-        stage's parameters outside blocks and its largest block's, or the whole stage under a
-        split-backward schedule (gathered for the step). Nothing when not sharded. ``params``:
-        each stage's parameter bytes (``stage_parameters``)."""
+        its gradient (trainable ones) before the reduce-scatter: under train.py's default
+        ``--gather`` the stage's parameters outside blocks and its largest block's, or the whole
+        stage under a split-backward schedule (gathered for the step). Nothing when not sharded.
+        ``params``, ``trainable``: each stage's parameter bytes, and those of its trainable
+        parameters (``stage_parameters``)."""
         num_stages = len(params)
         if self.dp_shard == 1:
             return [0.0] * num_stages
         if self.schedule in SPLIT_BACKWARD:
-            return [2 * p for p in params]
+            return [p + t for p, t in zip(params, trainable)]
         largest, in_blocks = [0.0] * num_stages, [0.0] * num_stages
         for block in self.blocks.values():
             stage = block.stage(stage_of_unit)
             if stage is not None:  # a block cut by a boundary is inline: the stage's own
-                size = sum(self.param_bytes[u] for u in block.units)
+                size = sum(self.param_bytes[u] + self.trainable_bytes[u] for u in block.units)
                 in_blocks[stage] += size
                 largest[stage] = max(largest[stage], size)
-        return [2 * (params[s] - in_blocks[s] + largest[s]) for s in range(num_stages)]
+        return [params[s] + trainable[s] - in_blocks[s] + largest[s] for s in range(num_stages)]
 
     def collective_time(self, params: list[float]) -> list[float]:
         """Seconds per stage of one all-gather of its parameters (or one reduce-scatter of its
-        gradients) over ``dp_shard`` ranks: each receives (N - 1) / N of them, over the link."""
+        gradients: pass the trainable parameters' bytes) over ``dp_shard`` ranks: each
+        receives (N - 1) / N of them, over the link."""
         share = (self.dp_shard - 1) / self.dp_shard
         return [p * share / self.device.link_bandwidth for p in params]
 
-    def optimizer_time(self, params: list[float], device_of_stage: list[int]) -> float:
-        """The slowest device's optimizer step: its share of the state streamed once."""
+    def optimizer_time(self, trainable: list[float], device_of_stage: list[int]) -> float:
+        """The slowest device's optimizer step: its share of the trainable parameters' state
+        streamed once."""
         traffic = [0.0] * (max(device_of_stage) + 1)
-        for p, device in zip(params, device_of_stage):
+        for p, device in zip(trainable, device_of_stage):
             traffic[device] += p / self.dp_shard * OPTIMIZER_TRAFFIC[self.optimizer]
         speed = self.device.memory_bandwidth * self.device.memory_efficiency
         return max(traffic) / speed
@@ -420,7 +455,8 @@ class CostModel:
         for stage, twice in enumerate(self._counted_twice(stage_of_unit, num_stages)):
             saved[stage] -= twice
         params = self.stage_parameters(stage_of_unit, num_stages)
-        gathered = self.gathered(stage_of_unit, params)
+        trainable = self.stage_parameters(stage_of_unit, num_stages, trainable=True)
+        gathered = self.gathered(stage_of_unit, params, trainable)
         act_cross, grad_cross, outputs = self._crossing(stage_of_unit, num_stages)
         inputs = [0.0, *act_cross]
         transient_forward, transient_backward = self._transients(stage_of_unit, num_stages)
@@ -443,25 +479,31 @@ class CostModel:
         shard = 1 / self.dp_shard
         if self.dp_shard > 1 and self.schedule not in SPLIT_BACKWARD:
             # FSDP2 gathers a stage's parameters for each forward and backward and
-            # reduce-scatters its gradients after it, prefetching while the stage computes
-            for s, seconds in enumerate(self.collective_time(params)):
-                forward[s] = max(forward[s], seconds)
-                backward[s] = max(backward[s], 2 * seconds)
+            # reduce-scatters its (trainable parameters') gradients after it, prefetching while
+            # the stage computes
+            gather, reduce = self.collective_time(params), self.collective_time(trainable)
+            for s in range(num_stages):
+                forward[s] = max(forward[s], gather[s])
+                backward[s] = max(backward[s], gather[s] + reduce[s])
         return PipelineCosts(
             forward=forward,
             backward=backward,
             activations=[a + o for a, o in zip(saved, outputs)],
-            static_memory=[p * self.state_factor() + g for p, g in zip(params, gathered)],
+            static_memory=[
+                self.state_bytes(p, t) + g for p, t, g in zip(params, trainable, gathered)
+            ],
             send_forward=[b / bandwidth for b in act_cross],
             send_backward=[b / bandwidth for b in grad_cross],
             device_of_stage=list(device_of_stage),
             memory_capacity=self.device.memory,
-            gradients=[p * shard for p in params],
+            gradients=[t * shard for t in trainable],
             buffers=[microbatches * (i + g) for i, g in zip(inputs, [*grad_cross, 0.0])],
             input_gradients=[0.0, *grad_cross],
             transient_forward=transient_forward,
             transient_backward=transient_backward,
-            transient_optimizer=[p * shard * OPTIMIZER_TEMPORARIES[self.optimizer] for p in params],
+            transient_optimizer=[
+                t * shard * OPTIMIZER_TEMPORARIES[self.optimizer] for t in trainable
+            ],
         )
 
     def _crossing(
@@ -517,10 +559,10 @@ class CostModel:
         freed = [0.0] * num_stages
         pending = [0.0] * num_stages  # gradient bytes not allocated yet
         for unit, s in enumerate(stage_of_unit):
-            pending[s] += self.param_bytes[unit] / self.dp_shard
+            pending[s] += self.trainable_bytes[unit] / self.dp_shard
         for unit in reversed(range(self.num_units)):
             s = stage_of_unit[unit]
-            pending[s] -= self.param_bytes[unit] / self.dp_shard
+            pending[s] -= self.trainable_bytes[unit] / self.dp_shard
             beyond = self.backward_memory[unit] - freed[s] - pending[s]
             backward[s] = max(backward[s], beyond)
             freed[s] += self.activations[unit]
@@ -558,6 +600,7 @@ class CostModel:
         schedule = schedule or self.schedule
         simulation = self.simulate(costs, schedule, microbatches)
         params = self.stage_parameters(stage_of_unit, num_stages)
+        trainable = self.stage_parameters(stage_of_unit, num_stages, trainable=True)
         stages = []
         for s in range(num_stages):
             adjacent = [b for b in (s - 1, s) if 0 <= b < num_stages - 1]
@@ -584,8 +627,9 @@ class CostModel:
         once = 0.0  # under split-backward schedules FSDP2 gathers and reduces once per step
         if self.dp_shard > 1 and schedule in SPLIT_BACKWARD:
             per_device = [0.0] * (max(device_of_stage) + 1)
-            for s, seconds in enumerate(self.collective_time(params)):
-                per_device[device_of_stage[s]] += 2 * seconds
+            gather, reduce = self.collective_time(params), self.collective_time(trainable)
+            for s in range(num_stages):
+                per_device[device_of_stage[s]] += gather[s] + reduce[s]
             once = max(per_device)
         return Prediction(
             stages=stages,
@@ -596,7 +640,7 @@ class CostModel:
             device_memory=[peak.total for peak in peaks],
             bubble=simulation.bubble,
             memory_peaks=peaks,
-            optimizer_time=self.optimizer_time(params, device_of_stage),
+            optimizer_time=self.optimizer_time(trainable, device_of_stage),
             data_parallel_time=once,
             flops=self.flops,
             peak_flops=self.device.peak_flops(self.dtype),

@@ -44,7 +44,10 @@ def _solve(model: CostModel, num_stages: int) -> list[int]:
         return out
 
     fwd, bwd = prefix(model.forward), prefix(model.backward)
-    act, par = prefix(model.activations), prefix(model.param_bytes)
+    act, par, trn = (
+        prefix(v) for v in (model.activations, model.param_bytes, model.trainable_bytes)
+    )
+    trained, frozen = model.state_factors()
     bandwidth = model.device.link_bandwidth
     # seconds a stage spends on the cut before its first unit i / after its last unit j - 1
     cut_forward, cut_backward = (torch.zeros(n + 1, dtype=dtype) for _ in range(2))
@@ -63,7 +66,9 @@ def _solve(model: CostModel, num_stages: int) -> list[int]:
         forward = torch.maximum(fwd[j] - fwd[i], cut_forward[i] + cut_forward[j])
         backward = torch.maximum(bwd[j] - bwd[i], cut_backward[i] + cut_backward[j])
         held = in_flight(k, num_stages, model.schedule, microbatches)
-        memory = (par[j] - par[i]) * model.state_factor() + (act[j] - act[i]) * held
+        trainable = trn[j] - trn[i]
+        state = trainable * trained + (par[j] - par[i] - trainable) * frozen
+        memory = state + (act[j] - act[i]) * held
         valid = (i < j) & (memory <= capacity)
         return torch.where(valid, forward + backward, torch.full_like(forward, math.inf))
 
@@ -155,13 +160,16 @@ def least_memory_split(model: CostModel, num_stages: int) -> list[StageMemory]:
     ``num_stages`` stages whose fullest stage holds the least."""
     n = model.num_units
     params = list(itertools.accumulate(model.param_bytes, initial=0))
+    trainable = list(itertools.accumulate(model.trainable_bytes, initial=0))
     saved = list(itertools.accumulate(model.activations, initial=0.0))
     microbatches = model.microbatches or default_microbatches(num_stages)
     held = [in_flight(k, num_stages, model.schedule, microbatches) for k in range(num_stages)]
-    factor = model.state_factor()
+
+    def state(first: int, end: int) -> float:
+        return model.state_bytes(params[end] - params[first], trainable[end] - trainable[first])
 
     def memory(stage: int, first: int, end: int) -> float:
-        return (params[end] - params[first]) * factor + (saved[end] - saved[first]) * held[stage]
+        return state(first, end) + (saved[end] - saved[first]) * held[stage]
 
     def starts_within(capacity: float) -> list[int] | None:
         """The first unit of each stage of a split whose every stage holds at most ``capacity``,
@@ -191,7 +199,7 @@ def least_memory_split(model: CostModel, num_stages: int) -> list[StageMemory]:
     ends = [*starts[1:], n]
     return [
         StageMemory(
-            (params[end] - params[first]) * factor,
+            state(first, end),
             (saved[end] - saved[first]) * held[stage],
             held[stage],
         )

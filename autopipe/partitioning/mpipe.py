@@ -136,10 +136,7 @@ def _weight(model: CostModel, units: list[int]) -> float:
 def _memory(model: CostModel, units: list[int], num_stages: int) -> float:
     """Static memory plus activations of as many microbatches as a first 1F1B stage holds."""
     in_flight = min(num_stages, model.microbatches or default_microbatches(num_stages))
-    return sum(
-        model.param_bytes[u] * model.state_factor() + model.activations[u] * in_flight
-        for u in units
-    )
+    return sum(model.unit_state[u] + model.activations[u] * in_flight for u in units)
 
 
 def pack(

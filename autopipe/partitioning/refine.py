@@ -58,7 +58,7 @@ class Assignment:
         self.compute[stage] += sign * model.compute[unit]
         self.forward[stage] += sign * model.forward[unit]
         self.backward[stage] += sign * model.backward[unit]
-        self.static[stage] += sign * model.param_bytes[unit] * model.state_factor()
+        self.static[stage] += sign * model.unit_state[unit]
         self.activations[stage] += sign * model.activations[unit]
         self.size[stage] += sign
 

@@ -31,9 +31,9 @@ class UnitCost:
     #: which of its inputs and outputs it saves (positions in the unit's inputs + outputs)
     saved_values: list[int] = field(default_factory=list)
     outputs: int = 0  # bytes of the values the unit hands to other units
-    parameters: int = (
-        0  # bytes of the parameters it reads (gradients and optimizer state scale with it)
-    )
+    #: bytes of the parameters it reads (the cost model takes from the graph which of them
+    #: train: gradients and optimizer state scale with those alone)
+    parameters: int = 0
 
     @property
     def time(self) -> float:

@@ -176,10 +176,12 @@ class ReportData:
         for s, device in enumerate(self.partition.device_of_stage):
             static = self.costs.static_memory[s]
             share = stages[s].parameters / shards if s < len(stages) else static / factor
+            # gradients (and optimizer state) of the trainable parameters only, where known
+            grads = self.costs.gradients[s] if self.costs.gradients else share
             parts["parameters"][device] += share
-            parts["gradients"][device] += share
-            parts["optimizer"][device] += share * (factor - 2)
-            parts["gathered"][device] += max(static - share * factor, 0.0)
+            parts["gradients"][device] += grads
+            parts["optimizer"][device] += grads * (factor - 2)
+            parts["gathered"][device] += max(static - share - grads * (factor - 1), 0.0)
         return parts
 
     def device_peak_parts(self) -> dict[str, list[float]]:

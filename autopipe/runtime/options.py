@@ -17,6 +17,7 @@ import torch
 
 from .core.pipeline import Pipeline
 from .core.schedules import SCHEDULES, SPLIT_BACKWARD, schedule_problem_for
+from .sinks import SINK_PACKAGES, missing_package
 
 
 @dataclass(frozen=True)
@@ -51,16 +52,19 @@ class TrainConfig:
     recompute_blocks: frozenset[str]  # blocks (original names) recomputed one by one
     # data and weights
     data: str | None
+    tokenizer: str | None  # tokenizes --data / --eval-data dataset files
     pad_to_multiple: int  # dynamic dimensions rounded up to a multiple of this (1: as given)
     load: str | None
     load_partial: bool  # --load may hold tensors this model has not: they are left out
     save: str | None
+    save_format: str | None  # torch, safetensors or hf; None: by --save's suffix
     # checkpoints
     checkpoint_dir: str | None
     checkpoint_every: int
     keep_checkpoints: int
     resume: bool
     resume_from: str | None
+    save_trainable_only: bool  # checkpoints and --save hold no frozen parameters
     # evaluation
     eval_data: str | None
     eval_every: int  # evaluate after every N optimizer steps (0: at the end only)
@@ -68,6 +72,8 @@ class TrainConfig:
     eval_only: bool  # evaluate the loaded or resumed weights, train nothing
     # metrics
     log_json: str | None
+    tensorboard: str | None  # TensorBoard event files' directory
+    wandb: str | None  # Weights & Biases project
     log_every: int
     track_memory: bool
 
@@ -242,11 +248,21 @@ def data_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
     group = parser.add_argument_group("data and weights")
     group.add_argument(
         "--data",
-        metavar="FILE.py:FN",
+        metavar="FILE.py:FN|DATASET",
         help="FN(step) returns (args, kwargs) or (args, kwargs, target), the step's whole batch "
         "(batch dimension 0); or FN() returns a torch.utils.data.Dataset of dicts of tensors "
-        "(input names, and 'target' for a --loss), read in a seeded order "
-        "(default: synthetic batches of the example's shapes)",
+        "(input names, and 'target' for a --loss), read in a seeded order; or a dataset on "
+        "disk (.jsonl, .json, .parquet, .arrow or a datasets save_to_disk directory; needs pip "
+        "install datasets) whose 'text' column --tokenizer tokenizes (or whose 'input_ids' are "
+        "tokens), packed into rows of the sequence length, or batched by length for a --dynamic "
+        "sequence (default: synthetic batches of the example's shapes)",
+    )
+    group.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="the tokenizer of a --data / --eval-data dataset file's text: a local directory "
+        "transformers' AutoTokenizer.from_pretrained loads (nothing is downloaded); its "
+        "end-of-sequence token separates documents, its pad token pads",
     )
     group.add_argument(
         "--pad-to-multiple",
@@ -274,7 +290,16 @@ def data_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
     group.add_argument(
         "--save",
         metavar="PATH",
-        help="write the trained original-model state_dict here (.safetensors or torch.save)",
+        help="write the trained original-model state_dict here (.safetensors or torch.save, by "
+        "suffix; see --save-format)",
+    )
+    group.add_argument(
+        "--save-format",
+        choices=["torch", "safetensors", "hf"],
+        help="how --save writes: torch.save, one .safetensors file, or hf: a Hugging Face model "
+        "directory that from_pretrained loads (config.json and generation_config.json recorded "
+        "at compile time, safetensors shards with an index, tied weights once); hf needs a "
+        "transformers model (default: by --save's suffix)",
     )
 
 
@@ -310,6 +335,14 @@ def checkpoint_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> N
         help="continue from this checkpoint of --checkpoint-dir instead of the latest (e.g. when "
         "the latest is damaged)",
     )
+    group.add_argument(
+        "--save-trainable-only",
+        action="store_true",
+        help="training checkpoints and --save hold only the parameters that train (LoRA "
+        "adapters, an unfrozen head) with their optimizer state, and the buffers; the frozen "
+        "parameters are left out (resuming from such a checkpoint takes them from the --load it "
+        "started from, or from --seed's initialisation)",
+    )
 
 
 def evaluation_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
@@ -317,9 +350,10 @@ def evaluation_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> N
     group = parser.add_argument_group("evaluation")
     group.add_argument(
         "--eval-data",
-        metavar="FILE.py:FN",
+        metavar="FILE.py:FN|DATASET",
         help="held-out batches, in --data's forms: FN(index) returning a batch of a step's size "
-        "(index 0, 1, ... of --eval-batches), or FN() returning a Dataset. Evaluated at the end of "
+        "(index 0, 1, ... of --eval-batches), FN() returning a Dataset, or a dataset file (read "
+        "in order, with --tokenizer). Evaluated at the end of "
         "the run, every --eval-every steps, or alone with --eval-only: the mean loss (weighted by "
         "the tokens whose labels are not the ignore index -100, where the model takes labels) "
         "and its perplexity",
@@ -356,6 +390,21 @@ def metrics_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None
         "grad_norm, peak_memory and state_bytes (bytes per rank: the peak, and the parameters, "
         "gradients and optimizer state held); and one per evaluation: step, eval_loss, "
         "eval_perplexity, eval_batches, eval_time",
+    )
+    group.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="also write the metrics as TensorBoard event files into DIR (torch.utils.tensorboard; "
+        "needs the tensorboard package): train/ loss, lr, grad_norm, step_time, samples_per_s, "
+        "tokens_per_s, mfu; eval/ loss, perplexity; memory/ peak and state MiB per rank; the "
+        "options and the plan as hyperparameters",
+    )
+    group.add_argument(
+        "--wandb",
+        metavar="PROJECT",
+        help="also log the same metrics and configuration to a Weights & Biases run of PROJECT "
+        "(needs the wandb package; WANDB_MODE=offline writes the run under WANDB_DIR without a "
+        "network, for wandb sync later)",
     )
     group.add_argument(
         "--track-memory",
@@ -407,8 +456,35 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, pipeline
     if (args.eval_every or args.eval_only) and not args.eval_data:
         flag = "--eval-only" if args.eval_only else "--eval-every"
         parser.error(f"{flag} evaluates --eval-data FILE.py:FN; give the held-out batches")
+    for option in SINK_PACKAGES:
+        if getattr(args, option[2:]) and missing_package(option):
+            parser.error(f"{missing_package(option)} (or leave {option} out)")
+    if args.save_format and not args.save:
+        parser.error(f"--save-format {args.save_format} says how --save PATH writes; give --save")
+    if args.save_format == "hf" and pipeline.huggingface is None:
+        parser.error(
+            f"--save-format hf writes a Hugging Face model directory, and {pipeline.model_class} "
+            "was not compiled from a transformers PreTrainedModel (no config.json was recorded); "
+            "use --save-format safetensors or torch"
+        )
     if args.load_partial and not args.load:
         parser.error("--load-partial says how to read --load PATH; give --load too")
+    if (
+        args.save_format == "hf"
+        and args.save_trainable_only
+        and pipeline.frozen
+        and pipeline.huggingface is not None
+        and pipeline.huggingface.adapter is None
+    ):
+        parser.error(
+            "--save-format hf writes a model directory for from_pretrained, which needs every "
+            "weight, and --save-trainable-only leaves out the frozen ones; save the trainable "
+            "ones with --save-format safetensors, or leave --save-trainable-only out"
+        )
+    if args.save_trainable_only and not (args.save or args.checkpoint_dir):
+        parser.error(
+            "--save-trainable-only says what --save and --checkpoint-dir hold; give one of them"
+        )
     if args.resume_from:
         args.resume = True
     if args.resume and not args.checkpoint_dir:

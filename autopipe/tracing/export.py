@@ -31,6 +31,7 @@ from .autograd_function import custom_functions_captured, refuse_lost_backwards
 from .cond import cond_grad_mode_checked, convert_cond
 from .converter import READS_A_NUMBER, Converter, HigherOrderConverter
 from .dynamic import DynamicDim, export_shapes, resolve
+from .huggingface import huggingface_configs
 from .model_tables import (
     bound_inputs,
     buffer_table,
@@ -73,7 +74,7 @@ def trace(
     on_meta = any(t.is_meta for t in state_tensors(model))
     bound = bound_inputs(example)
     input_ranges = integer_input_ranges(bound)
-    dims = resolve(dynamic, bound, forward_signature(model))
+    dims = resolve(dynamic, bound, forward_signature(model, len(example.args)))
     buffers = buffer_table(model)  # before tracing: buffers may move to meta for it
     args, kwargs = _unaliased(example.args, example.kwargs)
     was_training = model.training
@@ -112,7 +113,7 @@ def trace(
         nodes,
         inputs=converter.inputs,
         outputs=converter.outputs,
-        signature=forward_signature(model),
+        signature=forward_signature(model, len(example.args)),
         params=parameter_table(model),
         buffers=buffers,
         constants=converter.constants,
@@ -126,6 +127,7 @@ def trace(
             inline_blocks=inline_blocks,
             operators=dict(sorted(converter.operators.items())),
             symbols=_symbol_table(dims),
+            huggingface=huggingface_configs(model),
         ),
         functions=functions.definitions(nodes),
     )
@@ -349,7 +351,7 @@ def _symbols(
     """torch.export's symbol of each dynamic dimension (read off the input it sizes)."""
     if not dims:
         return {}
-    signature = forward_signature(model)
+    signature = forward_signature(model, len(args))
     leaves = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]
     user = [
         spec.arg.name

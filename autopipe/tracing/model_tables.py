@@ -101,21 +101,42 @@ def check_state_known(graph: Graph) -> None:
                 )
 
 
-def forward_signature(model: torch.nn.Module) -> list[str]:
-    """The names of the forward's parameters (``*args`` and ``**kwargs`` left out)."""
-    params = inspect.signature(model.forward).parameters.values()
-    return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+def forward_signature(model: torch.nn.Module, positional: int = 0) -> list[str]:
+    """The names of the forward's parameters (``**kwargs`` left out). A ``*args`` parameter
+    stands for the ``positional`` example arguments past the named ones, each named as
+    torch.export names its input: ``args_0``, ``args_1``, ... (a wrapper such as PEFT's
+    ``PeftModel.forward(*args, **kwargs)`` then takes its inputs by position, as the model it
+    wraps does)."""
+    names: list[str] = []
+    for p in inspect.signature(model.forward).parameters.values():
+        if p.kind == p.VAR_POSITIONAL:
+            names += [f"{p.name}_{i}" for i in range(max(positional - len(names), 0))]
+        elif p.kind != p.VAR_KEYWORD:
+            names.append(p.name)
+    return names
 
 
 def bound_inputs(example: Example) -> dict[str, Any]:
-    """The example's inputs by the name of the forward parameter each one is."""
+    """The example's inputs by the name of the forward parameter each one is (``*args`` and
+    ``**kwargs`` spread out under the names :func:`forward_signature` and torch.export give
+    them)."""
     sig = inspect.signature(example.model.forward)
     try:
-        return dict(sig.bind(*example.args, **example.kwargs).arguments)
+        arguments = sig.bind(*example.args, **example.kwargs).arguments
     except TypeError as exc:
         raise TraceError(
             f"the example inputs do not match {type(example.model).__name__}.forward: {exc}"
         ) from None
+    bound: dict[str, Any] = {}
+    for name, value in arguments.items():
+        kind = sig.parameters[name].kind
+        if kind == inspect.Parameter.VAR_POSITIONAL:
+            bound |= {f"{name}_{i}": v for i, v in enumerate(value)}
+        elif kind == inspect.Parameter.VAR_KEYWORD:
+            bound |= value
+        else:
+            bound[name] = value
+    return bound
 
 
 def integer_input_ranges(bound: dict[str, Any]) -> dict[str, int]:

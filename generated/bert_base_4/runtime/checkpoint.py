@@ -185,28 +185,29 @@ class Checkpoint:
         return self._file(self._where[name])[name]
 
 
-def save_safetensors(state: dict[str, torch.Tensor], path: str | Path) -> None:
-    """Write ``state`` as a ``.safetensors`` file (tensors contiguous, 8-byte aligned header)."""
+def save_safetensors(
+    state: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None
+) -> None:
+    """Write ``state`` as a ``.safetensors`` file (tensors contiguous, 8-byte aligned header),
+    one tensor at a time; ``metadata``: the header's ``__metadata__`` (Hugging Face reads
+    ``{"format": "pt"}``)."""
     names = {dtype: code for code, dtype in _SAFETENSORS_DTYPES.items()}
-    header, blobs, offset = {}, [], 0
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
     for name, tensor in state.items():
-        flat = tensor.detach().cpu().contiguous()
-        data = (
-            ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size())
-            if flat.numel()
-            else b""
-        )
+        size = tensor.numel() * tensor.element_size()
         header[name] = {
             "dtype": names[tensor.dtype],
             "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + len(data)],
+            "data_offsets": [offset, offset + size],
         }
-        blobs.append(data)
-        offset += len(data)
+        offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
-        for blob in blobs:
-            f.write(blob)
+        for tensor in state.values():
+            flat = tensor.detach().cpu().contiguous()
+            if flat.numel():
+                f.write(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))

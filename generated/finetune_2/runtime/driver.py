@@ -57,15 +57,19 @@ from .guards import (
     nonfinite_problem,
     output_problems,
 )
-from .metrics import Metrics, gather_per_rank, peak_memory, state_bytes
+from .huggingface import write_pretrained
+from .metrics import Metrics, gather_per_rank, peak_memory, run_configuration, state_bytes
 from .options import TrainConfig, parse_config
 from .parallel import DataParallelStage, GradientSync, Layout, init_distributed, shard_stage
+from .sinks import open_sinks
 from .support import MissingOperatorError
 from .train_state import (
+    FrozenSource,
     TrainingCheckpoints,
     gather_weights,
     load_weights,
     materialise,
+    read_manifest,
     save_weights,
 )
 
@@ -308,6 +312,8 @@ def check_outputs(config: TrainConfig, reporting: bool) -> None:
         save=config.save if dist.get_rank() == 0 else None,
         log_json=config.log_json if reporting else None,
         checkpoint_dir=config.checkpoint_dir,
+        tensorboard=config.tensorboard if reporting else None,
+        save_directory=config.save_format == "hf",
     )
     problem = agree("; ".join(problems) or None)
     if problem:
@@ -355,28 +361,41 @@ def resume_point(checkpoints: TrainingCheckpoints | None, config: TrainConfig) -
 
 
 def save_trained(
-    state: dict[str, torch.Tensor], config: TrainConfig, step: int, checkpoint: Path | None
+    state: dict[str, torch.Tensor],
+    pipeline: Pipeline,
+    config: TrainConfig,
+    step: int,
+    checkpoint: Path | None,
 ) -> None:
-    """Rank 0: ``--save``; if that fails after all, the next place that takes the state, and
-    an error saying where it went: trained weights are never dropped."""
+    """Rank 0: ``--save`` in ``--save-format``; if that fails after all, the next place that
+    takes the state, and an error saying where it went: trained weights are never dropped."""
     assert config.save is not None  # called only with --save
     failures = []
-    for path in [Path(config.save), *fallback_paths(config.save, config.checkpoint_dir, step)]:
+    hf = pipeline.huggingface if config.save_format == "hf" else None
+    what = "Hugging Face model directory" if hf else "state_dict"
+    for path in [
+        Path(config.save),
+        *fallback_paths(config.save, config.checkpoint_dir, step, hf is not None),
+    ]:
         try:
-            save_weights(state, path)
-        except (OSError, RuntimeError) as exc:
+            if hf is not None:
+                write_pretrained(state, hf, pipeline.aliases, path)
+            else:
+                save_weights(state, path, config.save_format)
+        except (OSError, RuntimeError, PipelineRunError) as exc:
             failures.append(f"{path}: {describe_write_error(exc, path)}")
             continue
         if not failures:
-            print(f"saved the trained model state_dict to {path}", flush=True)
+            loads = "from_pretrained" if hf else "load_state_dict"
+            print(f"saved the trained model's {what} to {path} (for {loads})", flush=True)
             return
         raise PipelineRunError(
             f"could not write --save {config.save} ({failures[0].split(': ', 1)[1]}); the trained "
-            f"state_dict was written to {path} instead"
+            f"{what} was written to {path} instead"
         )
     kept = f"; the last checkpoint is {checkpoint}" if checkpoint else ""
     raise PipelineRunError(
-        f"could not write the trained state_dict anywhere ({'; '.join(failures)}){kept}"
+        f"could not write the trained {what} anywhere ({'; '.join(failures)}){kept}"
     )
 
 
@@ -390,13 +409,14 @@ def build_stages(
     """This rank's stages and the runners the schedule calls: built (on meta while a checkpoint
     or sharding is to come), compiled and recomputed as asked, FSDP2-managed with data
     parallelism, and filled by initialisation or ``--load``, or allocated for the checkpoint
-    ``resume`` to fill."""
+    ``resume`` to fill (filled first when that checkpoint holds only the trainable
+    parameters: see :func:`resumed_weights`)."""
     device = layout.device
     local = pipeline.stages_on(layout.pp_rank)
-    load = config.load if resume is None else None
+    filled, load = resumed_weights(config, resume, pipeline)
     # parameters stay on meta until a checkpoint fills them, or until they are sharded: a rank
     # never holds a whole stage it shards
-    meta = resume is not None or load is not None or layout.sharded
+    meta = filled or load is not None or layout.sharded
     modules = {
         s.index: package.build_stage(s.index, device=device, seed=config.seed, meta_state=meta)
         for s in local
@@ -431,10 +451,10 @@ def build_stages(
             f"(--dp {config.dp} replicas x --dp-shard {config.dp_shard} shards"
             + (f", gathered per {config.gather})" if config.dp_shard > 1 else ")")
         )
-    if resume is not None or layout.sharded:  # allocated (only its shards, if sharded)
+    if filled or layout.sharded:  # allocated (only its shards, if sharded)
         for runner in runners.values():
             materialise(runner, device)
-    if layout.sharded and resume is None:
+    if layout.sharded and not filled:
         if load:
             say(f"loading weights from {load} (each rank its shards)")
             loaded(load_weights(modules, load, pipeline, device, config.load_partial), load)
@@ -442,6 +462,45 @@ def build_stages(
             for module in modules.values():
                 module.initialise(config.seed)
     return modules, runners
+
+
+def frozen_source(config: TrainConfig, pipeline: Pipeline) -> FrozenSource | None:
+    """With ``--save-trainable-only`` and frozen parameters: where they come from (``--load``
+    or ``--seed``'s initialisation), for the checkpoints that leave them out to record."""
+    if not (config.save_trainable_only and pipeline.frozen):
+        return None
+    return FrozenSource(str(Path(config.load).resolve()) if config.load else None, config.seed)
+
+
+def resumed_weights(
+    config: TrainConfig, resume: Path | None, pipeline: Pipeline
+) -> tuple[bool, str | None]:
+    """Whether the checkpoint ``resume`` fills every tensor of the stages, and the ``--load``
+    checkpoint to fill them from first: when starting, and when resuming from a checkpoint of
+    the trainable parameters only (``--save-trainable-only``), whose frozen ones come from the
+    ``--load`` the run started from (or from ``--seed``'s initialisation). A resume that would
+    change the frozen weights is refused."""
+    if resume is None:
+        return False, config.load
+    source = FrozenSource.of_manifest(read_manifest(resume), resume)
+    if source is None:
+        declared = frozen_source(config, pipeline)
+        if declared is not None:  # the frozen weights come from the checkpoint: say what is kept
+            say(
+                f"note: {resume} holds every tensor; this run's checkpoints leave the frozen ones "
+                f"out (--save-trainable-only) and record that they come from "
+                f"{declared.describe()}, which a resume from them takes again"
+            )
+        return True, None
+    problem = source.resume_problem(resume, config.load, config.seed)
+    if problem:
+        raise PipelineRunError(problem, every_rank=True)
+    if config.load and source.load and Path(config.load).resolve() != Path(source.load):
+        say(
+            f"note: {resume} holds only the trainable parameters; the run that wrote it took the "
+            f"frozen ones from --load {source.load}, this one from --load {config.load}"
+        )
+    return False, config.load
 
 
 def loaded(left_out: int, path: str) -> None:
@@ -508,7 +567,13 @@ class TrainingRun:
         self.reporting = reporting  # this rank prints and logs the steps
         self.device = layout.device
         self.checkpoints = (
-            TrainingCheckpoints(config.checkpoint_dir, pipeline, layout, config.keep_checkpoints)
+            TrainingCheckpoints(
+                config.checkpoint_dir,
+                pipeline,
+                layout,
+                config.keep_checkpoints,
+                frozen_source(config, pipeline),
+            )
             if config.checkpoint_dir
             else None
         )
@@ -591,6 +656,18 @@ class TrainingRun:
         config, pipeline, plan = self.config, self.pipeline, self.pipeline.plan
         samples, tokens = self.batches.samples, pipeline.tokens_per_sample
         per_step = config.microbatches * config.accumulate * self.layout.dp_size  # example ones
+        resumed_at = self.start if self.resume is not None else None
+        sinks = (
+            open_sinks(
+                tensorboard=config.tensorboard,
+                wandb=config.wandb,
+                run_name=f"{pipeline.model_class} in {pipeline.num_stages} stages",
+                configuration=run_configuration(pipeline, config, dist.get_world_size()),
+                resumed_at=resumed_at,
+            )
+            if self.reporting
+            else []
+        )
         metrics = Metrics(
             reporting=self.reporting,
             steps=config.steps,
@@ -598,12 +675,13 @@ class TrainingRun:
             tokens_per_step=samples * tokens if tokens else None,
             log_json=config.log_json,
             log_every=config.log_every,
-            resumed_at=self.start if self.resume is not None else None,
+            resumed_at=resumed_at,
             utilisation=lambda seconds: (
                 plan.utilisation(seconds / self.flops_scale, per_step, dist.get_world_size())
                 if plan
                 else None
             ),
+            sinks=sinks,
         )
         if plan and plan.step_time:
             metrics.note(plan_note(pipeline, config, dist.get_world_size()))
@@ -770,6 +848,7 @@ class TrainingRun:
                         run = part * layout.dp_size + layout.dp_rank
                         inputs, target = batches.part(batch, run) if batch else ([], None)
                         self.evaluate_run(inputs, target, schedule, sums)
+                    self.metrics.progress("eval", number + 1, config.eval_batches)
         finally:
             for index, runner in self.runners.items():
                 runner.recompute = recompute[index]
@@ -817,9 +896,11 @@ class TrainingRun:
         """``--save``: the trained original-model state_dict, gathered to global rank 0."""
         config = self.config
         if config.save:
-            state = gather_weights(self.modules, self.pipeline, self.layout)
+            state = gather_weights(
+                self.modules, self.pipeline, self.layout, config.save_trainable_only
+            )
             if state is not None:
-                save_trained(state, config, config.steps, self.last_checkpoint)
+                save_trained(state, self.pipeline, config, config.steps, self.last_checkpoint)
 
 
 # -- dynamic dimensions -----------------------------------------------------------------------
@@ -983,6 +1064,7 @@ def _main(package: ModuleType, argv: list[str]) -> int:
         )
         return 2
     except PipelineRunError as exc:
+        _ending()
         if exc.every_rank:  # found by every rank alike: rank 0 says it
             if rank == 0:
                 _error(f"train.py: error: {exc}")
@@ -995,15 +1077,18 @@ def _main(package: ModuleType, argv: list[str]) -> int:
                 _error(f"train.py: the full traceback{where} is in {log}")
         return 2
     except MissingOperatorError as exc:
+        _ending()
         board.post(str(exc))
         _error(f"train.py: error: rank {rank}: {exc}")
         return 2
     except KeyboardInterrupt as exc:
+        _ending()
         if _said_who_failed(board, rank, resume_hint):
             return 2
         _error(f"train.py: rank {rank} stopped ({str(exc) or 'SIGINT'}).{resume_hint}")
         return 130
     except Exception as exc:  # noqa: BLE001 - lost peers and failed size checks are explained
+        _ending()
         unlike = _failed_size_check(exc)
         if unlike:  # a batch unlike the example, caught by a stage's check
             board.post(unlike)
@@ -1020,6 +1105,12 @@ def _main(package: ModuleType, argv: list[str]) -> int:
         )
         return 3
     return 0
+
+
+def _ending() -> None:
+    """From here on the rank only says how it ended: torchrun's SIGTERM (another rank ended
+    first) ends it at once, rather than raising inside that report."""
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: os._exit(2))
 
 
 def _said_who_failed(board: FailureBoard, rank: int, resume_hint: str) -> bool:

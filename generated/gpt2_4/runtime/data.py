@@ -4,7 +4,9 @@ pipeline run of each data-parallel replica takes.
 Copied into every generated pipeline as ``runtime/data.py``; it needs only torch. A step's batch
 holds ``accumulate x dp x microbatches`` example microbatches along dimension 0, in that order:
 accumulation round, replica, microbatch. The batch of a step depends only on the step number (and
-the seed), so a resumed run reads exactly what an uninterrupted one would.
+the seed), so a resumed run reads exactly what an uninterrupted one would. Batches come from a
+``--data`` function, a Dataset factory, a dataset on disk (``corpus.py``: read, tokenized and
+packed on the ranks that read batches), or are synthetic.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from .core.dimensions import dimension_sizes
 from .core.errors import PipelineRunError, UserCodeError, first_line
 from .core.pipeline import Pipeline, Value
+from .corpus import CORPUS_SUFFIXES, Corpus, is_corpus
 from .options import TrainConfig
 
 
@@ -72,8 +75,8 @@ def _takes_no_arguments(fn: Callable[..., Any]) -> bool:
 
 
 class Batches:
-    """The whole batch of each step: from ``--data`` (a step function or a Dataset factory) or
-    synthetic, checked against the pipeline's inputs."""
+    """The whole batch of each step: from ``--data`` (a step function, a Dataset factory or a
+    dataset on disk) or synthetic, checked against the pipeline's inputs."""
 
     def __init__(self, pipeline: Pipeline, config: TrainConfig, held_out: bool = False):
         """``held_out``: the batches of ``--eval-data`` (by index) instead of ``--data``'s."""
@@ -84,10 +87,23 @@ class Batches:
         self.pad_to_multiple = config.pad_to_multiple
         self.fn: Callable[..., Any] | None = None
         self.dataset: MapDataset | None = None
+        self.corpus: Corpus | None = None
         self.option = "--eval-data" if held_out else "--data"
         spec = config.eval_data if held_out else config.data
         self.spec = spec or ""
-        if spec:
+        given = [s for s in (config.data, config.eval_data) if s]
+        if config.tokenizer and not held_out and not any(map(is_corpus, given)):
+            raise PipelineRunError(
+                f"--tokenizer {config.tokenizer} tokenizes a dataset file given to --data or "
+                f"--eval-data ({', '.join(CORPUS_SUFFIXES)} or a save_to_disk directory), and "
+                "neither is one",
+                every_rank=True,
+            )
+        if spec and is_corpus(spec):
+            self.corpus = Corpus(
+                pipeline, spec, config.tokenizer, self.samples, self.seed, held_out, self.option
+            )
+        elif spec:
             fn = load_function(spec, self.option)
             if _takes_no_arguments(fn):
                 try:
@@ -114,6 +130,8 @@ class Batches:
 
     def __call__(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """``(the first stage's inputs, target or None)`` of the whole step."""
+        if self.corpus is not None:
+            return self._inputs(self.corpus(step), step, None)
         if self.dataset is not None:
             return self._from_dataset(step)
         if self.fn is None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .core.errors import PipelineRunError, first_line
 from .core.manifest import changed_files
+from .huggingface import directory_problem
 
 
 class RankFailedError(PipelineRunError):
@@ -83,10 +84,25 @@ def _writable_dir_problem(directory: Path) -> str | None:
 
 
 def output_problems(
-    *, save: str | None, log_json: str | None, checkpoint_dir: str | None
+    *,
+    save: str | None,
+    log_json: str | None,
+    checkpoint_dir: str | None,
+    tensorboard: str | None = None,
+    save_directory: bool = False,
 ) -> list[str]:
-    """What is wrong with the outputs this rank will write, before any training is done."""
+    """What is wrong with the outputs this rank will write, before any training is done.
+    ``save_directory``: ``save`` is a Hugging Face model directory, not a file."""
     problems = []
+    if save is not None and save_directory:
+        problem = directory_problem(Path(save), "--save") or _writable_dir_problem(
+            Path(save).parent
+        )
+        if problem:
+            problems.append(
+                problem if problem.startswith("--save") else f"--save {save}: {problem}"
+            )
+        save = None
     for option, value in (("--save", save), ("--log-json", log_json)):
         if value is None:
             continue
@@ -97,21 +113,26 @@ def output_problems(
         problem = _writable_dir_problem(path.parent)
         if problem:
             problems.append(f"{option} {value}: {problem}")
-    if checkpoint_dir is not None:
-        path = Path(checkpoint_dir)
+    for option, directory in (("--checkpoint-dir", checkpoint_dir), ("--tensorboard", tensorboard)):
+        if directory is None:
+            continue
+        path = Path(directory)
         problem = (
             f"{path} is a file, not a directory"
             if path.exists() and not path.is_dir()
             else _writable_dir_problem(path)
         )
         if problem:
-            problems.append(f"--checkpoint-dir {checkpoint_dir}: {problem}")
+            problems.append(f"{option} {directory}: {problem}")
     return problems
 
 
-def fallback_paths(save: str, checkpoint_dir: str | None, step: int) -> list[Path]:
-    """Where the trained state goes when ``--save`` cannot be written, in order of preference."""
-    name = f"trained-step-{step}{Path(save).suffix or '.pt'}"
+def fallback_paths(
+    save: str, checkpoint_dir: str | None, step: int, directory: bool = False
+) -> list[Path]:
+    """Where the trained state goes when ``--save`` cannot be written, in order of preference
+    (``directory``: it is written as a directory)."""
+    name = f"trained-step-{step}" + ("-hf" if directory else Path(save).suffix or ".pt")
     places = [Path(checkpoint_dir)] if checkpoint_dir else []
     places += [Path.cwd(), Path(os.environ.get("TMPDIR", "/tmp"))]
     return [place / name for place in places]

@@ -1,4 +1,5 @@
-"""Per-step metrics of a generated pipeline: console lines or a progress bar, and JSON lines.
+"""Per-step metrics of a generated pipeline: console lines or a progress bar, JSON lines, and
+the sinks of ``sinks.py`` (TensorBoard, Weights & Biases).
 
 Copied into every generated pipeline as ``runtime/metrics.py``; it needs only torch. The rank of
 the last stage of the first replica reports; every rank contributes its peak memory.
@@ -19,7 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .core.memory import LiveTensorBytes
+from .core.pipeline import Pipeline
 from .evaluation import EvalResult
+from .options import TrainConfig
+from .sinks import ConfigValue, Sink
 from .support import local_shard
 
 
@@ -69,10 +73,13 @@ class Metrics:
         log_every: int,
         resumed_at: int | None,
         utilisation: Callable[[float], float | None] = lambda seconds: None,
+        sinks: Iterable[Sink] = (),
     ):
         """``resumed_at``: the step a resumed run starts at; the log keeps the steps before it
         (its later lines were written after the checkpoint, and are trained again).
-        ``utilisation(seconds)``: the model FLOPs utilisation of a step that long, or None."""
+        ``utilisation(seconds)``: the model FLOPs utilisation of a step that long, or None.
+        ``sinks``: where the scalars also go (the reporting rank's; closed by :meth:`close`)."""
+        self.sinks = list(sinks)
         self.reporting = reporting
         self.utilisation = utilisation
         self.steps = steps
@@ -121,6 +128,21 @@ class Metrics:
         if self.log:
             self.log.write(json.dumps(entry) + "\n")
             self.log.flush()
+        scalars = {
+            "train/loss": loss,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
+            "train/step_time": seconds,
+            "train/samples_per_s": self.samples_per_step / seconds,
+        }
+        if self.tokens_per_step:
+            scalars["train/tokens_per_s"] = self.tokens_per_step / seconds
+        if mfu is not None:
+            scalars["train/mfu"] = mfu
+        for rank, (peak, held) in enumerate(zip(memory, state)):
+            scalars[f"memory/peak_mib/rank{rank}"] = peak / 2**20
+            scalars[f"memory/state_mib/rank{rank}"] = held / 2**20
+        self._to_sinks(step, scalars)
         rate = f"{entry['samples_per_s']:.1f} samples/s" + (
             f", {entry['tokens_per_s']:.0f} tokens/s" if self.tokens_per_step else ""
         )
@@ -159,6 +181,12 @@ class Metrics:
         if self.log:
             self.log.write(json.dumps(entry) + "\n")
             self.log.flush()
+        scalars = {
+            "eval/loss": result.loss,
+            "eval/perplexity": result.perplexity,
+            "eval/time": result.seconds,
+        }
+        self._to_sinks(max(done - 1, 0), scalars)  # the sinks' steps start at 0
         when = f"after step {done - 1}" if done else "before training"  # steps count from 0
         self.note(
             f"eval {when}: loss {result.loss:.6f}, perplexity {result.perplexity:.4g} "
@@ -166,13 +194,64 @@ class Metrics:
             f"{result.seconds:.3f} s)"
         )
 
+    def progress(self, phase: str, done: int, total: int) -> None:
+        """A progress bar of a long phase (an evaluation's batches), drawn over itself, where
+        the reporting rank's terminal is interactive."""
+        if not self.bar or total < 2:
+            return
+        filled = round(30 * done / total)
+        print(
+            f"\r{phase} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} ",
+            end="" if done < total else "\r",
+            flush=True,
+        )
+
     def note(self, message: str) -> None:
         if self.reporting:
             print(("\n" if self.bar else "") + message, flush=True)
 
     def close(self) -> None:
+        """Close the JSON log and every sink (the others even if one fails)."""
         if self.log:
             self.log.close()
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks[:-1]:
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001 - the next sink still gets closed
+                print(f"train.py: warning: closing {type(sink).__name__}: {exc}", file=sys.stderr)
+        if sinks:
+            sinks[-1].close()
+
+    def _to_sinks(self, step: int, scalars: dict[str, float]) -> None:
+        for sink in self.sinks:
+            sink.log(step, scalars)
+
+
+def run_configuration(
+    pipeline: Pipeline, config: TrainConfig, world: int
+) -> dict[str, ConfigValue]:
+    """What a run's sinks record as its configuration: the compiled plan (stages, ranks,
+    schedule, microbatches, predicted step time) and every train.py option as given."""
+    plan = pipeline.plan
+    settings: dict[str, ConfigValue] = {
+        "model": pipeline.model_class,
+        "plan/stages": pipeline.num_stages,
+        "plan/ranks": pipeline.num_ranks,
+        "plan/schedule": pipeline.schedule.name,
+        "plan/microbatches": pipeline.default_microbatches,
+        "plan/accumulate": pipeline.default_accumulate,
+        "plan/dp_shard": pipeline.dp_shard,
+        "world_size": world,
+    }
+    if plan is not None and plan.step_time:
+        settings["plan/predicted_step_time"] = plan.step_time
+        settings["plan/device"] = plan.device
+    for name, value in sorted(vars(config).items()):
+        if isinstance(value, frozenset):
+            value = ",".join(str(v) for v in sorted(value))
+        settings[f"option/{name}"] = "" if value is None else value
+    return settings
 
 
 def _truncate_log(path: Path, step: int) -> None:

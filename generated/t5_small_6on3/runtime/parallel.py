@@ -7,7 +7,10 @@ rank x pp + rank within the pipeline, the ``Stage.rank`` of the pipeline). With 
 data-parallel rank every stage is FSDP2-managed (``fully_shard``, each block then the rest):
 sharded over ``dp_shard``, replicated over ``dp_replicate`` (HSDP when both exceed 1), gradients
 averaged over all of them (see :class:`DataParallelStage` for when). Parameters tied across
-stages are summed shard by shard over the copies.
+stages are summed shard by shard over the copies. Parameters that take no gradient (a frozen base
+under LoRA adapters) are gathered for compute like the others but never get a gradient buffer,
+a reduction (FSDP2 reduce-scatters only the gradients there are), a tie sum or a place in the
+gradient norm, and their stages' optimizers do not hold them.
 """
 
 from __future__ import annotations
@@ -195,7 +198,8 @@ class Tie:
 
 
 class GradientSync:
-    """Tied gradients and the global norm of this rank's stages, after the backward passes."""
+    """Tied gradients and the global norm of this rank's stages, after the backward passes:
+    of the parameters that train only (frozen ones have no gradient to sum or count)."""
 
     def __init__(self, pipeline: Pipeline, layout: Layout, stages: dict[int, nn.Module]):
         self.layout = layout
@@ -226,7 +230,8 @@ class GradientSync:
                 for stage, name in tie.holders.items()
                 if stage in stages
             ]
-            if copies:
+            # a frozen tied parameter (frozen in every copy) has no gradients to sum
+            if copies and copies[0].requires_grad:
                 ties.append(Tie(mine, copies))
         return ties
 

@@ -12,7 +12,10 @@ resumes under any pipeline of the same model: another number of stages, another 
 one is refused, naming the first tensor that differs, and a run neither resumes from, points
 ``latest`` past nor prunes checkpoints of another model (see ``identity.py``). Ranks write into
 ``DIR/.step-N.partial``, which becomes ``step-N`` by one rename once every file is on disk; ``DIR/latest`` names the newest complete one and is replaced
-atomically. A crash at any point leaves the previous checkpoint as it was.
+atomically. A crash at any point leaves the previous checkpoint as it was. Written with
+``--save-trainable-only``, a checkpoint leaves the frozen parameters out; its ``checkpoint.json``
+then records ``trainable_only`` (:class:`FrozenSource`: their names and where they came from, the
+``--load`` or ``--seed`` a resume must give again); checkpoints without it hold every tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, cast
@@ -38,6 +42,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -163,14 +168,16 @@ def expand_aliases(state: dict[str, torch.Tensor], aliases: Sequence[Sequence[st
 
 
 def gather_weights(
-    stages: dict[int, nn.Module], pipeline: Pipeline, layout: Layout
+    stages: dict[int, nn.Module], pipeline: Pipeline, layout: Layout, trainable_only: bool = False
 ) -> dict[str, torch.Tensor] | None:
-    """The whole original-model ``state_dict`` on rank 0 (``None`` elsewhere), collective."""
-    local = {  # sharded tensors are gathered by all the ranks holding a part
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-        for stage in stages.values()
-        for k, v in stage.state_dict().items()
-    }
+    """The whole original-model ``state_dict`` on rank 0 (``None`` elsewhere), collective;
+    ``trainable_only``: without the frozen parameters."""
+    local = {}
+    for stage in stages.values():
+        left_out = frozen_names(stage) if trainable_only else set()
+        for k, v in stage.state_dict().items():
+            if k not in left_out:  # sharded tensors are gathered by all the ranks holding a part
+                local[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
     if layout.dp_rank != 0:
         local = {}
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -185,14 +192,19 @@ def gather_weights(
     return merged
 
 
-def save_weights(state: dict[str, torch.Tensor], path: str | Path) -> None:
-    """Write a state_dict as ``.safetensors`` (by suffix) or with ``torch.save``, through a
-    temporary file and a rename: an interrupted save never leaves a broken file."""
+def save_weights(
+    state: dict[str, torch.Tensor], path: str | Path, file_format: str | None = None
+) -> None:
+    """Write a state_dict as ``.safetensors`` or with ``torch.save`` (``file_format``
+    "safetensors" or "torch"; by default by the suffix), through a temporary file and a rename:
+    an interrupted save never leaves a broken file."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     try:
-        if target.suffix == ".safetensors":
+        if file_format == "safetensors" or (
+            file_format is None and target.suffix == ".safetensors"
+        ):
             save_safetensors(state, tmp)
         else:
             torch.save(state, tmp)
@@ -221,17 +233,76 @@ def fingerprint(pipeline: Pipeline) -> str:
 STEP_NAME = re.compile(r"step-\d{8}")
 
 
+@dataclass(frozen=True)
+class FrozenSource:
+    """Where a run's frozen parameters come from, for the checkpoints it writes with
+    ``--save-trainable-only`` (which leave them out) to name: the ``--load`` checkpoint, or
+    (``load`` None) autopipe's initialisation with ``--seed``. Recorded in checkpoint.json as
+    ``trainable_only``, with the names of the tensors left out."""
+
+    load: str | None
+    seed: int
+
+    def describe(self) -> str:
+        return f"--load {self.load}" if self.load else f"the initialisation of --seed {self.seed}"
+
+    def to_json(self, frozen: Sequence[str]) -> dict[str, Any]:
+        return {"load": self.load, "seed": self.seed, "frozen": list(frozen)}
+
+    @classmethod
+    def of_manifest(cls, manifest: dict[str, Any], path: Path) -> FrozenSource | None:
+        """The source a trainable-only checkpoint's manifest records; None for a checkpoint
+        holding every tensor."""
+        entry = manifest.get("trainable_only")
+        if entry is None:
+            return None
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("load"), (str, type(None)))
+            and isinstance(entry.get("seed"), int)
+            and isinstance(entry.get("frozen"), list)
+        ):
+            raise PipelineRunError(
+                f"{path / MANIFEST}: 'trainable_only' must be an object of load, seed and frozen"
+            )
+        return cls(entry["load"], entry["seed"])
+
+    def resume_problem(self, path: Path, load: str | None, seed: int) -> str | None:
+        """Why a run given ``--load load`` and ``--seed seed`` cannot resume from the
+        trainable-only checkpoint ``path`` (its frozen parameters would differ from the ones
+        it was trained with), or None."""
+        held = (
+            f"checkpoint {path} holds only the trainable parameters (written with "
+            f"--save-trainable-only); its frozen ones came from {self.describe()}"
+        )
+        if self.load and not load:
+            return f"{held}: resume with --load {self.load} (the same weights)"
+        if not self.load and load:
+            return f"{held}, not from --load: resume without --load (and with --seed {self.seed})"
+        if not self.load and seed != self.seed:
+            return f"{held}: resume with --seed {self.seed}"
+        return None
+
+
 class TrainingCheckpoints:
     """The checkpoints of one run in ``root``; every rank holds one of these."""
 
     def __init__(
-        self, root: str | Path, pipeline: Pipeline | dict[str, Any], layout: Layout, keep: int
+        self,
+        root: str | Path,
+        pipeline: Pipeline | dict[str, Any],
+        layout: Layout,
+        keep: int,
+        trainable_only: FrozenSource | None = None,
     ):
-        """``pipeline``: a Pipeline, or a package's ``PIPELINE`` dict."""
+        """``pipeline``: a Pipeline, or a package's ``PIPELINE`` dict. ``trainable_only``:
+        checkpoints leave the frozen parameters out (``--save-trainable-only``), which come
+        from there."""
         self.root = Path(root)
         self.pipeline = as_pipeline(pipeline)
         self.layout = layout
         self.keep = keep
+        self.trainable_only = trainable_only
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)
@@ -365,7 +436,8 @@ class TrainingCheckpoints:
         stages: dict[int, nn.Module],
         optimizers: dict[int, torch.optim.Optimizer],
     ) -> None:
-        dcp.save(training_state(stages, optimizers), storage_writer=FileSystemWriter(partial))
+        state = training_state(stages, optimizers, self.trainable_only is not None)
+        dcp.save(state, storage_writer=FileSystemWriter(partial))
         _save({"rng": _rng_state(self.layout.device)}, partial / f"rank{self.layout.rank}.pt")
 
     def _publish(self, step: int, partial: Path, final: Path) -> None:
@@ -384,6 +456,16 @@ class TrainingCheckpoints:
             "dp_shard": self.layout.dp_shard,
             "world_size": dist.get_world_size(),
             "aliases": [list(group) for group in self.pipeline.aliases],
+            **(
+                {"trainable_only": self.trainable_only.to_json(self.pipeline.frozen)}
+                if self.trainable_only is not None
+                else {}
+            ),
+            **(
+                {"huggingface": self.pipeline.huggingface.to_json()}
+                if self.pipeline.huggingface
+                else {}
+            ),
             "files": {p.name: p.stat().st_size for p in sorted(partial.iterdir())},
         }
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
@@ -416,11 +498,15 @@ class TrainingCheckpoints:
     ) -> int:
         """Fill this rank's stages (materialised, sharded or not) and their optimizers from
         checkpoint ``path``, whatever pipeline wrote it, checking every tensor's name, shape and
-        dtype; collective. RNG states too when the layout is the same. Returns its step."""
+        dtype; collective. RNG states too when the layout is the same. Returns its step. A
+        checkpoint written with ``--save-trainable-only`` fills the trainable parameters only:
+        the frozen ones keep what the stages hold (``--load``, or the initialisation)."""
         manifest = read_manifest(path)
         reader = FileSystemReader(path)
         saved = _saved_metadata(path, reader, every_rank=True)
-        state = {i: stage_training_state(m, optimizers[i]) for i, m in stages.items()}
+        partial = FrozenSource.of_manifest(manifest, path) is not None
+        left_out = frozenset(manifest["trainable_only"]["frozen"]) if partial else frozenset()
+        state = {i: stage_training_state(m, optimizers[i], partial) for i, m in stages.items()}
         request: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # names held twice on this rank
         aliases = {n: group for group in manifest["aliases"] for n in group}
@@ -430,7 +516,7 @@ class TrainingCheckpoints:
                 f"checkpoint {path} holds another model than {self.pipeline.model_class}: {problem}"
             )
         else:
-            problem = self._request_all(path, saved, aliases, state, request, copies)
+            problem = self._request_all(path, saved, aliases, state, request, copies, left_out)
         problem = agree(problem)  # every rank stops before DCP's collective load
         if problem:
             raise PipelineRunError(problem, every_rank=True)
@@ -447,7 +533,8 @@ class TrainingCheckpoints:
         for index, stage in stages.items():
             tensors, osd = state[index]
             # torch annotates a dict of its ValueType where a Mapping of tensors would do
-            set_model_state_dict(stage, tensors)  # type: ignore[arg-type]
+            options = StateDictOptions(strict=not partial)
+            set_model_state_dict(stage, tensors, options=options)  # type: ignore[arg-type]
             set_optimizer_state_dict(stage, optimizers[index], osd)
         same_layout = (
             manifest["world_size"] == dist.get_world_size()
@@ -467,13 +554,22 @@ class TrainingCheckpoints:
         state: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]],
         request: dict[str, dict[str, Any]],
         copies: list[tuple[torch.Tensor, torch.Tensor]],
+        left_out: frozenset[str] = frozenset(),
     ) -> str | None:
         """Ask DCP for every tensor of this rank's ``state`` (model and optimizer), each checked
         against the checkpoint's ``saved`` metadata; the first problem this rank's stages find
-        (another rank's may differ), or None."""
+        (another rank's may differ), or None. ``left_out``: the frozen parameters a
+        trainable-only checkpoint does not hold."""
         try:
             for index, (tensors, osd) in state.items():
                 for name, tensor in tensors.items():
+                    if name in left_out or left_out.intersection(aliases.get(name, ())):
+                        raise PipelineRunError(
+                            f"checkpoint {path} holds only the parameters that trained in the "
+                            f"run that wrote it (--save-trainable-only): {name} was frozen "
+                            f"there, and stage {index} of this pipeline trains it; start from "
+                            "weights that hold it (--load) instead of resuming"
+                        )
                     held = _source(path, saved, aliases.get(name, ()), index, tensor, "model", name)
                     _request(request["model"], held, tensor, copies)
                 for name, entries in osd["state"].items():
@@ -531,25 +627,40 @@ def _source(
     return f"{candidate}{suffix}"
 
 
+def frozen_names(stage: nn.Module) -> set[str]:
+    """The names of a stage's parameters that take no gradient (a frozen base under LoRA
+    adapters): what ``--save-trainable-only`` leaves out."""
+    return {
+        name for name, p in stage.named_parameters(remove_duplicate=False) if not p.requires_grad
+    }
+
+
 def stage_training_state(
-    stage: nn.Module, optimizer: torch.optim.Optimizer
+    stage: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """One stage's model state and torch's optimizer state dict of it, keyed by the original
-    model's names (DTensors when sharded; the optimizer's state created if it has none yet)."""
+    model's names (DTensors when sharded; the optimizer's state created if it has none yet).
+    ``trainable_only``: without the frozen parameters (which have no optimizer state)."""
     # a model's state: tensors (torch types it as any state_dict value)
     tensors = cast(dict[str, torch.Tensor], get_model_state_dict(stage))
+    if trainable_only:
+        frozen = frozen_names(stage)
+        tensors = {name: t for name, t in tensors.items() if name not in frozen}
     return tensors, get_optimizer_state_dict(stage, optimizer)
 
 
 def training_state(
-    stages: dict[int, nn.Module], optimizers: dict[int, torch.optim.Optimizer]
+    stages: dict[int, nn.Module],
+    optimizers: dict[int, torch.optim.Optimizer],
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """What a checkpoint holds of a rank's stages: ``{"model": {name: tensor}, "optimizer":
-    {name: {entry: tensor}}}``, a name held by two local stages (tied copies) once."""
+    {name: {entry: tensor}}}``, a name held by two local stages (tied copies) once;
+    ``trainable_only``: no frozen parameters."""
     model: dict[str, torch.Tensor] = {}
     optimizer: dict[str, dict[str, torch.Tensor]] = {}
     for index, stage in stages.items():
-        tensors, osd = stage_training_state(stage, optimizers[index])
+        tensors, osd = stage_training_state(stage, optimizers[index], trainable_only)
         for name, tensor in tensors.items():
             model.setdefault(name, tensor)
         for name, entries in osd["state"].items():
@@ -710,6 +821,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
             raise PipelineRunError(
                 f"{path / MANIFEST}: {key!r} is missing or not a {kind.__name__}"
             )
+    FrozenSource.of_manifest(manifest, path)  # checked here, with every other field
     return manifest
 
 
@@ -739,7 +851,9 @@ def _identity_of_tensors(saved: StateMetadata, pipeline: Pipeline) -> ModelIdent
 
 def merge_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The whole original-model state_dict held by a checkpoint directory (``DIR`` for its
-    latest, or ``DIR/step-N``), and its manifest."""
+    latest, or ``DIR/step-N``), and its manifest. A checkpoint written with
+    ``--save-trainable-only`` holds the trainable tensors only (:func:`trainable_only_note`
+    says so)."""
     path = Path(path)
     if not (path / MANIFEST).is_file() and (path / "latest").is_file():
         latest = latest_checkpoint(path)
@@ -770,6 +884,23 @@ def merge_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
         ) from None
     expand_aliases(state, manifest["aliases"])
     return state, manifest
+
+
+def trainable_only_note(manifest: dict[str, Any], path: str | Path) -> str | None:
+    """For a checkpoint written with ``--save-trainable-only`` (its ``manifest``), in words:
+    that it holds only the trainable tensors, which it left out and where those come from;
+    None for a checkpoint holding every tensor."""
+    source = FrozenSource.of_manifest(manifest, Path(path))
+    if source is None:
+        return None
+    frozen = manifest["trainable_only"]["frozen"]
+    shown = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
+    return (
+        f"{path} holds only the trainable tensors (written with --save-trainable-only): the "
+        f"{len(frozen)} frozen parameter(s) ({shown or 'none'}) are not in it; they are those of "
+        f"{source.describe()}: load the merged tensors over those (load_state_dict(state, "
+        "strict=False))"
+    )
 
 
 def _load(path: Path, device: torch.device | str) -> dict[str, Any]:

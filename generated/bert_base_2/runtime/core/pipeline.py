@@ -73,6 +73,10 @@ def _str(value: Any, where: str) -> str:
     return cast(str, _check(value, where, lambda v: isinstance(v, str), "a string"))
 
 
+def _is_object(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
 def _list(value: Any, where: str, ok: Callable[[Any], object], item: str) -> tuple[Any, ...]:
     """``value``, checked to be a list of ``item``s (each one ``ok``), as a tuple."""
     _check(value, where, lambda v: isinstance(v, list), f"a list of {item}s")
@@ -502,6 +506,66 @@ class ModelIdentity:
 
 
 @dataclass(frozen=True)
+class PeftAdapter:
+    """A PEFT model's adapter, as ``PeftModel.save_pretrained`` writes it: the content of
+    ``adapter_config.json``, and the name in ``adapter_model.safetensors`` of each adapter
+    tensor of the model's ``state_dict`` (the adapter's name left out of it)."""
+
+    config: dict[str, Any]
+    weights: dict[str, str]  # state_dict name -> adapter file name
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> PeftAdapter:
+        _object(data, where, ("config", "weights"))
+        config = _check(data["config"], f"{where}.config", _is_object, "an object")
+        weights = _check(
+            data["weights"],
+            f"{where}.weights",
+            lambda v: isinstance(v, dict) and all(isinstance(n, str) for n in v.values()),
+            "an object of names by state_dict name",
+        )
+        return cls(config, weights)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"config": self.config, "weights": self.weights}
+
+
+@dataclass(frozen=True)
+class HuggingFaceModel:
+    """What a ``transformers`` model's ``from_pretrained`` directory holds besides its weights:
+    ``config.json`` (``architectures`` naming the class) and, for a model that generates,
+    ``generation_config.json``, as ``save_pretrained`` writes them (differences from the
+    defaults); for a PEFT model, those of its base model and its ``adapter``. Recorded at
+    compile time; ``autopipe merge --hf`` and ``--save-format hf`` write them beside the trained
+    weights."""
+
+    config: dict[str, Any]
+    generation_config: dict[str, Any] | None = None
+    adapter: PeftAdapter | None = None  # a PEFT model's (``config`` is its base model's)
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> HuggingFaceModel:
+        _object(data, where, ("config",), ("generation_config", "adapter"))
+        config = _check(data["config"], f"{where}.config", _is_object, "an object")
+        generation = data.get("generation_config")
+        if generation is not None:
+            _check(generation, f"{where}.generation_config", _is_object, "an object")
+        adapter = data.get("adapter")
+        return cls(
+            config,
+            generation,
+            PeftAdapter.from_json(adapter, f"{where}.adapter") if adapter is not None else None,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return (
+            {"config": self.config}
+            | ({"generation_config": self.generation_config} if self.generation_config else {})
+            | ({"adapter": self.adapter.to_json()} if self.adapter else {})
+        )
+
+
+@dataclass(frozen=True)
 class Pipeline:
     """A generated pipeline: the model's inputs and outputs, its stages and the values they
     pass, how the loss is taken, the default schedule, and parameters held under several names."""
@@ -523,6 +587,10 @@ class Pipeline:
     #: dynamic dimensions by name (compiled with --dynamic); values' sizes are formulas of them
     dimensions: dict[str, Dimension] = field(default_factory=dict)
     identity: ModelIdentity | None = None  # absent from pipelines compiled before identities
+    #: the parameters (first names) that take no gradient (a frozen base under LoRA adapters):
+    #: no gradients, optimizer state or reduction; empty in pipelines compiled before it
+    frozen: tuple[str, ...] = ()
+    huggingface: HuggingFaceModel | None = None  # a transformers model's configurations
 
     @classmethod
     def from_json(cls, data: Any) -> Pipeline:
@@ -531,7 +599,7 @@ class Pipeline:
         keys: tuple[str, ...]
         keys = ("format", "version", "model", "signature", "inputs", "outputs", "stages")
         keys += ("values", "loss", "schedule", "tied", "aliases", "input_ranges", "dp_shard")
-        _object(data, where, keys, ("plan", "dimensions", "identity"))
+        _object(data, where, keys, ("plan", "dimensions", "identity", "huggingface", "frozen"))
         if data["format"] != FORMAT:
             raise _fail(f"{where}.format", data["format"], repr(FORMAT))
         if data["version"] != VERSION:
@@ -592,6 +660,12 @@ class Pipeline:
                 if "identity" in data
                 else None
             ),
+            huggingface=(
+                HuggingFaceModel.from_json(data["huggingface"], f"{where}.huggingface")
+                if "huggingface" in data
+                else None
+            ),
+            frozen=_names(data.get("frozen", []), f"{where}.frozen"),
         )
         pipeline._check_references()
         pipeline._check_formulas()
@@ -607,6 +681,8 @@ class Pipeline:
             _known(stage.outputs, f"{where}.outputs", self.values, "in pipeline.values")
         if self.loss.output is not None and self.loss.output not in self.outputs:
             raise _fail("pipeline.loss.output", self.loss.output, "one of pipeline.outputs")
+        if self.identity is not None:
+            _known(self.frozen, "pipeline.frozen", self.identity.tensors, "a tensor of the model")
         ranks = sorted(set(self.rank_of_stage))
         if ranks != list(range(len(ranks))):
             raise _fail("pipeline.stages[*].device", ranks, "ranks numbered from 0 without gaps")
@@ -664,6 +740,8 @@ class Pipeline:
                 else {}
             )
             | ({"identity": self.identity.to_json()} if self.identity else {})
+            | ({"huggingface": self.huggingface.to_json()} if self.huggingface else {})
+            | ({"frozen": list(self.frozen)} if self.frozen else {})
         )
 
     # -- derived facts ------------------------------------------------------------------------
