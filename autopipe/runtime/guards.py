@@ -90,6 +90,7 @@ def output_problems(
     checkpoint_dir: str | None,
     tensorboard: str | None = None,
     save_directory: bool = False,
+    trace: str | None = None,
 ) -> list[str]:
     """What is wrong with the outputs this rank will write, before any training is done.
     ``save_directory``: ``save`` is a Hugging Face model directory, not a file."""
@@ -113,7 +114,11 @@ def output_problems(
         problem = _writable_dir_problem(path.parent)
         if problem:
             problems.append(f"{option} {value}: {problem}")
-    for option, directory in (("--checkpoint-dir", checkpoint_dir), ("--tensorboard", tensorboard)):
+    for option, directory in (
+        ("--checkpoint-dir", checkpoint_dir),
+        ("--tensorboard", tensorboard),
+        ("--trace", trace),
+    ):
         if directory is None:
             continue
         path = Path(directory)

@@ -250,6 +250,8 @@ def run_configuration(
     for name, value in sorted(vars(config).items()):
         if isinstance(value, frozenset):
             value = ",".join(str(v) for v in sorted(value))
+        elif isinstance(value, tuple):  # --trace-steps A:B
+            value = ":".join(str(v) for v in value)
         settings[f"option/{name}"] = "" if value is None else value
     return settings
 

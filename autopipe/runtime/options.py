@@ -1,6 +1,7 @@
 """Command line of a generated ``train.py``: one argparse group per concern (run, optimisation,
-data and weights, checkpoints, metrics), each option declared once with its help text, and one
-validation of the parsed options against each other and the pipeline.
+data and weights, checkpoints, evaluation, metrics, observability), each option declared once
+with its help text, and one validation of the parsed options against each other and the
+pipeline.
 
 Copied into every generated pipeline as ``runtime/options.py``; it needs only torch. The schedules
 it offers, and whether one fits the pipeline, come from the catalogue in ``core/schedules.py``.
@@ -18,6 +19,7 @@ import torch
 from .core.pipeline import Pipeline
 from .core.schedules import SCHEDULES, SPLIT_BACKWARD, schedule_problem_for
 from .sinks import SINK_PACKAGES, missing_package
+from .timeline import parse_steps
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,9 @@ class TrainConfig:
     wandb: str | None  # Weights & Biases project
     log_every: int
     track_memory: bool
+    # observability
+    trace: str | None  # the directory of the measured timeline
+    trace_steps: tuple[int, int] | None  # the traced steps [A, B); None: timeline.default_steps
 
     @property
     def gathers_per_block(self) -> bool:
@@ -418,6 +423,27 @@ def metrics_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None
     )
 
 
+def observability_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
+    """What the run records of itself beyond the metrics: the measured timeline."""
+    group = parser.add_argument_group("observability")
+    group.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="record when every schedule action of the traced steps starts and ends on every "
+        "rank (forward, backward, input and weight backward of each microbatch and stage, the "
+        "gradient reductions, the optimizer step; sends and receives as instants), CUDA events "
+        "on GPU and the monotonic clock on CPU, aligned across ranks; writes DIR/rankR.json per "
+        "rank and DIR/trace.json, a Chrome / Perfetto trace with one process per rank",
+    )
+    group.add_argument(
+        "--trace-steps",
+        metavar="A:B",
+        help="the steps --trace records, A included, B not (default 1:3, leaving out the "
+        "warm-up step 0; after a resume at step N, N+1:N+3; 0:1 in a one-step run); clamped to "
+        "the steps this run runs",
+    )
+
+
 #: train.py's option groups, in the order ``--help`` shows them
 OPTION_GROUPS: tuple[Callable[[argparse.ArgumentParser, Pipeline], None], ...] = (
     run_options,
@@ -426,6 +452,7 @@ OPTION_GROUPS: tuple[Callable[[argparse.ArgumentParser, Pipeline], None], ...] =
     checkpoint_options,
     evaluation_options,
     metrics_options,
+    observability_options,
 )
 
 
@@ -495,6 +522,16 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, pipeline
             parser.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
     if args.timeout == 0:
         parser.error("--timeout must be > 0 seconds")
+    if args.trace_steps is not None:
+        if not args.trace:
+            parser.error("--trace-steps says which steps --trace DIR records; give --trace")
+        steps = parse_steps(args.trace_steps)
+        if steps is None:
+            parser.error(
+                f"--trace-steps {args.trace_steps!r}: give A:B, the steps A (included) to B "
+                "(excluded), 0 <= A < B"
+            )
+        args.trace_steps = steps
     args.recompute, args.recompute_blocks = recompute_choice(parser, args.recompute, pipeline)
     problem = schedule_problem(args.schedule, pipeline, args.microbatches)
     if problem:

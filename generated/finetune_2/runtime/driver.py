@@ -63,6 +63,7 @@ from .options import TrainConfig, parse_config
 from .parallel import DataParallelStage, GradientSync, Layout, init_distributed, shard_stage
 from .sinks import open_sinks
 from .support import MissingOperatorError
+from .timeline import Timeline, default_steps
 from .train_state import (
     FrozenSource,
     TrainingCheckpoints,
@@ -314,6 +315,7 @@ def check_outputs(config: TrainConfig, reporting: bool) -> None:
         checkpoint_dir=config.checkpoint_dir,
         tensorboard=config.tensorboard if reporting else None,
         save_directory=config.save_format == "hf",
+        trace=config.trace,  # every rank writes its timeline there
     )
     problem = agree("; ".join(problems) or None)
     if problem:
@@ -585,6 +587,7 @@ class TrainingRun:
         self.schedules = ShapedSchedules(self.shaped)
         self.eval_schedules = ShapedSchedules(lambda sizes: self.shaped(sizes, forward_only=True))
         self.eval_batches: Batches | None = None  # --eval-data
+        self.timeline: Timeline | None = None  # --trace
 
     def run(self) -> None:
         """Every phase in order; live tensors are counted (``--track-memory`` on CPU) from the
@@ -611,6 +614,8 @@ class TrainingRun:
                     config.eval_every and config.steps % config.eval_every == 0
                 ):
                     self.evaluate(config.steps)  # at the end, unless just done
+                if self.timeline is not None and not self.timeline.written:
+                    self.timeline.write()  # no traced step ran (all collective)
             finally:
                 self.metrics.close()
             self.finish()
@@ -650,6 +655,32 @@ class TrainingRun:
             self.eval_batches = Batches(pipeline, config, held_out=True)
         self.needs_target = self.is_last and pipeline.loss.needs_target
         self.metrics = self.make_metrics()
+        if config.trace:
+            self.timeline = self.make_timeline(config.trace)
+
+    def make_timeline(self, directory: str) -> Timeline:
+        """The recorder of ``--trace``, its clock aligned with the other ranks' (collective),
+        for ``--trace-steps`` clamped to the steps this run runs."""
+        config, layout = self.config, self.layout
+        asked = config.trace_steps or default_steps(self.start, config.steps)
+        begin, end = max(asked[0], self.start), min(asked[1], config.steps)
+        steps = (begin, max(begin, end))
+        if steps[0] == steps[1]:
+            say(
+                f"--trace: no step of --trace-steps {asked[0]}:{asked[1]} runs (this run runs "
+                f"steps {self.start} to {config.steps - 1}); {directory} gets empty timelines"
+            )
+        timeline = Timeline(
+            Path(directory),
+            steps,
+            rank=layout.rank,
+            pp_rank=layout.pp_rank,
+            dp_rank=layout.dp_rank,
+            stages=tuple(sorted(self.modules)),
+            device=self.device,
+        )
+        timeline.align()
+        return timeline
 
     def make_metrics(self) -> Metrics:
         """The per-step metrics, with what the plan predicts and where the run starts noted."""
@@ -726,17 +757,40 @@ class TrainingRun:
         """One optimizer step: the step's batch through ``--accumulate`` pipeline runs, the
         gradients averaged, reduced and clipped, the optimizers and learning rates stepped
         (unless the loss or gradient norm is not finite), and the step's metrics recorded."""
-        config, layout, metrics = self.config, self.layout, self.metrics
         began = time.perf_counter()
+        timeline = self.timeline
+        if timeline is None or not timeline.traces(step):
+            self.train_step(step, began)
+            return
+        timeline.begin_step(step)
+        with timeline.span("step"):
+            self.train_step(step, began)
+        timeline.end_step()
+        if step == timeline.last_step:
+            timeline.write()  # collective: every rank traces the same steps
+
+    def phase(self, kind: str, stage: int | None = None) -> contextlib.AbstractContextManager[None]:
+        """The timeline's record of a phase of a traced step; nothing otherwise."""
+        if self.timeline is None or self.timeline.step is None:
+            return contextlib.nullcontext()
+        return self.timeline.span(kind, stage)
+
+    def train_step(self, step: int, began: float) -> None:
+        """:meth:`step`'s work, which ``--trace`` records as the step."""
+        config, layout, metrics = self.config, self.layout, self.metrics
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
         batch, sizes = self.read_batch(step)
         stages, schedule = self.schedules.get(sizes)
+        if self.timeline is not None:  # recorded during the traced steps only
+            for stage in stages:
+                stage.timeline = self.timeline if self.timeline.step is not None else None
         losses = self.run_pipeline(batch, stages, schedule)
         runs = config.microbatches * config.accumulate
-        self.sync.scale(1.0 / runs)  # the mean over this rank's microbatches
-        self.sync.reduce()
-        grad_norm = self.sync.clip(config.clip_grad_norm)
+        with self.phase("reduce"):
+            self.sync.scale(1.0 / runs)  # the mean over this rank's microbatches
+            self.sync.reduce()
+            grad_norm = self.sync.clip(config.clip_grad_norm)
         loss = None
         if self.is_last:
             mean = torch.stack([l.detach().float() for l in losses]).mean().to(self.device)
@@ -750,9 +804,10 @@ class TrainingRun:
         # this step's; a float, as --lr is (torch's annotation allows a tensor)
         lr = cast(float, next(iter(self.schedulers.values())).get_last_lr()[0])
         for index, optimizer in self.optimizers.items():
-            if not problem:
-                optimizer.step()
-            self.schedulers[index].step()
+            with self.phase("optimizer", index):
+                if not problem:
+                    optimizer.step()
+                self.schedulers[index].step()
         tracker = self.tracker
         if tracker is not None and tracker.active and step == self.start + 1:
             tracker.__exit__(None, None, None)  # the second step reached the steady peak
@@ -797,6 +852,8 @@ class TrainingRun:
         for round_ in range(config.accumulate):
             for stage in stages:  # gradients are reduced in the last round only
                 stage.final_round = round_ == config.accumulate - 1
+            if self.timeline is not None:
+                self.timeline.round = round_
             inputs, target = (
                 self.batches.part(batch, round_ * layout.dp_size + layout.dp_rank)
                 if batch

@@ -32,6 +32,7 @@ from torch.distributed.pipelining._backward import stage_backward
 from .core.errors import PipelineRunError
 from .core.pipeline import Pipeline
 from .support import local_shard
+from .timeline import Timeline
 
 
 @dataclass
@@ -163,11 +164,71 @@ class DataParallelStage(PipelineStage):
     memory), otherwise once per optimizer step: during the step's last backward when
     ``overlap`` (each unit's reduction starts as soon as its backward ends and runs while the
     rest of the backward does), else after it. Earlier accumulation rounds (``final_round``
-    False) only accumulate."""
+    False) only accumulate. With a ``timeline`` attached (``--trace``), each forward and
+    backward is recorded as an interval and each send and receive created as an instant."""
 
     final_round = True
     reduce_every_microbatch = False
     overlap = True
+    #: the recorder of a traced step (``--trace``); None: nothing is recorded
+    timeline: Timeline | None = None
+
+    # -- the timeline: each action reported when a recorder is attached ------------------------
+    def forward_one_chunk(
+        self,
+        fwd_chunk_id: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        save_forward_output: bool = True,
+    ) -> Any:
+        if self.timeline is None:
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        with self.timeline.span("forward", self.stage_index, fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+
+    def backward_one_chunk(
+        self,
+        bwd_chunk_id: int,
+        loss: Any = None,
+        full_backward: bool = True,
+        last_backward: bool = False,
+    ) -> None:
+        if self.timeline is None:
+            super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            return
+        kind = "backward" if full_backward else "backward_input"
+        with self.timeline.span(kind, self.stage_index, bwd_chunk_id):
+            super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        if self.timeline is None:
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+            return
+        with self.timeline.span("backward_weight", self.stage_index, bwd_chunk_id):
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+
+    def _transfer(self, kind: str, chunk: int, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        if self.timeline is not None and ops:
+            self.timeline.instant(kind, self.stage_index, chunk, ops[0].peer)
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._transfer(
+            "send_activation", fwd_chunk_id, super().get_fwd_send_ops(fwd_chunk_id)
+        )
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._transfer("send_gradient", bwd_chunk_id, super().get_bwd_send_ops(bwd_chunk_id))
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._transfer(
+            "recv_activation", fwd_chunk_id, super().get_fwd_recv_ops(fwd_chunk_id)
+        )
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._transfer("recv_gradient", bwd_chunk_id, super().get_bwd_recv_ops(bwd_chunk_id))
+
+    # -- gradient reduction --------------------------------------------------------------------
 
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict[str, Any], last_backward: bool = False
@@ -185,7 +246,12 @@ class DataParallelStage(PipelineStage):
         return grads, None
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        if self.final_round or self.reduce_every_microbatch:  # what backward left unreduced
+        if not (self.final_round or self.reduce_every_microbatch):
+            return
+        if self.timeline is None:  # what backward left unreduced
+            super().perform_reduce_grad(grad_scale_factor)
+            return
+        with self.timeline.span("dp_reduce", self.stage_index):
             super().perform_reduce_grad(grad_scale_factor)
 
 
