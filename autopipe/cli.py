@@ -224,7 +224,8 @@ def cmd_merge(args: argparse.Namespace) -> None:
     from .runtime.huggingface import write_pretrained
     from .runtime.train_state import (
         STEP_NAME,
-        merge_checkpoint,
+        checked_checkpoint,
+        merged_state,
         save_weights,
         trainable_only_note,
     )
@@ -251,43 +252,20 @@ def cmd_merge(args: argparse.Namespace) -> None:
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not args.force:
         raise AutopipeError(f"{option} {out} already exists; pass --force to replace it")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    try:
-        state, manifest = merge_checkpoint(source)
+    try:  # the manifest first: what it refuses is refused before any tensor is read
+        checkpoint, manifest = checked_checkpoint(source)
     except PipelineRunError as exc:
         raise AutopipeError(str(exc)) from None
     step = f"{manifest['model']} after step {manifest['step']}"
-    if args.hf:
-        if "huggingface" not in manifest:
-            raise AutopipeError(
-                f"--hf writes a Hugging Face model directory, and {source} holds no Hugging Face "
-                f"configuration: {manifest['model']} is not a transformers PreTrainedModel, or its "
-                "package was compiled before autopipe recorded configurations (recompile it, then "
-                "merge a checkpoint it writes); use -o FILE for a state_dict"
-            )
-        try:
-            hf = HuggingFaceModel.from_json(manifest["huggingface"], "checkpoint.json: huggingface")
-        except PipelineFormatError as exc:
-            raise AutopipeError(f"{source} is damaged ({exc})") from None
+    partial = trainable_only_note(manifest, source)
+    hf = _merged_model(manifest, source, partial, args.merge_adapters) if args.hf else None
+    try:
+        state = merged_state(checkpoint, manifest)
+    except PipelineRunError as exc:
+        raise AutopipeError(str(exc)) from None
+    if hf is not None:
         aliases = manifest["aliases"]
-        partial = trainable_only_note(manifest, source)
-        if partial and (hf.adapter is None or args.merge_adapters):
-            raise AutopipeError(
-                f"{source} holds only the trainable tensors (--save-trainable-only), and "
-                + (
-                    "--merge-adapters needs the base weights too; merge without "
-                    "--merge-adapters to write the adapter, for PeftModel.from_pretrained over "
-                    "the base model"
-                    if hf.adapter is not None
-                    else "a from_pretrained directory needs every weight; -o FILE writes the "
-                    "trainable ones"
-                )
-            )
         if args.merge_adapters:
-            if hf.adapter is None:
-                raise AutopipeError(
-                    f"--merge-adapters merges a PEFT model's adapter into its base weights, and "
-                    f"{manifest['model']} is not a PEFT model; leave --merge-adapters out"
-                )
             state, hf, aliases = merged_adapter(state, hf, aliases)
         try:
             count = write_pretrained(state, hf, aliases, out, dtype=dtype)
@@ -315,9 +293,46 @@ def cmd_merge(args: argparse.Namespace) -> None:
         f"wrote {step} ({len(state)} tensors, original names) to {out}; load it with "
         "model.load_state_dict"
     )
-    partial = trainable_only_note(manifest, source)
     if partial:
         print(f"note: {partial}")
+
+
+def _merged_model(
+    manifest: dict[str, Any], source: Path, partial: str | None, merge_adapters: bool
+) -> HuggingFaceModel:
+    """What ``merge --hf`` writes the checkpoint as (its recorded Hugging Face description), or
+    the reason it cannot: no description recorded, only the trainable tensors of a model that
+    is not an adapter (or of one whose adapter is to be merged), ``--merge-adapters`` for a
+    model without an adapter. ``partial``: the note of a trainable-only checkpoint."""
+    if "huggingface" not in manifest:
+        raise AutopipeError(
+            f"--hf writes a Hugging Face model directory, and {source} holds no Hugging Face "
+            f"configuration: {manifest['model']} is not a transformers PreTrainedModel, or its "
+            "package was compiled before autopipe recorded configurations (recompile it, then "
+            "merge a checkpoint it writes); use -o FILE for a state_dict"
+        )
+    try:
+        hf = HuggingFaceModel.from_json(manifest["huggingface"], "checkpoint.json: huggingface")
+    except PipelineFormatError as exc:
+        raise AutopipeError(f"{source} is damaged ({exc})") from None
+    if partial and (hf.adapter is None or merge_adapters):
+        raise AutopipeError(
+            f"{source} holds only the trainable tensors (--save-trainable-only), and "
+            + (
+                "--merge-adapters needs the base weights too; merge without "
+                "--merge-adapters to write the adapter, for PeftModel.from_pretrained over "
+                "the base model"
+                if hf.adapter is not None
+                else "a from_pretrained directory needs every weight; -o FILE writes the "
+                "trainable ones"
+            )
+        )
+    if merge_adapters and hf.adapter is None:
+        raise AutopipeError(
+            f"--merge-adapters merges a PEFT model's adapter into its base weights, and "
+            f"{manifest['model']} is not a PEFT model; leave --merge-adapters out"
+        )
+    return hf
 
 
 def build_parser() -> argparse.ArgumentParser:

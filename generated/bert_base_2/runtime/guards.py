@@ -95,14 +95,11 @@ def output_problems(
     """What is wrong with the outputs this rank will write, before any training is done.
     ``save_directory``: ``save`` is a Hugging Face model directory, not a file."""
     problems = []
-    if save is not None and save_directory:
-        problem = directory_problem(Path(save), "--save") or _writable_dir_problem(
-            Path(save).parent
-        )
-        if problem:
-            problems.append(
-                problem if problem.startswith("--save") else f"--save {save}: {problem}"
-            )
+    if save is not None and save_directory:  # a model directory, checked as one
+        problem = directory_problem(Path(save), "--save")
+        parent = None if problem else _writable_dir_problem(Path(save).parent)
+        if problem or parent:
+            problems.append(problem or f"--save {save}: {parent}")
         save = None
     for option, value in (("--save", save), ("--log-json", log_json)):
         if value is None:
@@ -130,6 +127,18 @@ def output_problems(
         if problem:
             problems.append(f"{option} {directory}: {problem}")
     return problems
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary file beside it and a rename: readers never
+    see half of it, and a failed write leaves ``path`` as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        temporary.write_text(text, encoding="utf-8")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def fallback_paths(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -31,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .guards import write_atomically
 
 __all__ = [
     "FORMAT",
@@ -43,7 +44,7 @@ __all__ = [
     "chrome_trace",
     "default_steps",
     "parse_steps",
-    "write_atomically",
+    "recorded",
 ]
 
 FORMAT, VERSION = "autopipe.timeline", 1
@@ -291,14 +292,6 @@ def chrome_trace(timelines: Sequence[RankTimeline]) -> str:
     )
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """``text`` into ``path`` through a temporary file beside it: readers never see half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
-
-
 def parse_steps(text: str) -> tuple[int, int] | None:
     """``A:B`` as (A, B); None if it is not two integers A < B, both >= 0."""
     first, colon, last = text.partition(":")
@@ -458,11 +451,21 @@ class Timeline:
     def write(self) -> None:
         """``rankR.json`` on every rank; global rank 0 gathers them all (collective) and writes
         ``trace.json``."""
-        mine = self.timeline()
-        write_atomically(self.directory / f"rank{self.rank}.json", mine.to_json())
+        mine = self.timeline().to_json()
+        write_atomically(self.directory / f"rank{self.rank}.json", mine)
         every: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine.to_json(), every, dst=0)
+        dist.gather_object(mine, every, dst=0)
         if every is not None:
             timelines = [RankTimeline.from_json(text) for text in every]
             write_atomically(self.directory / "trace.json", chrome_trace(timelines))
         self.written = True
+
+
+def recorded(
+    timeline: Timeline | None, kind: str, stage: int | None = None, microbatch: int | None = None
+) -> contextlib.AbstractContextManager[None]:
+    """``timeline``'s record of what the ``with`` block does (see :meth:`Timeline.span`);
+    nothing, at no cost, without a timeline (a run without ``--trace``)."""
+    if timeline is None:
+        return contextlib.nullcontext()
+    return timeline.span(kind, stage, microbatch)

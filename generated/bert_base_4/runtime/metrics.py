@@ -8,11 +8,10 @@ the last stage of the first replica reports; every rank contributes its peak mem
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 from pathlib import Path
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import IO
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from .core.memory import LiveTensorBytes
 from .core.pipeline import Pipeline
 from .evaluation import EvalResult
+from .guards import write_atomically
 from .options import TrainConfig
 from .sinks import ConfigValue, Sink
 from .support import local_shard
@@ -108,43 +108,43 @@ class Metrics:
         gradients and optimizer state."""
         if not self.reporting:
             return
-        entry = {
+        samples_per_s = self.samples_per_step / seconds
+        tokens_per_s = self.tokens_per_step / seconds if self.tokens_per_step else None
+        mfu = self.utilisation(seconds)
+        entry: dict[str, object] = {
             "step": step,
             "loss": loss,
             "time": seconds,
-            "samples_per_s": self.samples_per_step / seconds,
+            "samples_per_s": samples_per_s,
             "lr": lr,
             "grad_norm": grad_norm,
             "peak_memory": memory,
             "state_bytes": state,
         }
-        if self.tokens_per_step:
-            entry["tokens_per_s"] = self.tokens_per_step / seconds
-        mfu = self.utilisation(seconds)
+        if tokens_per_s is not None:
+            entry["tokens_per_s"] = tokens_per_s
         if mfu is not None:
             entry["mfu"] = mfu
         if skipped:
             entry["skipped"] = True
-        if self.log:
-            self.log.write(json.dumps(entry) + "\n")
-            self.log.flush()
+        self._to_log(entry)
         scalars = {
             "train/loss": loss,
             "train/lr": lr,
             "train/grad_norm": grad_norm,
             "train/step_time": seconds,
-            "train/samples_per_s": self.samples_per_step / seconds,
+            "train/samples_per_s": samples_per_s,
         }
-        if self.tokens_per_step:
-            scalars["train/tokens_per_s"] = self.tokens_per_step / seconds
+        if tokens_per_s is not None:
+            scalars["train/tokens_per_s"] = tokens_per_s
         if mfu is not None:
             scalars["train/mfu"] = mfu
         for rank, (peak, held) in enumerate(zip(memory, state)):
             scalars[f"memory/peak_mib/rank{rank}"] = peak / 2**20
             scalars[f"memory/state_mib/rank{rank}"] = held / 2**20
         self._to_sinks(step, scalars)
-        rate = f"{entry['samples_per_s']:.1f} samples/s" + (
-            f", {entry['tokens_per_s']:.0f} tokens/s" if self.tokens_per_step else ""
+        rate = f"{samples_per_s:.1f} samples/s" + (
+            f", {tokens_per_s:.0f} tokens/s" if tokens_per_s is not None else ""
         )
         if mfu is not None:
             rate += f", MFU {mfu * 100:.3g}%"
@@ -154,11 +154,9 @@ class Metrics:
         )
         if self.bar:
             done = step + 1
-            filled = round(30 * done / self.steps) if self.steps else 30
             eta = (self.steps - done) * seconds
             print(
-                f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{self.steps} loss {loss:.4f} "
-                f"{rate} eta {eta:.0f} s ",
+                f"\r{_bar(done, self.steps)} loss {loss:.4f} {rate} eta {eta:.0f} s ",
                 end="" if done < self.steps else "\n",
                 flush=True,
             )
@@ -178,9 +176,7 @@ class Metrics:
             "eval_batches": result.batches,
             "eval_time": result.seconds,
         }
-        if self.log:
-            self.log.write(json.dumps(entry) + "\n")
-            self.log.flush()
+        self._to_log(entry)
         scalars = {
             "eval/loss": result.loss,
             "eval/perplexity": result.perplexity,
@@ -199,9 +195,8 @@ class Metrics:
         the reporting rank's terminal is interactive."""
         if not self.bar or total < 2:
             return
-        filled = round(30 * done / total)
         print(
-            f"\r{phase} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} ",
+            f"\r{phase} {_bar(done, total)} ",
             end="" if done < total else "\r",
             flush=True,
         )
@@ -222,6 +217,12 @@ class Metrics:
                 print(f"train.py: warning: closing {type(sink).__name__}: {exc}", file=sys.stderr)
         if sinks:
             sinks[-1].close()
+
+    def _to_log(self, entry: Mapping[str, object]) -> None:
+        """A line of ``--log-json``, flushed at once (a crash keeps every line before it)."""
+        if self.log:
+            self.log.write(json.dumps(entry) + "\n")
+            self.log.flush()
 
     def _to_sinks(self, step: int, scalars: dict[str, float]) -> None:
         for sink in self.sinks:
@@ -256,6 +257,12 @@ def run_configuration(
     return settings
 
 
+def _bar(done: int, total: int) -> str:
+    """``[#####.....] 5/10``: a progress bar of 30 characters."""
+    filled = round(30 * done / total) if total else 30
+    return f"[{'#' * filled}{'.' * (30 - filled)}] {done}/{total}"
+
+
 def _truncate_log(path: Path, step: int) -> None:
     """Keep the lines of a JSON-lines log for steps before ``step`` (rewritten atomically)."""
     if not path.is_file():
@@ -268,6 +275,4 @@ def _truncate_log(path: Path, step: int) -> None:
             continue  # a line cut short by the crash
         if isinstance(entry, dict) and isinstance(entry.get("step"), int) and entry["step"] < step:
             kept.append(line + "\n")
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomically(path, "".join(kept))

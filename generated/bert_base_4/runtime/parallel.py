@@ -32,7 +32,7 @@ from torch.distributed.pipelining._backward import stage_backward
 from .core.errors import PipelineRunError
 from .core.pipeline import Pipeline
 from .support import local_shard
-from .timeline import Timeline
+from .timeline import Timeline, recorded
 
 
 @dataclass
@@ -181,9 +181,7 @@ class DataParallelStage(PipelineStage):
         kwargs: dict[str, Any] | None = None,
         save_forward_output: bool = True,
     ) -> Any:
-        if self.timeline is None:
-            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        with self.timeline.span("forward", self.stage_index, fwd_chunk_id):
+        with recorded(self.timeline, "forward", self.stage_index, fwd_chunk_id):
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
     def backward_one_chunk(
@@ -193,18 +191,12 @@ class DataParallelStage(PipelineStage):
         full_backward: bool = True,
         last_backward: bool = False,
     ) -> None:
-        if self.timeline is None:
-            super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-            return
         kind = "backward" if full_backward else "backward_input"
-        with self.timeline.span(kind, self.stage_index, bwd_chunk_id):
+        with recorded(self.timeline, kind, self.stage_index, bwd_chunk_id):
             super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
-        if self.timeline is None:
-            super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
-            return
-        with self.timeline.span("backward_weight", self.stage_index, bwd_chunk_id):
+        with recorded(self.timeline, "backward_weight", self.stage_index, bwd_chunk_id):
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
     def _transfer(self, kind: str, chunk: int, ops: list[dist.P2POp]) -> list[dist.P2POp]:
@@ -248,10 +240,7 @@ class DataParallelStage(PipelineStage):
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if not (self.final_round or self.reduce_every_microbatch):
             return
-        if self.timeline is None:  # what backward left unreduced
-            super().perform_reduce_grad(grad_scale_factor)
-            return
-        with self.timeline.span("dp_reduce", self.stage_index):
+        with recorded(self.timeline, "dp_reduce", self.stage_index):  # what backward left
             super().perform_reduce_grad(grad_scale_factor)
 
 

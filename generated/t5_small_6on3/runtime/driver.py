@@ -63,7 +63,7 @@ from .options import TrainConfig, parse_config
 from .parallel import DataParallelStage, GradientSync, Layout, init_distributed, shard_stage
 from .sinks import open_sinks
 from .support import MissingOperatorError
-from .timeline import Timeline, default_steps
+from .timeline import Timeline, default_steps, recorded
 from .train_state import (
     FrozenSource,
     TrainingCheckpoints,
@@ -769,12 +769,6 @@ class TrainingRun:
         if step == timeline.last_step:
             timeline.write()  # collective: every rank traces the same steps
 
-    def phase(self, kind: str, stage: int | None = None) -> contextlib.AbstractContextManager[None]:
-        """The timeline's record of a phase of a traced step; nothing otherwise."""
-        if self.timeline is None or self.timeline.step is None:
-            return contextlib.nullcontext()
-        return self.timeline.span(kind, stage)
-
     def train_step(self, step: int, began: float) -> None:
         """:meth:`step`'s work, which ``--trace`` records as the step."""
         config, layout, metrics = self.config, self.layout, self.metrics
@@ -787,7 +781,7 @@ class TrainingRun:
                 stage.timeline = self.timeline if self.timeline.step is not None else None
         losses = self.run_pipeline(batch, stages, schedule)
         runs = config.microbatches * config.accumulate
-        with self.phase("reduce"):
+        with recorded(self.timeline, "reduce"):
             self.sync.scale(1.0 / runs)  # the mean over this rank's microbatches
             self.sync.reduce()
             grad_norm = self.sync.clip(config.clip_grad_norm)
@@ -804,7 +798,7 @@ class TrainingRun:
         # this step's; a float, as --lr is (torch's annotation allows a tensor)
         lr = cast(float, next(iter(self.schedulers.values())).get_last_lr()[0])
         for index, optimizer in self.optimizers.items():
-            with self.phase("optimizer", index):
+            with recorded(self.timeline, "optimizer", index):
                 if not problem:
                     optimizer.step()
                 self.schedulers[index].step()

@@ -854,6 +854,14 @@ def merge_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
     latest, or ``DIR/step-N``), and its manifest. A checkpoint written with
     ``--save-trainable-only`` holds the trainable tensors only (:func:`trainable_only_note`
     says so)."""
+    checkpoint, manifest = checked_checkpoint(path)
+    return merged_state(checkpoint, manifest), manifest
+
+
+def checked_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint directory ``path`` names (``DIR`` for its latest, or ``DIR/step-N``),
+    checked for damage, and its manifest: what :func:`merged_state` reads, known before its
+    tensors are."""
     path = Path(path)
     if not (path / MANIFEST).is_file() and (path / "latest").is_file():
         latest = latest_checkpoint(path)
@@ -862,7 +870,12 @@ def merge_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
     problem = damage(path)
     if problem:
         raise PipelineRunError(f"checkpoint {path} is damaged ({problem})")
-    manifest = read_manifest(path)
+    return path, read_manifest(path)
+
+
+def merged_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The original-model state_dict of the checkpoint :func:`checked_checkpoint` gave (with
+    its ``manifest``), tied names included, read in this one process."""
     reader = FileSystemReader(path)
     try:
         saved = reader.read_metadata().state_dict_metadata
@@ -883,7 +896,7 @@ def merge_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
             f"checkpoint {path} cannot be read ({first_line(exc)}); it is damaged"
         ) from None
     expand_aliases(state, manifest["aliases"])
-    return state, manifest
+    return state
 
 
 def trainable_only_note(manifest: dict[str, Any], path: str | Path) -> str | None:
