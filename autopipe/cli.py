@@ -15,6 +15,7 @@ import torch
 from .adapters import merged_adapter
 from .artifacts import atomic_write_text
 from .version import __version__
+from .codegen import check_output_dir
 from .compiler import (
     CompileOptions,
     compile_spec,
@@ -26,13 +27,14 @@ from .compiler import (
     trace_step,
 )
 from .errors import AutopipeError
-from .options import COUNT, OPTIONS, TOLERANCE, flag_of
+from .options import COUNT, OPTIONS, TOLERANCE, Fraction, flag_of
 from .partitioning import Partition
 from .partitioning.search import plan_table, state_floor
 from .progress import NORMAL, QUIET, VERBOSE, Phases
 from .profiling import Profile
 from .profiling.calibrate import calibrate
-from .report import show_table, write_report
+from .replan import MIN_GAIN, replan, replan_text, write_replan
+from .report import run_report, show_table, write_report
 from .runtime.core.errors import PipelineRunError
 from .runtime.core.pipeline import HuggingFaceModel, PipelineFormatError
 from .spec import load_example
@@ -153,10 +155,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
             print(format_plans(result.partition))
         print(format_partition(result.graph, result.partition))
     print(f"wrote {result.partition.num_stages}-stage pipeline to {result.out}")
-    part = result.partition
-    processes = len(set(part.device_of_stage)) * (part.settings.dp_shard or 1)
-    script = shlex.quote(str(result.out / "train.py"))
-    print(f"train it: torchrun --nproc-per-node={processes} {script} --steps 100")
+    print(f"train it: {_torchrun(result.partition, result.out)} --steps 100")
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -211,11 +210,46 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    print(f"wrote {write_report(args.dir)}")
+    if args.run is None:
+        print(f"wrote {write_report(args.dir)}")
+        return
+    page, summary = run_report(args.dir, args.run)
+    print(f"wrote {page}")
+    print(summary)
 
 
 def cmd_show(args: argparse.Namespace) -> None:
     print(show_table(args.dir))
+
+
+def cmd_replan(args: argparse.Namespace) -> None:
+    if args.out is None and not args.dry_run:
+        raise AutopipeError("give --out NEWPKG for the new package, or --dry-run to print only")
+    if args.out is not None and not args.dry_run:
+        check_output_dir(args.out, args.force)  # before the work, as compile does
+    plan = replan(args.package, args.from_trace, method=args.method)
+    print(replan_text(plan))
+    if args.dry_run:
+        print("dry run: nothing written")
+        return
+    out = write_replan(
+        plan,
+        args.out,
+        force=args.force,
+        report=not args.no_report,
+        min_gain=args.min_gain,
+        gpus_per_node=args.gpus_per_node,
+    )
+    print(
+        f"wrote {plan.new.num_stages}-stage pipeline to {out}; it continues the old run's "
+        f"checkpoints: {_torchrun(plan.new, out)} --checkpoint-dir DIR --resume --steps N"
+    )
+
+
+def _torchrun(part: Partition, package: Path) -> str:
+    """The torchrun command of one node running the package's pipeline on its devices."""
+    processes = len(set(part.device_of_stage)) * (part.settings.dp_shard or 1)
+    return f"torchrun --nproc-per-node={processes} {shlex.quote(str(package / 'train.py'))}"
 
 
 def cmd_merge(args: argparse.Namespace) -> None:
@@ -333,6 +367,20 @@ def _merged_model(
             f"{manifest['model']} is not a PEFT model; leave --merge-adapters out"
         )
     return hf
+
+
+def _package_options(p: argparse.ArgumentParser) -> None:
+    """The options of a command that writes a package: replacing it, the launch script's nodes."""
+    p.add_argument(
+        "--force", action="store_true", help="replace --out if it is a pipeline autopipe generated"
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=COUNT.parse,
+        default=8,
+        metavar="G",
+        help="GPUs per node the package's launch/slurm.sbatch asks for (default 8)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -459,16 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--profile-file", type=Path, help="profile.json to keep beside the package (optional)"
     )
-    p.add_argument(
-        "--force", action="store_true", help="replace --out if it is a pipeline autopipe generated"
-    )
-    p.add_argument(
-        "--gpus-per-node",
-        type=COUNT.parse,
-        default=8,
-        metavar="G",
-        help="GPUs per node the package's launch/slurm.sbatch asks for (default 8)",
-    )
+    _package_options(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser(
@@ -558,9 +597,17 @@ def build_parser() -> argparse.ArgumentParser:
         "report",
         help="write the HTML report of a compiled pipeline",
         description="Write DIR/report/report.html (stage times, simulated timeline, memory per "
-        "device, model graph by stage) and its figures as SVG and PNG.",
+        "device, model graph by stage) and its figures as SVG and PNG. With --run, add the "
+        "measured run beside its prediction and print a summary of it.",
     )
     p.add_argument("dir", type=Path, help="generated pipeline directory")
+    p.add_argument(
+        "--run",
+        type=Path,
+        metavar="TRACE_DIR",
+        help="the --trace directory of a train.py run of this pipeline: compare its measured "
+        "timeline, stage times and bubble with the prediction of that run",
+    )
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser(
@@ -571,6 +618,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("dir", type=Path, help="generated pipeline directory")
     p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser(
+        "replan",
+        help="re-partition a pipeline from the measured times of a traced run",
+        description="Rebuild the profile of a compiled pipeline from the stage times a run of "
+        "its train.py --trace measured (each stage's forward and backward spread over its units "
+        "as the package's profile weighs them; memory and transfers as profiled), partition "
+        "again with the package's settings and the run's schedule and microbatches, print both "
+        "splits' predicted steps under the measured profile, and write the new package when "
+        "it predicts a shorter step. Its checkpoints continue the old run's (train.py --resume "
+        "with the old --checkpoint-dir).",
+    )
+    p.add_argument("package", type=Path, help="generated pipeline directory the run trained")
+    p.add_argument(
+        "--from-trace",
+        required=True,
+        type=Path,
+        metavar="TRACE_DIR",
+        help="the --trace directory of a train.py run of the package",
+    )
+    p.add_argument(
+        "--out", type=Path, metavar="NEWPKG", help="directory of the new pipeline package"
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the comparison, write nothing")
+    _package_options(p)
+    p.add_argument(
+        "--min-gain",
+        type=Fraction("the old split's predicted step").parse,
+        default=MIN_GAIN,
+        metavar="FRACTION",
+        help="write the new package only when its predicted step is at least this fraction "
+        f"shorter than the old split's (default {MIN_GAIN}; 0: whenever it is not longer)",
+    )
+    _add_option(p, "method", default=None, help="partitioning method (default: the package's)")
+    p.add_argument(
+        "--no-report", action="store_true", help="skip NEWPKG/report/report.html and its figures"
+    )
+    p.set_defaults(func=cmd_replan)
     return parser
 
 

@@ -532,3 +532,33 @@ def gpt2_eval_batch(index: int, microbatches: int = 4):
     for row, kept in enumerate(torch.randint(2, 16, (BATCH * microbatches,), generator=g)):
         labels[row, int(kept) :] = -100
     return (ids,), {"labels": labels}
+
+
+class Residual(nn.Module):
+    """``x + tanh(linear(x))``: the block of :class:`BlockStack`."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x))
+
+
+class BlockStack(nn.Module):
+    """Identical residual blocks of real compute (a 512-wide layer each, on 64 rows): compiled
+    with ``basic_blocks=("Residual",)`` each block is one unit, so stage boundaries can move
+    block by block and a stage's time follows its block count."""
+
+    def __init__(self, width: int = 512, depth: int = 16):
+        super().__init__()
+        self.blocks = nn.Sequential(*(Residual(width) for _ in range(depth)))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.out(self.blocks(x)).squeeze(-1)
+
+
+def block_stack_with_target():
+    torch.manual_seed(0)
+    return BlockStack(), (torch.randn(64, 512),), {}, torch.zeros(64)

@@ -29,10 +29,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("autopipe.ir",),
     ("autopipe.tracing", "autopipe.profiling"),
     ("autopipe.partitioning",),
-    ("autopipe.codegen", "autopipe.summary"),
+    ("autopipe.codegen", "autopipe.summary", "autopipe.run_trace"),
     ("autopipe.report",),
     ("autopipe.options",),
     ("autopipe.compiler", "autopipe.verify", "autopipe.adapters"),
+    ("autopipe.replan",),
     ("autopipe.cli",),
     ("autopipe.__main__", "autopipe"),
 )

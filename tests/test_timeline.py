@@ -15,22 +15,25 @@ from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.runtime.core.schedules import single_stage_order
 from autopipe.runtime.guards import output_problems
 from autopipe.runtime.options import parse_config
-from autopipe.runtime.timeline import (
+from autopipe.runtime.core.timeline_format import (
     COMPUTE,
     INSTANTS,
     KINDS,
     RankTimeline,
     Record,
-    Timeline,
+    RunLayout,
     TimelineFormatError,
     chrome_trace,
-    default_steps,
-    parse_steps,
 )
+from autopipe.runtime.timeline import Timeline, default_steps, parse_steps
 
 from conftest import ROOT, compile_model, torchrun
 
 STAGES, MICROBATCHES, STEPS = 4, 4, 3
+
+RUN = RunLayout(
+    "0123456789abcdef", "1f1b", microbatches=4, accumulate=1, num_stages=2, pp_size=2, dp_size=1
+)
 
 FIXED = RankTimeline(
     rank=1,
@@ -38,6 +41,7 @@ FIXED = RankTimeline(
     dp_rank=0,
     stages=(1,),
     device="cpu",
+    run=RUN,
     clock_offset_ns=0,
     steps=(1, 2),
     records=(
@@ -75,15 +79,24 @@ def test_rank_timeline_round_trips_byte_stable():
     "edit, message",
     [
         (lambda d: d.update(format="other"), "format"),
-        (lambda d: d.update(version=2), "version"),
-        (lambda d: d.update(extra=1), "unknown field 'extra'"),
-        (lambda d: d.pop("rank"), "missing 'rank'"),
+        (lambda d: d.update(version=1), "timeline.version must be 2"),
+        (lambda d: d.update(extra=1), "timeline.extra is not a field of a timeline"),
+        (lambda d: d.pop("rank"), "timeline.rank is missing"),
+        (lambda d: d["run"].update(microbatches=0), "run.microbatches must be an integer >= 1"),
+        (lambda d: d["run"].pop("schedule"), "run.schedule"),
+        (lambda d: d["run"].update(pipeline=""), "run.pipeline must be a digest"),
+        (lambda d: d["run"].update(recompute=[2]), "run.recompute must be stages of the pipeline"),
+        (
+            lambda d: d["run"].update(recompute_blocks=[1]),
+            r"run.recompute_blocks\[0\] must be a str",
+        ),
         (lambda d: d.update(stages=["1"]), "timeline.stages"),
         (lambda d: d.update(steps=[1]), "timeline.steps"),
         (lambda d: d["records"][0].update(kind="jump"), r"records\[0\].kind"),
         (lambda d: d["records"][2].update(start_ns=1.5), r"records\[2\].start_ns"),
-        (lambda d: d["records"][2].update(end_ns=0), r"records\[2\]: end_ns 0 before"),
-        (lambda d: d["records"][1].pop("peer"), r"records\[1\]: missing 'peer'"),
+        (lambda d: d["records"][2].update(end_ns=0), r"records\[2\].end_ns 0 is before"),
+        (lambda d: d["records"][1].pop("peer"), r"records\[1\].peer is missing"),
+        (lambda d: d.update(records=[1]), r"timeline.records\[0\] must be a record"),
     ],
 )
 def test_rank_timeline_codec_names_the_first_bad_field(edit, message):
@@ -95,7 +108,7 @@ def test_rank_timeline_codec_names_the_first_bad_field(edit, message):
 
 def test_chrome_trace_is_byte_stable():
     assert chrome_trace([FIXED]) == FIXED_TRACE
-    other = RankTimeline(0, 0, 0, (0, 2), "cpu", 0, (1, 2), ())
+    other = RankTimeline(0, 0, 0, (0, 2), "cpu", RUN, 0, (1, 2), ())
     trace = json.loads(chrome_trace([FIXED, other]))
     names = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"]
     assert names == ["rank 0 (stages 0, 2)", "rank 1 (stage 1)"]  # sorted by rank
@@ -145,6 +158,7 @@ def test_timeline_records_and_writes_in_one_process(tmp_path, single_process_gro
         dp_rank=0,
         stages=(0,),
         device=torch.device("cpu"),
+        run=RUN,
     )
     timeline.align()
     with timeline.span("forward", 0, 0):  # step 0 is not traced
@@ -197,6 +211,8 @@ def test_trace_of_a_four_rank_run_has_every_action_once_in_order(tmp_path):
         timeline = RankTimeline.from_json(text)
         assert timeline.to_json() == text
         assert (timeline.rank, timeline.stages, timeline.steps) == (rank, (rank,), (1, 3))
+        digest = Pipeline.from_json(json.loads((package / "pipeline.json").read_text())).digest()
+        assert timeline.run == RunLayout(digest, "1f1b", MICROBATCHES, 1, STAGES, STAGES, 1)
         timelines[rank] = timeline
     letters = {"forward": "F", "backward": "B"}
     for rank, timeline in timelines.items():

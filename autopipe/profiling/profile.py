@@ -12,7 +12,12 @@ from ..ir import Graph
 from .devices import DeviceSpec
 
 PROFILE_KIND = "profile"
+#: what ``--profile`` makes: costs from the device spec, or timed on this machine
 PROFILE_MODES = ("analytic", "measured")
+#: what a profile artefact may hold: those, or times measured in a traced training run
+#: (``autopipe replan --from-trace``)
+TRACED = "traced"
+ARTIFACT_MODES = (*PROFILE_MODES, TRACED)
 
 
 @dataclass
@@ -48,8 +53,11 @@ def _is_positions(value) -> bool:
 
 
 def profile_source(mode: str, device: str, measured_on: str = "") -> str:
-    """What a profile's times describe: ``analytic profile for H100``, or ``measured on cpu
-    (x86_64, 1 thread), memory and link of H100``."""
+    """What a profile's times describe: ``analytic profile for H100``, ``measured on cpu
+    (x86_64, 1 thread), memory and link of H100``, or ``measured in the run traced in DIR (...),
+    memory and link of H100``."""
+    if mode == TRACED:
+        return f"measured in {measured_on or 'a traced run'}, memory and link of {device}"
     if measured_on:
         return f"measured on {measured_on}, memory and link of {device}"
     return f"{mode} profile for {device}"
@@ -57,11 +65,12 @@ def profile_source(mode: str, device: str, measured_on: str = "") -> str:
 
 @dataclass
 class Profile:
-    mode: str  # "analytic" | "measured"
+    mode: str  # "analytic" | "measured" | "traced"
     device: DeviceSpec
     units: list[UnitCost]
     graph_digest: str
-    measured_on: str = ""  # the local device a measured profile ran on
+    #: the local device a measured profile ran on; the run a traced profile was measured in
+    measured_on: str = ""
     #: the dynamic dimensions' sizes its times are for (--expected); memory is at their upper
     #: bounds, as are times of dimensions not named here
     timed_at: dict[str, int] = field(default_factory=dict)
@@ -91,7 +100,9 @@ class Profile:
     def from_json(cls, data: dict) -> Profile:
         """The profile a ``autopipe.profile`` payload describes, every field checked."""
         try:
-            require(data["mode"] in PROFILE_MODES, "mode", data["mode"], f"one of {PROFILE_MODES}")
+            require(
+                data["mode"] in ARTIFACT_MODES, "mode", data["mode"], f"one of {ARTIFACT_MODES}"
+            )
             require(is_text(data["graph_digest"]), "graph_digest", data["graph_digest"], "a digest")
             measured_on = data.get("measured_on", "")
             require(is_text(measured_on), "measured_on", measured_on, "a device name")

@@ -26,6 +26,8 @@ from ..runtime.core.schedules import MemoryPeak, PipelineCosts
 
 ARTIFACTS = "artifacts"
 PIPELINE_KIND = "pipeline"
+#: the kinds of compute action, by their letter
+KIND_NAMES = {"F": "forward", "B": "backward", "I": "input backward", "W": "weight backward"}
 #: bytes of state per parameter byte (weight, gradient, optimizer state); see partitioning.cost
 STATE_FACTOR = {"sgd": 2, "adamw": 4}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from io import BytesIO
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import matplotlib
 import matplotlib.style
@@ -18,7 +18,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from .data import ReportData, StageRow
+from .data import KIND_NAMES, ReportData, StageRow
+from .run import Event, RunComparison
 
 #: colours (Tableau 10) of the kinds of action and of memory
 COLOURS = {
@@ -36,7 +37,6 @@ COLOURS = {
     "input_gradients": "#edc948",
     "transient": "#ff9da7",
 }
-KIND_NAMES = {"F": "forward", "B": "backward", "I": "input backward", "W": "weight backward"}
 #: rcParams every figure is drawn under: same inputs, same bytes
 STYLE = {
     "svg.hashsalt": "autopipe",
@@ -183,65 +183,199 @@ def timeline_figure(data: ReportData) -> Figure:
     sim = data.simulation
     end = sim.step_time * 1e3 or 1.0
     with style():
-        fig = Figure(figsize=(WIDTH, 1.3 + 0.55 * data.num_devices))
+        height = 1.3 + 0.55 * data.num_devices
+        fig = Figure(figsize=(WIDTH, height))
         ax = fig.subplots()
-        # points per ms of the time axis, to leave out labels that do not fit their box
-        scale = WIDTH * 72 * 0.86 / end
-        for kind in "FBIW":
-            for device in range(data.num_devices):
-                boxes = [
-                    (start * 1e3, (finish - start) * 1e3)
-                    for d, a, start, finish in sim.events
-                    if d == device and a.kind == kind
-                ]
-                ax.broken_barh(
-                    boxes,
-                    (device - 0.35, 0.7),
-                    facecolors=COLOURS[kind],
-                    edgecolor="white",
-                    linewidth=0.6,
-                )
-        for device, action, start, finish in sim.events:
-            width = (finish - start) * 1e3
-            text = next(
-                (
-                    t
-                    for t in (str(action), str(action.stage))
-                    if width * scale > 0.62 * LABEL_SIZE * len(t) + 2
-                ),
-                None,
-            )
-            if text:
-                ax.text(
-                    (start + finish) / 2 * 1e3,
-                    device,
-                    text,
-                    ha="center",
-                    va="center",
-                    fontsize=LABEL_SIZE,
-                    color="white",
-                )
-        kinds = sorted({a.kind for _, a, _, _ in sim.events}, key="FBIW".index)
-        handles = [Patch(color=COLOURS[k], label=KIND_NAMES[k]) for k in kinds]
-        handles.append(Patch(facecolor="white", edgecolor="#999999", label="idle (bubble)"))
+        labels = [_device_label(data, d).replace("\n", ", ") for d in range(data.num_devices)]
+        kinds = _gantt(ax, sim.events, labels, end)
         ax.legend(
-            handles=handles,
+            handles=_kind_handles(kinds),
             loc="upper center",
-            ncol=len(handles),
-            bbox_to_anchor=(0.5, 1.0 + 0.5 / (1.3 + 0.55 * data.num_devices)),
+            ncol=len(kinds) + 1,
+            bbox_to_anchor=(0.5, 1.0 + 0.5 / height),
         )
-        ax.set_yticks(
-            range(data.num_devices),
-            [_device_label(data, d).replace("\n", ", ") for d in range(data.num_devices)],
-        )
-        ax.set_ylim(data.num_devices - 0.5, -0.5)
-        ax.set_xlim(0, end)
         ax.set_xlabel(
             f"ms ({data.microbatches} microbatches, {data.schedule} schedule, "
             f"step {end:.2f} ms, {sim.bubble * 100:.0f}% idle)"
         )
-        ax.grid(axis="x", color="#dddddd", linewidth=0.5)
-        ax.set_axisbelow(True)
+        fig.tight_layout()
+    return fig
+
+
+def run_timeline_figure(run: RunComparison) -> Figure:
+    """Gantt charts of a pipeline run, measured above predicted on the same time axis: one row
+    per pipeline rank (those of data-parallel replica 0 for the measured run), boxes as in
+    :func:`timeline_figure`; the predicted times multiplied by the comparison's
+    :attr:`~.run.RunComparison.drawn_scale`."""
+    measured, predicted = run.measured_events, run.predicted_events
+    end = max(e[3] for e in [*measured, *predicted]) * 1e3 or 1.0
+    layout, shown = run.trace.run, run.shown_run
+    ranks = {t.pp_rank: t for t in run.trace.timelines if t.dp_rank == 0}
+    measured_labels = [
+        f"rank {ranks[p].rank}, {_stages_text(ranks[p].stages)}" for p in range(layout.pp_size)
+    ]
+    predicted_labels = [
+        f"device {d}, {_stages_text(tuple(run.data.stages_on(d)))}"
+        for d in range(run.data.num_devices)
+    ]
+    round_ = f", round {shown.round}" if layout.accumulate > 1 else ""
+    scaled = f", drawn x{run.drawn_scale:.2f}" if run.drawn_scale != 1 else ""
+    titles = (
+        f"measured: step {shown.step}{round_}, {shown.seconds * 1e3:.2f} ms, "
+        f"{shown.bubble * 100:.0f}% idle",
+        f"predicted: {run.simulation.step_time * 1e3:.2f} ms, "
+        f"{run.simulation.bubble * 100:.0f}% idle{scaled}",
+    )
+    with style():
+        rows = len(measured_labels) + len(predicted_labels)
+        height = 2.2 + 0.5 * rows
+        fig = Figure(figsize=(WIDTH, height))
+        axes = fig.subplots(
+            2,
+            1,
+            sharex=True,
+            gridspec_kw={"height_ratios": [len(measured_labels), len(predicted_labels)]},
+        )
+        kinds: list[str] = []
+        for ax, events, labels, title in zip(
+            axes, (measured, predicted), (measured_labels, predicted_labels), titles
+        ):
+            kinds += [k for k in _gantt(ax, events, labels, end) if k not in kinds]
+            ax.set_title(title, loc="left")
+        kinds.sort(key="FBIW".index)
+        fig.legend(
+            handles=_kind_handles(kinds),
+            loc="upper center",
+            ncol=len(kinds) + 1,
+            bbox_to_anchor=(0.5, 1.0),
+        )
+        axes[1].set_xlabel(
+            f"ms from the run's start ({layout.microbatches} microbatches, "
+            f"{layout.schedule} schedule)"
+        )
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / height))
+    return fig
+
+
+def _gantt(ax: Axes, events: Sequence[Event], labels: list[str], end: float) -> list[str]:
+    """Draw ``events`` (row, action, start and end in seconds) as boxes on one row per label,
+    labelled where they fit, from 0 to ``end`` ms; returns the kinds of action drawn."""
+    rows = len(labels)
+    # points per ms of the time axis, to leave out labels that do not fit their box
+    scale = WIDTH * 72 * 0.86 / end
+    for kind in "FBIW":
+        for row in range(rows):
+            boxes = [
+                (start * 1e3, (finish - start) * 1e3)
+                for r, a, start, finish in events
+                if r == row and a.kind == kind
+            ]
+            ax.broken_barh(
+                boxes,
+                (row - 0.35, 0.7),
+                facecolors=COLOURS[kind],
+                edgecolor="white",
+                linewidth=0.6,
+            )
+    for row, action, start, finish in events:
+        width = (finish - start) * 1e3
+        text = next(
+            (
+                t
+                for t in (str(action), str(action.stage))
+                if width * scale > 0.62 * LABEL_SIZE * len(t) + 2
+            ),
+            None,
+        )
+        if text:
+            ax.text(
+                (start + finish) / 2 * 1e3,
+                row,
+                text,
+                ha="center",
+                va="center",
+                fontsize=LABEL_SIZE,
+                color="white",
+            )
+    ax.set_yticks(range(rows), labels)
+    ax.set_ylim(rows - 0.5, -0.5)
+    ax.set_xlim(0, end)
+    ax.grid(axis="x", color="#dddddd", linewidth=0.5)
+    ax.set_axisbelow(True)
+    return sorted({a.kind for _, a, _, _ in events}, key="FBIW".index)
+
+
+def _kind_handles(kinds: Sequence[str]) -> list[Patch]:
+    """Legend entries: the kinds of action, and idle time."""
+    handles = [Patch(color=COLOURS[k], label=KIND_NAMES[k]) for k in kinds]
+    handles.append(Patch(facecolor="white", edgecolor="#999999", label="idle (bubble)"))
+    return handles
+
+
+def _stages_text(stages: Sequence[int]) -> str:
+    return f"stage{'s' if len(stages) != 1 else ''} {', '.join(map(str, stages))}"
+
+
+def run_stages_figure(run: RunComparison) -> Figure:
+    """Each stage's measured forward and backward per microbatch beside the predicted (times
+    the comparison's drawn scale, as in :func:`run_timeline_figure`), and their measured /
+    predicted ratios against the run's scale."""
+    stages = run.stages
+    x = range(len(stages))
+    factor = run.drawn_scale
+    predicted = "predicted" + (f" x{factor:.2f}" if factor != 1 else "")
+    with style():
+        fig = Figure(figsize=(WIDTH, 3.4))
+        left, right = fig.subplots(1, 2)
+        bars = (
+            ("F", "forward, measured", [s.measured_forward for s in stages], -0.3, False),
+            (
+                "F",
+                f"forward, {predicted}",
+                [s.predicted_forward * factor for s in stages],
+                -0.1,
+                True,
+            ),
+            ("B", "backward, measured", [s.measured_backward for s in stages], 0.1, False),
+            (
+                "B",
+                f"backward, {predicted}",
+                [s.predicted_backward * factor for s in stages],
+                0.3,
+                True,
+            ),
+        )
+        for kind, label, values, offset, hollow in bars:
+            left.bar(
+                [i + offset for i in x],
+                [v * 1e3 for v in values],
+                0.2,
+                color="white" if hollow else COLOURS[kind],
+                edgecolor=COLOURS[kind],
+                hatch="////" if hollow else None,
+                linewidth=0.8,
+                label=label,
+            )
+        left.set_ylabel("ms per microbatch")
+        left.set_title("measured and predicted")
+        ratios = (
+            ("F", "forward", [s.forward_ratio for s in stages], -0.15),
+            ("B", "backward", [s.backward_ratio for s in stages], 0.15),
+        )
+        for kind, label, values, offset in ratios:
+            right.bar([i + offset for i in x], values, 0.3, color=COLOURS[kind], label=label)
+        right.axhline(
+            run.scale,
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            label=f"scale x{run.scale:.2f}",
+        )
+        right.set_title("measured / predicted")
+        for ax in (left, right):
+            ax.set_xticks(x, [f"stage {s.stage}" for s in stages])
+            ax.set_xlim(-0.6, len(stages) - 0.4)
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
         fig.tight_layout()
     return fig
 

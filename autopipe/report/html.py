@@ -1,7 +1,8 @@
 """The report: ``DIR/report/report.html`` with its figures inlined, and the figures beside it.
 
 The page is self-contained (figures inlined as SVG, styles inline, no scripts, nothing fetched)
-and deterministic: the same compiled pipeline gives the same bytes.
+and deterministic: the same compiled pipeline (and the same traced run, with ``--run``) gives
+the same bytes.
 """
 
 from __future__ import annotations
@@ -18,11 +19,21 @@ from ..version import __version__
 from ..summary import MEMORY_PARTS, dimensions_text, throughput_line
 from ..artifacts import atomic_write_bytes
 from .data import ReportData, format_bytes, format_count
-from .figures import memory_figure, save_figure, timeline_figure, times_figure
+from .figures import (
+    memory_figure,
+    run_stages_figure,
+    run_timeline_figure,
+    save_figure,
+    timeline_figure,
+    times_figure,
+)
 from .modelgraph import model_graph_figure
+from .run import DRAW_SCALED, FAR, RunComparison
 
 REPORT_DIR = "report"
 TEMPLATE = "report.html.j2"
+#: the figures of the measured run's section (``--run``)
+RUN_FIGURES = ("run_timeline", "run_stages")
 
 
 @dataclass
@@ -98,6 +109,51 @@ def figures(data: ReportData) -> list[FigureFile]:
     ]
 
 
+def run_figures(run: RunComparison) -> list[FigureFile]:
+    """Draw the figures of the measured run's section."""
+    layout, shown = run.trace.run, run.shown_run
+    replicas = (
+        f" The run had {layout.dp_size} data-parallel replicas; the rows are replica 0's ranks."
+        if layout.dp_size > 1
+        else ""
+    )
+    which = f"step {shown.step}" + (f", round {shown.round}," if layout.accumulate > 1 else "")
+    if run.drawn_scale != 1:
+        drawn = (
+            f"The predicted times are drawn multiplied by the scale, x{run.drawn_scale:.2f} "
+            f"(it is beyond {DRAW_SCALED:g}x either way: the prediction is for another device), "
+            "so that the shapes compare; the title gives the predicted time as predicted."
+        )
+    else:
+        drawn = "The predicted times are drawn as predicted."
+    specs = [
+        (
+            "run_timeline",
+            "Measured and predicted timeline of a pipeline run",
+            run_timeline_figure(run),
+            f"Above, the first traced pipeline run ({which} of steps "
+            f"{run.trace.steps[0]}-{run.trace.steps[-1]}) as measured, from its first action's "
+            f"start; below, the same run as predicted ({layout.schedule} schedule, "
+            f"{layout.microbatches} microbatches), on the same time axis. Boxes are labelled as "
+            f"in the predicted timeline of a step; gaps are idle time.{replicas} {drawn}",
+        ),
+        (
+            "run_stages",
+            "Measured and predicted time per microbatch",
+            run_stages_figure(run),
+            "Left: each stage's forward and backward of one microbatch, measured (solid, the "
+            "mean over the traced steps, microbatches and replicas) and predicted (hatched, "
+            "drawn as the timeline above draws it). Right: measured over predicted; the dashed "
+            f"line is the scale, x{run.scale:.2f}, the run's measured compute over the "
+            "predicted. A stage far above or below the line ran slower or faster than the "
+            "prediction says relative to the others.",
+        ),
+    ]
+    return [
+        FigureFile(name, title, caption, *save_figure(fig)) for name, title, fig, caption in specs
+    ]
+
+
 def summary_rows(data: ReportData) -> list[tuple[str, str]]:
     """The header table: what was compiled, how, and what it is predicted to do."""
     predicted, settings = data.predicted, data.settings
@@ -135,8 +191,13 @@ def summary_rows(data: ReportData) -> list[tuple[str, str]]:
     return [(key, value) for key, value in rows if value]
 
 
-def render_html(data: ReportData, figure_files: list[FigureFile]) -> str:
-    """The report page."""
+def render_html(
+    data: ReportData,
+    figure_files: list[FigureFile],
+    run: RunComparison | None = None,
+    run_figure_files: list[FigureFile] | None = None,
+) -> str:
+    """The report page; with ``run``, its measured run's section and figures."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(importlib.resources.files("autopipe.templates"))),
         autoescape=True,
@@ -155,19 +216,34 @@ def render_html(data: ReportData, figure_files: list[FigureFile]) -> str:
         memory_peaks=data.memory_peaks,
         memory_parts=MEMORY_PARTS,
         plans=data.settings.plans or (),
+        run=run,
+        run_figures=run_figure_files or [],
+        far=FAR,
         version=__version__,
     )
 
 
-def write_report(directory: str | os.PathLike) -> Path:
+def write_report(directory: str | os.PathLike, run: str | os.PathLike | None = None) -> Path:
     """Write ``DIR/report/report.html`` and its figures (``DIR/report/*.svg``, ``*.png``) for
-    the pipeline compiled into ``directory``; returns the path of the page."""
+    the pipeline compiled into ``directory``, with the measured run's section when ``run``
+    names the ``--trace`` directory of a run of it; returns the path of the page."""
     data = ReportData.load(directory)
+    return write_pages(data, None if run is None else RunComparison.load(data, run))
+
+
+def write_pages(data: ReportData, run: RunComparison | None) -> Path:
+    """Write the report of ``data`` (with ``run``'s section, or without one: then the run
+    figures of an earlier report are removed); returns the path of the page."""
     out = data.directory / REPORT_DIR
     figure_files = figures(data)
-    for figure in figure_files:
+    run_figure_files = run_figures(run) if run is not None else []
+    for figure in figure_files + run_figure_files:
         atomic_write_bytes(out / f"{figure.name}.svg", figure.svg.encode())
         atomic_write_bytes(out / f"{figure.name}.png", figure.png)
+    if run is None:
+        for name in RUN_FIGURES:
+            for ext in ("svg", "png"):
+                (out / f"{name}.{ext}").unlink(missing_ok=True)
     page = out / "report.html"
-    atomic_write_bytes(page, render_html(data, figure_files).encode())
+    atomic_write_bytes(page, render_html(data, figure_files, run, run_figure_files).encode())
     return page
