@@ -32,9 +32,9 @@ from ..profiling.devices import DeviceSpec
 from ..profiling.profile import Profile
 from ..ir.analysis import block_calls, unit_workloads
 from ..runtime.core.pipeline import default_microbatches, flops_utilisation
-from ..runtime.core.schedules import SPLIT_BACKWARD, MemoryPeak, PipelineCosts, device_memory
+from ..runtime.core.schedules import SPLIT_BACKWARD, MemoryPeak, PipelineCosts
 from .partition import PartitionSettings, PredictedStage, PredictedStep
-from .simulator import Simulation, schedule_orders, simulate
+from .simulator import Simulation, simulate_schedule
 
 #: Bytes of state per parameter byte: weight + gradient (+ two Adam moments). A frozen parameter
 #: (``requires_grad=False``) holds its weight alone: 1.
@@ -601,6 +601,7 @@ class CostModel:
         simulation = self.simulate(costs, schedule, microbatches)
         params = self.stage_parameters(stage_of_unit, num_stages)
         trainable = self.stage_parameters(stage_of_unit, num_stages, trainable=True)
+        held = _held(num_stages, simulation)
         stages = []
         for s in range(num_stages):
             adjacent = [b for b in (s - 1, s) if 0 <= b < num_stages - 1]
@@ -609,7 +610,7 @@ class CostModel:
             memory = (
                 costs.static_memory[s]
                 + costs.buffers[s]
-                + costs.activations[s] * _held(s, simulation)
+                + costs.activations[s] * held[s]
                 + max(costs.transient_forward[s], costs.transient_backward[s])
             )
             parameters = int(params[s])
@@ -623,7 +624,7 @@ class CostModel:
                     parameters,
                 )
             )
-        peaks = device_memory(simulation.events, costs)
+        peaks = simulation.memory_peaks
         once = 0.0  # under split-backward schedules FSDP2 gathers and reduces once per step
         if self.dp_shard > 1 and schedule in SPLIT_BACKWARD:
             per_device = [0.0] * (max(device_of_stage) + 1)
@@ -656,21 +657,22 @@ class CostModel:
 
     @staticmethod
     def simulate(costs: PipelineCosts, schedule: str, microbatches: int) -> Simulation:
-        return simulate(schedule_orders(schedule, costs, microbatches), costs)
+        return simulate_schedule(schedule, costs, microbatches)
 
 
-def _held(stage: int, simulation: Simulation) -> int:
-    """Most microbatches of ``stage`` alive at once in the simulated step."""
-    changes = []
+def _held(num_stages: int, simulation: Simulation) -> list[int]:
+    """Most microbatches of each stage alive at once in the simulated step."""
+    changes: list[list[tuple[float, int]]] = [[] for _ in range(num_stages)]
     for _device, action, start, end in simulation.events:
-        if action.stage != stage:
-            continue
         if action.kind == "F":
-            changes.append((start, 1))
+            changes[action.stage].append((start, 1))
         elif action.kind in ("B", "W"):
-            changes.append((end, -1))
-    live = peak = 0
-    for _time, delta in sorted(changes, key=lambda c: (c[0], c[1])):
-        live += delta
-        peak = max(peak, live)
-    return peak
+            changes[action.stage].append((end, -1))
+    peaks = []
+    for stage_changes in changes:
+        live = peak = 0
+        for _time, delta in sorted(stage_changes, key=lambda c: (c[0], c[1])):
+            live += delta
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks

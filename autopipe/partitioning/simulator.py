@@ -15,10 +15,12 @@ The orders come from torch's own schedules (GPipe, 1F1B, and the multi-stage sch
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
 from ..errors import PartitionError
+from .action_graph import ActionGraph, compile_orders
 from ..runtime.core.schedules import (
     COMPILE_SCHEDULES,
     MULTI_STAGE,
@@ -27,7 +29,8 @@ from ..runtime.core.schedules import (
     ScheduleError,
     event_times,
     greedy_orders,
-    peak_memory,
+    MemoryPeak,
+    device_memory,
     placement,
     single_stage_order,
 )
@@ -40,6 +43,9 @@ class Simulation:
     events: list[tuple[int, Action, float, float]] = field(default_factory=list)
     peak_memory: list[float] = field(default_factory=list)  # per device
     busy: list[float] = field(default_factory=list)  # per device: seconds computing
+    memory_peaks: list[MemoryPeak] = field(
+        default_factory=list
+    )  # per device: what peak_memory adds
 
     @property
     def bubble(self) -> float:
@@ -50,17 +56,58 @@ class Simulation:
 
 
 def simulate(orders: dict[int, list[Action]], costs: PipelineCosts) -> Simulation:
-    """Run the per-device orders against the costs; raise if they deadlock."""
+    """Run the per-device orders against the costs (the reference event walk); raise if they
+    deadlock."""
     try:
         events = event_times(orders, costs)
     except ScheduleError as exc:
         raise PartitionError(str(exc)) from None
+    return _simulation(events, costs)
+
+
+def simulate_schedule(schedule: str, costs: PipelineCosts, microbatches: int) -> Simulation:
+    """:func:`simulate` of ``schedule``'s orders, equal to it to the last bit: the orders of a
+    fixed schedule (all but ``auto``, whose greedy orders depend on the costs) are compiled
+    once per placement and microbatch count into an :class:`ActionGraph` and timed level by
+    level (see :mod:`.action_graph`)."""
+    if schedule != "auto":
+        graph = _compiled(schedule, tuple(costs.device_of_stage), microbatches)
+        if graph is not None:
+            return _simulation(graph.events(costs), costs)
+    return simulate(schedule_orders(schedule, costs, microbatches), costs)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(
+    schedule: str, device_of_stage: tuple[int, ...], microbatches: int
+) -> ActionGraph | None:
+    """The compiled orders of a fixed schedule (None where only the reference runs them)."""
+    stages = len(device_of_stage)
+    placed = PipelineCosts(
+        forward=[0.0] * stages,
+        backward=[0.0] * stages,
+        activations=[],
+        static_memory=[],
+        send_forward=[],
+        send_backward=[],
+        device_of_stage=list(device_of_stage),
+    )
+    return compile_orders(schedule_orders(schedule, placed, microbatches), stages)
+
+
+def _simulation(events: list[tuple[int, Action, float, float]], costs: PipelineCosts) -> Simulation:
+    """The simulation of these events, listed as :func:`event_times` lists them."""
     events.sort(key=lambda e: (e[2], e[0]))
+    peaks = device_memory(events, costs)
+    busy = [0.0] * costs.num_devices
+    for device, _action, start, end in events:
+        busy[device] += end - start
     return Simulation(
         step_time=max((e[3] for e in events), default=0.0),
         events=events,
-        peak_memory=peak_memory(events, costs),
-        busy=[sum(e[3] - e[2] for e in events if e[0] == d) for d in range(costs.num_devices)],
+        peak_memory=[peak.total for peak in peaks],
+        busy=busy,
+        memory_peaks=peaks,
     )
 
 

@@ -18,6 +18,7 @@ import torch
 
 from .core.pipeline import Pipeline
 from .core.schedules import SCHEDULES, SPLIT_BACKWARD, schedule_problem_for
+from .hangs import DIAGNOSIS_MARGIN
 from .sinks import SINK_PACKAGES, missing_package
 from .timeline import parse_steps
 
@@ -178,7 +179,11 @@ def run_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
         type=float,
         default=300.0,
         metavar="SECONDS",
-        help="how long a rank waits for the others before giving up (default 300)",
+        help="how long a rank waits for the others before the ranks explain the hang: every rank "
+        "that can answer reports its current action and Python stack, and one prints the "
+        f"wait-for chain and the likely cause; the ranks give up {DIAGNOSIS_MARGIN:g} s later "
+        "(default 300). SIGUSR1 to any rank prints the same diagnosis at any time, and the run "
+        "goes on",
     )
 
 

@@ -29,10 +29,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
 
+from .activity import ACTIVITY, doing, recorded, transfer
 from .core.errors import PipelineRunError
 from .core.pipeline import Pipeline
 from .support import local_shard
-from .timeline import Timeline, recorded
+from .timeline import Timeline
 
 
 @dataclass
@@ -164,16 +165,24 @@ class DataParallelStage(PipelineStage):
     memory), otherwise once per optimizer step: during the step's last backward when
     ``overlap`` (each unit's reduction starts as soon as its backward ends and runs while the
     rest of the backward does), else after it. Earlier accumulation rounds (``final_round``
-    False) only accumulate. With a ``timeline`` attached (``--trace``), each forward and
-    backward is recorded as an interval and each send and receive created as an instant."""
+    False) only accumulate. Each forward, backward and transfer is this rank's current action
+    (``activity.py``) while it runs; with a ``timeline`` attached (``--trace``), each forward
+    and backward is also recorded as an interval and each send and receive created as an
+    instant. A forward output unlike the ``planned_outputs`` stops the run before it is sent
+    into the next stage's buffer of the planned shape (which would hang or abort that rank)."""
 
     final_round = True
     reduce_every_microbatch = False
     overlap = True
     #: the recorder of a traced step (``--trace``); None: nothing is recorded
     timeline: Timeline | None = None
+    #: the name, shape and dtype of each output the next stages receive into buffers of that
+    #: shape (None: not checked, as on the last stage)
+    planned_outputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] | None = None
+    #: the ranks this stage's gradients are reduced over (data parallelism)
+    dp_ranks: tuple[int, ...] = ()
 
-    # -- the timeline: each action reported when a recorder is attached ------------------------
+    # -- the actions: each one this rank's current action, recorded when traced ----------------
     def forward_one_chunk(
         self,
         fwd_chunk_id: int,
@@ -182,7 +191,31 @@ class DataParallelStage(PipelineStage):
         save_forward_output: bool = True,
     ) -> Any:
         with recorded(self.timeline, "forward", self.stage_index, fwd_chunk_id):
-            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+            output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        if self.planned_outputs is not None:
+            self._check_outputs(fwd_chunk_id, output)
+        return output
+
+    def _check_outputs(self, microbatch: int, output: Any) -> None:
+        """Refuses a forward output whose shape or dtype is not the planned one: the next
+        stage's buffer has the planned shape, and a transfer of another size hangs (NCCL) or
+        aborts the receiving process (gloo)."""
+        assert self.planned_outputs is not None  # checked by the caller
+        outputs = output if isinstance(output, tuple) else (output,)
+        for index, (value, (name, shape, dtype)) in enumerate(zip(outputs, self.planned_outputs)):
+            if not isinstance(value, torch.Tensor):
+                continue
+            if tuple(value.shape) != shape or value.dtype != dtype:
+                sent = f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+                planned = f"{list(shape)} {str(dtype).removeprefix('torch.')}"
+                raise PipelineRunError(
+                    f"step {ACTIVITY.step}: a data-dependent shape mismatch: stage "
+                    f"{self.stage_index}'s forward of microbatch {microbatch} returned output "
+                    f"{index} ({name!r}) as {sent}, but the next stage receives it into a buffer "
+                    f"of {planned}, the shape the pipeline was compiled for; sending it would "
+                    "hang the receiving rank (NCCL) or abort it (gloo). Compile with --dynamic "
+                    "for the dimension that varies with the data, or make the batches one shape"
+                )
 
     def backward_one_chunk(
         self,
@@ -200,9 +233,7 @@ class DataParallelStage(PipelineStage):
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
     def _transfer(self, kind: str, chunk: int, ops: list[dist.P2POp]) -> list[dist.P2POp]:
-        if self.timeline is not None and ops:
-            self.timeline.instant(kind, self.stage_index, chunk, ops[0].peer)
-        return ops
+        return transfer(self.timeline, kind, self.stage_index, chunk, ops)
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         return self._transfer(
@@ -240,16 +271,26 @@ class DataParallelStage(PipelineStage):
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if not (self.final_round or self.reduce_every_microbatch):
             return
-        with recorded(self.timeline, "dp_reduce", self.stage_index):  # what backward left
+        # what backward left
+        with recorded(self.timeline, "dp_reduce", self.stage_index, ranks=self.dp_ranks):
             super().perform_reduce_grad(grad_scale_factor)
 
 
 @dataclass
 class Tie:
-    """One parameter tied across ranks of a pipeline: its group and this rank's copies."""
+    """One parameter tied across ranks of a pipeline: its group (and its ranks) and this
+    rank's copies."""
 
     group: Any
     copies: list[nn.Parameter]
+    ranks: tuple[int, ...] = ()
+
+
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of a process group (None: every rank), ascending."""
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(sorted(dist.get_process_group_ranks(group)))
 
 
 class GradientSync:
@@ -268,6 +309,11 @@ class GradientSync:
             if stage in stages
         }
         self.norm_params = [p for p in self.params if id(p) not in duplicate]
+        #: the ranks of each all-reduce the gradient norm is summed by: over the pipeline, then
+        #: over the shards; each one this rank's current action as it runs
+        self.norm_groups = [(layout.pp_group, group_ranks(layout.pp_group))]
+        if layout.dp_shard > 1:
+            self.norm_groups.append((layout.shard_group, group_ranks(layout.shard_group)))
 
     @staticmethod
     def _ties(pipeline: Pipeline, layout: Layout, stages: dict[int, nn.Module]) -> list[Tie]:
@@ -275,11 +321,12 @@ class GradientSync:
         for tie in pipeline.tied:
             holding = pipeline.tie_ranks(tie)
             mine = None
+            my_ranks: tuple[int, ...] = ()
             for replica in range(layout.dp_size):  # every rank takes part in every new_group
                 ranks = [replica * layout.pp_size + r for r in holding]
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
                 if replica == layout.dp_rank:
-                    mine = group
+                    mine, my_ranks = group, tuple(ranks)
             copies = [
                 stages[stage].get_parameter(name)
                 for stage, name in tie.holders.items()
@@ -287,7 +334,7 @@ class GradientSync:
             ]
             # a frozen tied parameter (frozen in every copy) has no gradients to sum
             if copies and copies[0].requires_grad:
-                ties.append(Tie(mine, copies))
+                ties.append(Tie(mine, copies, my_ranks))
         return ties
 
     def scale(self, factor: float) -> None:
@@ -306,7 +353,8 @@ class GradientSync:
                 else torch.zeros_like(local_shard(tie.copies[0].data))
             )
             if tie.group is not None:
-                dist.all_reduce(total, group=tie.group)
+                with doing("tied_sum", ranks=tie.ranks):
+                    dist.all_reduce(total, group=tie.group)
             for p in tie.copies:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -322,9 +370,9 @@ class GradientSync:
             else torch.zeros((), device=self.layout.device)
         )
         local = local.to(self.layout.device)
-        dist.all_reduce(local, group=self.layout.pp_group)
-        if self.layout.dp_shard > 1:
-            dist.all_reduce(local, group=self.layout.shard_group)
+        for group, ranks in self.norm_groups:
+            with doing("norm", ranks=ranks):
+                dist.all_reduce(local, group=group)
         norm = local.sqrt()
         if max_norm is not None:
             coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

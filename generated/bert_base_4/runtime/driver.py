@@ -40,6 +40,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.utils.checkpoint import checkpoint
 
+from .activity import ACTIVITY, BusyTimes, CudaBusyTimes, doing, recorded
 from .core.errors import SPECIALISED_SIZE, PipelineRunError, UserCodeError, first_line
 from .core.memory import LiveTensorBytes
 from .core.pipeline import Pipeline, PipelineFormatError
@@ -57,13 +58,23 @@ from .guards import (
     nonfinite_problem,
     output_problems,
 )
+from .hangs import DIAGNOSIS_MARGIN, HangWatch
 from .huggingface import write_pretrained
 from .metrics import Metrics, gather_per_rank, peak_memory, run_configuration, state_bytes
 from .options import TrainConfig, parse_config
-from .parallel import DataParallelStage, GradientSync, Layout, init_distributed, shard_stage
+from .parallel import (
+    DataParallelStage,
+    GradientSync,
+    Layout,
+    group_ranks,
+    init_distributed,
+    shard_stage,
+)
 from .sinks import open_sinks
+from .stragglers import StepTimes, Stragglers
 from .support import MissingOperatorError
-from .timeline import Timeline, default_steps, recorded
+from .core.timeline_format import RunLayout
+from .timeline import Timeline, default_steps
 from .train_state import (
     FrozenSource,
     TrainingCheckpoints,
@@ -512,7 +523,25 @@ def loaded(left_out: int, path: str) -> None:
 
 
 def train(package: ModuleType, pipeline: Pipeline, config: TrainConfig) -> None:
-    layout = init_distributed(pipeline, config.device, config.dp, config.dp_shard, config.timeout)
+    """One training run on this rank. Its process group gives up on a peer
+    ``hangs.DIAGNOSIS_MARGIN`` seconds after ``--timeout``: at ``--timeout`` the rank's hang
+    watch has the waiting explained first."""
+    timeout = config.timeout + DIAGNOSIS_MARGIN
+    layout = init_distributed(pipeline, config.device, config.dp, config.dp_shard, timeout)
+    stages = tuple(s.index for s in pipeline.stages_on(layout.pp_rank))
+    ACTIVITY.reset(CudaBusyTimes(layout.device) if layout.device.type == "cuda" else BusyTimes())
+    watch = HangWatch(layout.rank, dist.get_world_size(), stages, config.timeout)
+    watch.start()
+    try:
+        run_training(package, pipeline, config, layout)
+    finally:
+        watch.stop()
+
+
+def run_training(
+    package: ModuleType, pipeline: Pipeline, config: TrainConfig, layout: Layout
+) -> None:
+    """:func:`train`'s work, once the process group runs."""
     torch.manual_seed(config.seed * 1_000_003 + layout.rank)  # dropout streams differ per rank
     reporting = layout.pp_rank == pipeline.last_rank and layout.dp_rank == 0
     if config.dp_shard != pipeline.dp_shard:
@@ -553,6 +582,7 @@ class TrainingRun:
     sync: GradientSync
     batches: Batches
     metrics: Metrics
+    step_times: StepTimes  # this rank's step and compute times, gathered at the log steps
 
     def __init__(
         self,
@@ -588,6 +618,10 @@ class TrainingRun:
         self.eval_schedules = ShapedSchedules(lambda sizes: self.shaped(sizes, forward_only=True))
         self.eval_batches: Batches | None = None  # --eval-data
         self.timeline: Timeline | None = None  # --trace
+        # the ranks of the collectives the hang diagnosis names
+        self.world_ranks = tuple(range(dist.get_world_size()))
+        self.dp_ranks = group_ranks(layout.dp_group) if layout.dp_size > 1 else (layout.rank,)
+        self.data_ranks = group_ranks(layout.pp_group) if pipeline.dimensions else ()
 
     def run(self) -> None:
         """Every phase in order; live tensors are counted (``--track-memory`` on CPU) from the
@@ -654,6 +688,14 @@ class TrainingRun:
         if config.eval_data:
             self.eval_batches = Batches(pipeline, config, held_out=True)
         self.needs_target = self.is_last and pipeline.loss.needs_target
+        assert ACTIVITY.busy is not None  # set by train()
+        self.step_times = StepTimes(
+            pipeline,
+            ACTIVITY.busy,
+            self.layout.pp_size,
+            config.microbatches * config.accumulate,
+            self.device,
+        )
         self.metrics = self.make_metrics()
         if config.trace:
             self.timeline = self.make_timeline(config.trace)
@@ -678,6 +720,17 @@ class TrainingRun:
             dp_rank=layout.dp_rank,
             stages=tuple(sorted(self.modules)),
             device=self.device,
+            run=RunLayout(
+                pipeline=self.pipeline.digest(),
+                schedule=config.schedule,
+                microbatches=config.microbatches,
+                accumulate=config.accumulate,
+                num_stages=self.pipeline.num_stages,
+                pp_size=layout.pp_size,
+                dp_size=layout.dp_size,
+                recompute=tuple(sorted(config.recompute)),
+                recompute_blocks=tuple(sorted(config.recompute_blocks)),
+            ),
         )
         timeline.align()
         return timeline
@@ -713,6 +766,7 @@ class TrainingRun:
                 else None
             ),
             sinks=sinks,
+            stragglers=Stragglers(self.layout.pp_size, self.layout.dp_size),
         )
         if plan and plan.step_time:
             metrics.note(plan_note(pipeline, config, dist.get_world_size()))
@@ -740,9 +794,15 @@ class TrainingRun:
             )
             for s in pipeline.stages_on(self.layout.pp_rank)
         ]
-        for stage in stages:
+        for stage, s in zip(stages, pipeline.stages_on(self.layout.pp_rank)):
             stage.reduce_every_microbatch = config.gathers_per_block
             stage.overlap = config.dp_overlap
+            stage.dp_ranks = self.dp_ranks
+            if s.index != pipeline.num_stages - 1:  # its outputs are sent on: checked first
+                stage.planned_outputs = tuple(
+                    (value.name, value.shape_for(sizes), value.torch_dtype)
+                    for value in pipeline.returned(s)
+                )
         if config.microbatches * pipeline.num_stages >= LARGE_SCHEDULE and not forward_only:
             say(
                 f"building the {config.schedule} schedule of {config.microbatches} microbatches ..."
@@ -758,28 +818,30 @@ class TrainingRun:
         gradients averaged, reduced and clipped, the optimizers and learning rates stepped
         (unless the loss or gradient norm is not finite), and the step's metrics recorded."""
         began = time.perf_counter()
-        timeline = self.timeline
-        if timeline is None or not timeline.traces(step):
+        timeline = self.timeline if self.timeline and self.timeline.traces(step) else None
+        if timeline is not None:
+            timeline.begin_step(step)
+        ACTIVITY.begin_step(step)
+        with recorded(timeline, "step"):
             self.train_step(step, began)
-            return
-        timeline.begin_step(step)
-        with timeline.span("step"):
-            self.train_step(step, began)
-        timeline.end_step()
-        if step == timeline.last_step:
-            timeline.write()  # collective: every rank traces the same steps
+        if timeline is not None:
+            timeline.end_step()
+            if step == timeline.last_step:
+                timeline.write()  # collective: every rank traces the same steps
 
     def train_step(self, step: int, began: float) -> None:
         """:meth:`step`'s work, which ``--trace`` records as the step."""
         config, layout, metrics = self.config, self.layout, self.metrics
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
-        batch, sizes = self.read_batch(step)
+        with doing("data", ranks=self.data_ranks):
+            batch, sizes = self.read_batch(step)
         stages, schedule = self.schedules.get(sizes)
         if self.timeline is not None:  # recorded during the traced steps only
             for stage in stages:
                 stage.timeline = self.timeline if self.timeline.step is not None else None
-        losses = self.run_pipeline(batch, stages, schedule)
+        with doing("pipeline"):
+            losses = self.run_pipeline(batch, stages, schedule)
         runs = config.microbatches * config.accumulate
         with recorded(self.timeline, "reduce"):
             self.sync.scale(1.0 / runs)  # the mean over this rank's microbatches
@@ -789,10 +851,12 @@ class TrainingRun:
         if self.is_last:
             mean = torch.stack([l.detach().float() for l in losses]).mean().to(self.device)
             if layout.dp_size > 1:
-                dist.all_reduce(mean, group=layout.dp_group)
+                with doing("loss_mean", ranks=self.dp_ranks):
+                    dist.all_reduce(mean, group=layout.dp_group)
                 mean /= layout.dp_size
             loss = mean.item()
-        problem = nonfinite_problem(step, loss, grad_norm, self.device)
+        with doing("finite_check", ranks=self.world_ranks):
+            problem = nonfinite_problem(step, loss, grad_norm, self.device)
         if problem and not config.skip_nonfinite:
             raise PipelineRunError(problem, every_rank=True)
         # this step's; a float, as --lr is (torch's annotation allows a tensor)
@@ -805,13 +869,19 @@ class TrainingRun:
         tracker = self.tracker
         if tracker is not None and tracker.active and step == self.start + 1:
             tracker.__exit__(None, None, None)  # the second step reached the steady peak
-        memory = gather_per_rank(peak_memory(self.device, tracker), self.device)
-        state = gather_per_rank(
-            state_bytes(self.modules.values(), self.optimizers.values()), self.device
-        )
-        seconds = time.perf_counter() - began
+        with doing("metrics", ranks=self.world_ranks):
+            memory = gather_per_rank(peak_memory(self.device, tracker), self.device)
+            state = gather_per_rank(
+                state_bytes(self.modules.values(), self.optimizers.values()), self.device
+            )
+            seconds = time.perf_counter() - began
+            self.step_times.add_step(seconds, self.flops_scale)
+            logged = metrics.logs(step)
+            times = self.step_times.gather() if logged else []  # the same steps on every rank
         loss = float("nan") if loss is None else loss
-        metrics.record(step, loss, seconds, lr, grad_norm, memory, state, skipped=bool(problem))
+        metrics.record(
+            step, loss, seconds, lr, grad_norm, memory, state, skipped=bool(problem), times=times
+        )
 
     def read_batch(
         self, step: int, batches: Batches | None = None
@@ -846,6 +916,7 @@ class TrainingRun:
         for round_ in range(config.accumulate):
             for stage in stages:  # gradients are reduced in the last round only
                 stage.final_round = round_ == config.accumulate - 1
+            ACTIVITY.round = round_
             if self.timeline is not None:
                 self.timeline.round = round_
             inputs, target = (
@@ -883,12 +954,13 @@ class TrainingRun:
         config, layout, batches = self.config, self.layout, self.eval_batches
         began = time.perf_counter()
         sums = LossSums()
+        ACTIVITY.round = 0  # its runs are no accumulation rounds of the step before
         recompute = {index: runner.recompute for index, runner in self.runners.items()}
         for index, runner in self.runners.items():
             runner.recompute = False
             runner.train(False)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), doing("evaluation"):
                 for number in range(config.eval_batches):
                     try:
                         batch, sizes = self.read_batch(number, batches)
@@ -939,7 +1011,8 @@ class TrainingRun:
             done == config.steps
             or (config.checkpoint_every and done % config.checkpoint_every == 0)
         ):
-            self.last_checkpoint = self.checkpoints.save(done, self.modules, self.optimizers)
+            with doing("checkpoint"):
+                self.last_checkpoint = self.checkpoints.save(done, self.modules, self.optimizers)
             self.metrics.note(f"checkpoint {self.last_checkpoint}")
 
     # -- finish --------------------------------------------------------------------------------
@@ -1150,9 +1223,10 @@ def _main(package: ModuleType, argv: list[str]) -> int:
             raise
         if _said_who_failed(board, rank, resume_hint):
             return 2
-        _error(
-            f"train.py: error: rank {rank} lost contact with another rank, which died or stopped "
-            f"answering within --timeout {config.timeout:g} s ({first_line(exc)[:200]}).{resume_hint}"
+        _error(  # the process group waits DIAGNOSIS_MARGIN past --timeout: see train()
+            f"train.py: error: rank {rank} lost contact with another rank, which died or did not "
+            f"answer within --timeout {config.timeout:g} s + {DIAGNOSIS_MARGIN:g} s for the hang "
+            f"diagnosis ({first_line(exc)[:200]}).{resume_hint}"
         )
         return 3
     return 0

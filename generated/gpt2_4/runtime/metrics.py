@@ -3,6 +3,20 @@ the sinks of ``sinks.py`` (TensorBoard, Weights & Biases).
 
 Copied into every generated pipeline as ``runtime/metrics.py``; it needs only torch. The rank of
 the last stage of the first replica reports; every rank contributes its peak memory.
+
+A ``--log-json`` line of a training step holds ``step``, ``loss``, ``time`` (seconds),
+``samples_per_s``, ``lr``, ``grad_norm``, ``peak_memory`` and ``state_bytes`` (bytes, one per
+rank, in rank order), and where known ``tokens_per_s``, ``mfu`` and ``skipped``. The lines of the
+``--log-every`` steps also hold ``rank_times``, one entry per rank in rank order, each a mean per
+step over the steps since the previous such line (``stragglers.RankTimes``)::
+
+    {"rank": 2, "step": 0.41, "busy": 0.30, "planned": 0.17, "vs_plan": 1.8,
+     "stages": [{"stage": 2, "forward": 0.11, "backward": 0.19, "planned": 0.17}]}
+
+(seconds: ``step`` the rank's step time, ``busy`` its stages' forward and backward compute,
+``planned`` what the plan predicts for it, ``vs_plan`` their ratio or null without a prediction),
+and ``slowest_rank``, the rank slowest against its plan. An evaluation's line is described at
+:meth:`Metrics.record_eval`.
 """
 
 from __future__ import annotations
@@ -11,7 +25,7 @@ import json
 import resource
 import sys
 from pathlib import Path
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO
 
 import torch
@@ -24,6 +38,7 @@ from .evaluation import EvalResult
 from .guards import write_atomically
 from .options import TrainConfig
 from .sinks import ConfigValue, Sink
+from .stragglers import RankTimes, Stragglers, slowest
 from .support import local_shard
 
 
@@ -74,12 +89,15 @@ class Metrics:
         resumed_at: int | None,
         utilisation: Callable[[float], float | None] = lambda seconds: None,
         sinks: Iterable[Sink] = (),
+        stragglers: Stragglers | None = None,
     ):
         """``resumed_at``: the step a resumed run starts at; the log keeps the steps before it
         (its later lines were written after the checkpoint, and are trained again).
         ``utilisation(seconds)``: the model FLOPs utilisation of a step that long, or None.
-        ``sinks``: where the scalars also go (the reporting rank's; closed by :meth:`close`)."""
+        ``sinks``: where the scalars also go (the reporting rank's; closed by :meth:`close`).
+        ``stragglers``: names a rank consistently slower than its peers, from the ranks' times."""
         self.sinks = list(sinks)
+        self.stragglers = stragglers
         self.reporting = reporting
         self.utilisation = utilisation
         self.steps = steps
@@ -103,9 +121,11 @@ class Metrics:
         memory: list[int],
         state: list[int],
         skipped: bool = False,
+        times: Sequence[RankTimes] = (),
     ) -> None:
         """``memory``: every rank's peak bytes; ``state``: every rank's bytes of parameters,
-        gradients and optimizer state."""
+        gradients and optimizer state; ``times``: every rank's step and compute times (at the
+        ``--log-every`` steps), the slowest named on the line."""
         if not self.reporting:
             return
         samples_per_s = self.samples_per_step / seconds
@@ -127,6 +147,11 @@ class Metrics:
             entry["mfu"] = mfu
         if skipped:
             entry["skipped"] = True
+        late = slowest(times) if len(times) > 1 else None
+        if times:
+            entry["rank_times"] = [t.to_json() for t in times]
+        if late is not None:
+            entry["slowest_rank"] = late.rank
         self._to_log(entry)
         scalars = {
             "train/loss": loss,
@@ -152,6 +177,8 @@ class Metrics:
             f"step {step} loss {loss:.6f} ({seconds:.3f} s, {rate}, lr {lr:.3g}, "
             f"grad norm {grad_norm:.3g}, peak memory {max(memory) / 2**20:.0f} MiB)"
         )
+        if late is not None:
+            line += f", slowest {late.label} {late.against_plan()}"
         if self.bar:
             done = step + 1
             eta = (self.steps - done) * seconds
@@ -160,8 +187,16 @@ class Metrics:
                 end="" if done < self.steps else "\n",
                 flush=True,
             )
-        elif step % self.log_every == 0 or step == self.steps - 1 or skipped:
+        elif self.logs(step) or skipped:
             print(line + (" skipped: not finite" if skipped else ""), flush=True)
+        straggler = self.stragglers.observe(times) if self.stragglers and times else None
+        if straggler:
+            self.note(straggler)
+
+    def logs(self, step: int) -> bool:
+        """Whether ``step`` is logged in full: every ``--log-every`` steps, and the last (the
+        steps every rank's times are gathered at)."""
+        return step % self.log_every == 0 or step == self.steps - 1
 
     def record_eval(self, done: int, result: EvalResult) -> None:
         """An evaluation after ``done`` optimizer steps: a JSON line ``{"step": done - 1,

@@ -394,6 +394,9 @@ def device_memory(
     during = {"F": table("transient_forward"), "B": table("transient_backward")}
     during["I"] = during["W"] = during["B"]
     optimizer = table("transient_optimizer")
+    by_device: list[list[tuple[int, Action, float, float]]] = [[] for _ in range(costs.num_devices)]
+    for event in events:
+        by_device[event[0]].append(event)
     peaks = []
     for device in range(costs.num_devices):
         stages = [s for s, d in enumerate(costs.device_of_stage) if d == device]
@@ -401,9 +404,8 @@ def device_memory(
         buffered = sum(buffers[s] for s in stages)
         live, count, kept, backward_seen = 0.0, 0, 0.0, set()
         best = MemoryPeak(state, buffered, 0.0, 0, 0.0, 0.0, "start")
-        for d, action, _start, _end in sorted(events, key=lambda e: (e[2], e[3])):
-            if d != device:
-                continue
+        # the device's actions in the order they run (a stable sort: ties keep their order)
+        for _device, action, _start, _end in sorted(by_device[device], key=lambda e: (e[2], e[3])):
             s = action.stage
             if action.kind != "F" and s not in backward_seen:
                 backward_seen.add(s)

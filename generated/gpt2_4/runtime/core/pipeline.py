@@ -13,6 +13,8 @@ Words: a *rank* is one process of a pipeline replica. The JSON names a stage's r
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ from typing import Any, cast
 
 import torch
 
+from .fields import FieldReader, is_int, is_number, is_object, json_kind
 from .schedules import PipelineCosts
 from .shapes import FormulaError, names_in, shape
 
@@ -30,76 +33,8 @@ class PipelineFormatError(ValueError):
     """A pipeline description that breaks the contract; the message names the field."""
 
 
-# -- checks of JSON values --------------------------------------------------------------------
-def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _fail(where: str, value: Any, expected: str) -> PipelineFormatError:
-    shown = repr(value) if len(repr(value)) <= 60 else f"a {_kind(value)}"
-    return PipelineFormatError(f"{where} must be {expected}, got {shown}")
-
-
-def _object(
-    data: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()
-) -> dict[str, Any]:
-    """``data``, checked to be a JSON object with the ``required`` keys and no unknown one."""
-    if not isinstance(data, dict):
-        raise _fail(where, data, "an object")
-    for key in required:
-        if key not in data:
-            raise PipelineFormatError(f"{where}.{key} is missing")
-    for key in data:
-        if key not in required and key not in optional:
-            raise PipelineFormatError(f"{where}.{key} is not a field of the pipeline contract")
-    return data
-
-
-def _check(value: Any, where: str, ok: Callable[[Any], object], expected: str) -> Any:
-    if not ok(value):
-        raise _fail(where, value, expected)
-    return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _str(value: Any, where: str) -> str:
-    return cast(str, _check(value, where, lambda v: isinstance(v, str), "a string"))
-
-
-def _is_object(value: Any) -> bool:
-    return isinstance(value, dict)
-
-
-def _list(value: Any, where: str, ok: Callable[[Any], object], item: str) -> tuple[Any, ...]:
-    """``value``, checked to be a list of ``item``s (each one ``ok``), as a tuple."""
-    _check(value, where, lambda v: isinstance(v, list), f"a list of {item}s")
-    for i, element in enumerate(value):
-        _check(element, f"{where}[{i}]", ok, f"a {item}")
-    return tuple(value)
-
-
-def _names(value: Any, where: str) -> tuple[str, ...]:
-    return _list(value, where, lambda v: isinstance(v, str), "string")
-
-
-def _numbers(value: Any, where: str, length: int) -> tuple[float, ...]:
-    numbers = _list(value, where, _is_number, "number")
-    if len(numbers) != length:
-        raise _fail(where, value, f"a list of {length} numbers")
-    return numbers
-
-
-def _known(names: tuple[str, ...], where: str, known: Any, what: str) -> None:
-    for i, name in enumerate(names):
-        if name not in known:
-            raise PipelineFormatError(f"{where}[{i}] = {name!r} is not {what}")
+#: checks of JSON values, refusing with the field's path
+_read = FieldReader(PipelineFormatError, "the pipeline contract")
 
 
 def default_microbatches(num_stages: int) -> int:
@@ -123,25 +58,25 @@ class Dimension:
 
     @classmethod
     def from_json(cls, data: Any, name: str, where: str) -> Dimension:
-        _check(name, where, str.isidentifier, "named by an identifier")
-        _object(data, where, ("min", "max", "planned", "sources"))
-        low = _check(data["min"], f"{where}.min", lambda v: _is_int(v) and v >= 2, "2 or more")
-        planned = _check(
-            data["planned"], f"{where}.planned", lambda v: _is_int(v) and v >= low, ">= min"
+        _read.check(name, where, str.isidentifier, "named by an identifier")
+        _read.fields(data, where, ("min", "max", "planned", "sources"))
+        low = _read.check(data["min"], f"{where}.min", lambda v: is_int(v) and v >= 2, "2 or more")
+        planned = _read.check(
+            data["planned"], f"{where}.planned", lambda v: is_int(v) and v >= low, ">= min"
         )
-        high = _check(
+        high = _read.check(
             data["max"],
             f"{where}.max",
-            lambda v: v is None or (_is_int(v) and v >= planned),
+            lambda v: v is None or (is_int(v) and v >= planned),
             "null or >= planned",
         )
-        sources = _list(
+        sources = _read.items(
             data["sources"],
             f"{where}.sources",
             lambda v: isinstance(v, list)
             and len(v) == 2
             and isinstance(v[0], str)
-            and _is_int(v[1])
+            and is_int(v[1])
             and v[1] >= 0,
             "[input, dimension] pair",
         )
@@ -179,25 +114,25 @@ class Value:
 
     @classmethod
     def from_json(cls, data: Any, name: str, where: str) -> Value:
-        _object(data, where, ("shape", "dtype", "requires_grad"), ("sizes",))
-        shape = _list(data["shape"], f"{where}.shape", lambda v: _is_int(v) and v >= 0, "size")
+        _read.fields(data, where, ("shape", "dtype", "requires_grad"), ("sizes",))
+        shape = _read.items(data["shape"], f"{where}.shape", lambda v: is_int(v) and v >= 0, "size")
         sizes = None
         if "sizes" in data:
-            sizes = _list(
+            sizes = _read.items(
                 data["sizes"],
                 f"{where}.sizes",
-                lambda v: (_is_int(v) and v >= 0) or isinstance(v, str),
+                lambda v: (is_int(v) and v >= 0) or isinstance(v, str),
                 "size or formula",
             )
             if len(sizes) != len(shape):
-                raise _fail(f"{where}.sizes", data["sizes"], f"a list of {len(shape)} sizes")
-        dtype = _check(
+                raise _read.fail(f"{where}.sizes", data["sizes"], f"a list of {len(shape)} sizes")
+        dtype = _read.check(
             data["dtype"],
             f"{where}.dtype",
             lambda v: isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype),
             "the name of a torch dtype",
         )
-        requires_grad = _check(
+        requires_grad = _read.check(
             data["requires_grad"], f"{where}.requires_grad", lambda v: isinstance(v, bool), "a bool"
         )
         return cls(name, shape, dtype, requires_grad, sizes)
@@ -240,21 +175,21 @@ class Stage:
     @classmethod
     def from_json(cls, data: Any, index: int, where: str) -> Stage:
         keys = ("inputs", "outputs", "device", "module", "recompute", "blocks", "recompute_blocks")
-        _object(data, where, keys)
+        _read.fields(data, where, keys)
         return cls(
             index=index,
-            inputs=_names(data["inputs"], f"{where}.inputs"),
-            outputs=_names(data["outputs"], f"{where}.outputs"),
-            rank=_check(
-                data["device"], f"{where}.device", lambda v: _is_int(v) and v >= 0, "a rank >= 0"
+            inputs=_read.names(data["inputs"], f"{where}.inputs"),
+            outputs=_read.names(data["outputs"], f"{where}.outputs"),
+            rank=_read.check(
+                data["device"], f"{where}.device", lambda v: is_int(v) and v >= 0, "a rank >= 0"
             ),
-            module=_str(data["module"], f"{where}.module"),
-            recompute=_check(
+            module=_read.text(data["module"], f"{where}.module"),
+            recompute=_read.check(
                 data["recompute"], f"{where}.recompute", lambda v: isinstance(v, bool), "a bool"
             ),
-            blocks=_names(data["blocks"], f"{where}.blocks"),
-            recompute_blocks=_check(
-                _names(data["recompute_blocks"], f"{where}.recompute_blocks"),
+            blocks=_read.names(data["blocks"], f"{where}.blocks"),
+            recompute_blocks=_read.check(
+                _read.names(data["recompute_blocks"], f"{where}.recompute_blocks"),
                 f"{where}.recompute_blocks",
                 lambda names: set(names) <= set(data["blocks"]),
                 "names among the stage's blocks",
@@ -285,11 +220,11 @@ class Loss:
     @classmethod
     def from_json(cls, data: Any, where: str) -> Loss:
         if isinstance(data, dict) and "module" in data:
-            _object(data, where, ("module", "target"))
+            _read.fields(data, where, ("module", "target"))
             target = Value.from_json(data["target"], "target", f"{where}.target")
-            return cls(module=_str(data["module"], f"{where}.module"), target=target)
-        _object(data, where, ("output",))
-        output = _check(
+            return cls(module=_read.text(data["module"], f"{where}.module"), target=target)
+        _read.fields(data, where, ("output",))
+        output = _read.check(
             data["output"], f"{where}.output", lambda v: v is None or isinstance(v, str), "a name"
         )
         return cls(output=output)
@@ -337,16 +272,22 @@ class StageCosts:
 
     @classmethod
     def from_json(cls, data: Any, num_stages: int, where: str) -> StageCosts:
-        _object(data, where, (*_PER_STAGE, *_PER_BOUNDARY), ("memory_capacity", *MEMORY_DETAIL))
-        tables = {k: _numbers(data[k], f"{where}.{k}", num_stages) for k in _PER_STAGE}
+        _read.fields(
+            data, where, (*_PER_STAGE, *_PER_BOUNDARY), ("memory_capacity", *MEMORY_DETAIL)
+        )
+        tables = {k: _read.numbers(data[k], f"{where}.{k}", num_stages) for k in _PER_STAGE}
         detail = {
-            k: _numbers(data[k], f"{where}.{k}", num_stages) for k in MEMORY_DETAIL if k in data
+            k: _read.numbers(data[k], f"{where}.{k}", num_stages)
+            for k in MEMORY_DETAIL
+            if k in data
         }
         for key in _PER_BOUNDARY:
-            tables[key] = _numbers(data[key], f"{where}.{key}", max(num_stages - 1, 0))
+            tables[key] = _read.numbers(data[key], f"{where}.{key}", max(num_stages - 1, 0))
         capacity = data.get("memory_capacity")
         if capacity is not None:
-            _check(capacity, f"{where}.memory_capacity", lambda v: _is_number(v) and v > 0, "> 0")
+            _read.check(
+                capacity, f"{where}.memory_capacity", lambda v: is_number(v) and v > 0, "> 0"
+            )
         return cls(**tables, memory_capacity=capacity, memory_detail=detail)
 
     def to_json(self) -> dict[str, Any]:
@@ -372,22 +313,24 @@ class TrainingPlan:
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> TrainingPlan:
-        _object(data, where, tuple(cls.__dataclass_fields__)[:-1], ("sizes",))
-        sizes = _check(
+        _read.fields(data, where, tuple(cls.__dataclass_fields__)[:-1], ("sizes",))
+        sizes = _read.check(
             data.get("sizes", {}),
             f"{where}.sizes",
-            lambda v: isinstance(v, dict) and all(_is_int(s) and s >= 2 for s in v.values()),
+            lambda v: isinstance(v, dict) and all(is_int(s) and s >= 2 for s in v.values()),
             "sizes of dynamic dimensions by name",
         )
         counts = {
-            k: _check(data[k], f"{where}.{k}", lambda v: _is_int(v) and v >= 1, "1 or more")
+            k: _read.check(data[k], f"{where}.{k}", lambda v: is_int(v) and v >= 1, "1 or more")
             for k in ("microbatches", "accumulate")
         }
         figures = {
-            k: _check(data[k], f"{where}.{k}", lambda v: _is_number(v) and v >= 0, ">= 0")
+            k: _read.check(data[k], f"{where}.{k}", lambda v: is_number(v) and v >= 0, ">= 0")
             for k in ("step_time", "flops_per_microbatch", "peak_flops")
         }
-        return cls(**counts, **figures, device=_str(data["device"], f"{where}.device"), sizes=sizes)
+        return cls(
+            **counts, **figures, device=_read.text(data["device"], f"{where}.device"), sizes=sizes
+        )
 
     def to_json(self) -> dict[str, Any]:
         data = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "sizes"}
@@ -420,9 +363,9 @@ class Schedule:
 
     @classmethod
     def from_json(cls, data: Any, num_stages: int, where: str) -> Schedule:
-        _object(data, where, ("name", "costs"))
+        _read.fields(data, where, ("name", "costs"))
         return cls(
-            _str(data["name"], f"{where}.name"),
+            _read.text(data["name"], f"{where}.name"),
             StageCosts.from_json(data["costs"], num_stages, f"{where}.costs"),
         )
 
@@ -440,21 +383,21 @@ class TiedParameter:
 
     @classmethod
     def from_json(cls, data: Any, num_stages: int, where: str) -> TiedParameter:
-        _object(data, where, ("names", "holders"))
-        names = _names(data["names"], f"{where}.names")
-        holders = _check(
+        _read.fields(data, where, ("names", "holders"))
+        names = _read.names(data["names"], f"{where}.names")
+        holders = _read.check(
             data["holders"], f"{where}.holders", lambda v: isinstance(v, dict), "an object"
         )
         typed = {}
         for key, name in holders.items():
             stage = isinstance(key, str) and key.isdigit() and str(int(key)) == key
             if not (stage and int(key) < num_stages):
-                raise _fail(
+                raise _read.fail(
                     f"{where}.holders", key, f"keyed by stage numbers 0 .. {num_stages - 1}"
                 )
-            typed[int(key)] = _str(name, f"{where}.holders.{key}")
+            typed[int(key)] = _read.text(name, f"{where}.holders.{key}")
         if list(typed) != sorted(typed):
-            raise _fail(f"{where}.holders", list(holders), "keyed by ascending stage numbers")
+            raise _read.fail(f"{where}.holders", list(holders), "keyed by ascending stage numbers")
         return cls(names, typed)
 
     def to_json(self) -> dict[str, Any]:
@@ -479,17 +422,19 @@ class ModelIdentity:
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> ModelIdentity:
-        _object(data, where, ("digest", "tensors"))
-        digest = _str(data["digest"], f"{where}.digest")
-        entries = _check(
+        _read.fields(data, where, ("digest", "tensors"))
+        digest = _read.text(data["digest"], f"{where}.digest")
+        entries = _read.check(
             data["tensors"], f"{where}.tensors", lambda v: isinstance(v, dict), "an object"
         )
         tensors = {}
         for name, entry in entries.items():
             at = f"{where}.tensors.{name}"
-            _object(entry, at, ("shape", "dtype"))
-            size = _list(entry["shape"], f"{at}.shape", lambda v: _is_int(v) and v >= 0, "size")
-            dtype = _check(
+            _read.fields(entry, at, ("shape", "dtype"))
+            size = _read.items(
+                entry["shape"], f"{at}.shape", lambda v: is_int(v) and v >= 0, "size"
+            )
+            dtype = _read.check(
                 entry["dtype"],
                 f"{at}.dtype",
                 lambda v: isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype),
@@ -516,9 +461,9 @@ class PeftAdapter:
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> PeftAdapter:
-        _object(data, where, ("config", "weights"))
-        config = _check(data["config"], f"{where}.config", _is_object, "an object")
-        weights = _check(
+        _read.fields(data, where, ("config", "weights"))
+        config = _read.check(data["config"], f"{where}.config", is_object, "an object")
+        weights = _read.check(
             data["weights"],
             f"{where}.weights",
             lambda v: isinstance(v, dict) and all(isinstance(n, str) for n in v.values()),
@@ -545,11 +490,11 @@ class HuggingFaceModel:
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> HuggingFaceModel:
-        _object(data, where, ("config",), ("generation_config", "adapter"))
-        config = _check(data["config"], f"{where}.config", _is_object, "an object")
+        _read.fields(data, where, ("config",), ("generation_config", "adapter"))
+        config = _read.check(data["config"], f"{where}.config", is_object, "an object")
         generation = data.get("generation_config")
         if generation is not None:
-            _check(generation, f"{where}.generation_config", _is_object, "an object")
+            _read.check(generation, f"{where}.generation_config", is_object, "an object")
         adapter = data.get("adapter")
         return cls(
             config,
@@ -599,12 +544,12 @@ class Pipeline:
         keys: tuple[str, ...]
         keys = ("format", "version", "model", "signature", "inputs", "outputs", "stages")
         keys += ("values", "loss", "schedule", "tied", "aliases", "input_ranges", "dp_shard")
-        _object(data, where, keys, ("plan", "dimensions", "identity", "huggingface", "frozen"))
+        _read.fields(data, where, keys, ("plan", "dimensions", "identity", "huggingface", "frozen"))
         if data["format"] != FORMAT:
-            raise _fail(f"{where}.format", data["format"], repr(FORMAT))
+            raise _read.fail(f"{where}.format", data["format"], repr(FORMAT))
         if data["version"] != VERSION:
-            raise _fail(f"{where}.version", data["version"], f"{VERSION} (this runtime's)")
-        _check(
+            raise _read.fail(f"{where}.version", data["version"], f"{VERSION} (this runtime's)")
+        _read.check(
             data["stages"],
             f"{where}.stages",
             lambda v: isinstance(v, list) and v,
@@ -614,41 +559,43 @@ class Pipeline:
             Stage.from_json(s, i, f"{where}.stages[{i}]") for i, s in enumerate(data["stages"])
         )
         num_stages = len(stages)
-        values = _check(
+        values = _read.check(
             data["values"], f"{where}.values", lambda v: isinstance(v, dict), "an object"
         )
         pipeline = cls(
-            model=_str(data["model"], f"{where}.model"),
-            signature=_names(data["signature"], f"{where}.signature"),
-            inputs=_names(data["inputs"], f"{where}.inputs"),
-            outputs=_names(data["outputs"], f"{where}.outputs"),
+            model=_read.text(data["model"], f"{where}.model"),
+            signature=_read.names(data["signature"], f"{where}.signature"),
+            inputs=_read.names(data["inputs"], f"{where}.inputs"),
+            outputs=_read.names(data["outputs"], f"{where}.outputs"),
             stages=stages,
             values={n: Value.from_json(v, n, f"{where}.values.{n}") for n, v in values.items()},
             loss=Loss.from_json(data["loss"], f"{where}.loss"),
             schedule=Schedule.from_json(data["schedule"], num_stages, f"{where}.schedule"),
             tied=tuple(
                 TiedParameter.from_json(t, num_stages, f"{where}.tied[{i}]")
-                for i, t in enumerate(_list(data["tied"], f"{where}.tied", lambda v: True, "tie"))
-            ),
-            aliases=tuple(
-                _names(group, f"{where}.aliases[{i}]")
-                for i, group in enumerate(
-                    _list(data["aliases"], f"{where}.aliases", lambda v: True, "name group")
+                for i, t in enumerate(
+                    _read.items(data["tied"], f"{where}.tied", lambda v: True, "tie")
                 )
             ),
-            input_ranges=_check(
+            aliases=tuple(
+                _read.names(group, f"{where}.aliases[{i}]")
+                for i, group in enumerate(
+                    _read.items(data["aliases"], f"{where}.aliases", lambda v: True, "name group")
+                )
+            ),
+            input_ranges=_read.check(
                 data["input_ranges"],
                 f"{where}.input_ranges",
-                lambda v: isinstance(v, dict) and all(_is_int(x) for x in v.values()),
+                lambda v: isinstance(v, dict) and all(is_int(x) for x in v.values()),
                 "an object of integers",
             ),
-            dp_shard=_check(
-                data["dp_shard"], f"{where}.dp_shard", lambda v: _is_int(v) and v >= 1, "1 or more"
+            dp_shard=_read.check(
+                data["dp_shard"], f"{where}.dp_shard", lambda v: is_int(v) and v >= 1, "1 or more"
             ),
             plan=TrainingPlan.from_json(data["plan"], f"{where}.plan") if "plan" in data else None,
             dimensions={
                 name: Dimension.from_json(d, name, f"{where}.dimensions.{name}")
-                for name, d in _check(
+                for name, d in _read.check(
                     data.get("dimensions", {}),
                     f"{where}.dimensions",
                     lambda v: isinstance(v, dict),
@@ -665,7 +612,7 @@ class Pipeline:
                 if "huggingface" in data
                 else None
             ),
-            frozen=_names(data.get("frozen", []), f"{where}.frozen"),
+            frozen=_read.names(data.get("frozen", []), f"{where}.frozen"),
         )
         pipeline._check_references()
         pipeline._check_formulas()
@@ -673,19 +620,23 @@ class Pipeline:
 
     def _check_references(self) -> None:
         """Names refer to values and outputs that exist; ranks are numbered 0 .. ranks - 1."""
-        _known(self.inputs, "pipeline.inputs", self.values, "in pipeline.values")
-        _known(self.outputs, "pipeline.outputs", self.values, "in pipeline.values")
+        _read.known(self.inputs, "pipeline.inputs", self.values, "in pipeline.values")
+        _read.known(self.outputs, "pipeline.outputs", self.values, "in pipeline.values")
         for stage in self.stages:
             where = f"pipeline.stages[{stage.index}]"
-            _known(stage.inputs, f"{where}.inputs", self.values, "in pipeline.values")
-            _known(stage.outputs, f"{where}.outputs", self.values, "in pipeline.values")
+            _read.known(stage.inputs, f"{where}.inputs", self.values, "in pipeline.values")
+            _read.known(stage.outputs, f"{where}.outputs", self.values, "in pipeline.values")
         if self.loss.output is not None and self.loss.output not in self.outputs:
-            raise _fail("pipeline.loss.output", self.loss.output, "one of pipeline.outputs")
+            raise _read.fail("pipeline.loss.output", self.loss.output, "one of pipeline.outputs")
         if self.identity is not None:
-            _known(self.frozen, "pipeline.frozen", self.identity.tensors, "a tensor of the model")
+            _read.known(
+                self.frozen, "pipeline.frozen", self.identity.tensors, "a tensor of the model"
+            )
         ranks = sorted(set(self.rank_of_stage))
         if ranks != list(range(len(ranks))):
-            raise _fail("pipeline.stages[*].device", ranks, "ranks numbered from 0 without gaps")
+            raise _read.fail(
+                "pipeline.stages[*].device", ranks, "ranks numbered from 0 without gaps"
+            )
 
     def _check_formulas(self) -> None:
         """Every value's formulas read known dimensions and give its shape at their planned
@@ -701,18 +652,20 @@ class Pipeline:
             except (FormulaError, ArithmeticError) as exc:
                 raise PipelineFormatError(f"{where}: {exc}") from None
             if unknown:
-                raise _fail(
+                raise _read.fail(
                     where, list(value.sizes), f"formulas of {sorted(upper) or 'no'} dimensions"
                 )
             if planned != value.shape:
-                raise _fail(
+                raise _read.fail(
                     where, list(value.sizes), f"formulas giving the shape {list(value.shape)}"
                 )
         if self.plan is not None:
-            _known(tuple(self.plan.sizes), "pipeline.plan.sizes", upper, "a dynamic dimension")
+            _read.known(tuple(self.plan.sizes), "pipeline.plan.sizes", upper, "a dynamic dimension")
         for dimension in self.dimensions.values():
             where = f"pipeline.dimensions.{dimension.name}.sources"
-            _known(tuple(i for i, _ in dimension.sources), where, self.inputs, "a pipeline input")
+            _read.known(
+                tuple(i for i, _ in dimension.sources), where, self.inputs, "a pipeline input"
+            )
 
     def to_json(self) -> dict[str, Any]:
         """The JSON dict this was read from (``pipeline.json``), key for key."""
@@ -745,6 +698,12 @@ class Pipeline:
         )
 
     # -- derived facts ------------------------------------------------------------------------
+    def digest(self) -> str:
+        """A digest of this description (its JSON, keys sorted): which package, split included,
+        a run ran, as its trace records it."""
+        text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
     @property
     def num_stages(self) -> int:
         return len(self.stages)
