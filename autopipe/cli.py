@@ -29,7 +29,7 @@ from .compiler import (
 from .errors import AutopipeError
 from .options import COUNT, OPTIONS, TOLERANCE, Fraction, flag_of
 from .partitioning import Partition
-from .partitioning.search import plan_table, state_floor
+from .partitioning.search import plan_table, searched, state_floor
 from .progress import NORMAL, QUIET, VERBOSE, Phases
 from .profiling import Profile
 from .profiling.calibrate import calibrate
@@ -48,7 +48,7 @@ ArgumentContainer = argparse.ArgumentParser | argparse._ArgumentGroup
 TRACING = ("depth", "basic_blocks", "inline_blocks", "dynamic")
 PROFILING = ("profile", "expected", "device_spec", "link")
 PARTITIONING = ("stages", "devices", "method", "optimizer", "schedule", "microbatches", "dp_shard")
-PLAN_SEARCH = ("global_batch", "memory_margin", "max_stages_per_device")
+PLAN_SEARCH = ("global_batch", "memory_margin", "max_stages_per_device", "search_seconds")
 
 
 def _add_option(container: ArgumentContainer, name: str, **overrides: Any) -> None:
@@ -163,12 +163,17 @@ def cmd_plan(args: argparse.Namespace) -> None:
     options = _options(args, search=True)
     graph = trace_step(example, options, source=args.spec, loss=args.loss)
     prof = profile_step(graph, options, example)
-    plans = plan_step(graph, prof, options)
+    phases = Phases(NORMAL if sys.stderr.isatty() else QUIET)  # progress on a terminal only
+    with phases.phase("plan search"):
+        plans = plan_step(graph, prof, options, progress=lambda done: phases.progress(str(done)))
     print(
         f"{len(plans)} plans for {args.devices} devices ({prof.source}), global batch "
         f"{plans[0].global_batch} example microbatches, best first:"
     )
     print(plan_table([plan.to_json() for plan in plans[: args.top]]))
+    stopped = searched(plans)
+    if stopped:
+        print(stopped)
     best = plans[0]
     if not best.fits:
         floor = state_floor(graph, prof, optimizer=options.optimizer, margin=options.memory_margin)

@@ -18,7 +18,7 @@ from .codegen.output_lock import output_lock
 from .ir import Graph
 from .partitioning import Partition, partition
 from .partitioning.partition import PARTITION_KIND
-from .partitioning.search import Plan, plan_table, search, state_floor
+from .partitioning.search import Plan, SearchProgress, plan_table, search, searched, state_floor
 from .profiling import DeviceSpec, Profile, device_spec, profile, with_link
 from .profiling.profile import PROFILE_KIND
 from .report import write_report
@@ -90,8 +90,14 @@ def profile_step(graph: Graph, options: CompileOptions, example: Example | None 
     return profile(graph, options.profile, target_device(options), example, options.expected)
 
 
-def plan_step(graph: Graph, prof: Profile, options: CompileOptions) -> list[Plan]:
-    """Every plan for ``options.devices`` devices, best first (see :mod:`.partitioning.search`)."""
+def plan_step(
+    graph: Graph,
+    prof: Profile,
+    options: CompileOptions,
+    progress: Callable[[SearchProgress], None] | None = None,
+) -> list[Plan]:
+    """Every plan for ``options.devices`` devices, best first (see :mod:`.partitioning.search`),
+    within ``--search-seconds``; ``progress`` is told after each candidate."""
     devices = options.devices
     assert devices is not None, "a plan is for --devices devices (CompileOptions checks it)"
     return search(
@@ -103,14 +109,23 @@ def plan_step(graph: Graph, prof: Profile, options: CompileOptions) -> list[Plan
         optimizer=options.optimizer,
         margin=options.memory_margin,
         max_stages_per_rank=options.max_stages_per_device,
+        seconds=options.search_seconds,
+        progress=progress,
     )
 
 
-def partition_step(graph: Graph, prof: Profile, options: CompileOptions) -> Partition:
+def partition_step(
+    graph: Graph, prof: Profile, options: CompileOptions, phases: Phases | None = None
+) -> Partition:
     """The partition the options ask for; with ``search``, the best plan's, which records the
-    plans it was chosen from."""
+    plans it was chosen from (``phases`` shows the search's progress and says when
+    ``--search-seconds`` stopped it)."""
     if options.search:
-        plans = plan_step(graph, prof, options)
+        phases = phases or Phases(QUIET)
+        plans = plan_step(graph, prof, options, progress=lambda done: phases.progress(str(done)))
+        stopped = searched(plans)
+        if stopped:
+            phases.note(stopped)
         best = plans[0]
         if not best.fits:
             margin = options.memory_margin
@@ -212,7 +227,7 @@ def _compile_locked(
         prof = profile_step(graph, options, example)
         details.append(prof.source)
     with phases.phase("partition") as details:
-        part = partition_step(graph, prof, options)
+        part = partition_step(graph, prof, options, phases)
         predicted = part.predicted
         assert predicted is not None  # partition() always predicts
         details.append(

@@ -121,6 +121,27 @@ class Tolerance(Rule):
         return value
 
 
+@dataclass(frozen=True)
+class Seconds(Rule):
+    """A time budget (``--search-seconds``): a finite number of seconds greater than 0."""
+
+    rule = "must be a number of seconds greater than 0"
+
+    def check(self, value: Any, flag: str) -> Any:
+        if not (is_number(value, 0) and value > 0):
+            raise AutopipeError(f"{flag} {self.rule}, got {value!r}")
+        return value
+
+    def parse(self, text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (is_number(value, 0) and value > 0):
+            raise argparse.ArgumentTypeError(f"{self.rule}, got {text!r}")
+        return value
+
+
 #: integers of at least 1 (``--top``)
 COUNT = Count(1)
 #: comparison tolerances (``--rtol``, ``--atol``)
@@ -414,6 +435,14 @@ class CompileOptions:
         rule=Fraction("memory"),
         metavar="F",
     )
+    #: with search: the seconds it may take (None: every candidate is searched)
+    search_seconds: float | None = option(
+        None,
+        help="stop the plan search after S seconds and take the best plan of the candidates "
+        "searched by then, saying so (default: search every candidate)",
+        rule=Seconds(),
+        metavar="S",
+    )
     #: with search: stages per device tried, 1 .. this
     max_stages_per_device: int = option(
         2,
@@ -426,7 +455,7 @@ class CompileOptions:
         """Check every option by its rule, so that a wrong one fails before the expensive steps
         (in this order, which decides the message when several are wrong)."""
         self._check("stages", "accumulate", "max_stages_per_device", "global_batch")
-        self._check("memory_margin")
+        self._check("memory_margin", "search_seconds")
         if self.search and self.devices is None:
             raise AutopipeError(
                 "--search needs --devices: the number of devices to plan for (pipeline "

@@ -1,5 +1,6 @@
-"""Progress of ``autopipe compile`` on the terminal: a spinner while a phase runs, then its time
-(and with ``--verbose`` what it produced). Plain lines when stderr is not a terminal."""
+"""Progress of ``autopipe compile`` and ``plan`` on the terminal: a spinner while a phase runs
+(with how far it is, where the phase says: the plan search's candidates), then its time (and with
+``--verbose`` what it produced). Plain lines when stderr is not a terminal."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 from rich.console import Console
+from rich.status import Status
 
 QUIET, NORMAL, VERBOSE = 0, 1, 2
 
@@ -19,6 +21,8 @@ class Phases:
         self.level = level
         self.console = Console(stderr=True, highlight=False)
         self.timings: dict[str, float] = {}
+        self._status: Status | None = None  # the running phase's line on a terminal
+        self._name = ""
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[list[str]]:
@@ -28,16 +32,26 @@ class Phases:
         status = (
             self.console.status(f"{name} ...", spinner="dots")
             if self.level > QUIET and self.console.is_terminal
-            else contextlib.nullcontext()
+            else None
         )
-        with status:
-            yield details
+        self._status, self._name = status, name
+        try:
+            with status or contextlib.nullcontext():
+                yield details
+        finally:
+            self._status = None
         self.timings[name] = time.perf_counter() - start
         if self.level > QUIET:
             line = f"{name:<9} {self.timings[name]:7.2f} s"
             if self.level >= VERBOSE and details:
                 line += "  " + "; ".join(details)
             self.console.print(line, markup=False)
+
+    def progress(self, message: str) -> None:
+        """How far the running phase is, on its line: on a terminal only (a pipe gets the
+        phase's time when it ends, not every step of it)."""
+        if self._status is not None:
+            self._status.update(f"{self._name} ... {message}")
 
     def note(self, message: str) -> None:
         """A message shown unless QUIET: something the user should know about the result."""

@@ -32,6 +32,7 @@ BAD = {
     "global_batch": 0,
     "memory_margin": 1.0,
     "max_stages_per_device": 0,
+    "search_seconds": 0,
     "gpus_per_node": 0,
 }
 

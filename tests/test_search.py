@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import pty
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,14 +20,21 @@ from autopipe.cli import main as autopipe_main
 from autopipe.compiler import CompileOptions, profile_step, trace_step
 from autopipe.errors import PartitionError
 from autopipe.partitioning import partition
-from autopipe.partitioning.search import candidates, search
+import autopipe.partitioning.search as search_module
+from autopipe.partitioning.search import (
+    NOT_SEARCHED,
+    SearchProgress,
+    candidates,
+    search,
+    searched,
+)
 from autopipe.profiling import device_spec
 from autopipe.runtime.core.schedules import placement, schedule_problem_for
 from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline
 
-from conftest import compile_model, spec, torchrun
+from conftest import ROOT, compile_model, spec, torchrun
 from pipelines import STEPS, assert_same_training, reference_training
 
 DEFAULT = dict(dp_shard=1, stages=2, ranks=2, schedule="1f1b", microbatches=4, accumulate=1)
@@ -142,3 +153,84 @@ def test_plan_command_prints_the_plans(capsys):
 def test_search_needs_devices():
     with pytest.raises(Exception, match="--search needs --devices"):
         CompileOptions(stages=1, search=True)
+
+
+# -- a budget and progress (issue 23, item 4) ---------------------------------------------------
+def test_search_seconds_is_honoured(gpt2_graph, monkeypatch):
+    """A clock that moves 1 s at each reading: with a 2.5 s budget the search partitions the
+    candidates it starts within 2.5 s and marks the rest not searched; the best of those leads."""
+    graph, profile = gpt2_graph
+    every = search(graph, profile, 2, global_batch=8, method="mpipe")
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(search_module, "monotonic", lambda: float(next(ticks)))
+    told: list[SearchProgress] = []
+    plans = search(
+        graph, profile, 2, global_batch=8, method="mpipe", seconds=2.5, progress=told.append
+    )
+    done = [p for p in plans if p.problem != NOT_SEARCHED]
+    # readings: 0 at the start, then per candidate one before it (from the 2nd) and one after
+    assert len(done) == 2 and len(plans) == len(every) > 2
+    assert [(t.done, t.total) for t in told] == [(1, len(every)), (2, len(every))]
+    assert plans[0].fits and all(not p.fits for p in plans if p.problem == NOT_SEARCHED)
+    assert [p.candidate for p in done] == [p.candidate for p in every if p.candidate in {
+        d.candidate for d in done
+    }]  # the first candidates, in their order  # fmt: skip
+    message = searched(plans)
+    assert message is not None and message.startswith(
+        f"--search-seconds ran out after 2 of {len(every)} candidates"
+    )
+    assert searched(every) is None
+    best = told[-1].best
+    assert best is not None and str(told[-1]).startswith(f"2/{len(every)} candidates, ")
+    assert "best so far: " in str(told[-1])
+
+
+def test_search_seconds_option_is_checked():
+    for bad in (0, -1.0, float("nan"), "1"):
+        with pytest.raises(Exception, match="--search-seconds must be a number of seconds"):
+            CompileOptions(stages=1, search=True, devices=2, search_seconds=bad)
+
+
+PLAN_COMMAND = [
+    sys.executable,
+    "-m",
+    "autopipe",
+    "plan",
+    spec("gpt2"),
+    "--devices",
+    "2",
+    "--global-batch",
+    "4",
+    "--top",
+    "3",
+]
+
+
+def test_plan_progress_on_a_terminal_and_not_in_a_pipe(tmp_path):
+    """The search's progress is drawn on a terminal's stderr (a pseudo-terminal here) and left
+    out of a pipe, where stderr stays empty."""
+    piped = subprocess.run(PLAN_COMMAND, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert piped.returncode == 0, piped.stderr
+    assert "candidates" not in piped.stderr and "plan search" not in piped.stderr
+    assert "best: autopipe compile" in piped.stdout
+    leader, follower = pty.openpty()
+    env = dict(os.environ, COLUMNS="160", TERM="xterm")
+    with subprocess.Popen(
+        PLAN_COMMAND, stdout=subprocess.PIPE, stderr=follower, cwd=ROOT, env=env
+    ) as process:
+        os.close(follower)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal closed with the process
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        process.wait(timeout=300)
+    os.close(leader)
+    assert process.returncode == 0
+    text = drawn.decode(errors="replace")
+    assert re.search(r"plan search \.\.\. \d+/\d+ candidates", text), text[-2000:]
+    assert "best so far: " in text and re.search(r"plan search +\d+\.\d+ s", text)

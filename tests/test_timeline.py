@@ -19,6 +19,8 @@ from autopipe.runtime.core.timeline_format import (
     COMPUTE,
     INSTANTS,
     KINDS,
+    RECEIVES,
+    TRANSFERS,
     RankTimeline,
     Record,
     RunLayout,
@@ -46,7 +48,7 @@ FIXED = RankTimeline(
     steps=(1, 2),
     records=(
         Record(1, "step", None, None, 1000, 9000),
-        Record(1, "recv_activation", 1, 3, 1500, 1500, 0, 0),
+        Record(1, "recv_activation", 1, 3, 1500, 2000, 0, 0),
         Record(1, "forward", 1, 3, 2000, 4500),
         Record(1, "optimizer", 1, None, 5000, 8000),
     ),
@@ -54,16 +56,16 @@ FIXED = RankTimeline(
 
 #: chrome_trace(FIXED), byte for byte
 FIXED_TRACE = (
-    '{"traceEvents":[{"ph":"M","name":"process_name","pid":1,"tid":0,"args":{"name":"rank 1 '
-    '(stage 1)"}},{"ph":"M","name":"process_sort_index","pid":1,"tid":0,"args":{"sort_index":1}},'
-    '{"ph":"M","name":"thread_name","pid":1,"tid":0,"args":{"name":"actions"}},{"name":"step",'
-    '"cat":"step","pid":1,"tid":0,"ts":1.0,"args":{"step":1,"stage":null,"microbatch":null,'
-    '"round":0},"ph":"X","dur":8.0},{"name":"recv F3 s1 from rank 0","cat":"recv_activation",'
-    '"pid":1,"tid":0,"ts":1.5,"args":{"step":1,"stage":1,"microbatch":3,"round":0,"peer":0},'
-    '"ph":"i","s":"t"},{"name":"F3 s1","cat":"forward","pid":1,"tid":0,"ts":2.0,"args":{"step":1,'
-    '"stage":1,"microbatch":3,"round":0},"ph":"X","dur":2.5},{"name":"optimizer s1","cat":'
-    '"optimizer","pid":1,"tid":0,"ts":5.0,"args":{"step":1,"stage":1,"microbatch":null,'
-    '"round":0},"ph":"X","dur":3.0}],"displayTimeUnit":"ms"}\n'
+    '{"traceEvents":[{"ph":"M","name":"process_name","pid":1,"tid":0,"args":{"name":"rank 1 (stage 1'
+    ')"}},{"ph":"M","name":"process_sort_index","pid":1,"tid":0,"args":{"sort_index":1}},{"ph":"M","'
+    'name":"thread_name","pid":1,"tid":0,"args":{"name":"actions"}},{"ph":"M","name":"thread_name","'
+    'pid":1,"tid":1,"args":{"name":"receives"}},{"name":"step","cat":"step","pid":1,"tid":0,"ts":1.0'
+    ',"args":{"step":1,"stage":null,"microbatch":null,"round":0},"ph":"X","dur":8.0},{"name":"recv F'
+    '3 s1 from rank 0","cat":"recv_activation","pid":1,"tid":1,"ts":1.5,"args":{"step":1,"stage":1,"'
+    'microbatch":3,"round":0,"peer":0},"ph":"X","dur":0.5},{"name":"F3 s1","cat":"forward","pid":1,"'
+    'tid":0,"ts":2.0,"args":{"step":1,"stage":1,"microbatch":3,"round":0},"ph":"X","dur":2.5},{"name'
+    '":"optimizer s1","cat":"optimizer","pid":1,"tid":0,"ts":5.0,"args":{"step":1,"stage":1,"microba'
+    'tch":null,"round":0},"ph":"X","dur":3.0}],"displayTimeUnit":"ms"}\n'
 )
 
 
@@ -119,7 +121,8 @@ def test_record_names():
     assert Record(1, "backward_input", 0, 2, 0, 1, round=1).name == "I2.1 s0"
     assert Record(1, "send_gradient", 2, 0, 0, 0, peer=1).name == "send B0 s2 to rank 1"
     assert Record(1, "reduce", None, None, 0, 1).name == "reduce"
-    assert set(KINDS) >= COMPUTE | INSTANTS
+    assert Record(1, "recv_activation", 1, 0, 0, 5, peer=0).name == "recv F0 s1 from rank 0"
+    assert set(KINDS) >= COMPUTE | TRANSFERS and TRANSFERS == INSTANTS | RECEIVES
 
 
 def test_trace_steps_option():
@@ -165,6 +168,8 @@ def test_timeline_records_and_writes_in_one_process(tmp_path, single_process_gro
         pass
     timeline.begin_step(1)
     with timeline.span("step"):
+        timeline.instant("recv_activation", 0, 0, 2)  # waited for until the forward starts
+        timeline.instant("recv_gradient", 0, 5, 2)  # consumed by no action: kept as an instant
         with timeline.span("forward", 0, 0):
             pass
         timeline.instant("send_activation", 0, 0, 1)
@@ -173,12 +178,17 @@ def test_timeline_records_and_writes_in_one_process(tmp_path, single_process_gro
     timeline.end_step()
     timeline.write()
     written = RankTimeline.from_json((tmp_path / "trace" / "rank0.json").read_text())
-    assert [(r.step, r.kind) for r in written.records] == [
-        (1, "step"),
-        (1, "forward"),
-        (1, "send_activation"),
-        (1, "optimizer"),
+    assert [(r.step, r.kind, r.peer) for r in written.records] == [
+        (1, "step", None),
+        (1, "recv_activation", 2),
+        (1, "recv_gradient", 2),
+        (1, "forward", None),
+        (1, "send_activation", 1),
+        (1, "optimizer", None),
     ]
+    receive, unconsumed, forward = written.records[1:4]
+    assert receive.start_ns < receive.end_ns == forward.start_ns  # one clock reading
+    assert unconsumed.start_ns == unconsumed.end_ns
     assert written.records[0].start_ns >= 0  # from the common origin
     trace = json.loads((tmp_path / "trace" / "trace.json").read_text())
     assert {e["name"] for e in trace["traceEvents"]} >= {"F0 s0", "optimizer s0", "step"}
@@ -238,7 +248,18 @@ def test_trace_of_a_four_rank_run_has_every_action_once_in_order(tmp_path):
             receives = [r for r in mine if r.kind == "recv_activation"]
             assert [r.peer for r in sends] == ([rank + 1] * MICROBATCHES if rank < 3 else [])
             assert [r.peer for r in receives] == ([rank - 1] * MICROBATCHES if rank else [])
-        intervals = [r for r in records if r.kind not in INSTANTS and r.kind != "step"]
+            # a receive lasts from its creation to the start of the forward that waited for it
+            consumers = {(r.kind, r.microbatch): r for r in mine if r.kind in COMPUTE}
+            for received in receives:
+                forward = consumers["forward", received.microbatch]
+                assert received.start_ns <= received.end_ns == forward.start_ns
+            gradients = [r for r in mine if r.kind == "recv_gradient"]
+            assert len(gradients) == (MICROBATCHES if rank < 3 else 0)
+            for received in gradients:
+                assert received.end_ns == consumers["backward", received.microbatch].start_ns
+        intervals = [
+            r for r in records if r.kind not in TRANSFERS and r.kind != "step"
+        ]  # the receives are a track of their own
         for before, after in zip(intervals, intervals[1:]):
             assert before.end_ns <= after.start_ns, f"rank {rank}: {before} overlaps {after}"
     # aligned across ranks: a microbatch's forward leaves a stage before the next one starts it

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from time import monotonic
 from typing import Any
 
 from ..byte_units import format_bytes
@@ -97,6 +99,33 @@ class Plan:
         }
 
 
+#: the problem of a candidate the search did not partition: its --search-seconds ran out first
+NOT_SEARCHED = "not searched: --search-seconds ran out"
+
+
+@dataclass(frozen=True)
+class SearchProgress:
+    """How far a search is: candidates partitioned (``done``) of ``total``, the seconds spent,
+    and the best plan that fits so far (None while none does)."""
+
+    done: int
+    total: int
+    seconds: float
+    best: Plan | None
+
+    def __str__(self) -> str:
+        """``12/140 candidates, 8.1 s; best so far: ...``."""
+        text = f"{self.done}/{self.total} candidates, {self.seconds:.1f} s"
+        if self.best is None:
+            return text + "; none fits yet"
+        c = self.best.candidate
+        return (
+            f"{text}; best so far: {c.stages} stages on {c.ranks} ranks x {c.dp_shard} shards, "
+            f"{c.schedule}, {c.microbatches} microbatches x {c.accumulate}: "
+            f"{self.best.step_time * 1e3:.1f} ms per step"
+        )
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -145,41 +174,32 @@ def search(
     optimizer: str = "adamw",
     margin: float = 0.1,
     max_stages_per_rank: int = 2,
+    seconds: float | None = None,
+    progress: Callable[[SearchProgress], None] | None = None,
 ) -> list[Plan]:
     """Every candidate plan, partitioned and simulated, best first: those that fit by
-    throughput, then those that do not."""
+    throughput, then those that do not. With ``seconds``, the candidates left when that many
+    seconds have passed are not partitioned (their problem is :data:`NOT_SEARCHED`; the first
+    candidate always is); ``progress`` is told after each candidate."""
     capacity = profile.device.memory
     usable = dataclasses.replace(
         profile, device=dataclasses.replace(profile.device, memory=capacity * (1 - margin))
     )
-    plans = []
-    for candidate in candidates(devices, global_batch, len(graph.units), max_stages_per_rank):
+    plans: list[Plan] = []
+    every = candidates(devices, global_batch, len(graph.units), max_stages_per_rank)
+    began, best = monotonic(), None
+    for candidate in every:
         plan = Plan(candidate, global_batch, capacity)
-        try:
-            plan.partition = partition(
-                graph,
-                usable,
-                candidate.stages,
-                num_devices=candidate.ranks,
-                method=method,
-                schedule=candidate.schedule,
-                microbatches=candidate.microbatches,
-                optimizer=optimizer,
-                dp_shard=candidate.dp_shard,
-                advise=False,  # the table shows what each rank needs; advice comes once
-            )
-        except DeviceMemoryError as exc:
-            plan.problem = f"a device needs at least {format_bytes(exc.peak)}, even recomputing"
+        if plans and seconds is not None and monotonic() - began >= seconds:
+            plan.problem = NOT_SEARCHED
             plans.append(plan)
             continue
-        except PartitionError as exc:
-            plan.problem = str(exc).split(". ")[0]
-            plans.append(plan)
-            continue
-        plan.prediction = plan.partition.predicted
-        assert plan.prediction is not None  # partition() predicts every partition it makes
-        plan.step_time = iteration_time(plan.prediction, candidate.accumulate)
+        _partitioned(plan, graph, usable, method, optimizer)
         plans.append(plan)
+        if plan.fits and (best is None or plan.throughput > best.throughput):
+            best = plan
+        if progress is not None:
+            progress(SearchProgress(len(plans), len(every), monotonic() - began, best))
     order = {id(plan): i for i, plan in enumerate(plans)}
     # throughputs equal to 3 significant digits tie: then the plan needing the least memory
     return sorted(
@@ -190,6 +210,46 @@ def search(
             p.peak_memory if p.fits else 0.0,
             order[id(p)],
         ),
+    )
+
+
+def _partitioned(plan: Plan, graph: Graph, usable: Profile, method: str, optimizer: str) -> None:
+    """``plan``'s candidate partitioned under ``usable`` (the profile less the memory margin),
+    its prediction and step time filled in, or its problem."""
+    candidate = plan.candidate
+    try:
+        plan.partition = partition(
+            graph,
+            usable,
+            candidate.stages,
+            num_devices=candidate.ranks,
+            method=method,
+            schedule=candidate.schedule,
+            microbatches=candidate.microbatches,
+            optimizer=optimizer,
+            dp_shard=candidate.dp_shard,
+            advise=False,  # the table shows what each rank needs; advice comes once
+        )
+    except DeviceMemoryError as exc:
+        plan.problem = f"a device needs at least {format_bytes(exc.peak)}, even recomputing"
+        return
+    except PartitionError as exc:
+        plan.problem = str(exc).split(". ")[0]
+        return
+    plan.prediction = plan.partition.predicted
+    assert plan.prediction is not None  # partition() predicts every partition it makes
+    plan.step_time = iteration_time(plan.prediction, candidate.accumulate)
+
+
+def searched(plans: list[Plan]) -> str | None:
+    """What a search stopped by ``--search-seconds`` left out, in words (None if nothing)."""
+    left = sum(1 for plan in plans if plan.problem == NOT_SEARCHED)
+    if not left:
+        return None
+    return (
+        f"--search-seconds ran out after {len(plans) - left} of {len(plans)} candidates: the "
+        f"plan is the best of those searched ({left} not searched; give more seconds, or fewer "
+        "candidates with --global-batch / --max-stages-per-device, to search them)"
     )
 
 

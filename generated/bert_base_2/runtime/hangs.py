@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .activity import ACTION_KEYS, ACTION_KINDS, ACTIVITY, Action, Activity, rank_list
 from .core.fields import FieldReader, is_object
-from .core.timeline_format import INSTANTS as TRANSFERS  # a transfer's creation: its peers wait
+from .core.timeline_format import TRANSFERS  # a transfer's creation: its peers wait
 from .failures import agent_store, attempt_prefix
 
 __all__ = [

@@ -6,8 +6,9 @@ ends: each stage's forward, full backward, input backward and weight backward of
 (:class:`~.parallel.DataParallelStage` reports them through ``activity.recorded`` when a
 timeline is attached), the data-parallel gradient reduction the schedule runs after the last
 backward (FSDP2's, per stage), the gradient reduction of the step (scaling, tied sums, the
-norm and clipping), each stage's optimizer step and the step itself; the creation of send and
-receive operations is recorded as instants, with the peer rank. On CPU the clock is
+norm and clipping), each stage's optimizer step and the step itself; the creation of a send as an
+instant, and a receive from its creation to the start of the action that consumes it (which
+waits for it first), both with the peer rank. On CPU the clock is
 ``CLOCK_MONOTONIC`` (system-wide: the ranks of one host agree on it); on CUDA each interval is a
 pair of timing events, resolved once at the end of a traced step and placed on the host clock by
 a reference event recorded at a known host time. Ranks on other hosts than global rank 0 are
@@ -31,7 +32,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .core.timeline_format import COMPUTE, RankTimeline, Record, RunLayout, chrome_trace
+from .core.timeline_format import (
+    COMPUTE,
+    RECEIVES,
+    RankTimeline,
+    Record,
+    RunLayout,
+    chrome_trace,
+)
 from .guards import write_atomically
 
 __all__ = ["Timeline", "default_steps", "parse_steps"]
@@ -64,8 +72,15 @@ def _event() -> Any:
     return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch
 
 
-#: a pending CUDA interval: what it measures and its two events
-_Pending = tuple[int, str, int | None, int | None, int, Any, Any]
+#: a pending CUDA interval: what it measures (step, kind, stage, microbatch, round), its two
+#: events, and the peer of a receive
+_Pending = tuple[int, str, int | None, int | None, int, Any, Any, int | None]
+#: the receive each compute action consumes (waits for before it starts)
+_CONSUMES = {
+    "forward": "recv_activation",
+    "backward": "recv_gradient",
+    "backward_input": "recv_gradient",
+}
 
 
 class Timeline:
@@ -98,6 +113,9 @@ class Timeline:
         self.round = 0  # the accumulation round running
         self.written = False
         self._pending: list[_Pending] = []
+        #: receives created and not yet consumed: (kind, stage, microbatch, round) -> (step,
+        #: the host clock or a CUDA event at their creation, peer)
+        self._receiving: dict[tuple[str, int, int, int], tuple[int, Any, int | None]] = {}
         self._reference: Any = None  # CUDA: the event recorded at host time _reference_ns
         self._reference_ns = 0
 
@@ -144,16 +162,47 @@ class Timeline:
             yield
             return
         round_ = self.round if kind in COMPUTE else 0  # reduce, optimizer: after every round
+        consumed = (
+            self._receiving.pop((_CONSUMES[kind], stage, microbatch, round_), None)
+            if kind in _CONSUMES and stage is not None and microbatch is not None
+            else None
+        )
         if self.cuda:
             begin, end = _event(), _event()
-            begin.record()
+            begin.record()  # on the stream, after the wait for the receive it consumes
+            if consumed is not None:
+                self._pending.append(
+                    (
+                        step,
+                        _CONSUMES[kind],
+                        stage,
+                        microbatch,
+                        round_,
+                        consumed[1],
+                        begin,
+                        consumed[2],
+                    )
+                )
             try:
                 yield
             finally:
                 end.record()
-                self._pending.append((step, kind, stage, microbatch, round_, begin, end))
+                self._pending.append((step, kind, stage, microbatch, round_, begin, end, None))
             return
         start = _now()
+        if consumed is not None:
+            self.records.append(
+                Record(
+                    step,
+                    _CONSUMES[kind],
+                    stage,
+                    microbatch,
+                    self._host(consumed[1]),
+                    self._host(start),
+                    round_,
+                    consumed[2],
+                )
+            )
         try:
             yield
         finally:
@@ -162,22 +211,49 @@ class Timeline:
             )
 
     def instant(self, kind: str, stage: int, microbatch: int, peer: int | None) -> None:
-        """An event without duration (the creation of a send or a receive), on the host clock."""
+        """The creation of a transfer: a send's is an event without duration, on the host clock;
+        a receive's opens its interval, closed when the action consuming it starts (see
+        :meth:`span`)."""
         if self.step is None:
+            return
+        if kind in RECEIVES:
+            created: Any = _now()
+            if self.cuda:
+                created = _event()
+                created.record()
+            self._receiving[kind, stage, microbatch, self.round] = (self.step, created, peer)
             return
         at = self._host(_now())
         self.records.append(Record(self.step, kind, stage, microbatch, at, at, self.round, peer))
 
     def end_step(self) -> None:
         """Closes the traced step: CUDA intervals resolved (one synchronisation) onto the host
-        clock, every record of the step in the order the actions started."""
+        clock, every record of the step in the order the actions started. A receive no action
+        consumed (none should be left) is kept as an instant at its creation."""
+        for (kind, at_stage, at_microbatch, round_), (
+            step,
+            created,
+            peer,
+        ) in self._receiving.items():
+            if self.cuda:
+                self._pending.append(
+                    (step, kind, at_stage, at_microbatch, round_, created, created, peer)
+                )
+            else:
+                at = self._host(created)
+                self.records.append(
+                    Record(step, kind, at_stage, at_microbatch, at, at, round_, peer)
+                )
+        self._receiving.clear()
         if self.cuda and self._pending:
             torch.cuda.synchronize(self.device)
             base = self._host(self._reference_ns)
-            for step, kind, stage, microbatch, round_, begin, end in self._pending:
+            for step, kind, stage, microbatch, round_, begin, end, peer in self._pending:
                 start = base + round(self._reference.elapsed_time(begin) * 1e6)
                 stop = base + round(self._reference.elapsed_time(end) * 1e6)
-                self.records.append(Record(step, kind, stage, microbatch, start, stop, round_))
+                self.records.append(
+                    Record(step, kind, stage, microbatch, start, stop, round_, peer)
+                )
             self._pending.clear()
         self.records.sort(key=lambda r: (r.step, r.start_ns, -r.end_ns))
         self.step = None

@@ -147,7 +147,7 @@ class Metrics:
             entry["mfu"] = mfu
         if skipped:
             entry["skipped"] = True
-        late = slowest(times) if len(times) > 1 else None
+        late, slowness = slowest(times) if len(times) > 1 else (None, "")
         if times:
             entry["rank_times"] = [t.to_json() for t in times]
         if late is not None:
@@ -178,7 +178,7 @@ class Metrics:
             f"grad norm {grad_norm:.3g}, peak memory {max(memory) / 2**20:.0f} MiB)"
         )
         if late is not None:
-            line += f", slowest {late.label} {late.against_plan()}"
+            line += f", slowest {late.label} {slowness}"
         if self.bar:
             done = step + 1
             eta = (self.steps - done) * seconds

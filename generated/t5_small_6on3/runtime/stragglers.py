@@ -141,17 +141,14 @@ class RankTimes:
                 raise _read.fail(f"{where}.{key}", value, f"{derived} (from its stages)")
         return times
 
-    def against_plan(self) -> str:
-        """``1.8x its plan``, or ``0.41 s of compute per step`` without a prediction."""
-        ratio = self.vs_plan
-        if ratio is None:
-            return f"{self.busy:.3g} s of compute per step"
-        return f"{_figure(ratio)}x its plan"
 
-
-def slowest(times: Sequence[RankTimes]) -> RankTimes:
-    """The rank slowest against its plan (by compute per step, without predictions)."""
-    return max(times, key=_slowness(times))
+def slowest(times: Sequence[RankTimes]) -> tuple[RankTimes, str]:
+    """The slowest rank, and how slow in the terms ranks were compared by (see
+    :func:`_by_plan`): ``1.8x its plan``, or ``0.41 s of compute per step``."""
+    late = max(times, key=_slowness(times))
+    if _by_plan(times) and late.vs_plan is not None:
+        return late, f"{_figure(late.vs_plan)}x its plan"
+    return late, f"{late.busy:.3g} s of compute per step"
 
 
 def _by_plan(times: Sequence[RankTimes]) -> bool:

@@ -21,6 +21,8 @@ __all__ = [
     "VERSION",
     "KINDS",
     "INSTANTS",
+    "RECEIVES",
+    "TRANSFERS",
     "COMPUTE",
     "Record",
     "RunLayout",
@@ -37,7 +39,7 @@ KINDS = {
     "backward": "B",  # a full backward (input and weight gradients)
     "backward_input": "I",
     "backward_weight": "W",
-    "send_activation": "F",  # the instants name what is sent or received, and the peer
+    "send_activation": "F",  # transfers name what is sent or received, and the peer
     "send_gradient": "B",
     "recv_activation": "F",
     "recv_gradient": "B",
@@ -46,8 +48,15 @@ KINDS = {
     "optimizer": "optimizer",
     "step": "step",
 }
-#: the kinds recorded as instants (the creation of the operations), not intervals
-INSTANTS = frozenset({"send_activation", "send_gradient", "recv_activation", "recv_gradient"})
+#: the transfers between stages (their records name the peer)
+TRANSFERS = frozenset({"send_activation", "send_gradient", "recv_activation", "recv_gradient"})
+#: the kinds recorded as instants: a send's creation (torch's schedules wait for sends later,
+#: out of the stage's sight)
+INSTANTS = frozenset({"send_activation", "send_gradient"})
+#: the receives, recorded from their creation to the start of the action that consumes them
+#: (which waits for them first): what the rank waited for its input, on a track of their own
+#: (a schedule may post a receive early and compute meanwhile)
+RECEIVES = frozenset({"recv_activation", "recv_gradient"})
 #: the compute actions of a schedule
 COMPUTE = frozenset({"forward", "backward", "backward_input", "backward_weight"})
 
@@ -86,7 +95,7 @@ class Record:
         if self.round:
             what += f".{self.round}"
         where = f" s{self.stage}" if self.stage is not None else ""
-        if self.kind not in INSTANTS:
+        if self.kind not in TRANSFERS:
             return what + where
         verb = self.kind.split("_")[0]
         peer = f" {'to' if verb == 'send' else 'from'} rank {self.peer}"
@@ -259,9 +268,10 @@ class RankTimeline:
 
 def chrome_trace(timelines: Sequence[RankTimeline]) -> str:
     """A Chrome / Perfetto trace (``chrome://tracing``, ui.perfetto.dev) of every rank's
-    timeline: one process per rank named by its stages, one track of complete events (``X``,
-    microseconds from the common origin; the step encloses its actions) and the creation of
-    sends and receives as instants. Byte-stable for the same timelines."""
+    timeline: one process per rank named by its stages, a track of complete events (``X``,
+    microseconds from the common origin; the step encloses its actions) with the creation of
+    sends as instants, and a track of the receives (from their creation to the start of the
+    action that consumed them). Byte-stable for the same timelines."""
     events: list[dict[str, Any]] = []
     for timeline in sorted(timelines, key=lambda t: t.rank):
         pid = timeline.rank
@@ -282,6 +292,16 @@ def chrome_trace(timelines: Sequence[RankTimeline]) -> str:
         events.append(
             {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "actions"}}
         )
+        if any(record.kind in RECEIVES for record in timeline.records):
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": pid,
+                    "tid": 1,
+                    "args": {"name": "receives"},
+                }
+            )
         for record in timeline.records:
             args = {
                 "step": record.step,
@@ -295,7 +315,7 @@ def chrome_trace(timelines: Sequence[RankTimeline]) -> str:
                 "name": record.name,
                 "cat": record.kind,
                 "pid": pid,
-                "tid": 0,
+                "tid": 1 if record.kind in RECEIVES else 0,
                 "ts": record.start_ns / 1000,
                 "args": args,
             }
