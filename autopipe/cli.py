@@ -29,7 +29,7 @@ from .compiler import (
 from .errors import AutopipeError
 from .options import COUNT, OPTIONS, TOLERANCE, Fraction, flag_of
 from .partitioning import Partition
-from .partitioning.search import plan_table, searched, state_floor
+from .partitioning.search import plan_table, state_floor, unsearched_note
 from .progress import NORMAL, QUIET, VERBOSE, Phases
 from .profiling import Profile
 from .profiling.calibrate import calibrate
@@ -171,7 +171,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         f"{plans[0].global_batch} example microbatches, best first:"
     )
     print(plan_table([plan.to_json() for plan in plans[: args.top]]))
-    stopped = searched(plans)
+    stopped = unsearched_note(plans)
     if stopped:
         print(stopped)
     best = plans[0]

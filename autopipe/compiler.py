@@ -18,7 +18,14 @@ from .codegen.output_lock import output_lock
 from .ir import Graph
 from .partitioning import Partition, partition
 from .partitioning.partition import PARTITION_KIND
-from .partitioning.search import Plan, SearchProgress, plan_table, search, searched, state_floor
+from .partitioning.search import (
+    Plan,
+    SearchProgress,
+    plan_table,
+    search,
+    state_floor,
+    unsearched_note,
+)
 from .profiling import DeviceSpec, Profile, device_spec, profile, with_link
 from .profiling.profile import PROFILE_KIND
 from .report import write_report
@@ -123,7 +130,7 @@ def partition_step(
     if options.search:
         phases = phases or Phases(QUIET)
         plans = plan_step(graph, prof, options, progress=lambda done: phases.progress(str(done)))
-        stopped = searched(plans)
+        stopped = unsearched_note(plans)
         if stopped:
             phases.note(stopped)
         best = plans[0]

@@ -106,8 +106,12 @@ class Tolerance(Rule):
 
     rule = "must be a finite number of at least 0"
 
+    @staticmethod
+    def holds(value: Any) -> bool:
+        return is_number(value, 0)
+
     def check(self, value: Any, flag: str) -> Any:
-        if not is_number(value, 0):
+        if not self.holds(value):
             raise AutopipeError(f"{flag} {self.rule}, got {value!r}")
         return value
 
@@ -116,30 +120,20 @@ class Tolerance(Rule):
             value = float(text)
         except ValueError:
             value = math.nan
-        if not is_number(value, 0):
+        if not self.holds(value):
             raise argparse.ArgumentTypeError(f"{self.rule}, got {text!r}")
         return value
 
 
 @dataclass(frozen=True)
-class Seconds(Rule):
+class Seconds(Tolerance):
     """A time budget (``--search-seconds``): a finite number of seconds greater than 0."""
 
     rule = "must be a number of seconds greater than 0"
 
-    def check(self, value: Any, flag: str) -> Any:
-        if not (is_number(value, 0) and value > 0):
-            raise AutopipeError(f"{flag} {self.rule}, got {value!r}")
-        return value
-
-    def parse(self, text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (is_number(value, 0) and value > 0):
-            raise argparse.ArgumentTypeError(f"{self.rule}, got {text!r}")
-        return value
+    @staticmethod
+    def holds(value: Any) -> bool:
+        return is_number(value, 0) and value > 0
 
 
 #: integers of at least 1 (``--top``)

@@ -26,7 +26,7 @@ from autopipe.partitioning.search import (
     SearchProgress,
     candidates,
     search,
-    searched,
+    unsearched_note,
 )
 from autopipe.profiling import device_spec
 from autopipe.runtime.core.schedules import placement, schedule_problem_for
@@ -175,11 +175,11 @@ def test_search_seconds_is_honoured(gpt2_graph, monkeypatch):
     assert [p.candidate for p in done] == [p.candidate for p in every if p.candidate in {
         d.candidate for d in done
     }]  # the first candidates, in their order  # fmt: skip
-    message = searched(plans)
+    message = unsearched_note(plans)
     assert message is not None and message.startswith(
         f"--search-seconds ran out after 2 of {len(every)} candidates"
     )
-    assert searched(every) is None
+    assert unsearched_note(every) is None
     best = told[-1].best
     assert best is not None and str(told[-1]).startswith(f"2/{len(every)} candidates, ")
     assert "best so far: " in str(told[-1])

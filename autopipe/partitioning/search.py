@@ -241,7 +241,7 @@ def _partitioned(plan: Plan, graph: Graph, usable: Profile, method: str, optimiz
     plan.step_time = iteration_time(plan.prediction, candidate.accumulate)
 
 
-def searched(plans: list[Plan]) -> str | None:
+def unsearched_note(plans: list[Plan]) -> str | None:
     """What a search stopped by ``--search-seconds`` left out, in words (None if nothing)."""
     left = sum(1 for plan in plans if plan.problem == NOT_SEARCHED)
     if not left:
