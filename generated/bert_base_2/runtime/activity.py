@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .core.fields import FieldReader
 from .core.timeline_format import COMPUTE
 from .core.timeline_format import KINDS as TIMELINE_KINDS
 from .timeline import Timeline
@@ -117,6 +118,28 @@ class Action(NamedTuple):
             "ranks": list(self.ranks),
             "shapes": [list(shape) for shape in self.shapes],
         }
+
+    @classmethod
+    def from_json(cls, data: object, where: str, read: FieldReader) -> Action:
+        """The action :meth:`to_json` made ``data`` of, checked by ``read`` (the reader of
+        the format holding it, which names its errors)."""
+        fields = read.fields(data, where, ACTION_KEYS)
+        shapes = read.items(
+            fields["shapes"], f"{where}.shapes", lambda v: isinstance(v, list), "shape"
+        )
+        return cls(
+            kind=read.check(
+                fields["kind"], f"{where}.kind", ACTION_KINDS.__contains__, "an action"
+            ),
+            step=read.integer(fields["step"], f"{where}.step", minimum=-1),
+            round=read.integer(fields["round"], f"{where}.round", minimum=0),
+            stage=read.optional_integer(fields["stage"], f"{where}.stage"),
+            microbatch=read.optional_integer(fields["microbatch"], f"{where}.microbatch"),
+            peers=read.ints(fields["peers"], f"{where}.peers"),
+            ranks=read.ints(fields["ranks"], f"{where}.ranks"),
+            shapes=tuple(read.ints(s, f"{where}.shapes[{i}]") for i, s in enumerate(shapes)),
+            order=read.integer(fields["order"], f"{where}.order", minimum=0),
+        )
 
 
 #: the fields of an :class:`Action`, in order: the keys of its JSON object

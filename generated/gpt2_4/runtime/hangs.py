@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .activity import ACTION_KEYS, ACTION_KINDS, ACTIVITY, Action, Activity, rank_list
+from .activity import ACTIVITY, Action, Activity, rank_list
 from .core.fields import FieldReader, is_object
 from .core.timeline_format import TRANSFERS  # a transfer's creation: its peers wait
 from .failures import agent_store, attempt_prefix
@@ -119,23 +119,7 @@ class Frame:
 
 def _action(data: object, where: str) -> Action | None:
     """The action of :meth:`Action.to_json`'s object ``data`` (None for null)."""
-    if data is None:
-        return None
-    fields = _read.fields(data, where, ACTION_KEYS)
-    shapes = _read.items(
-        fields["shapes"], f"{where}.shapes", lambda v: isinstance(v, list), "shape"
-    )
-    return Action(
-        kind=_read.check(fields["kind"], f"{where}.kind", ACTION_KINDS.__contains__, "an action"),
-        step=_read.integer(fields["step"], f"{where}.step", minimum=-1),
-        round=_read.integer(fields["round"], f"{where}.round", minimum=0),
-        stage=_read.optional_integer(fields["stage"], f"{where}.stage"),
-        microbatch=_read.optional_integer(fields["microbatch"], f"{where}.microbatch"),
-        peers=_read.ints(fields["peers"], f"{where}.peers"),
-        ranks=_read.ints(fields["ranks"], f"{where}.ranks"),
-        shapes=tuple(_read.ints(s, f"{where}.shapes[{i}]") for i, s in enumerate(shapes)),
-        order=_read.integer(fields["order"], f"{where}.order", minimum=0),
-    )
+    return None if data is None else Action.from_json(data, where, _read)
 
 
 @dataclass(frozen=True)
