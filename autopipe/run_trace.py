@@ -22,6 +22,7 @@ from .errors import ArtifactError
 from .runtime.core.pipeline import Pipeline
 from .runtime.core.timeline_format import (
     COMPUTE,
+    UNITS,
     RankTimeline,
     Record,
     RunLayout,
@@ -246,6 +247,19 @@ class RunTrace:
                     span = spans.setdefault(r.step, [r.start_ns, r.end_ns])
                     span[0], span[1] = min(span[0], r.start_ns), max(span[1], r.end_ns)
         return {step: (end - start) / 1e9 for step, (start, end) in sorted(spans.items())}
+
+    @cached_property
+    def unit_times(self) -> dict[str, float]:
+        """FSDP2's seconds per rank and step by kind (unshard, reshard, fsdp_reduce), those
+        recorded (none without data parallelism); on a rank they overlap the compute they
+        happen in."""
+        totals: dict[str, int] = {}
+        for timeline in self.timelines:
+            for r in timeline.records:
+                if r.kind in UNITS:
+                    totals[r.kind] = totals.get(r.kind, 0) + r.end_ns - r.start_ns
+        per = len(self.timelines) * max(len(self.steps), 1)
+        return {kind: totals[kind] / per / 1e9 for kind in sorted(totals)}
 
     @property
     def step_time(self) -> float:

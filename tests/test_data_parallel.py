@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from autopipe.profiling import device_spec
 from autopipe.runtime import train_state
 from autopipe.runtime.options import parse_config
 from autopipe.runtime.core.pipeline import Pipeline
+from autopipe.runtime.core.timeline_format import COMPUTE, UNITS, RankTimeline
 from autopipe.spec import load_example
 
 from autopipe.verify import load_pipeline
@@ -48,6 +50,47 @@ def clip_was_active(log):
     return all(json.loads(line)["grad_norm"] > 0.3 for line in log.read_text().splitlines())
 
 
+def assert_unit_actions_recorded(trace, flags):
+    """Per rank and traced step: gathered per block call, every forward and backward of each
+    microbatch unshards every unit of its stage, and every backward reduces; gathered per
+    step, each unit is unsharded, freed and reduced once; replicated, nothing is gathered or
+    freed, and each unit's gradients are reduced once, after the backward."""
+    per_block, per_step = "--gather" not in flags and "--dp-shard" in flags, "--gather" in flags
+    for rank in range(4):
+        timeline = RankTimeline.from_json((trace / f"rank{rank}.json").read_text())
+        (stage,) = timeline.stages
+        units = {r.unit for r in timeline.records if r.kind in UNITS}
+        assert "" in units and len(units) > 1, units  # the stage's blocks and the rest
+        for step in range(*timeline.steps):
+            mine = [r for r in timeline.records if r.step == step]
+            count = Counter((r.kind, r.unit) for r in mine if r.kind in UNITS)
+            assert all(r.stage == stage for r in mine if r.kind in UNITS)
+            if per_block:
+                for action in (r for r in mine if r.kind in COMPUTE):
+                    gathered = {
+                        r.unit
+                        for r in mine
+                        if r.kind == "unshard"
+                        and r.microbatch == action.microbatch
+                        and action.start_ns <= r.start_ns <= r.end_ns <= action.end_ns
+                    }
+                    assert gathered == units, f"rank {rank}: {action.name}"
+                assert count == {
+                    (kind, unit): 4 if kind != "fsdp_reduce" else 2
+                    for kind in UNITS
+                    for unit in units
+                }
+            elif per_step:
+                assert count == {(kind, unit): 1 for kind in UNITS for unit in units}
+            else:
+                assert count == {("fsdp_reduce", unit): 1 for unit in units}
+                (dp_reduce,) = [r for r in mine if r.kind == "dp_reduce"]
+                for r in mine:
+                    if r.kind == "fsdp_reduce":
+                        assert r.microbatch is None
+                        assert dp_reduce.start_ns <= r.start_ns <= r.end_ns <= dp_reduce.end_ns
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "flags",
@@ -62,9 +105,15 @@ def test_two_stages_on_two_data_parallel_ranks(tmp_path, flags):
     """4 processes, 2 per stage, each rank training on its own 2 of the step's 4 microbatches:
     sharded with parameters gathered per block call (gradients reduce-scattered every
     microbatch) or once per step (reduced once), or replicated with the reduction after the
-    backward instead of during it."""
-    pipe = run_pipeline(tmp_path, "gpt2", 2, "gpt2_batch", *flags, "--microbatches", "2", nproc=4)
+    backward instead of during it. Traced (``--trace``): FSDP2's unshards, reshards and
+    reductions of each unit are recorded where they happen, as often as the mode does them."""
+    trace = tmp_path / "trace"
+    pipe = run_pipeline(
+        tmp_path, "gpt2", 2, "gpt2_batch", *flags, "--microbatches", "2", "--trace", str(trace),
+        nproc=4,
+    )  # fmt: skip
     assert_same_training(pipe, gpt2_reference())
+    assert_unit_actions_recorded(trace, flags)
     package = load_pipeline(tmp_path / "pipe")
     whole = [  # bytes of a stage's parameters, gradients and AdamW moments
         4 * sum(p.numel() * p.element_size() for p in package.build_stage(i).parameters())

@@ -29,7 +29,7 @@ from autopipe.report.figures import run_timeline_figure, save_figure
 from autopipe.report.run import DEVIATIONS, FAR, StageComparison
 from autopipe.run_trace import RunTrace
 from autopipe.runtime.core.pipeline import Pipeline
-from autopipe.runtime.core.timeline_format import RankTimeline
+from autopipe.runtime.core.timeline_format import RankTimeline, Record
 
 from conftest import ROOT, compile_model
 
@@ -245,6 +245,34 @@ def test_cli_prints_the_summary(package, capsys, trace_dir):
     html = (package / "report" / "report.html").read_text()
     assert "Measured run" not in html
     assert not any((package / "report" / f"{name}.svg").exists() for name in RUN_FIGURES)
+
+
+def test_summary_of_fsdp2_actions(package, tmp_path, trace_dir):
+    """A run that recorded FSDP2's actions (data parallelism) says what they took per rank and
+    step: each forward here given an unshard of a tenth of it."""
+
+    def unsharded(timeline):
+        added = [
+            Record(r.step, "unshard", r.stage, r.microbatch, r.start_ns,
+                   r.start_ns + (r.end_ns - r.start_ns) // 10, unit="transformer.h.0")
+            for r in timeline.records
+            if r.kind == "forward"
+        ]  # fmt: skip
+        records = tuple(sorted(timeline.records + tuple(added), key=lambda r: r.start_ns))
+        return dataclasses.replace(timeline, records=records)
+
+    traced = _rewritten(tmp_path, unsharded, trace_dir)
+    trace = RunTrace.load(traced)
+    forwards = sum(
+        (r.end_ns - r.start_ns) // 10 for t in trace.timelines for r in t.records
+        if r.kind == "forward"
+    )  # fmt: skip
+    assert trace.unit_times == {
+        "unshard": pytest.approx(forwards / len(trace.timelines) / len(trace.steps) / 1e9)
+    }
+    comparison = RunComparison.load(ReportData.load(package), traced)
+    assert "FSDP2: per rank and step: unshard " in comparison.summary()
+    assert "FSDP2" not in RunComparison.load(ReportData.load(package), trace_dir).summary()
 
 
 def test_refusals(package, tmp_path, capsys, trace_dir):

@@ -1,6 +1,6 @@
 """A traced run read back (autopipe/run_trace.py): the measures ``report --run`` and ``replan``
 rest on, against a hand-made trace whose stage times, pipeline runs, bubble and step times are
-known, with data-parallel replicas kept apart."""
+known, with data-parallel replicas kept apart and FSDP2's actions counted apart."""
 
 from __future__ import annotations
 
@@ -31,9 +31,12 @@ def _timeline(rank: int, pp_rank: int, dp_rank: int, offset: int) -> RankTimelin
     """Rank ``rank``'s one traced step, its replica starting ``offset`` ms after the origin."""
     records = [Record(1, "step", None, None, offset * MS, (offset + 20) * MS)]
     for kind, microbatch, begin, end in SPANS[pp_rank]:
-        records.append(
-            Record(1, kind, pp_rank, microbatch, (offset + begin) * MS, (offset + end) * MS)
-        )
+        start = (offset + begin) * MS
+        records.append(Record(1, kind, pp_rank, microbatch, start, (offset + end) * MS))
+        # FSDP2's: a quarter of a ms gathering in each forward, half a ms reducing in each
+        # backward (measures of compute leave them out)
+        unit = ("unshard", MS // 4) if kind == "forward" else ("fsdp_reduce", MS // 2)
+        records.append(Record(1, unit[0], pp_rank, microbatch, start, start + unit[1], unit=""))
     return RankTimeline(rank, pp_rank, dp_rank, (pp_rank,), "cpu", RUN, 0, (1, 2), tuple(records))
 
 
@@ -68,3 +71,5 @@ def test_measures_of_a_known_trace(trace):
     # busy 6 + 10 of 2 x 13 ms: the rest idle
     assert trace.bubble == pytest.approx(1 - 16 / 26)
     assert trace.step_times == {1: pytest.approx(120e-3)}  # both replicas' step records
+    # per rank and step: 2 forwards' gathers, 2 backwards' reductions
+    assert trace.unit_times == {"fsdp_reduce": pytest.approx(1e-3), "unshard": pytest.approx(5e-4)}

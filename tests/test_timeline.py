@@ -81,7 +81,7 @@ def test_rank_timeline_round_trips_byte_stable():
     "edit, message",
     [
         (lambda d: d.update(format="other"), "format"),
-        (lambda d: d.update(version=1), "timeline.version must be 2"),
+        (lambda d: d.update(version=2), "timeline.version must be 3"),
         (lambda d: d.update(extra=1), "timeline.extra is not a field of a timeline"),
         (lambda d: d.pop("rank"), "timeline.rank is missing"),
         (lambda d: d["run"].update(microbatches=0), "run.microbatches must be an integer >= 1"),
@@ -98,6 +98,8 @@ def test_rank_timeline_round_trips_byte_stable():
         (lambda d: d["records"][2].update(start_ns=1.5), r"records\[2\].start_ns"),
         (lambda d: d["records"][2].update(end_ns=0), r"records\[2\].end_ns 0 is before"),
         (lambda d: d["records"][1].pop("peer"), r"records\[1\].peer is missing"),
+        (lambda d: d["records"][1].update(unit="h.0"), r"records\[1\].unit must be a unit's"),
+        (lambda d: d["records"][1].update(kind="unshard"), r"records\[1\].unit must be a unit's"),
         (lambda d: d.update(records=[1]), r"timeline.records\[0\] must be a record"),
     ],
 )

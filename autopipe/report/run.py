@@ -242,7 +242,17 @@ class RunComparison:
                 f"measured / predicted compute x{self.scale:.2f}; stages and actions are "
                 "judged against it",
             ),
-        ]
+        ] + self._unit_rows()
+
+    def _unit_rows(self) -> list[tuple[str, str]]:
+        """FSDP2's time per rank and step, where the run recorded it."""
+        times = self.trace.unit_times
+        if not times:
+            return []
+        parts = ", ".join(
+            f"{KINDS[kind]} {seconds * 1e3:.3f} ms" for kind, seconds in times.items()
+        )
+        return [("FSDP2", f"per rank and step: {parts} (within the actions above)")]
 
     # -- stages --------------------------------------------------------------------------------
     @cached_property

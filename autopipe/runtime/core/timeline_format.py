@@ -24,6 +24,8 @@ __all__ = [
     "RECEIVES",
     "TRANSFERS",
     "COMPUTE",
+    "UNITS",
+    "TRACKS",
     "Record",
     "RunLayout",
     "RankTimeline",
@@ -31,7 +33,7 @@ __all__ = [
     "chrome_trace",
 ]
 
-FORMAT, VERSION = "autopipe.timeline", 2
+FORMAT, VERSION = "autopipe.timeline", 3
 
 #: what a record measures, and its letter in the trace's event names
 KINDS = {
@@ -47,6 +49,9 @@ KINDS = {
     "reduce": "reduce",  # gradients scaled, tied copies summed, the norm taken and clipped
     "optimizer": "optimizer",
     "step": "step",
+    "unshard": "unshard",  # an FSDP2 unit's parameters all-gathered and copied out
+    "reshard": "reshard",  # an FSDP2 unit's gathered parameters freed
+    "fsdp_reduce": "fsdp-reduce",  # an FSDP2 unit's gradients reduced (reduce-scatter, all-reduce)
 }
 #: the transfers between stages (their records name the peer)
 TRANSFERS = frozenset({"send_activation", "send_gradient", "recv_activation", "recv_gradient"})
@@ -59,6 +64,20 @@ INSTANTS = frozenset({"send_activation", "send_gradient"})
 RECEIVES = frozenset({"recv_activation", "recv_gradient"})
 #: the compute actions of a schedule
 COMPUTE = frozenset({"forward", "backward", "backward_input", "backward_weight"})
+#: FSDP2's actions on one unit (a block, or the stage's own parameters outside its blocks: the
+#: unit ``""``), each within the action or reduction it happened in
+UNITS = frozenset({"unshard", "reshard", "fsdp_reduce"})
+#: the tracks of a rank in the Chrome trace, by the kinds on them (the rest: "actions", 0)
+TRACKS = {
+    "receives": (1, RECEIVES),
+    "unshard": (2, frozenset({"unshard"})),
+    "reshard": (3, frozenset({"reshard"})),
+    "FSDP reduce": (4, frozenset({"fsdp_reduce"})),
+}
+
+
+#: each kind's track (see TRACKS)
+_TRACK_OF = {kind: tid for tid, kinds in TRACKS.values() for kind in kinds}
 
 
 class TimelineFormatError(ValueError):
@@ -73,7 +92,8 @@ _read = FieldReader(TimelineFormatError, "a timeline")
 class Record:
     """One measured action: nanoseconds from the run's common origin (global rank 0's clock
     at :meth:`Timeline.align`). ``stage``, ``microbatch`` and ``peer`` are None where they do
-    not apply; ``round`` is the accumulation round (``--accumulate``) of a microbatch's action."""
+    not apply; ``round`` is the accumulation round (``--accumulate``) of a microbatch's action;
+    ``unit`` the FSDP2 unit of an FSDP2 action (:data:`UNITS`), else None."""
 
     step: int
     kind: str
@@ -83,18 +103,25 @@ class Record:
     end_ns: int
     round: int = 0
     peer: int | None = None
+    unit: str | None = None
 
-    KEYS = ("step", "kind", "stage", "microbatch", "round", "peer", "start_ns", "end_ns")
+    KEYS = ("step", "kind", "stage", "microbatch", "round", "peer", "unit", "start_ns", "end_ns")
 
     @property
     def name(self) -> str:
         """``F3 s1``: the forward of microbatch 3 at stage 1 (``F3.1 s1`` in accumulation round
-        1); ``optimizer s1``, ``reduce``; ``send F3 s1 to rank 2``, ``recv B3 s1 from rank 2``."""
+        1); ``optimizer s1``, ``reduce``; ``send F3 s1 to rank 2``, ``recv B3 s1 from rank 2``;
+        FSDP2's: ``unshard blocks.0 mb3 s1`` (the unit ``""`` named ``stage``)."""
         letter = KINDS[self.kind]
+        where = f" s{self.stage}" if self.stage is not None else ""
+        if self.kind in UNITS:
+            unit = self.unit or "stage"
+            during = f" mb{self.microbatch}" if self.microbatch is not None else ""
+            during += f".{self.round}" if self.round and self.microbatch is not None else ""
+            return f"{letter} {unit}{during}{where}"
         what = letter + (str(self.microbatch) if self.microbatch is not None else "")
         if self.round:
             what += f".{self.round}"
-        where = f" s{self.stage}" if self.stage is not None else ""
         if self.kind not in TRANSFERS:
             return what + where
         verb = self.kind.split("_")[0]
@@ -116,6 +143,9 @@ class Record:
         )
         if end < start:
             raise TimelineFormatError(f"{where}.end_ns {end} is before start_ns {start}")
+        unit = fields["unit"]
+        if (unit is not None) != (kind in UNITS) or not isinstance(unit, (str, type(None))):
+            raise _read.fail(f"{where}.unit", unit, "a unit's name for an FSDP2 action, else null")
         return cls(
             step=step,
             kind=kind,
@@ -125,6 +155,7 @@ class Record:
             end_ns=end,
             round=round_,
             peer=_read.optional_integer(fields["peer"], f"{where}.peer"),
+            unit=unit,
         )
 
 
@@ -270,8 +301,9 @@ def chrome_trace(timelines: Sequence[RankTimeline]) -> str:
     """A Chrome / Perfetto trace (``chrome://tracing``, ui.perfetto.dev) of every rank's
     timeline: one process per rank named by its stages, a track of complete events (``X``,
     microseconds from the common origin; the step encloses its actions) with the creation of
-    sends as instants, and a track of the receives (from their creation to the start of the
-    action that consumed them). Byte-stable for the same timelines."""
+    sends as instants, a track of the receives (from their creation to the start of the
+    action that consumed them), and one per FSDP2 action (:data:`TRACKS`). Byte-stable for the
+    same timelines."""
     events: list[dict[str, Any]] = []
     for timeline in sorted(timelines, key=lambda t: t.rank):
         pid = timeline.rank
@@ -292,18 +324,19 @@ def chrome_trace(timelines: Sequence[RankTimeline]) -> str:
         events.append(
             {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "actions"}}
         )
-        if any(record.kind in RECEIVES for record in timeline.records):
-            events.append(
-                {
-                    "ph": "M",
-                    "name": "thread_name",
-                    "pid": pid,
-                    "tid": 1,
-                    "args": {"name": "receives"},
-                }
-            )
+        for name, (tid, kinds) in TRACKS.items():
+            if any(record.kind in kinds for record in timeline.records):
+                events.append(
+                    {
+                        "ph": "M",
+                        "name": "thread_name",
+                        "pid": pid,
+                        "tid": tid,
+                        "args": {"name": name},
+                    }
+                )
         for record in timeline.records:
-            args = {
+            args: dict[str, Any] = {
                 "step": record.step,
                 "stage": record.stage,
                 "microbatch": record.microbatch,
@@ -311,11 +344,13 @@ def chrome_trace(timelines: Sequence[RankTimeline]) -> str:
             }
             if record.peer is not None:
                 args["peer"] = record.peer
+            if record.unit is not None:
+                args["unit"] = record.unit
             event: dict[str, Any] = {
                 "name": record.name,
                 "cat": record.kind,
                 "pid": pid,
-                "tid": 1 if record.kind in RECEIVES else 0,
+                "tid": _TRACK_OF.get(record.kind, 0),
                 "ts": record.start_ns / 1000,
                 "args": args,
             }

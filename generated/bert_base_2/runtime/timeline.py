@@ -12,7 +12,9 @@ waits for it first), both with the peer rank. On CPU the clock is
 ``CLOCK_MONOTONIC`` (system-wide: the ranks of one host agree on it); on CUDA each interval is a
 pair of timing events, resolved once at the end of a traced step and placed on the host clock by
 a reference event recorded at a known host time. Ranks on other hosts than global rank 0 are
-aligned by a barrier at the start (:meth:`Timeline.align`).
+aligned by a barrier at the start (:meth:`Timeline.align`). With FSDP2-managed stages (``fsdp_root``:
+the path of the stage module in the module FSDP2 was applied to last, its root), each unit's unshard, reshard and gradient reduction are recorded too (``fsdp_timeline.py``:
+read from the profiler during the traced steps only), each placed in the action it happened in.
 
 Each rank writes ``rankR.json`` (:class:`RankTimeline`, compact JSON); global rank 0 gathers
 every rank's and writes ``trace.json``, a Chrome / Perfetto trace (:func:`chrome_trace`).
@@ -40,6 +42,7 @@ from .core.timeline_format import (
     RunLayout,
     chrome_trace,
 )
+from .fsdp_timeline import UnitAction, UnitRecorder
 from .guards import write_atomically
 
 __all__ = ["Timeline", "default_steps", "parse_steps"]
@@ -99,6 +102,7 @@ class Timeline:
         stages: tuple[int, ...],
         device: torch.device,
         run: RunLayout,
+        fsdp_root: str | None = None,
     ) -> None:
         self.directory = directory
         self.run = run
@@ -118,6 +122,11 @@ class Timeline:
         self._receiving: dict[tuple[str, int, int, int], tuple[int, Any, int | None]] = {}
         self._reference: Any = None  # CUDA: the event recorded at host time _reference_ns
         self._reference_ns = 0
+        #: FSDP2's actions, read from the profiler (None: the stages are not FSDP2-managed)
+        self._units = UnitRecorder(self.cuda, fsdp_root) if fsdp_root is not None else None
+        #: the host interval of each span of the step (kind, stage, microbatch, round), to
+        #: place FSDP2's actions in
+        self._hosted: list[tuple[int, int, str, int | None, int | None, int]] = []
 
     # -- clocks --------------------------------------------------------------------------------
     def align(self) -> None:
@@ -151,6 +160,8 @@ class Timeline:
             self._reference = _event()
             self._reference_ns = _now()
             self._reference.record()
+        if self._units is not None:
+            self._units.start()
 
     @contextlib.contextmanager
     def span(
@@ -167,6 +178,32 @@ class Timeline:
             if kind in _CONSUMES and stage is not None and microbatch is not None
             else None
         )
+        if self._units is not None:
+            with self._host_interval(kind, stage, microbatch, round_):
+                yield from self._measured(step, kind, stage, microbatch, round_, consumed)
+            return
+        yield from self._measured(step, kind, stage, microbatch, round_, consumed)
+
+    @contextlib.contextmanager
+    def _host_interval(
+        self, kind: str, stage: int | None, microbatch: int | None, round_: int
+    ) -> Iterator[None]:
+        start = _now()
+        try:
+            yield
+        finally:
+            self._hosted.append((start, _now(), kind, stage, microbatch, round_))
+
+    def _measured(
+        self,
+        step: int,
+        kind: str,
+        stage: int | None,
+        microbatch: int | None,
+        round_: int,
+        consumed: tuple[int, Any, int | None] | None,
+    ) -> Iterator[None]:
+        """The body of :meth:`span`: the interval on the device (CUDA) or the host clock."""
         if self.cuda:
             begin, end = _event(), _event()
             begin.record()  # on the stream, after the wait for the receive it consumes
@@ -255,8 +292,39 @@ class Timeline:
                     Record(step, kind, stage, microbatch, start, stop, round_, peer)
                 )
             self._pending.clear()
+        if self._units is not None:
+            self._place(self._units.stop())
         self.records.sort(key=lambda r: (r.step, r.start_ns, -r.end_ns))
         self.step = None
+
+    def _place(self, actions: Sequence[UnitAction]) -> None:
+        """FSDP2's actions as records of the step running, each in the innermost span its host
+        start fell in: the stage of that span, and its microbatch and round for a compute
+        action (none for a reduction after the backward)."""
+        assert self.step is not None
+        hosted = sorted(self._hosted, key=lambda h: (h[0], -h[1]))
+        self._hosted.clear()
+        for action in actions:
+            start = action.start_ns
+            stage, microbatch, round_ = None, None, 0
+            for begin, end, kind, at_stage, at_microbatch, at_round in hosted:
+                if begin > start:
+                    break
+                if start <= end and at_stage is not None:  # later starts are inner ones
+                    stage = at_stage
+                    microbatch, round_ = (at_microbatch, at_round) if kind in COMPUTE else (None, 0)
+            self.records.append(
+                Record(
+                    self.step,
+                    action.kind,
+                    stage,
+                    microbatch,
+                    self._host(action.start_ns),
+                    self._host(action.end_ns),
+                    round_,
+                    unit=action.unit,
+                )
+            )
 
     # -- output --------------------------------------------------------------------------------
     def timeline(self) -> RankTimeline:

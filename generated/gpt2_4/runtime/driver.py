@@ -160,6 +160,9 @@ class StageRunner(nn.Module):
     in backward, and returning fresh tensors of the pipeline's dtypes (split-backward schedules
     detach stage outputs in place, which must not reach tensors the stage saved)."""
 
+    #: the stage's path in its runner
+    STAGE = "stage"
+
     def __init__(
         self,
         stage: nn.Module,
@@ -170,7 +173,7 @@ class StageRunner(nn.Module):
         fresh_outputs: bool,
     ):
         super().__init__()
-        self.stage = stage
+        self.stage = stage  # at STAGE
         self.output_dtypes = output_dtypes
         self.autocast = autocast
         self.recompute = recompute
@@ -731,6 +734,7 @@ class TrainingRun:
                 recompute=tuple(sorted(config.recompute)),
                 recompute_blocks=tuple(sorted(config.recompute_blocks)),
             ),
+            fsdp_root=StageRunner.STAGE if layout.sharded else None,
         )
         timeline.align()
         return timeline
