@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from .ir import Graph, TensorMeta
 from .ir.sizes import planned_sizes
 from .runtime.core.shapes import evaluate
 from .partitioning import Partition
-from .partitioning.cost import Throughput
+from .partitioning.cost import Throughput, block_costs
 from .partitioning.search import plan_table
 
 
@@ -47,12 +48,58 @@ def format_partition(graph: Graph, part: Partition) -> str:
     rows.append(throughput_line(graph, part))
     if graph.model.symbols:
         rows.append(f"dynamic dimensions: {dimensions_text(graph, part)}")
+    rows += recompute_lines(graph, part)
+    return "\n".join(rows)
+
+
+def recompute_lines(graph: Graph, part: Partition) -> list[str]:
+    """What recomputes its activations, and why it beats the fastest split without (or that
+    none fits without)."""
+    predicted = part.predicted
+    assert predicted is not None  # a partition's summary needs its prediction
+    device = part.settings.device
+    rows = []
     if part.recompute:
         rows.append(
             f"stages {', '.join(map(str, part.recompute))} recompute their activations in backward "
-            f"to fit the {settings.device}'s memory (train.py --recompute auto)"
+            f"to fit the {device}'s memory (train.py --recompute auto)"
         )
-    return "\n".join(rows)
+    if part.recompute_blocks:
+        blocks = block_costs(graph)
+        by_stage = Counter(blocks[name].stage(part.stage_of_unit) for name in part.recompute_blocks)
+        where = ", ".join(f"stage {s}: {n}" for s, n in sorted(by_stage.items()))
+        rows.append(
+            f"{_count(len(part.recompute_blocks), 'block')} recompute their activations in "
+            f"backward ({where}; train.py --recompute auto)"
+        )
+    other = part.compared
+    if other is None:
+        return rows
+    step = predicted.step_time
+    slower = f"{other.step_time * 1e3:.3f} ms (+{(other.step_time / step - 1) * 100:.1f}%)"
+    if other.recomputed < part.recomputed:
+        only = (
+            f", itself recomputing {_count(other.recomputed, 'block')} where nothing fits"
+            if other.recomputed
+            else ""
+        )
+        rows.append(
+            f"why: predicted step {step * 1e3:.3f} ms recomputing to balance the stages, "
+            f"against {slower} for the split that shrinks the stages short of memory "
+            f"instead{only}: recomputing costs less than the imbalance"
+        )
+    elif other.recomputed > part.recomputed:
+        rows.append(
+            f"why: predicted step {step * 1e3:.3f} ms, against {slower} for the split that "
+            f"recomputes {_count(other.recomputed, 'block')} to balance the stages: "
+            "recomputing would cost more than the imbalance"
+        )
+    else:
+        rows.append(
+            f"why: predicted step {step * 1e3:.3f} ms, against {slower} for the split that "
+            "shrinks the stages short of memory instead (recomputing as much)"
+        )
+    return rows
 
 
 def memory_lines(part: Partition) -> list[str]:

@@ -79,11 +79,14 @@ def test_bytes_are_written_in_readable_units():
 def test_contiguous_refusal_names_the_least_a_split_needs():
     """Four units of 1 GiB of activations on 2 stages under 1F1B (stage 0 holds 2 microbatches
     in flight, stage 1 one): the split needing the least memory is 1 | 3 units, 2 and 3 GiB. The
-    refusal on 1.5 GiB says exactly that, and it is the threshold: 3 GiB fits, a byte less not."""
+    refusal on 1.5 GiB (without recomputing) says exactly that, and it is the threshold: 3 GiB
+    fits, a byte less not."""
     graph = chain_graph(4)
 
     def model(memory: float) -> CostModel:
-        return CostModel(graph, profile(graph, [1] * 4, activations=[GiB] * 4, spec=device(memory)))
+        spec = device(memory)
+        plain = CostModel(graph, profile(graph, [1] * 4, activations=[GiB] * 4, spec=spec))
+        return plain.without_balancing_recomputation()
 
     with pytest.raises(DeviceMemoryError) as failure:
         solve_contiguous(model(1.5 * GiB), 2)

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopipe.compiler import CompileOptions, trace_step
 from autopipe.errors import PartitionError
-from autopipe.partitioning import CostModel, partition
-from autopipe.partitioning.dp import solve_contiguous
-from autopipe.profiling import Profile, UnitCost, device_spec, with_link
+from autopipe.partitioning import CostModel, Partition, partition
+from autopipe.partitioning.dp import ContiguousSplits, recompute_seconds, solve_contiguous
+from autopipe.profiling import Profile, UnitCost, device_spec, profile, with_link
+from autopipe.summary import format_partition
 from autopipe.profiling.profile import graph_digest
 from autopipe.spec import load_example
 
@@ -59,22 +62,107 @@ def brute_force(model: CostModel, stages: int):
     stages=st.integers(1, 4),
 )
 def test_dp_matches_brute_force(costs, activations, link, stages):
+    """Without recomputing to balance, the DP's optimum is the best split that fits, as the
+    cost model evaluates it."""
     model = CostModel(
         GRAPH, random_profile(costs, [a * 1024**3 for a in activations], link, memory_gib=40)
-    )
+    ).without_balancing_recomputation()
     expected = brute_force(model, stages)
+    optimum = ContiguousSplits(model, stages).solve()
     if expected is None:
-        with pytest.raises(PartitionError, match="fits the memory"):
-            solve_contiguous(model, stages)
+        assert optimum is None
         return
-    assignment = solve_contiguous(model, stages)
+    assert optimum is not None
+    assignment = optimum.stage_of_unit
     assert sorted(set(assignment)) == list(range(stages))
     assert assignment == sorted(assignment)  # contiguous, in program order
     prediction = model.evaluate(assignment)
     assert prediction.bottleneck == pytest.approx(expected[0], rel=1e-9, abs=1e-12)
+    assert optimum.bottleneck == pytest.approx(expected[0], rel=1e-9, abs=1e-12)
     assert sum(c.time**2 for c in prediction.stages) == pytest.approx(
         expected[1], rel=1e-6, abs=1e-9
     )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    costs=st.lists(st.floats(0.0, 10.0), min_size=UNITS, max_size=UNITS),
+    activations=st.lists(st.integers(0, 4), min_size=UNITS, max_size=UNITS),
+    stages=st.integers(1, 4),
+    memory=st.sampled_from([4, 8, 40]),
+)
+def test_dp_recomputing_to_balance_is_exact_for_its_costs(costs, activations, stages, memory):
+    """Recomputing to balance, the DP finds the split whose slowest stage (recomputation
+    included) is the least of all contiguous splits, cut anywhere or between blocks only."""
+    model = CostModel(
+        GRAPH, random_profile(costs, [a * 1024**3 for a in activations], 1e3, memory_gib=memory)
+    )
+    splits = ContiguousSplits(model, stages)
+    for cuts in (None, splits.between_blocks):
+        best = math.inf
+        for inner in itertools.combinations(range(1, model.num_units), stages - 1):
+            bounds = (0, *inner, model.num_units)
+            slowest = max(
+                float(
+                    splits.stage_costs(
+                        k, slice(a, a + 1), slice(b, b + 1), cuts, model.device.memory
+                    )
+                )
+                for k, (a, b) in enumerate(zip(bounds, bounds[1:]))
+            )
+            best = min(best, slowest)
+        optimum = splits.solve(cuts)
+        if not math.isfinite(best):
+            assert optimum is None
+            continue
+        assert optimum is not None
+        assert optimum.bottleneck == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def test_recompute_seconds_drop_the_activations_that_do_not_fit():
+    """A stage with 10 GB of activations in flight and 6 GB of room: its blocks can save 8 GB
+    at 2 s of forward, so it recomputes half of them (4 GB) for 1 s; with 1 GB of room the
+    blocks are not enough and the whole stage (3 s of forward) recomputes; with room, nothing."""
+    GB = 1e9
+
+    def seconds(room):
+        return float(
+            recompute_seconds(
+                torch.tensor(room * GB),
+                torch.tensor(10 * GB),
+                torch.tensor(8 * GB),
+                torch.tensor(2.0),
+                torch.tensor(3.0),
+            )
+        )
+
+    assert seconds(6) == pytest.approx(1.0)
+    assert seconds(1) == 3.0
+    assert seconds(10) == seconds(12) == 0.0
+
+
+def test_recomputing_to_balance_beats_shrinking_the_stages_and_fits():
+    """A 24-block GPT-2 on 4 devices under 1F1B with 8 microbatches, on a device slightly
+    smaller than the balanced split's first stage needs (it holds 4 microbatches in flight):
+    recomputing a block there predicts a faster step than shrinking the first stages, every
+    device fits, and the summary says why."""
+    graph = trace_step(load_example(spec("gpt2_meta_24")), CompileOptions(stages=1))
+    roomy = profile(graph, "analytic", device_spec("h100"))
+    balanced = partition(graph, roomy, 4, microbatches=8)
+    assert balanced.recomputed == 0 and balanced.compared is None
+    assert balanced.predicted is not None
+    capacity = max(balanced.predicted.device_memory) * 0.95
+    small = dataclasses.replace(roomy, device=dataclasses.replace(roomy.device, memory=capacity))
+    part = partition(graph, small, 4, microbatches=8)
+    assert part.predicted is not None and part.compared is not None
+    assert part.recompute_blocks and not part.recompute
+    assert all(m <= capacity for m in part.predicted.device_memory)
+    assert part.compared.recomputed < part.recomputed
+    assert part.compared.step_time > part.predicted.step_time
+    assert part.stage_of_unit == balanced.stage_of_unit  # balanced: stages kept, not shrunk
+    why = format_partition(graph, part).splitlines()[-1]
+    assert why.startswith("why: predicted step") and "recomputing costs less" in why
+    assert Partition.from_json(part.to_json()) == part
 
 
 def test_dp_is_deterministic():

@@ -26,7 +26,8 @@ from .cost import CostModel, Prediction
 from .dp import solve_contiguous
 from .metis import solve_metis
 from .mpipe import solve_mpipe
-from .partition import Partition, PartitionSettings, stage_costs
+from .partition import Comparison, Partition, PartitionSettings, stage_costs
+from .recompute import plan_recompute
 from .refine import looped_devices
 from ..runtime.core.pipeline import default_microbatches
 from ..runtime.core.schedules import COMPILE_SCHEDULES, MULTI_STAGE
@@ -53,91 +54,6 @@ DEFAULT_METHOD = "mpipe"
 def default_schedule(device_of_stage: list[int]) -> str:
     """1F1B for one stage per device; the greedy schedule (run by torch's runtime) otherwise."""
     return "1f1b" if device_of_stage == list(range(len(device_of_stage))) else "auto"
-
-
-@dataclass(frozen=True)
-class RecomputePlan:
-    """What recomputes its activations in backward: whole stages, and blocks of other stages."""
-
-    stages: frozenset[int]
-    blocks: frozenset[str]
-    prediction: Prediction
-
-
-def plan_recompute(
-    model: CostModel, stage_of_unit: list[int], device_of_stage: list[int], schedule: str
-) -> RecomputePlan:
-    """The cheapest recomputation that makes every device fit its memory: on each device short
-    of it, blocks one by one, those saving the most bytes per second of forward first, until it
-    fits; where all its blocks are not enough, its whole stages. Raises when even that does not
-    make them fit."""
-    capacity = model.device.memory
-
-    def evaluate(stages: frozenset[int], blocks: frozenset[str]) -> Prediction:
-        return model.evaluate(stage_of_unit, device_of_stage, schedule, stages, blocks)
-
-    prediction = evaluate(frozenset(), frozenset())
-    short = {d for d, m in enumerate(prediction.device_memory) if m > capacity}
-    stages: frozenset[int] = frozenset()
-    blocks: frozenset[str] = frozenset()
-    for device in sorted(short):
-        chosen: frozenset[str] = frozenset()
-        for block in _blocks_by_value(model, stage_of_unit, device_of_stage, device):
-            chosen |= {block}
-            prediction = evaluate(stages, blocks | chosen)
-            if prediction.device_memory[device] <= capacity:
-                break
-        if prediction.device_memory[device] <= capacity:
-            blocks |= chosen
-        else:  # its blocks are not enough: its stages, whole
-            stages |= {s for s, d in enumerate(device_of_stage) if d == device}
-    prediction = evaluate(stages, blocks)
-    needed = prediction.device_memory
-    worst = max(range(len(needed)), key=needed.__getitem__)
-    if needed[worst] > capacity:
-        raise DeviceMemoryError(recompute_need(model, prediction), peak=needed[worst])
-    return RecomputePlan(stages, blocks, prediction)
-
-
-def recompute_need(model: CostModel, prediction: Prediction) -> str:
-    """What each rank of ``prediction`` needs against the device's capacity, and what the fullest
-    one holds at its peak (some do not fit even recomputing)."""
-    needed = prediction.device_memory
-    fullest = max(range(len(needed)), key=needed.__getitem__)
-    peak = prediction.memory_peaks[fullest]
-    microbatches = f"{peak.in_flight} microbatch{'' if peak.in_flight == 1 else 'es'}"
-    parts = [
-        (peak.state, "of parameters, gradients and optimizer state"),
-        (peak.activations, f"of activations for {microbatches}"),
-        (peak.buffers, "of receive buffers"),
-        (peak.input_gradients, "of gradients of received inputs"),
-        (peak.transient, "of temporaries"),
-    ]
-    held = ", ".join(f"{format_bytes(size)} {what}" for size, what in parts if size > 0)
-    moment = "the optimizer step" if peak.moment == "optimizer" else f"action {peak.moment}"
-    return (
-        f"no partition into {len(prediction.device_of_stage)} stages on {len(needed)} devices "
-        f"fits the memory of {model.device.name} ({format_bytes(model.device.memory)} per "
-        f"device) even recomputing the activations of every rank short of memory: they need "
-        f"{format_bytes_each(needed, 'rank')} (rank {fullest} at its peak, {moment}: {held})"
-    )
-
-
-def _blocks_by_value(
-    model: CostModel, stage_of_unit: list[int], device_of_stage: list[int], device: int
-) -> list[str]:
-    """The whole blocks of a device's stages that recomputing saves memory on, the most bytes
-    saved per second of forward recomputed first."""
-    ranked = []
-    for fqn, block in model.blocks.items():
-        stage = block.stage(stage_of_unit)
-        if stage is None or device_of_stage[stage] != device:
-            continue
-        saved = sum(model.activations[u] for u in block.units) - block.inputs
-        seconds = sum(model.forward[u] for u in block.units)
-        if saved > 0:
-            ranked.append((-saved / max(seconds, 1e-12), fqn))
-    return [fqn for _, fqn in sorted(ranked)]
 
 
 @dataclass(frozen=True)
@@ -169,24 +85,47 @@ def partition(
     optimizer: str = "adamw",
     dp_shard: int = 1,
     advise: bool = True,
+    compare: bool = True,
 ) -> Partition:
     """Split ``graph`` into ``num_stages`` stages on ``num_devices`` devices (default: one each),
-    each stage's training state sharded over ``dp_shard`` data-parallel ranks. When no partition
+    each stage's training state sharded over ``dp_shard`` data-parallel ranks. Stages may
+    recompute activations to be balanced where that predicts a faster step than shrinking the
+    stages short of memory; with ``compare``, a partition that recomputes is compared with the
+    one that recomputes only where nothing fits without, the faster kept and the other
+    recorded (:attr:`Partition.compared`). When no partition
     fits the device's memory, the error says what each rank needs against its capacity and, with
     ``advise``, the smallest changes that fit (:func:`memory_advice`)."""
     request = PartitionRequest(
         num_stages, num_devices, method, schedule, microbatches, optimizer, dp_shard
     )
     try:
-        return _partition(graph, profile, request)
+        part = _partition(graph, profile, request)
     except DeviceMemoryError as exc:
         if not advise:
             raise
         advice = memory_advice(graph, profile, request)
         raise DeviceMemoryError(exc.need, advice, peak=exc.peak) from None
+    if compare and part.recomputed:
+        plain = _partition(graph, profile, request, balance=False)
+        assert part.predicted is not None and plain.predicted is not None  # always predicted
+        if plain.predicted.step_time < part.predicted.step_time:
+            part, plain = plain, part
+        assert plain.predicted is not None
+        if (plain.stage_of_unit, plain.recompute, plain.recompute_blocks) != (
+            part.stage_of_unit,
+            part.recompute,
+            part.recompute_blocks,
+        ):  # two plans to compare
+            compared = Comparison(plain.predicted.step_time, plain.recomputed)
+            part = dataclasses.replace(part, compared=compared)
+    return part
 
 
-def _partition(graph: Graph, profile: Profile, request: PartitionRequest) -> Partition:
+def _partition(
+    graph: Graph, profile: Profile, request: PartitionRequest, balance: bool = True
+) -> Partition:
+    """:func:`partition`'s work; ``balance``: stages may recompute to be balanced (else only
+    where no split fits without)."""
     num_stages, num_devices, method = request.num_stages, request.devices, request.method
     schedule, microbatches = request.schedule, request.microbatches
     optimizer, dp_shard = request.optimizer, request.dp_shard
@@ -232,6 +171,8 @@ def _partition(graph: Graph, profile: Profile, request: PartitionRequest) -> Par
         optimizer=optimizer,
         dp_shard=dp_shard,
     )
+    if not balance:
+        model = model.without_balancing_recomputation()
     solve = METHODS[method]
     try:
         stage_of_unit, device_of_stage = solve(model, num_stages, num_devices, placement)

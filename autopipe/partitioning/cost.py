@@ -261,6 +261,9 @@ class CostModel:
         self.contiguous_optimum: dict[int, list[int]] = {}
         #: whether it counts every stage as recomputing its activations (no activations kept)
         self.recomputes_all = False
+        #: whether partitioners may recompute activations to balance the stages, judged by the
+        #: step; else a split must fit without, and recomputation is only the last resort
+        self.recomputes_to_balance = True
 
     # -- construction -------------------------------------------------------------------------
     def _parameter_bytes(self, graph: Graph) -> tuple[list[int], list[int]]:
@@ -654,6 +657,14 @@ class CostModel:
         recomputing.activations = [0.0] * self.num_units
         recomputing.recomputes_all = True
         return recomputing
+
+    def without_balancing_recomputation(self) -> CostModel:
+        """This model for partitioners that must fit without recomputing (the comparison the
+        summary draws)."""
+        plain = copy.copy(self)
+        plain.recomputes_to_balance = False
+        plain.contiguous_optimum = {}
+        return plain
 
     @staticmethod
     def simulate(costs: PipelineCosts, schedule: str, microbatches: int) -> Simulation:

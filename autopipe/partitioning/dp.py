@@ -2,8 +2,10 @@
 
 Stages are contiguous ranges of units. Dynamic programming over (stages used, units covered)
 minimises the slowest stage, communication included (:func:`.cost.stage_time`); among the partitions reaching that optimum
-it then minimises the sum of squared stage times (the most balanced one). Stages whose memory exceeds the device are not
-allowed. ``O(stages x units^2)`` work, vectorised over the start of the last stage.
+it then minimises the sum of squared stage times (the most balanced one). A stage whose activations (of the microbatches
+the schedule keeps in flight on it) do not fit beside its training state pays for recomputing what does not fit, so a
+balanced split that recomputes competes with shrinking the stages that hold the most microbatches; stages whose training
+state alone exceeds the device are not allowed. ``O(stages x units^2)`` work, vectorised over the start of the last stage.
 """
 
 from __future__ import annotations
@@ -19,106 +21,243 @@ from ..byte_units import format_bytes, format_bytes_each
 from ..errors import DeviceMemoryError, PartitionError
 from ..runtime.core.pipeline import default_microbatches
 from .cost import CostModel, in_flight
+from .recompute import fastest_fitting
+
+#: the contiguous optimum cuts inside a block (it is inline in its stages then, not a submodule
+#: one can shard, recompute or compile) only when that makes the slowest stage this much faster
+BLOCK_TOLERANCE = 0.10
 
 
 def solve_contiguous(model: CostModel, num_stages: int) -> list[int]:
     """``stage_of_unit`` of the best contiguous partition into ``num_stages`` non-empty stages
-    (memoised on the cost model: several methods start from it)."""
+    (memoised on the cost model: several methods start from it): cut between blocks unless
+    cutting inside them is more than :data:`BLOCK_TOLERANCE` better; with one stage per device,
+    solved again with each stage's memory beyond what the split counts (receive buffers,
+    temporaries: the simulator's peak less the split's count) reserved, when that predicts a
+    faster step once recomputation makes every device fit."""
     if num_stages not in model.contiguous_optimum:
-        model.contiguous_optimum[num_stages] = _solve(model, num_stages)
+        model.contiguous_optimum[num_stages] = _calibrated(model, num_stages)
     return list(model.contiguous_optimum[num_stages])
 
 
-def _solve(model: CostModel, num_stages: int) -> list[int]:
-    n = model.num_units
-    if num_stages > n:
-        raise PartitionError(
-            f"{num_stages} stages need at least {num_stages} units, but the graph has {n}; use fewer "
-            "stages, or a larger --depth / fewer --basic-blocks so the model splits into more units"
-        )
-    dtype = torch.float64
+def _calibrated(model: CostModel, num_stages: int) -> list[int]:
+    split = ContiguousSplits(model, num_stages)
+    anywhere = split.solve()
+    between_blocks = split.solve(split.between_blocks)
+    cuts = None
+    if between_blocks is not None and (
+        anywhere is None or between_blocks.bottleneck <= anywhere.bottleneck * (1 + BLOCK_TOLERANCE)
+    ):
+        best, cuts = between_blocks, split.between_blocks
+    elif anywhere is not None:
+        best = anywhere
+    elif model.recomputes_to_balance:  # the state alone does not fit, whatever is recomputed
+        raise memory_error(model.assuming_recomputation(), num_stages)
+    else:
+        raise memory_error(model, num_stages)
+    if model.recomputes_all:
+        return best.stage_of_unit
+    schedule = model.schedule if model.schedule in ("1f1b", "gpipe") else "1f1b"
+    first = model.evaluate(best.stage_of_unit, schedule=schedule)
+    reserve = [
+        max(0.0, peak - counted)
+        for peak, counted in zip(first.device_memory, split.memory(best.stage_of_unit))
+    ]
+    again = split.solve(cuts, reserve)
+    if again is None or again.stage_of_unit == best.stage_of_unit:
+        return best.stage_of_unit
+    devices = list(range(num_stages))
+    chosen = fastest_fitting(
+        model, [(best.stage_of_unit, devices, schedule), (again.stage_of_unit, devices, schedule)]
+    )
+    return again.stage_of_unit if chosen else best.stage_of_unit
 
-    def prefix(values: Sequence[float]) -> torch.Tensor:
-        out = torch.zeros(n + 1, dtype=dtype)
-        out[1:] = torch.cumsum(torch.tensor(values, dtype=dtype), 0)
+
+@dataclass(frozen=True)
+class SplitOptimum:
+    stage_of_unit: list[int]
+    bottleneck: float  # the slowest stage, as the split counts it
+
+
+class ContiguousSplits:
+    """The contiguous splits of one model into ``num_stages`` stages: prefix sums of the units'
+    costs, and the exact optimum under optional restrictions (:meth:`solve`)."""
+
+    def __init__(self, model: CostModel, num_stages: int) -> None:
+        n = model.num_units
+        if num_stages > n:
+            raise PartitionError(
+                f"{num_stages} stages need at least {num_stages} units, but the graph has {n}; "
+                "use fewer stages, or a larger --depth / fewer --basic-blocks so the model "
+                "splits into more units"
+            )
+        self.model, self.num_stages, self.n = model, num_stages, n
+        dtype = torch.float64
+
+        def prefix(values: Sequence[float]) -> torch.Tensor:
+            out = torch.zeros(n + 1, dtype=dtype)
+            out[1:] = torch.cumsum(torch.tensor(values, dtype=dtype), 0)
+            return out
+
+        self.fwd, self.bwd = prefix(model.forward), prefix(model.backward)
+        self.act, self.par, self.trn = (
+            prefix(v) for v in (model.activations, model.param_bytes, model.trainable_bytes)
+        )
+        # what recomputing blocks can save (their activations less the inputs they keep), and
+        # the forward seconds of the units in blocks
+        savable, in_blocks = [0.0] * n, [0.0] * n
+        self.between_blocks = torch.ones(n + 1, dtype=torch.bool)
+        for block in model.blocks.values():
+            first, last = min(block.units), max(block.units)
+            self.between_blocks[first + 1 : last + 1] = False
+            for u in block.units:
+                savable[u] += model.activations[u]
+                in_blocks[u] += model.forward[u]
+            savable[first] -= block.inputs
+        self.savable, self.forward_in_blocks = prefix(savable), prefix(in_blocks)
+        self.trained, self.frozen = model.state_factors()
+        bandwidth = model.device.link_bandwidth
+        # seconds a stage spends on the cut before its first unit i / after its last unit j - 1
+        self.cut_forward, self.cut_backward = (torch.zeros(n + 1, dtype=dtype) for _ in range(2))
+        moved_forward, moved_backward = model.boundary_bytes()
+        self.cut_forward[1:n] = torch.tensor(moved_forward, dtype=dtype) / bandwidth
+        self.cut_backward[1:n] = torch.tensor(moved_backward, dtype=dtype) / bandwidth
+        self.capacity = model.device.memory
+        microbatches = model.microbatches or default_microbatches(num_stages)
+        self.held = [
+            in_flight(k, num_stages, model.schedule, microbatches) for k in range(num_stages)
+        ]
+        self.positions = torch.arange(n + 1)
+
+    def memory(self, stage_of_unit: list[int]) -> list[float]:
+        """Each stage's training state and activations in flight, as the split counts them."""
+        bounds = [0] + [u for u in range(1, self.n) if stage_of_unit[u] != stage_of_unit[u - 1]]
+        bounds.append(self.n)
+        out = []
+        for k, (i, j) in enumerate(zip(bounds, bounds[1:])):
+            trainable = float(self.trn[j] - self.trn[i])
+            state = trainable * self.trained + (float(self.par[j] - self.par[i]) - trainable) * (
+                self.frozen
+            )
+            out.append(state + float(self.act[j] - self.act[i]) * self.held[k])
         return out
 
-    fwd, bwd = prefix(model.forward), prefix(model.backward)
-    act, par, trn = (
-        prefix(v) for v in (model.activations, model.param_bytes, model.trainable_bytes)
-    )
-    trained, frozen = model.state_factors()
-    bandwidth = model.device.link_bandwidth
-    # seconds a stage spends on the cut before its first unit i / after its last unit j - 1
-    cut_forward, cut_backward = (torch.zeros(n + 1, dtype=dtype) for _ in range(2))
-    moved_forward, moved_backward = model.boundary_bytes()
-    cut_forward[1:n] = torch.tensor(moved_forward, dtype=dtype) / bandwidth
-    cut_backward[1:n] = torch.tensor(moved_backward, dtype=dtype) / bandwidth
-    capacity = model.device.memory
-    microbatches = model.microbatches or default_microbatches(num_stages)
-    positions = torch.arange(n + 1)
-
-    def stage_costs(k: int, rows: slice, ends: slice) -> torch.Tensor:
+    def stage_costs(
+        self, k: int, rows: slice, ends: slice, cuts: torch.Tensor | None, room: float
+    ) -> torch.Tensor:
         """Cost of stage ``k`` covering units i .. j - 1, for starts i in ``rows`` and ends j in
-        ``ends``; infinite where i >= j or the stage does not fit in memory. Transfers overlap
-        compute: max(forward, comm forward) + max(backward, comm backward)."""
-        i, j = positions[rows].unsqueeze(1), positions[ends].unsqueeze(0)
-        forward = torch.maximum(fwd[j] - fwd[i], cut_forward[i] + cut_forward[j])
-        backward = torch.maximum(bwd[j] - bwd[i], cut_backward[i] + cut_backward[j])
-        held = in_flight(k, num_stages, model.schedule, microbatches)
-        trainable = trn[j] - trn[i]
-        state = trainable * trained + (par[j] - par[i] - trainable) * frozen
-        memory = state + (act[j] - act[i]) * held
-        valid = (i < j) & (memory <= capacity)
+        ``ends``, with ``room`` bytes for it; infinite where i >= j, where i or j is not among
+        the allowed ``cuts``, or where the stage's training state alone does not fit. Transfers
+        overlap compute: max(forward, comm forward) + max(backward + forward recomputed, comm
+        backward). Activations beyond the room left are recomputed in backward
+        (:func:`recompute_seconds`)."""
+        i, j = self.positions[rows].unsqueeze(1), self.positions[ends].unsqueeze(0)
+        compute_forward = self.fwd[j] - self.fwd[i]
+        held = self.held[k]
+        trainable = self.trn[j] - self.trn[i]
+        state = trainable * self.trained + (self.par[j] - self.par[i] - trainable) * self.frozen
+        recomputed = recompute_seconds(
+            room - state,
+            (self.act[j] - self.act[i]) * held,
+            (self.savable[j] - self.savable[i]) * held,
+            self.forward_in_blocks[j] - self.forward_in_blocks[i],
+            compute_forward,
+        )
+        forward = torch.maximum(compute_forward, self.cut_forward[i] + self.cut_forward[j])
+        backward = torch.maximum(
+            self.bwd[j] - self.bwd[i] + recomputed, self.cut_backward[i] + self.cut_backward[j]
+        )
+        valid = (i < j) & (state <= room)
+        if not self.model.recomputes_to_balance:
+            valid &= recomputed == 0
+        if cuts is not None:
+            valid &= cuts[i] & cuts[j]
         return torch.where(valid, forward + backward, torch.full_like(forward, math.inf))
 
-    # A stage of the optimum costs at most the equal-compute split's slowest stage, and at least
-    # its own compute: each end j only needs the starts within that band of compute.
-    compute = fwd + bwd
-    bound = _equal_split_bound(compute, num_stages, stage_costs)
-    lowest = (
-        torch.searchsorted(compute, compute - bound * (1 + 1e-9) - 1e-15)
-        if math.isfinite(bound)
-        else torch.zeros(n + 1, dtype=torch.long)
-    )
-    block = max(1, (1 << 22) // (n + 1))  # columns per step: bounds memory on huge graphs
-    blocks = []
-    for first in range(0, n + 1, block):
-        ends = slice(first, min(n + 1, first + block))
-        blocks.append((slice(int(lowest[first]), ends.stop), ends))
+    def solve(
+        self, cuts: torch.Tensor | None = None, reserve: Sequence[float] | None = None
+    ) -> SplitOptimum | None:
+        """The optimum (None if no split is allowed), stages cut only at ``cuts`` (positions
+        between units; None: anywhere), stage k's room the device's memory less
+        ``reserve[k]``."""
+        n, num_stages = self.n, self.num_stages
+        rooms = [self.capacity - (reserve[k] if reserve else 0.0) for k in range(num_stages)]
 
-    inf = math.inf
-    # best[k][j]: least bottleneck covering units 0..j-1 with stages 0..k-1
-    best = torch.full((num_stages + 1, n + 1), inf, dtype=dtype)
-    best[0, 0] = 0.0
-    for k in range(1, num_stages + 1):
-        for rows, ends in blocks:
-            candidates = torch.maximum(
-                best[k - 1, rows].unsqueeze(1), stage_costs(k - 1, rows, ends)
-            )
-            best[k, ends] = candidates.min(0).values
-    optimum = float(best[num_stages, n])
-    if not math.isfinite(optimum):
-        raise memory_error(model, num_stages)
-    # among partitions with that bottleneck, the most balanced (least sum of squares); ties -> earliest cut
-    limit = optimum * (1 + 1e-9)
-    total = torch.full((num_stages + 1, n + 1), inf, dtype=dtype)
-    choice = torch.zeros((num_stages + 1, n + 1), dtype=torch.long)
-    total[0, 0] = 0.0
-    for k in range(1, num_stages + 1):
-        for rows, ends in blocks:
-            cost = stage_costs(k - 1, rows, ends)
-            value = torch.where(cost <= limit, total[k - 1, rows].unsqueeze(1) + cost * cost, inf)
-            total[k, ends], index = value.min(0)
-            choice[k, ends] = index + rows.start
-    stage_of_unit = [0] * n
-    j = n
-    for k in range(num_stages, 0, -1):
-        i = int(choice[k, j])
-        for u in range(i, j):
-            stage_of_unit[u] = k - 1
-        j = i
-    return stage_of_unit
+        def stage_costs(k: int, rows: slice, ends: slice) -> torch.Tensor:
+            return self.stage_costs(k, rows, ends, cuts, rooms[k])
+
+        # A stage of the optimum costs at most the equal-compute split's slowest stage, and at
+        # least its own compute: each end j only needs the starts within that band of compute.
+        compute = self.fwd + self.bwd
+        bound = _equal_split_bound(compute, num_stages, stage_costs)
+        lowest = (
+            torch.searchsorted(compute, compute - bound * (1 + 1e-9) - 1e-15)
+            if math.isfinite(bound)
+            else torch.zeros(n + 1, dtype=torch.long)
+        )
+        block = max(1, (1 << 22) // (n + 1))  # columns per step: bounds memory on huge graphs
+        blocks = []
+        for first in range(0, n + 1, block):
+            ends = slice(first, min(n + 1, first + block))
+            blocks.append((slice(int(lowest[first]), ends.stop), ends))
+
+        inf = math.inf
+        dtype = torch.float64
+        # best[k][j]: least bottleneck covering units 0..j-1 with stages 0..k-1
+        best = torch.full((num_stages + 1, n + 1), inf, dtype=dtype)
+        best[0, 0] = 0.0
+        for k in range(1, num_stages + 1):
+            for rows, ends in blocks:
+                candidates = torch.maximum(
+                    best[k - 1, rows].unsqueeze(1), stage_costs(k - 1, rows, ends)
+                )
+                best[k, ends] = candidates.min(0).values
+        optimum = float(best[num_stages, n])
+        if not math.isfinite(optimum):
+            return None
+        # among partitions with that bottleneck, the most balanced (least sum of squares);
+        # ties -> earliest cut
+        limit = optimum * (1 + 1e-9)
+        total = torch.full((num_stages + 1, n + 1), inf, dtype=dtype)
+        choice = torch.zeros((num_stages + 1, n + 1), dtype=torch.long)
+        total[0, 0] = 0.0
+        for k in range(1, num_stages + 1):
+            for rows, ends in blocks:
+                cost = stage_costs(k - 1, rows, ends)
+                value = torch.where(
+                    cost <= limit, total[k - 1, rows].unsqueeze(1) + cost * cost, inf
+                )
+                total[k, ends], index = value.min(0)
+                choice[k, ends] = index + rows.start
+        stage_of_unit = [0] * n
+        j = n
+        for k in range(num_stages, 0, -1):
+            i = int(choice[k, j])
+            for u in range(i, j):
+                stage_of_unit[u] = k - 1
+            j = i
+        return SplitOptimum(stage_of_unit, optimum)
+
+
+def recompute_seconds(
+    room: torch.Tensor,
+    activations: torch.Tensor,
+    savable: torch.Tensor,
+    forward_in_blocks: torch.Tensor,
+    forward: torch.Tensor,
+) -> torch.Tensor:
+    """The forward seconds a stage recomputes in backward so that its ``activations`` (bytes of
+    all the microbatches it holds in flight) fit in the ``room`` its training state leaves:
+    none where they fit; where recomputing its blocks can save enough (``savable`` bytes, at
+    ``forward_in_blocks`` seconds), that share of its blocks' forward (the cheapest blocks
+    first save more per second: an upper estimate); else its whole forward (the stage
+    recomputes whole, keeping only its inputs)."""
+    over = activations - room
+    share = over / savable.clamp(min=1e-30)
+    blocks = forward_in_blocks * share.clamp(0.0, 1.0)
+    return torch.where(
+        over <= 0, torch.zeros_like(forward), torch.where(over <= savable, blocks, forward)
+    )
 
 
 def _equal_split_bound(

@@ -11,7 +11,8 @@
    form a stage, so a device may run several non-adjacent stages; merge or split stages until
    there are exactly ``--stages`` of them.
 4. Refine border units, then simulate a step; keep the best over several ``L`` (and over the
-   placements a stage-level packing and a looped placement give).
+   placements a stage-level packing and a looped placement give, and the contiguous optimum),
+   each judged by its step once recomputation makes it fit.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..runtime.core.pipeline import default_microbatches
 from .acyclic import solve_acyclic
 from .cost import CostModel
 from .dp import solve_contiguous
+from .recompute import fastest_fitting
 from .refine import Assignment, exact_stage_count, refine
 
 
@@ -56,12 +58,10 @@ def solve_mpipe(
         )
         if packed is not None:
             candidates.append(_refined(model, acyclic, _canonical(packed)))
-    scored = []
-    for index, (stage, devices) in enumerate(candidates):
-        prediction = model.evaluate(stage, devices, schedule=_schedule_for(devices, model.schedule))
-        fits = all(m <= model.device.memory for m in prediction.device_memory)
-        scored.append((not fits, prediction.step_time, index))
-    _, _, best = min(scored)
+    best = fastest_fitting(
+        model,
+        [(stage, devices, _schedule_for(devices, model.schedule)) for stage, devices in candidates],
+    )
     return candidates[best]
 
 

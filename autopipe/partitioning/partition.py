@@ -321,6 +321,31 @@ def costs_to_json(costs: StageCosts | None) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class Comparison:
+    """Another plan, for the summary to compare with: its predicted step, and how many blocks
+    and whole stages it recomputes."""
+
+    step_time: float
+    recomputed: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step_time": self.step_time, "recomputed": self.recomputed}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Comparison:
+        require(
+            isinstance(data, dict) and set(data) == {"step_time", "recomputed"},
+            where,
+            data,
+            "an object with step_time and recomputed",
+        )
+        step, recomputed = data["step_time"], data["recomputed"]
+        require(is_number(step, 0, strict=True), f"{where}.step_time", step, "seconds > 0")
+        require(is_int(recomputed, 0), f"{where}.recomputed", recomputed, "a count >= 0")
+        return cls(float(step), recomputed)
+
+
+@dataclass(frozen=True)
 class Partition:
     """Which stage each unit runs in and which device each stage runs on, with the settings,
     prediction and per-stage costs it was made with."""
@@ -338,6 +363,10 @@ class Partition:
     recompute: list[int] = field(default_factory=list)
     #: blocks (original names) of other stages recomputed one by one, to fit device memory
     recompute_blocks: list[str] = field(default_factory=list)
+    #: the other of the two partitions a method makes when one recomputes activations: with
+    #: stages balanced by recomputing, or shrunk where short of memory (recomputing only where
+    #: nothing fits without); this is the faster (None: not compared)
+    compared: Comparison | None = None
 
     @property
     def profile_source(self) -> str:
@@ -353,6 +382,11 @@ class Partition:
     @property
     def num_stages(self) -> int:
         return len(self.device_of_stage)
+
+    @property
+    def recomputed(self) -> int:
+        """How many blocks and whole stages recompute their activations."""
+        return len(self.recompute) + len(self.recompute_blocks)
 
     def check_graph(self, graph: Graph) -> None:
         """Check that the partition belongs to ``graph`` and that every data edge and every
@@ -395,7 +429,7 @@ class Partition:
             "costs": costs_to_json(self.costs),
             "recompute": self.recompute,
             "recompute_blocks": self.recompute_blocks,
-        }
+        } | ({} if self.compared is None else {"compared": self.compared.to_json()})
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Partition:
@@ -472,7 +506,9 @@ def _parse(data: dict[str, Any]) -> Partition:
     _check_placement(settings.schedule, device_of_stage)
     costs = costs_from_json(data.get("costs", {}), stages, "costs")
     predicted = PredictedStep.from_json(data.get("predicted", {}), stages, devices, "predicted")
+    compared = data.get("compared")
     return Partition(
+        compared=None if compared is None else Comparison.from_json(compared, "compared"),
         method=method,
         stage_of_unit=stage_of_unit,
         device_of_stage=device_of_stage,

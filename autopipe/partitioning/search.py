@@ -229,6 +229,7 @@ def _partitioned(plan: Plan, graph: Graph, usable: Profile, method: str, optimiz
             optimizer=optimizer,
             dp_shard=candidate.dp_shard,
             advise=False,  # the table shows what each rank needs; advice comes once
+            compare=False,  # the table compares the candidates
         )
     except DeviceMemoryError as exc:
         plan.problem = f"a device needs at least {format_bytes(exc.peak)}, even recomputing"
