@@ -1,6 +1,7 @@
 """The compiled event times (issue 23, item 2): an ActionGraph times every schedule's orders
 exactly as the reference walk (runtime/core/schedules.event_times) does, to the last bit and in
-the same listing, for every fixed schedule, placement and microbatch count, on random costs
+the same listing, and the simulation's figures (busy time, memory peaks, microbatches in flight)
+derived from its arrays equal the reference's from the listed events, for every fixed schedule, placement and microbatch count, on random costs
 (zero-length actions and free links included); orders only the reference can run are left to it."""
 
 from __future__ import annotations
@@ -10,8 +11,15 @@ import random
 import pytest
 
 from autopipe.errors import PartitionError
+from autopipe.partitioning import simulator
 from autopipe.partitioning.action_graph import compile_orders
-from autopipe.partitioning.simulator import schedule_orders, simulate, simulate_schedule
+from autopipe.partitioning.simulator import (
+    Simulation,
+    reference_simulation,
+    schedule_orders,
+    simulate,
+    simulate_schedule,
+)
 from autopipe.runtime.core.schedules import (
     COMPILE_SCHEDULES,
     MULTI_STAGE,
@@ -59,6 +67,18 @@ def _shapes():
                 yield schedule, ranks, ranks * per_rank
 
 
+def assert_same_simulation(fast: Simulation, reference: Simulation) -> None:
+    """Every figure to the last bit: the step time, each rank's busy time and memory peak (what
+    it holds and at which action), each stage's microbatches in flight; the fast path derives
+    them without listing the events, then the events listed on demand."""
+    assert fast.step_time == reference.step_time
+    assert fast.busy == reference.busy
+    assert fast.memory_peaks == reference.memory_peaks
+    assert fast.held == reference.held
+    assert fast.bubble == reference.bubble
+    assert fast.events == reference.events
+
+
 @pytest.mark.parametrize("schedule, ranks, stages", list(_shapes()))
 def test_compiled_times_equal_the_reference(schedule, ranks, stages):
     rng = random.Random(f"{schedule}-{ranks}-{stages}")
@@ -77,10 +97,28 @@ def test_compiled_times_equal_the_reference(schedule, ranks, stages):
             assert graph is not None, f"{schedule} {microbatches} microbatches not compiled"
             assert graph.events(costs) == event_times(orders, costs)  # bit for bit, same order
             fast = simulate_schedule(schedule, costs, microbatches)
-            reference = simulate(orders, costs)
-            assert fast == reference  # step time, events, busy time and every rank's peak
+            assert_same_simulation(fast, simulate(orders, costs))
             checked += 1
     assert checked
+
+
+def test_reference_simulation_bypasses_the_compiled_graphs(monkeypatch):
+    """What benchmarks/plan_speed.py compares with: within the block every simulation walks the
+    events, with equal results."""
+    walks = []
+
+    def counted(orders, costs):
+        walks.append(len(orders))
+        return event_times(orders, costs)
+
+    monkeypatch.setattr(simulator, "event_times", counted)
+    costs = _costs(random.Random(2), [0, 1, 2])
+    fast = simulate_schedule("1f1b", costs, 6)
+    assert not walks
+    with reference_simulation():
+        walked = simulate_schedule("1f1b", costs, 6)
+    assert walks == [3]
+    assert_same_simulation(fast, walked)
 
 
 def test_orders_only_the_reference_runs_are_left_to_it():
@@ -98,6 +136,6 @@ def test_orders_only_the_reference_runs_are_left_to_it():
     assert compile_orders(both, 2) is None
     # the greedy schedule's orders depend on the costs: simulated by the reference, equal
     greedy = _costs(random.Random(1), [0, 1, 0, 1])
-    assert simulate_schedule("auto", greedy, 4) == simulate(
-        schedule_orders("auto", greedy, 4), greedy
+    assert_same_simulation(
+        simulate_schedule("auto", greedy, 4), simulate(schedule_orders("auto", greedy, 4), greedy)
     )

@@ -105,7 +105,7 @@ def test_dp_recomputing_to_balance_is_exact_for_its_costs(costs, activations, st
             slowest = max(
                 float(
                     splits.stage_costs(
-                        k, slice(a, a + 1), slice(b, b + 1), cuts, model.device.memory
+                        k, splits.tile(slice(a, a + 1), slice(b, b + 1), cuts), model.device.memory
                     )
                 )
                 for k, (a, b) in enumerate(zip(bounds, bounds[1:]))

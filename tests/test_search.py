@@ -23,9 +23,12 @@ from autopipe.partitioning import partition
 import autopipe.partitioning.search as search_module
 from autopipe.partitioning.search import (
     NOT_SEARCHED,
+    PRUNED,
+    Candidate,
     SearchProgress,
     candidates,
     search,
+    step_lower_bound,
     unsearched_note,
 )
 from autopipe.profiling import device_spec
@@ -83,16 +86,18 @@ def test_search_is_deterministic_and_best_first(gpt2_graph):
 
 def small_device(graph, profile) -> float:
     """The smallest memory (in steps of 1/50 of the default plan's peak) at which some plan
-    fits but the default one (2 stages, 1F1B, 4 microbatches) does not, with no margin."""
+    fits but the default one (2 stages, 1F1B, 4 microbatches) does not, with no margin (every
+    candidate partitioned: none pruned)."""
     roomy = next(
-        p for p in search(graph, profile, 2, global_batch=4, method="mpipe")
+        p for p in search(graph, profile, 2, global_batch=4, method="mpipe", prune=False)
         if dataclasses.asdict(p.candidate) == DEFAULT
     )  # fmt: skip
     for fifty in range(30, 50):
         memory = roomy.peak_memory * fifty / 50
         plans = search(
-            graph, with_memory(profile, memory), 2, global_batch=4, method="mpipe", margin=0.0
-        )
+            graph, with_memory(profile, memory), 2, global_batch=4, method="mpipe", margin=0.0,
+            prune=False,
+        )  # fmt: skip
         default = next(p for p in plans if dataclasses.asdict(p.candidate) == DEFAULT)
         if plans[0].fits and not default.fits:
             return memory
@@ -183,6 +188,46 @@ def test_search_seconds_is_honoured(gpt2_graph, monkeypatch):
     best = told[-1].best
     assert best is not None and str(told[-1]).startswith(f"2/{len(every)} candidates, ")
     assert "best so far: " in str(told[-1])
+
+
+@pytest.mark.parametrize("devices, global_batch", [(2, 8), (4, 8), (4, 16)])
+def test_pruning_never_drops_the_best_plan(gpt2_graph, devices, global_batch):
+    """Against the unpruned search (every candidate partitioned), with room and on a device
+    small enough to need recomputation: the same best plan, step and peak; every plan's step
+    is at least its lower bound; and (with room) the bound prunes candidates."""
+    graph, profile = gpt2_graph
+    compute = sum(unit.forward + unit.backward for unit in profile.units)
+    for prof in (profile, with_memory(profile, small_device(graph, profile))):
+        every = search(
+            graph, prof, devices, global_batch=global_batch, method="mpipe", margin=0.0,
+            prune=False,
+        )  # fmt: skip
+        pruned = search(graph, prof, devices, global_batch=global_batch, method="mpipe", margin=0.0)
+        assert every[0].fits and not any(p.problem.startswith(PRUNED) for p in every)
+        assert pruned[0].to_json() == every[0].to_json()
+        for plan in every:
+            if plan.fits:
+                assert plan.step_time >= step_lower_bound(plan.candidate, compute)
+        assert [p.candidate for p in pruned if p.fits] == [
+            p.candidate for p in every if p.fits and p.candidate in {q.candidate for q in pruned if q.fits}
+        ]  # fmt: skip
+        if prof is profile:  # with room, the bound prunes
+            assert any(p.problem.startswith(PRUNED) for p in pruned)
+
+
+def test_lower_bound_of_one_stage_per_rank_counts_the_pipeline_fill():
+    """p ranks, m microbatches: each rank's share, and with one stage per rank the least a
+    pipeline run can take over any split, compute / (1 - (1 - 1/m)^p): m x compute for one
+    rank, compute for one microbatch."""
+    one = Candidate(dp_shard=1, stages=1, ranks=1, schedule="1f1b", microbatches=4, accumulate=2)
+    assert step_lower_bound(one, 3.0) == pytest.approx(2 * 4 * 3.0)
+    single = Candidate(1, 4, 4, "1f1b", 1, 1)
+    assert step_lower_bound(single, 3.0) == pytest.approx(3.0)
+    piped = Candidate(1, 4, 4, "1f1b", 8, 1)
+    assert step_lower_bound(piped, 1.0) == pytest.approx(1 / (1 - (7 / 8) ** 4))
+    assert step_lower_bound(piped, 1.0) > 8 / 4  # more than the ranks' share: the fill
+    looped = Candidate(1, 8, 4, "interleaved-1f1b", 8, 1)
+    assert step_lower_bound(looped, 1.0) == pytest.approx(8 / 4)
 
 
 def test_search_seconds_option_is_checked():

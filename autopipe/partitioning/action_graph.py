@@ -27,6 +27,7 @@ import numpy as np
 from ..runtime.core.schedules import (
     INPUT_GRAD_FRACTION,
     Action,
+    MemoryPeak,
     PipelineCosts,
     dependencies,
 )
@@ -61,6 +62,17 @@ class ActionGraph:
         """``(device, action, start, end)`` of every action: what
         :func:`~autopipe.runtime.core.schedules.event_times` returns for these orders and
         ``costs``, in its order."""
+        start, end = self.times(costs)
+        return self.listing(start, end)
+
+    def listing(self, start: np.ndarray, end: np.ndarray) -> list[tuple[int, Action, float, float]]:
+        """The events of these times, in the reference's order."""
+        order = np.argsort(self.position, kind="stable")
+        starts, ends = start.tolist(), end.tolist()
+        return [(int(self.device[i]), self.actions[i], starts[i], ends[i]) for i in order.tolist()]
+
+    def times(self, costs: PipelineCosts) -> tuple[np.ndarray, np.ndarray]:
+        """Each action's start and end (by action index), as the reference times them."""
         n = len(self.actions)
         forward = np.asarray(costs.forward, dtype=np.float64)
         backward = np.asarray(costs.backward, dtype=np.float64)
@@ -88,9 +100,124 @@ class ActionGraph:
             begin = np.maximum(ready, end[self.previous[level]])
             start[level] = begin
             end[level] = begin + duration[level]
-        order = np.argsort(self.position, kind="stable")
-        starts, ends = start.tolist(), end.tolist()
-        return [(int(self.device[i]), self.actions[i], starts[i], ends[i]) for i in order.tolist()]
+        return start, end[:n]
+
+    # -- what a simulation derives from the times, without listing the events ---------------
+    def busy(self, start: np.ndarray, end: np.ndarray, num_devices: int) -> list[float]:
+        """Each device's seconds computing: its actions' durations summed in its order, as the
+        simulation sums them (a device's actions start in its order)."""
+        duration = end - start
+        return [
+            float(np.cumsum(duration[first:last])[-1]) if last > first else 0.0
+            for first, last in self._spans(num_devices)
+        ]
+
+    def held(self, start: np.ndarray, end: np.ndarray, num_stages: int) -> list[int]:
+        """The most microbatches of each stage alive at once: from a forward's start to the end
+        of its full or weight backward (at equal times the end first), as the simulation
+        counts them from its events."""
+        forward, freeing = self.kind == 0, (self.kind == 1) | (self.kind == 3)
+        chosen = forward | freeing
+        times = np.where(forward, start, end)[chosen]
+        deltas = np.where(forward, 1, -1)[chosen]
+        stages = self.stage[chosen]
+        order = np.lexsort((deltas, times, stages))
+        running = np.cumsum(deltas[order])
+        stages = stages[order]
+        held = [0] * num_stages
+        if not len(order):
+            return held
+        firsts = np.flatnonzero(np.r_[True, stages[1:] != stages[:-1]])
+        before = np.r_[0, running[:-1]][firsts]  # the running count before each stage's first
+        peaks = np.maximum.reduceat(running, firsts) - before
+        for stage, peak in zip(stages[firsts].tolist(), peaks.tolist()):
+            held[stage] = max(0, int(peak))
+        return held
+
+    def memory_peaks(self, costs: PipelineCosts) -> list[MemoryPeak]:
+        """:func:`~autopipe.runtime.core.schedules.device_memory` of these orders, equal to it
+        to the last bit: a device's actions run in its order whatever the times, so its memory
+        at each action depends on the order and the memory tables alone; each running sum is a
+        cumulative sum over the device's actions of the very terms the walk adds in turn."""
+        num_stages = costs.num_stages
+
+        def table(name: str) -> np.ndarray:
+            values = getattr(costs, name) or [0.0] * num_stages
+            return np.asarray(values, dtype=np.float64)
+
+        act, grads, buffers = table("activations"), table("gradients"), table("buffers")
+        in_grads, optimizer = table("input_gradients"), table("transient_optimizer")
+        during_forward, during_backward = table("transient_forward"), table("transient_backward")
+        grads_list, buffers_list = grads.tolist(), buffers.tolist()
+        optimizer_list = optimizer.tolist()
+        peaks = []
+        for device, (first, last) in enumerate(self._spans(costs.num_devices)):
+            stages = [s for s, d in enumerate(costs.device_of_stage) if d == device]
+            state0 = sum(costs.static_memory[s] - grads_list[s] for s in stages)
+            buffered = sum(buffers_list[s] for s in stages)
+            full = sum(costs.static_memory[s] for s in stages)
+            transient_optimizer = sum(optimizer_list[s] for s in stages)
+            start_peak = MemoryPeak(state0, buffered, 0.0, 0, 0.0, 0.0, "start")
+            m = last - first
+            if m == 0:
+                step = MemoryPeak(full, buffered, 0.0, 0, 0.0, transient_optimizer, "optimizer")
+                peaks.append(step if step.total > start_peak.total else start_peak)
+                continue
+            stage, kind = self.stage[first:last], self.kind[first:last]
+            forward = kind == 0
+            freeing = (kind == 1) | (kind == 3)
+            # activations: + at a forward (before its moment), - after a full or weight backward
+            steps = np.zeros(2 * m, dtype=np.float64)
+            steps[0::2] = np.where(forward, act[stage], 0.0)
+            steps[1::2] = np.where(freeing, -act[stage], 0.0)
+            running = np.cumsum(steps)
+            live, live_end = running[0::2], running[-1]
+            counts = np.zeros(2 * m, dtype=np.int64)
+            counts[0::2], counts[1::2] = forward, -freeing.astype(np.int64)
+            counting = np.cumsum(counts)
+            count, count_end = counting[0::2], counting[-1]
+            # the stage's gradients appear with its first backward on the device
+            added = np.zeros(m + 1, dtype=np.float64)
+            added[0] = state0
+            backward = np.flatnonzero(~forward)
+            if len(backward):
+                seen, firsts = np.unique(stage[backward], return_index=True)
+                added[backward[firsts] + 1] = grads[seen]
+            state = np.cumsum(added)[1:]
+            # gradients of received inputs: kept after each full or input backward
+            keeping = np.where((kind == 1) | (kind == 2), in_grads[stage], 0.0)
+            kept_running = np.cumsum(keeping)
+            kept = np.r_[0.0, kept_running[:-1]]
+            transient = np.where(forward, during_forward[stage], during_backward[stage])
+            total = state + buffered + live + kept + transient
+            best = start_peak
+            top = int(np.argmax(total))
+            if total[top] > start_peak.total:
+                best = MemoryPeak(
+                    float(state[top]),
+                    buffered,
+                    float(live[top]),
+                    int(count[top]),
+                    float(kept[top]),
+                    float(transient[top]),
+                    str(self.actions[first + top]),
+                )
+            step = MemoryPeak(
+                full,
+                buffered,
+                float(live_end),
+                int(count_end),
+                float(kept_running[-1]),
+                transient_optimizer,
+                "optimizer",
+            )
+            peaks.append(step if step.total > best.total else best)
+        return peaks
+
+    def _spans(self, num_devices: int) -> list[tuple[int, int]]:
+        """Each device's actions: a range of indices (actions are listed device by device)."""
+        bounds = np.searchsorted(self.device, np.arange(num_devices + 1), side="left").tolist()
+        return list(zip(bounds[:-1], bounds[1:]))
 
 
 def compile_orders(orders: dict[int, list[Action]], num_stages: int) -> ActionGraph | None:

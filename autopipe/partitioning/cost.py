@@ -604,7 +604,7 @@ class CostModel:
         simulation = self.simulate(costs, schedule, microbatches)
         params = self.stage_parameters(stage_of_unit, num_stages)
         trainable = self.stage_parameters(stage_of_unit, num_stages, trainable=True)
-        held = _held(num_stages, simulation)
+        held = simulation.held
         stages = []
         for s in range(num_stages):
             adjacent = [b for b in (s - 1, s) if 0 <= b < num_stages - 1]
@@ -669,21 +669,3 @@ class CostModel:
     @staticmethod
     def simulate(costs: PipelineCosts, schedule: str, microbatches: int) -> Simulation:
         return simulate_schedule(schedule, costs, microbatches)
-
-
-def _held(num_stages: int, simulation: Simulation) -> list[int]:
-    """Most microbatches of each stage alive at once in the simulated step."""
-    changes: list[list[tuple[float, int]]] = [[] for _ in range(num_stages)]
-    for _device, action, start, end in simulation.events:
-        if action.kind == "F":
-            changes[action.stage].append((start, 1))
-        elif action.kind in ("B", "W"):
-            changes[action.stage].append((end, -1))
-    peaks = []
-    for stage_changes in changes:
-        live = peak = 0
-        for _time, delta in sorted(stage_changes, key=lambda c: (c[0], c[1])):
-            live += delta
-            peak = max(peak, live)
-        peaks.append(peak)
-    return peaks

@@ -26,6 +26,10 @@ from .recompute import fastest_fitting
 #: the contiguous optimum cuts inside a block (it is inline in its stages then, not a submodule
 #: one can shard, recompute or compile) only when that makes the slowest stage this much faster
 BLOCK_TOLERANCE = 0.10
+#: the split solved again with each stage's uncounted memory reserved is of use only if its
+#: slowest stage is at most this much slower than the first split's (whose own recomputation
+#: the simulator then charges)
+CALIBRATION_LIMIT = 0.5
 
 
 def solve_contiguous(model: CostModel, num_stages: int) -> list[int]:
@@ -43,7 +47,10 @@ def solve_contiguous(model: CostModel, num_stages: int) -> list[int]:
 def _calibrated(model: CostModel, num_stages: int) -> list[int]:
     split = ContiguousSplits(model, num_stages)
     anywhere = split.solve()
-    between_blocks = split.solve(split.between_blocks)
+    between_blocks = split.solve(
+        split.between_blocks,
+        within=None if anywhere is None else anywhere.bottleneck * (1 + BLOCK_TOLERANCE),
+    )
     cuts = None
     if between_blocks is not None and (
         anywhere is None or between_blocks.bottleneck <= anywhere.bottleneck * (1 + BLOCK_TOLERANCE)
@@ -63,7 +70,7 @@ def _calibrated(model: CostModel, num_stages: int) -> list[int]:
         max(0.0, peak - counted)
         for peak, counted in zip(first.device_memory, split.memory(best.stage_of_unit))
     ]
-    again = split.solve(cuts, reserve)
+    again = split.solve(cuts, reserve, within=best.bottleneck * (1 + CALIBRATION_LIMIT))
     if again is None or again.stage_of_unit == best.stage_of_unit:
         return best.stage_of_unit
     devices = list(range(num_stages))
@@ -71,6 +78,25 @@ def _calibrated(model: CostModel, num_stages: int) -> list[int]:
         model, [(best.stage_of_unit, devices, schedule), (again.stage_of_unit, devices, schedule)]
     )
     return again.stage_of_unit if chosen else best.stage_of_unit
+
+
+@dataclass(frozen=True)
+class Tile:
+    """The ranges of units i .. j - 1 for starts i in ``rows`` and ends j in ``ends``: what
+    stages covering them cost wherever they sit (tensors of rows x ends)."""
+
+    rows: slice
+    ends: slice
+    compute_forward: torch.Tensor
+    forward: torch.Tensor  # the forward, or the transfers around the stage if longer
+    backward: torch.Tensor
+    cut_backward: torch.Tensor
+    plain: torch.Tensor  # the stage's time recomputing nothing
+    state: torch.Tensor
+    activations: torch.Tensor  # one microbatch's
+    savable: torch.Tensor  # one microbatch's
+    forward_in_blocks: torch.Tensor
+    allowed: torch.Tensor  # the range is a stage (i < j, cut where cuts are allowed)
 
 
 @dataclass(frozen=True)
@@ -142,78 +168,118 @@ class ContiguousSplits:
             out.append(state + float(self.act[j] - self.act[i]) * self.held[k])
         return out
 
-    def stage_costs(
-        self, k: int, rows: slice, ends: slice, cuts: torch.Tensor | None, room: float
-    ) -> torch.Tensor:
-        """Cost of stage ``k`` covering units i .. j - 1, for starts i in ``rows`` and ends j in
-        ``ends``, with ``room`` bytes for it; infinite where i >= j, where i or j is not among
-        the allowed ``cuts``, or where the stage's training state alone does not fit. Transfers
-        overlap compute: max(forward, comm forward) + max(backward + forward recomputed, comm
-        backward). Activations beyond the room left are recomputed in backward
-        (:func:`recompute_seconds`)."""
+    def tile(self, rows: slice, ends: slice, cuts: torch.Tensor | None) -> Tile:
+        """What the stages covering units i .. j - 1 cost whatever their place in the pipeline,
+        for starts i in ``rows`` and ends j in ``ends`` (see :meth:`stage_costs`)."""
         i, j = self.positions[rows].unsqueeze(1), self.positions[ends].unsqueeze(0)
         compute_forward = self.fwd[j] - self.fwd[i]
-        held = self.held[k]
         trainable = self.trn[j] - self.trn[i]
         state = trainable * self.trained + (self.par[j] - self.par[i] - trainable) * self.frozen
-        recomputed = recompute_seconds(
-            room - state,
-            (self.act[j] - self.act[i]) * held,
-            (self.savable[j] - self.savable[i]) * held,
-            self.forward_in_blocks[j] - self.forward_in_blocks[i],
-            compute_forward,
-        )
         forward = torch.maximum(compute_forward, self.cut_forward[i] + self.cut_forward[j])
-        backward = torch.maximum(
-            self.bwd[j] - self.bwd[i] + recomputed, self.cut_backward[i] + self.cut_backward[j]
-        )
-        valid = (i < j) & (state <= room)
-        if not self.model.recomputes_to_balance:
-            valid &= recomputed == 0
+        backward = self.bwd[j] - self.bwd[i]
+        cut_backward = self.cut_backward[i] + self.cut_backward[j]
+        allowed = i < j
         if cuts is not None:
-            valid &= cuts[i] & cuts[j]
-        return torch.where(valid, forward + backward, torch.full_like(forward, math.inf))
+            allowed = allowed & cuts[i] & cuts[j]
+        return Tile(
+            rows=rows,
+            ends=ends,
+            compute_forward=compute_forward,
+            forward=forward,
+            backward=backward,
+            cut_backward=cut_backward,
+            plain=forward + torch.maximum(backward, cut_backward),
+            state=state,
+            activations=self.act[j] - self.act[i],
+            savable=self.savable[j] - self.savable[i],
+            forward_in_blocks=self.forward_in_blocks[j] - self.forward_in_blocks[i],
+            allowed=allowed,
+        )
+
+    def stage_costs(self, k: int, tile: Tile, room: float) -> torch.Tensor:
+        """Cost of stage ``k`` covering the tile's ranges of units, with ``room`` bytes for it
+        (see :meth:`costs`)."""
+        return self.costs(tile, [k], [room])[0]
+
+    def costs(self, tile: Tile, stages: Sequence[int], rooms: Sequence[float]) -> torch.Tensor:
+        """Cost of each stage k of ``stages`` (with ``rooms[k]`` bytes for it) covering the
+        tile's ranges of units: stages x rows x ends. Infinite where the tile does not allow
+        the range (i >= j, or i or j not among the allowed cuts) or where the stage's training
+        state alone does not fit. Transfers overlap compute: max(forward, comm forward) +
+        max(backward + forward recomputed, comm backward). Activations beyond the room left
+        are recomputed in backward (:func:`recompute_seconds`)."""
+        held = torch.tensor([float(self.held[k]) for k in stages], dtype=torch.float64)
+        held = held.view(-1, 1, 1)
+        room = torch.tensor(list(rooms), dtype=torch.float64).view(-1, 1, 1)
+        in_flight = tile.activations * held
+        valid = tile.allowed & (tile.state <= room)
+        fits = (tile.state + in_flight) <= room
+        if bool(fits.all()):
+            cost = tile.plain.expand_as(in_flight)
+        elif self.model.recomputes_to_balance:
+            recomputed = recompute_seconds(
+                room - tile.state,
+                in_flight,
+                tile.savable * held,
+                tile.forward_in_blocks,
+                tile.compute_forward,
+            )
+            cost = tile.forward + torch.maximum(tile.backward + recomputed, tile.cut_backward)
+        else:
+            cost = tile.plain.expand_as(in_flight)
+            valid = valid & fits
+        return torch.where(valid, cost, torch.full_like(cost, math.inf))
 
     def solve(
-        self, cuts: torch.Tensor | None = None, reserve: Sequence[float] | None = None
+        self,
+        cuts: torch.Tensor | None = None,
+        reserve: Sequence[float] | None = None,
+        within: float | None = None,
     ) -> SplitOptimum | None:
-        """The optimum (None if no split is allowed), stages cut only at ``cuts`` (positions
-        between units; None: anywhere), stage k's room the device's memory less
-        ``reserve[k]``."""
+        """The optimum (None if no split is allowed, or none whose slowest stage takes at most
+        ``within`` seconds), stages cut only at ``cuts`` (positions between units; None:
+        anywhere), stage k's room the device's memory less ``reserve[k]``."""
         n, num_stages = self.n, self.num_stages
         rooms = [self.capacity - (reserve[k] if reserve else 0.0) for k in range(num_stages)]
 
-        def stage_costs(k: int, rows: slice, ends: slice) -> torch.Tensor:
-            return self.stage_costs(k, rows, ends, cuts, rooms[k])
+        def single(k: int, rows: slice, ends: slice) -> torch.Tensor:
+            return self.stage_costs(k, self.tile(rows, ends, cuts), rooms[k])
 
         # A stage of the optimum costs at most the equal-compute split's slowest stage, and at
         # least its own compute: each end j only needs the starts within that band of compute.
         compute = self.fwd + self.bwd
-        bound = _equal_split_bound(compute, num_stages, stage_costs)
+        bound = _equal_split_bound(compute, num_stages, single, cuts)
+        if within is not None:  # splits slower than that are of no use to the caller
+            bound = min(bound, within)
         lowest = (
             torch.searchsorted(compute, compute - bound * (1 + 1e-9) - 1e-15)
             if math.isfinite(bound)
             else torch.zeros(n + 1, dtype=torch.long)
         )
-        block = max(1, (1 << 22) // (n + 1))  # columns per step: bounds memory on huge graphs
-        blocks = []
-        for first in range(0, n + 1, block):
-            ends = slice(first, min(n + 1, first + block))
-            blocks.append((slice(int(lowest[first]), ends.stop), ends))
+        # columns per tile: about the band's width (a tile spans its band and its columns),
+        # within bounds on the tiles' number and size
+        band = int((torch.arange(n + 1) - lowest).max())
+        width = min(max(64, band, (n + 1) // 64), max(1, (1 << 22) // (n + 1)))
+        tiles = []
+        for first in range(0, n + 1, width):
+            ends = slice(first, min(n + 1, first + width))
+            tiles.append(self.tile(slice(int(lowest[first]), ends.stop), ends, cuts))
 
         inf = math.inf
         dtype = torch.float64
-        # best[k][j]: least bottleneck covering units 0..j-1 with stages 0..k-1
+        every = range(num_stages)
+        # best[k][j]: least bottleneck covering units 0..j-1 with stages 0..k-1. Tile by tile
+        # (in column order), every stage count: a tile's starts lie in its own columns or in
+        # earlier tiles', which are done; each tile's costs for all stages at once.
         best = torch.full((num_stages + 1, n + 1), inf, dtype=dtype)
         best[0, 0] = 0.0
-        for k in range(1, num_stages + 1):
-            for rows, ends in blocks:
-                candidates = torch.maximum(
-                    best[k - 1, rows].unsqueeze(1), stage_costs(k - 1, rows, ends)
-                )
-                best[k, ends] = candidates.min(0).values
+        for tile in tiles:
+            costs = self.costs(tile, every, rooms)
+            for k in range(1, num_stages + 1):
+                candidates = torch.maximum(best[k - 1, tile.rows].unsqueeze(1), costs[k - 1])
+                best[k, tile.ends] = candidates.min(0).values
         optimum = float(best[num_stages, n])
-        if not math.isfinite(optimum):
+        if not math.isfinite(optimum) or (within is not None and optimum > within):
             return None
         # among partitions with that bottleneck, the most balanced (least sum of squares);
         # ties -> earliest cut
@@ -221,14 +287,13 @@ class ContiguousSplits:
         total = torch.full((num_stages + 1, n + 1), inf, dtype=dtype)
         choice = torch.zeros((num_stages + 1, n + 1), dtype=torch.long)
         total[0, 0] = 0.0
-        for k in range(1, num_stages + 1):
-            for rows, ends in blocks:
-                cost = stage_costs(k - 1, rows, ends)
-                value = torch.where(
-                    cost <= limit, total[k - 1, rows].unsqueeze(1) + cost * cost, inf
-                )
-                total[k, ends], index = value.min(0)
-                choice[k, ends] = index + rows.start
+        for tile in tiles:
+            costs = self.costs(tile, every, rooms)
+            squares = torch.where(costs <= limit, costs * costs, inf)
+            for k in range(1, num_stages + 1):
+                value = total[k - 1, tile.rows].unsqueeze(1) + squares[k - 1]
+                total[k, tile.ends], index = value.min(0)
+                choice[k, tile.ends] = index + tile.rows.start
         stage_of_unit = [0] * n
         j = n
         for k in range(num_stages, 0, -1):
@@ -264,12 +329,21 @@ def _equal_split_bound(
     compute: torch.Tensor,
     num_stages: int,
     stage_costs: Callable[[int, slice, slice], torch.Tensor],
+    allowed: torch.Tensor | None = None,
 ) -> float:
     """The slowest stage (communication and memory included) of the split into stages of equal
-    compute: an upper bound on the optimum's bottleneck, or infinity if a stage does not fit."""
+    compute (cut at the ``allowed`` positions nearest to equal: a split the DP may choose): an
+    upper bound on the optimum's bottleneck, or infinity if a stage does not fit."""
     n = compute.numel() - 1
     targets = compute[-1] * torch.arange(1, num_stages, dtype=compute.dtype) / num_stages
-    cuts = torch.searchsorted(compute, targets).clamp(1, n - 1).tolist()
+    if allowed is None:
+        cuts = torch.searchsorted(compute, targets).clamp(1, n - 1).tolist()
+    else:
+        positions = torch.nonzero(allowed[1:n]).flatten() + 1
+        if len(positions) < num_stages - 1:
+            return math.inf
+        at = torch.searchsorted(compute[positions], targets).clamp(0, len(positions) - 1)
+        cuts = positions[at].tolist()
     bounds = sorted(set([0, *cuts, n]))
     if len(bounds) != num_stages + 1:
         return math.inf

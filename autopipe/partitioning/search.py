@@ -101,6 +101,27 @@ class Plan:
 
 #: the problem of a candidate the search did not partition: its --search-seconds ran out first
 NOT_SEARCHED = "not searched: --search-seconds ran out"
+#: the start of the problem of a candidate whose lower bound shows it cannot beat the best plan
+PRUNED = "pruned"
+#: a candidate is pruned when its lower bound exceeds the best step found by more than this
+#: share (plans whose throughputs agree to 3 significant digits tie in the ranking)
+PRUNE_MARGIN = 0.01
+
+
+def step_lower_bound(candidate: Candidate, compute: float) -> float:
+    """Seconds per step no partition of this candidate can beat, ``compute`` being one
+    microbatch's forward and backward over the whole model (transfers, recomputation, FSDP2
+    traffic and the optimizer only add to it). Per pipeline run, with ``p`` ranks and ``m``
+    microbatches: each rank computes its share; and with one stage per rank, stage ``s`` can
+    start no sooner than the first microbatch's forward through the stages before it and ends
+    no later than the last one's backward through them, so a run takes at least
+    ``prefix(s) + m x cost(s)`` for every stage, whose least maximum over all splits of the
+    compute is ``compute / (1 - (1 - 1/m)^p)``."""
+    p, m = candidate.ranks, candidate.microbatches
+    per_run = max(m * compute / p, compute)
+    if candidate.stages == candidate.ranks:  # one stage per rank
+        per_run = max(per_run, compute / (1 - (1 - 1 / m) ** p))
+    return candidate.accumulate * per_run
 
 
 @dataclass(frozen=True)
@@ -176,31 +197,45 @@ def search(
     max_stages_per_rank: int = 2,
     seconds: float | None = None,
     progress: Callable[[SearchProgress], None] | None = None,
+    prune: bool = True,
 ) -> list[Plan]:
     """Every candidate plan, partitioned and simulated, best first: those that fit by
-    throughput, then those that do not. With ``seconds``, the candidates left when that many
-    seconds have passed are not partitioned (their problem is :data:`NOT_SEARCHED`; the first
-    candidate always is); ``progress`` is told after each candidate."""
+    throughput, then those that do not. Candidates are searched in the order of their lower
+    bound (:func:`step_lower_bound`; candidates of equal bounds in their listed order); with
+    ``prune``, one whose bound exceeds the best step found (by :data:`PRUNE_MARGIN`) is not
+    partitioned, and neither are those after it (their problem says so). With ``seconds``, the
+    candidates left when that many seconds have passed are not partitioned (their problem is
+    :data:`NOT_SEARCHED`; the first candidate always is); ``progress`` is told after each
+    candidate."""
     capacity = profile.device.memory
     usable = dataclasses.replace(
         profile, device=dataclasses.replace(profile.device, memory=capacity * (1 - margin))
     )
     plans: list[Plan] = []
-    every = candidates(devices, global_batch, len(graph.units), max_stages_per_rank)
+    listed = candidates(devices, global_batch, len(graph.units), max_stages_per_rank)
+    compute = sum(unit.forward + unit.backward for unit in profile.units)
+    bounds = [step_lower_bound(candidate, compute) for candidate in listed]
+    every = sorted(range(len(listed)), key=lambda c: (bounds[c], c))
     began, best = monotonic(), None
-    for candidate in every:
-        plan = Plan(candidate, global_batch, capacity)
+    for c in every:
+        plan = Plan(listed[c], global_batch, capacity)
         if plans and seconds is not None and monotonic() - began >= seconds:
             plan.problem = NOT_SEARCHED
             plans.append(plan)
             continue
-        _partitioned(plan, graph, usable, method, optimizer)
+        if prune and best is not None and bounds[c] > best.step_time * (1 + PRUNE_MARGIN):
+            plan.problem = (
+                f"{PRUNED}: at least {bounds[c] * 1e3:.1f} ms per step, slower than the best "
+                f"plan's {best.step_time * 1e3:.1f} ms"
+            )
+        else:
+            _partitioned(plan, graph, usable, method, optimizer)
+            if plan.fits and (best is None or plan.throughput > best.throughput):
+                best = plan
         plans.append(plan)
-        if plan.fits and (best is None or plan.throughput > best.throughput):
-            best = plan
         if progress is not None:
             progress(SearchProgress(len(plans), len(every), monotonic() - began, best))
-    order = {id(plan): i for i, plan in enumerate(plans)}
+    listing = {id(plan): c for plan, c in zip(plans, every)}
     # throughputs equal to 3 significant digits tie: then the plan needing the least memory
     return sorted(
         plans,
@@ -208,7 +243,7 @@ def search(
             not p.fits,
             -float(f"{p.throughput:.3g}"),
             p.peak_memory if p.fits else 0.0,
-            order[id(p)],
+            listing[id(p)],
         ),
     )
 

@@ -15,9 +15,10 @@ The orders come from torch's own schedules (GPipe, 1F1B, and the multi-stage sch
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 
 from ..errors import PartitionError
 from .action_graph import ActionGraph, compile_orders
@@ -35,17 +36,40 @@ from ..runtime.core.schedules import (
     single_stage_order,
 )
 
+#: one simulated action: (device, action, start, end)
+Event = tuple[int, Action, float, float]
 
-@dataclass
+
 class Simulation:
-    step_time: float
-    #: (device, action, start, end) in start order
-    events: list[tuple[int, Action, float, float]] = field(default_factory=list)
-    peak_memory: list[float] = field(default_factory=list)  # per device
-    busy: list[float] = field(default_factory=list)  # per device: seconds computing
-    memory_peaks: list[MemoryPeak] = field(
-        default_factory=list
-    )  # per device: what peak_memory adds
+    """One simulated step: its time, each device's seconds computing and memory peak, the most
+    microbatches of each stage alive at once, and (listed on demand: the partitioners need
+    only the figures) every action's times."""
+
+    def __init__(
+        self,
+        step_time: float,
+        busy: list[float],
+        memory_peaks: list[MemoryPeak],
+        held: list[int],
+        events: list[Event] | Callable[[], list[Event]],
+    ) -> None:
+        self.step_time = step_time
+        self.busy = busy  # per device: seconds computing
+        self.memory_peaks = memory_peaks  # per device: what its peak holds
+        self.held = held  # per stage
+        self._events = events
+
+    @functools.cached_property
+    def events(self) -> list[Event]:
+        """``(device, action, start, end)`` of every action, by start (then device)."""
+        events = self._events if isinstance(self._events, list) else self._events()
+        events.sort(key=lambda e: (e[2], e[0]))
+        return events
+
+    @property
+    def peak_memory(self) -> list[float]:
+        """Each device's peak bytes."""
+        return [peak.total for peak in self.memory_peaks]
 
     @property
     def bubble(self) -> float:
@@ -65,16 +89,46 @@ def simulate(orders: dict[int, list[Action]], costs: PipelineCosts) -> Simulatio
     return _simulation(events, costs)
 
 
+#: whether every simulation walks the events (the reference), bypassing the compiled graphs:
+#: see :func:`reference_simulation`
+_REFERENCE = [False]
+
+
+@contextlib.contextmanager
+def reference_simulation() -> Iterator[None]:
+    """Within the block, :func:`simulate_schedule` runs the reference event walk only (what
+    benchmarks/plan_speed.py compares the fast path's plans with)."""
+    _REFERENCE.append(True)
+    try:
+        yield
+    finally:
+        _REFERENCE.pop()
+
+
 def simulate_schedule(schedule: str, costs: PipelineCosts, microbatches: int) -> Simulation:
     """:func:`simulate` of ``schedule``'s orders, equal to it to the last bit: the orders of a
     fixed schedule (all but ``auto``, whose greedy orders depend on the costs) are compiled
     once per placement and microbatch count into an :class:`ActionGraph` and timed level by
     level (see :mod:`.action_graph`)."""
-    if schedule != "auto":
+    if schedule != "auto" and not _REFERENCE[-1]:
         graph = _compiled(schedule, tuple(costs.device_of_stage), microbatches)
         if graph is not None:
-            return _simulation(graph.events(costs), costs)
+            return _timed(graph, costs)
     return simulate(schedule_orders(schedule, costs, microbatches), costs)
+
+
+def _timed(graph: ActionGraph, costs: PipelineCosts) -> Simulation:
+    """The simulation of a compiled schedule, each figure derived from the times' arrays the
+    way :func:`_simulation` derives it from the listed events (equal to the last bit), the
+    events listed only if asked for."""
+    start, end = graph.times(costs)
+    return Simulation(
+        step_time=float(end.max()) if len(end) else 0.0,
+        busy=graph.busy(start, end, costs.num_devices),
+        memory_peaks=graph.memory_peaks(costs),
+        held=graph.held(start, end, costs.num_stages),
+        events=lambda: graph.listing(start, end),
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -95,20 +149,38 @@ def _compiled(
     return compile_orders(schedule_orders(schedule, placed, microbatches), stages)
 
 
-def _simulation(events: list[tuple[int, Action, float, float]], costs: PipelineCosts) -> Simulation:
+def _simulation(events: list[Event], costs: PipelineCosts) -> Simulation:
     """The simulation of these events, listed as :func:`event_times` lists them."""
     events.sort(key=lambda e: (e[2], e[0]))
-    peaks = device_memory(events, costs)
     busy = [0.0] * costs.num_devices
     for device, _action, start, end in events:
         busy[device] += end - start
     return Simulation(
         step_time=max((e[3] for e in events), default=0.0),
-        events=events,
-        peak_memory=[peak.total for peak in peaks],
         busy=busy,
-        memory_peaks=peaks,
+        memory_peaks=device_memory(events, costs),
+        held=held_microbatches(costs.num_stages, events),
+        events=events,
     )
+
+
+def held_microbatches(num_stages: int, events: list[Event]) -> list[int]:
+    """Most microbatches of each stage alive at once: from a forward's start to the end of its
+    full or weight backward (at equal times, the end first)."""
+    changes: list[list[tuple[float, int]]] = [[] for _ in range(num_stages)]
+    for _device, action, start, end in events:
+        if action.kind == "F":
+            changes[action.stage].append((start, 1))
+        elif action.kind in ("B", "W"):
+            changes[action.stage].append((end, -1))
+    peaks = []
+    for stage_changes in changes:
+        live = peak = 0
+        for _time, delta in sorted(stage_changes, key=lambda c: (c[0], c[1])):
+            live += delta
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
 
 
 # -- schedules --------------------------------------------------------------------------------
