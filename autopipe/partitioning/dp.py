@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,9 @@ from .recompute import fastest_fitting
 #: the contiguous optimum cuts inside a block (it is inline in its stages then, not a submodule
 #: one can shard, recompute or compile) only when that makes the slowest stage this much faster
 BLOCK_TOLERANCE = 0.10
+#: the most stage-cost entries the DP computes at once (stages x starts x ends): bounds the
+#: memory of its intermediate tensors
+COSTED_AT_ONCE = 1 << 21
 #: the split solved again with each stage's uncounted memory reserved is of use only if its
 #: slowest stage is at most this much slower than the first split's (whose own recomputation
 #: the simulator then charges)
@@ -230,6 +233,17 @@ class ContiguousSplits:
             valid = valid & fits
         return torch.where(valid, cost, torch.full_like(cost, math.inf))
 
+    def _by_stage(self, tile: Tile, rooms: Sequence[float]) -> Iterator[tuple[int, torch.Tensor]]:
+        """Each stage k with the tile's costs for it, in order, costed for as many stages at
+        once as :data:`COSTED_AT_ONCE` entries allow."""
+        size = max(1, tile.plain.numel())
+        step = max(1, COSTED_AT_ONCE // size)
+        for first in range(0, self.num_stages, step):
+            stages = range(first, min(self.num_stages, first + step))
+            costs = self.costs(tile, stages, [rooms[k] for k in stages])
+            for offset, k in enumerate(stages):
+                yield k, costs[offset]
+
     def solve(
         self,
         cuts: torch.Tensor | None = None,
@@ -267,17 +281,15 @@ class ContiguousSplits:
 
         inf = math.inf
         dtype = torch.float64
-        every = range(num_stages)
         # best[k][j]: least bottleneck covering units 0..j-1 with stages 0..k-1. Tile by tile
         # (in column order), every stage count: a tile's starts lie in its own columns or in
         # earlier tiles', which are done; each tile's costs for all stages at once.
         best = torch.full((num_stages + 1, n + 1), inf, dtype=dtype)
         best[0, 0] = 0.0
         for tile in tiles:
-            costs = self.costs(tile, every, rooms)
-            for k in range(1, num_stages + 1):
-                candidates = torch.maximum(best[k - 1, tile.rows].unsqueeze(1), costs[k - 1])
-                best[k, tile.ends] = candidates.min(0).values
+            for k, costs in self._by_stage(tile, rooms):
+                candidates = torch.maximum(best[k, tile.rows].unsqueeze(1), costs)
+                best[k + 1, tile.ends] = candidates.min(0).values
         optimum = float(best[num_stages, n])
         if not math.isfinite(optimum) or (within is not None and optimum > within):
             return None
@@ -288,12 +300,11 @@ class ContiguousSplits:
         choice = torch.zeros((num_stages + 1, n + 1), dtype=torch.long)
         total[0, 0] = 0.0
         for tile in tiles:
-            costs = self.costs(tile, every, rooms)
-            squares = torch.where(costs <= limit, costs * costs, inf)
-            for k in range(1, num_stages + 1):
-                value = total[k - 1, tile.rows].unsqueeze(1) + squares[k - 1]
-                total[k, tile.ends], index = value.min(0)
-                choice[k, tile.ends] = index + tile.rows.start
+            for k, costs in self._by_stage(tile, rooms):
+                squares = torch.where(costs <= limit, costs * costs, inf)
+                value = total[k, tile.rows].unsqueeze(1) + squares
+                total[k + 1, tile.ends], index = value.min(0)
+                choice[k + 1, tile.ends] = index + tile.rows.start
         stage_of_unit = [0] * n
         j = n
         for k in range(num_stages, 0, -1):

@@ -131,7 +131,13 @@ def _timed(graph: ActionGraph, costs: PipelineCosts) -> Simulation:
     )
 
 
-@functools.lru_cache(maxsize=256)
+#: compiled schedules kept: a partitioner evaluates one placement and microbatch count many
+#: times, a plan search moves on to others (a graph of 64 ranks x 256 microbatches holds tens of
+#: megabytes)
+COMPILED_KEPT = 8
+
+
+@functools.lru_cache(maxsize=COMPILED_KEPT)
 def _compiled(
     schedule: str, device_of_stage: tuple[int, ...], microbatches: int
 ) -> ActionGraph | None:
