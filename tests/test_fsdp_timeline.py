@@ -2,25 +2,20 @@
 reduction read from the ranges FSDP2 marks for the profiler. Here on hand-made events of the
 three ways a stage gathers (per block, per step, not at all) and of a CUDA run (the kernels'
 span on the device); the real 4-rank sharded runs with ``--trace`` are in
-tests/test_data_parallel.py, and a real profiler run of FSDP2 on 2 processes below."""
+tests/test_data_parallel.py, and a real profiler run of FSDP2 on 2 processes below
+(tests/fsdp_marks.py under torchrun)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from autopipe.runtime.core.timeline_format import TRACKS, UNITS, RankTimeline, Record, RunLayout
 from autopipe.runtime.core.timeline_format import chrome_trace
-from autopipe.runtime.fsdp_timeline import UNIT_KINDS, Mark, UnitAction, UnitRecorder
+from autopipe.runtime.fsdp_timeline import UNIT_KINDS, Mark, UnitAction
 from autopipe.runtime.fsdp_timeline import unit_actions
+
+from conftest import ROOT, torchrun
 
 
 class Events:
@@ -171,35 +166,12 @@ def test_records_of_unit_actions_in_their_codec_names_and_tracks():
     assert TRACKS["unshard"][0] == 2
 
 
-def _profiled_sharded_steps(rank: int, world: int, directory: str) -> None:
-    """Two microbatches' forward and backward of a 2-block model sharded over the ranks, its
-    FSDP2 actions written to ``directory``/``rank``.json."""
-    store = dist.FileStore(f"{directory}/store", world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
-        for block in (model[0], model[2]):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        recorder = UnitRecorder(cuda=False)
-        recorder.start()
-        for microbatch in range(2):
-            model.set_requires_gradient_sync(microbatch == 1)
-            model(torch.randn(4, 8)).sum().backward()
-        actions = recorder.stop()
-        Path(directory, f"{rank}.json").write_text(json.dumps([asdict(a) for a in actions]))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_fsdp2_really_marks_what_is_read_two_processes(tmp_path):
     """torch's own FSDP2 under the real profiler, over gloo: the names and order this module
     relies on. Each microbatch gathers and frees each block in forward and again in backward
     (the backward's gather of a block may be prefetched during the one after it); the second
     microbatch reduces their gradients."""
-    mp.spawn(_profiled_sharded_steps, args=(2, str(tmp_path)), nprocs=2)
+    torchrun(ROOT / "tests" / "fsdp_marks.py", 2, str(tmp_path))
     actions = [UnitAction(**a) for a in json.loads((tmp_path / "0.json").read_text())]
     for unit in ("0", "2"):  # blocks (the root unit holds no parameter here)
         mine = [a.kind for a in actions if a.unit == unit]
