@@ -55,9 +55,7 @@ def _calibrated(model: CostModel, num_stages: int) -> list[int]:
         within=None if anywhere is None else anywhere.bottleneck * (1 + BLOCK_TOLERANCE),
     )
     cuts = None
-    if between_blocks is not None and (
-        anywhere is None or between_blocks.bottleneck <= anywhere.bottleneck * (1 + BLOCK_TOLERANCE)
-    ):
+    if between_blocks is not None:  # within the tolerance of cutting anywhere, if that solves
         best, cuts = between_blocks, split.between_blocks
     elif anywhere is not None:
         best = anywhere
@@ -164,9 +162,8 @@ class ContiguousSplits:
         bounds.append(self.n)
         out = []
         for k, (i, j) in enumerate(zip(bounds, bounds[1:])):
-            trainable = float(self.trn[j] - self.trn[i])
-            state = trainable * self.trained + (float(self.par[j] - self.par[i]) - trainable) * (
-                self.frozen
+            state = self.model.state_bytes(
+                float(self.par[j] - self.par[i]), float(self.trn[j] - self.trn[i])
             )
             out.append(state + float(self.act[j] - self.act[i]) * self.held[k])
         return out

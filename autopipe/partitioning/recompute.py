@@ -5,7 +5,7 @@ Blocks are recomputed one device at a time, those saving the most bytes per seco
 first; the fewest such blocks that make the device fit are found by bisection over that order
 (a device's peak only falls as more of its blocks recompute). Where all of a device's blocks are
 not enough, its stages recompute whole. The partitioners count the cost of recomputation too
-(:func:`recompute_share`), so that recomputing to balance the stages competes with shrinking the
+(:func:`.dp.recompute_seconds`, :func:`fastest_fitting`), so that recomputing to balance the stages competes with shrinking the
 stages that hold the most microbatches in flight.
 """
 

@@ -62,9 +62,7 @@ class Simulation:
     @functools.cached_property
     def events(self) -> list[Event]:
         """``(device, action, start, end)`` of every action, by start (then device)."""
-        events = self._events if isinstance(self._events, list) else self._events()
-        events.sort(key=lambda e: (e[2], e[0]))
-        return events
+        return self._events if isinstance(self._events, list) else self._events()
 
     @property
     def peak_memory(self) -> list[float]:
@@ -127,7 +125,7 @@ def _timed(graph: ActionGraph, costs: PipelineCosts) -> Simulation:
         busy=graph.busy(start, end, costs.num_devices),
         memory_peaks=graph.memory_peaks(costs),
         held=graph.held(start, end, costs.num_stages),
-        events=lambda: graph.listing(start, end),
+        events=lambda: _by_start(graph.listing(start, end)),
     )
 
 
@@ -157,7 +155,7 @@ def _compiled(
 
 def _simulation(events: list[Event], costs: PipelineCosts) -> Simulation:
     """The simulation of these events, listed as :func:`event_times` lists them."""
-    events.sort(key=lambda e: (e[2], e[0]))
+    events = _by_start(events)
     busy = [0.0] * costs.num_devices
     for device, _action, start, end in events:
         busy[device] += end - start
@@ -168,6 +166,13 @@ def _simulation(events: list[Event], costs: PipelineCosts) -> Simulation:
         held=held_microbatches(costs.num_stages, events),
         events=events,
     )
+
+
+def _by_start(events: list[Event]) -> list[Event]:
+    """``events`` sorted in place by start, then device (a stable sort: ties keep the
+    reference's listing), as a simulation lists them."""
+    events.sort(key=lambda e: (e[2], e[0]))
+    return events
 
 
 def held_microbatches(num_stages: int, events: list[Event]) -> list[int]:

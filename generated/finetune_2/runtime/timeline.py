@@ -12,9 +12,10 @@ waits for it first), both with the peer rank. On CPU the clock is
 ``CLOCK_MONOTONIC`` (system-wide: the ranks of one host agree on it); on CUDA each interval is a
 pair of timing events, resolved once at the end of a traced step and placed on the host clock by
 a reference event recorded at a known host time. Ranks on other hosts than global rank 0 are
-aligned by a barrier at the start (:meth:`Timeline.align`). With FSDP2-managed stages (``fsdp_root``:
-the path of the stage module in the module FSDP2 was applied to last, its root), each unit's unshard, reshard and gradient reduction are recorded too (``fsdp_timeline.py``:
-read from the profiler during the traced steps only), each placed in the action it happened in.
+aligned by a barrier at the start (:meth:`Timeline.align`). With FSDP2-managed stages
+(``fsdp_root``: the path of the stage module in the module FSDP2 was applied to last, its root),
+each unit's unshard, reshard and gradient reduction are recorded too (``fsdp_timeline.py``: read
+from the profiler during the traced steps only), each placed in the action it happened in.
 
 Each rank writes ``rankR.json`` (:class:`RankTimeline`, compact JSON); global rank 0 gathers
 every rank's and writes ``trace.json``, a Chrome / Perfetto trace (:func:`chrome_trace`).
@@ -178,11 +179,13 @@ class Timeline:
             if kind in _CONSUMES and stage is not None and microbatch is not None
             else None
         )
-        if self._units is not None:
-            with self._host_interval(kind, stage, microbatch, round_):
-                yield from self._measured(step, kind, stage, microbatch, round_, consumed)
-            return
-        yield from self._measured(step, kind, stage, microbatch, round_, consumed)
+        hosted = (  # where FSDP2's actions are placed
+            self._host_interval(kind, stage, microbatch, round_)
+            if self._units is not None
+            else contextlib.nullcontext()
+        )
+        with hosted:
+            yield from self._measured(step, kind, stage, microbatch, round_, consumed)
 
     @contextlib.contextmanager
     def _host_interval(
