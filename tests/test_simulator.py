@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from autopipe.errors import PartitionError
 from autopipe.partitioning.simulator import Action, PipelineCosts, schedule_orders, simulate
+from autopipe.runtime.core.schedules import MULTI_STAGE, V_SHAPED, placement
 
 
 def uniform(stages, forward=1.0, backward=2.0, send=0.0, devices=None, activations=1.0):
@@ -105,3 +108,32 @@ def test_zero_bubble_splits_backward():
     kinds = {a.kind for o in orders.values() for a in o}
     assert kinds == {"F", "I", "W"}
     assert simulate(orders, costs).step_time > 0
+
+
+@pytest.mark.parametrize("schedule", sorted(MULTI_STAGE))
+@pytest.mark.parametrize("devices, per_device, microbatches", [(2, 2, 4), (4, 2, 8), (3, 3, 6)])
+def test_multi_stage_orders_are_torchs(schedule, devices, per_device, microbatches):
+    """The orders the simulator reads (torch's schedule class, not lowered to its runtime's
+    communication) are the compute actions of torch's own ``get_schedule_ops``."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    stages = devices * per_device
+    if schedule in V_SHAPED and per_device != 2:
+        pytest.skip("V-shaped schedules run two stages per device")
+    costs = uniform(stages, devices=placement(schedule, stages, devices))
+    try:
+        ops = get_schedule_ops(MULTI_STAGE[schedule], devices, microbatches, per_device)
+    except Exception as exc:  # torch refuses this shape: so must the simulator
+        with pytest.raises(PartitionError, match="does not fit"):
+            schedule_orders(schedule, costs, microbatches)
+        pytest.skip(f"torch refuses it: {exc}")
+    expected = {
+        device: [
+            Action.parse(part)
+            for action in row
+            if action is not None
+            for part in re.findall(r"\d+[FBIW]\d+", str(action))
+        ]
+        for device, row in enumerate(ops)
+    }
+    assert schedule_orders(schedule, costs, microbatches) == expected

@@ -20,6 +20,7 @@ weights only: no gradient, no optimizer state, no reduce-scatter, no optimizer s
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import asdict, dataclass, field
 
 import networkx as nx
@@ -204,6 +205,132 @@ def block_costs(graph: Graph) -> dict[str, BlockCost]:
     return blocks
 
 
+@dataclass(frozen=True)
+class GraphFacts:
+    """What a cost model reads of the graph alone, shared by every cost model of one graph
+    (a plan search makes one per candidate; a graph is not changed after tracing). Read-only."""
+
+    #: the names of each unit's inputs and outputs, in the order a profile's ``saved_values``
+    #: index them
+    unit_values: list[list[str]]
+    #: the dtype most parameter bytes have: the model's compute dtype, for its peak FLOP/s
+    dtype: torch.dtype
+    #: the parameters that take no gradient, by first name: weights only
+    frozen: frozenset[str]
+    #: parameter bytes per unit, each parameter counted in the first unit that reads it, and of
+    #: those the bytes of parameters that are trained
+    param_bytes: list[int]
+    trainable_bytes: list[int]
+    #: every unit's own parameters' bytes by first name (a tied parameter is held by every stage
+    #: that reads it)
+    unit_params: list[dict[str, int]]
+    blocks: dict[str, BlockCost]
+    exchanges: list[Exchange]
+    #: units and the edges no partition may point backwards: data (weighted by the bytes moved)
+    #: and the order of in-place writes
+    dag: nx.DiGraph
+
+
+#: each graph's facts, while the graph lives
+_FACTS: weakref.WeakKeyDictionary[Graph, GraphFacts] = weakref.WeakKeyDictionary()
+
+
+def graph_facts(graph: Graph) -> GraphFacts:
+    """``graph``'s :class:`GraphFacts`, computed once."""
+    facts = _FACTS.get(graph)
+    if facts is None:
+        by_dtype: dict[torch.dtype, int] = {}
+        for info in graph.params.values():
+            by_dtype[info.dtype] = by_dtype.get(info.dtype, 0) + info.nbytes
+        unit_params, param_bytes, trainable_bytes = _parameter_bytes(graph)
+        exchanges = _exchanges(graph)
+        facts = GraphFacts(
+            unit_values=[w.inputs + w.outputs for w in unit_workloads(graph)],
+            dtype=max(by_dtype, key=by_dtype.__getitem__) if by_dtype else torch.float32,
+            frozen=frozenset(
+                info.names[0] for info in graph.params.values() if not info.requires_grad
+            ),
+            param_bytes=param_bytes,
+            trainable_bytes=trainable_bytes,
+            unit_params=unit_params,
+            blocks=block_costs(graph),
+            exchanges=exchanges,
+            dag=_unit_dag(graph, exchanges),
+        )
+        _FACTS[graph] = facts
+    return facts
+
+
+def _parameter_bytes(graph: Graph) -> tuple[list[dict[str, int]], list[int], list[int]]:
+    """Each unit's own parameters (bytes by first name), and parameter bytes per unit with, of
+    those, the trainable parameters' (that require gradients), each parameter counted in the
+    first unit that reads it."""
+    num_units = len(graph.units)
+    param_bytes, trainable_bytes = [0] * num_units, [0] * num_units
+    unit_params: list[dict[str, int]] = [{} for _ in range(num_units)]
+    seen: set[str] = set()
+    for node in graph.calls:
+        for src in node.inputs:
+            if graph[src].kind == "param":
+                info = graph.param_of(graph[src].target)
+                unit_params[node.unit][info.names[0]] = info.nbytes
+                if info.names[0] not in seen:
+                    seen.add(info.names[0])
+                    param_bytes[node.unit] += info.nbytes
+                    if info.requires_grad:
+                        trainable_bytes[node.unit] += info.nbytes
+    return unit_params, param_bytes, trainable_bytes
+
+
+def _exchanges(graph: Graph) -> list[Exchange]:
+    """The values units pass to later units (or out of the model)."""
+    num_units = len(graph.units)
+    unit_of = {n.name: n.unit for n in graph.calls}
+    outputs = set(graph.outputs)
+    exchanges = []
+    for node in graph.nodes:
+        if node.kind not in ("call", "input") or not isinstance(node.meta, TensorMeta):
+            continue
+        producer = unit_of.get(node.name, -1)
+        readers = {
+            unit_of[u] for u in graph.users(node.name) if u in unit_of and unit_of[u] != producer
+        }
+        if node.name in outputs:
+            readers.add(num_units)
+        if readers:
+            meta = node.meta
+            exchanges.append(
+                Exchange(
+                    producer,
+                    tuple(sorted(readers)),
+                    meta.nbytes,
+                    meta.nbytes if meta.requires_grad else 0,
+                    node.name,
+                )
+            )
+    return exchanges
+
+
+def _unit_dag(graph: Graph, exchanges: list[Exchange]) -> nx.DiGraph:
+    """Units and the edges no partition may point backwards: data (weighted by the bytes
+    moved) and the order of in-place writes."""
+    num_units = len(graph.units)
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(num_units))
+    for ex in exchanges:
+        if ex.producer < 0:
+            continue
+        for reader in ex.readers:
+            if reader < num_units:
+                weight = dag.get_edge_data(ex.producer, reader, {"bytes": 0})["bytes"]
+                dag.add_edge(ex.producer, reader, bytes=weight + ex.activation + ex.gradient)
+    for before, after in order_edges(graph):
+        u, v = graph[before].unit, graph[after].unit
+        if u != v and not dag.has_edge(u, v):
+            dag.add_edge(u, v, bytes=0)
+    return dag
+
+
 class CostModel:
     """Per-unit costs of one graph under one profile, and what any stage assignment costs."""
 
@@ -230,33 +357,25 @@ class CostModel:
         self.activations: list[float] = [u.activations for u in profile.units]
         self.temporaries = [u.temporaries for u in profile.units]
         self.backward_memory = [u.backward_memory for u in profile.units]
+        facts = graph_facts(graph)
         #: the values each unit saves among its inputs and outputs, by name
         self.saved_values = [
             {names[i] for i in unit.saved_values if i < len(names)}
-            for unit, names in zip(
-                profile.units, (w.inputs + w.outputs for w in unit_workloads(graph))
-            )
+            for unit, names in zip(profile.units, facts.unit_values)
         ]
         self.flops = sum(u.flops_forward + u.flops_backward for u in profile.units)
-        #: the dtype most parameter bytes have: the model's compute dtype, for its peak FLOP/s
-        by_dtype: dict[torch.dtype, int] = {}
-        for info in graph.params.values():
-            by_dtype[info.dtype] = by_dtype.get(info.dtype, 0) + info.nbytes
-        self.dtype = max(by_dtype, key=by_dtype.__getitem__) if by_dtype else torch.float32
+        self.dtype = facts.dtype
         self.num_units = len(graph.units)
-        #: the parameters that take no gradient, by first name: weights only
-        self.frozen = frozenset(
-            info.names[0] for info in graph.params.values() if not info.requires_grad
-        )
-        #: parameter bytes per unit, and of those the bytes of parameters that are trained
-        self.param_bytes, self.trainable_bytes = self._parameter_bytes(graph)
+        self.frozen = facts.frozen
+        self.param_bytes, self.trainable_bytes = facts.param_bytes, facts.trainable_bytes
+        self.unit_params = facts.unit_params
         #: parameters, gradients and optimizer state per unit, this rank's share when sharded
         self.unit_state = [
             self.state_bytes(p, t) for p, t in zip(self.param_bytes, self.trainable_bytes)
         ]
-        self.blocks = block_costs(graph)
-        self.exchanges = self._exchanges(graph)
-        self.dag = self._unit_dag(graph)
+        self.blocks = facts.blocks
+        self.exchanges = facts.exchanges
+        self.dag = facts.dag
         #: stages -> the best contiguous stage_of_unit (dp.solve_contiguous fills it)
         self.contiguous_optimum: dict[int, list[int]] = {}
         #: whether it counts every stage as recomputing its activations (no activations kept)
@@ -264,72 +383,6 @@ class CostModel:
         #: whether partitioners may recompute activations to balance the stages, judged by the
         #: step; else a split must fit without, and recomputation is only the last resort
         self.recomputes_to_balance = True
-
-    # -- construction -------------------------------------------------------------------------
-    def _parameter_bytes(self, graph: Graph) -> tuple[list[int], list[int]]:
-        """Parameter bytes per unit, and of those the trainable parameters' (that require
-        gradients), each parameter counted in the first unit that reads it (``unit_params``
-        keeps every unit's own: a tied parameter is held by every stage that reads it)."""
-        param_bytes, trainable_bytes = [0] * self.num_units, [0] * self.num_units
-        self.unit_params: list[dict[str, int]] = [{} for _ in range(self.num_units)]
-        seen: set[str] = set()
-        for node in graph.calls:
-            for src in node.inputs:
-                if graph[src].kind == "param":
-                    info = graph.param_of(graph[src].target)
-                    self.unit_params[node.unit][info.names[0]] = info.nbytes
-                    if info.names[0] not in seen:
-                        seen.add(info.names[0])
-                        param_bytes[node.unit] += info.nbytes
-                        if info.requires_grad:
-                            trainable_bytes[node.unit] += info.nbytes
-        return param_bytes, trainable_bytes
-
-    def _exchanges(self, graph: Graph) -> list[Exchange]:
-        unit_of = {n.name: n.unit for n in graph.calls}
-        outputs = set(graph.outputs)
-        exchanges = []
-        for node in graph.nodes:
-            if node.kind not in ("call", "input") or not isinstance(node.meta, TensorMeta):
-                continue
-            producer = unit_of.get(node.name, -1)
-            readers = {
-                unit_of[u]
-                for u in graph.users(node.name)
-                if u in unit_of and unit_of[u] != producer
-            }
-            if node.name in outputs:
-                readers.add(self.num_units)
-            if readers:
-                meta = node.meta
-                exchanges.append(
-                    Exchange(
-                        producer,
-                        tuple(sorted(readers)),
-                        meta.nbytes,
-                        meta.nbytes if meta.requires_grad else 0,
-                        node.name,
-                    )
-                )
-        return exchanges
-
-    def _unit_dag(self, graph: Graph) -> nx.DiGraph:
-        """Units and the edges no partition may point backwards: data (weighted by the bytes
-        moved) and the order of in-place writes."""
-        dag = nx.DiGraph()
-        dag.add_nodes_from(range(self.num_units))
-        for ex in self.exchanges:
-            if ex.producer < 0:
-                continue
-            for reader in ex.readers:
-                if reader < self.num_units:
-                    weight = dag.get_edge_data(ex.producer, reader, {"bytes": 0})["bytes"]
-                    dag.add_edge(ex.producer, reader, bytes=weight + ex.activation + ex.gradient)
-        for before, after in order_edges(graph):
-            u, v = graph[before].unit, graph[after].unit
-            if u != v and not dag.has_edge(u, v):
-                dag.add_edge(u, v, bytes=0)
-        return dag
 
     # -- contiguous partitions ----------------------------------------------------------------
     def boundary_bytes(self) -> tuple[list[float], list[float]]:

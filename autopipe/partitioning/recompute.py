@@ -43,34 +43,38 @@ def plan_recompute(
     """The cheapest recomputation that makes every device fit its memory: on each device short
     of it, the fewest of its blocks, those saving the most bytes per second of forward first,
     that make it fit; where all its blocks are not enough, its whole stages. Raises when even
-    that does not make them fit."""
+    that does not make them fit.
+
+    A device's memory depends on its own stages' costs only (it runs its actions in its own
+    order, see :meth:`.action_graph.ActionGraph.memory_peaks`), so every short device is
+    bisected at once: each evaluation tries each device's own middle."""
     capacity = model.device.memory
 
     def evaluate(stages: frozenset[int], blocks: frozenset[str]) -> Prediction:
         return model.evaluate(stage_of_unit, device_of_stage, schedule, stages, blocks)
 
     prediction = evaluate(frozenset(), frozenset())
-    short = {d for d, m in enumerate(prediction.device_memory) if m > capacity}
-    stages: frozenset[int] = frozenset()
-    blocks: frozenset[str] = frozenset()
-    for device in sorted(short):
-        ranked = blocks_by_value(model, stage_of_unit, device_of_stage, device)
-
-        def fits(count: int) -> bool:
-            chosen = blocks | frozenset(ranked[:count])
-            return evaluate(stages, chosen).device_memory[device] <= capacity
-
-        if ranked and fits(len(ranked)):
-            low, high = 0, len(ranked)  # fits(high); not fits(low): the device is short
-            while high - low > 1:
-                middle = (low + high) // 2
-                if fits(middle):
-                    high = middle
-                else:
-                    low = middle
-            blocks |= frozenset(ranked[:high])
-        else:  # its blocks are not enough: its stages, whole
-            stages |= {s for s, d in enumerate(device_of_stage) if d == device}
+    short = [d for d, m in enumerate(prediction.device_memory) if m > capacity]
+    ranked = {d: blocks_by_value(model, stage_of_unit, device_of_stage, d) for d in short}
+    every = frozenset(fqn for d in short for fqn in ranked[d])
+    memory = evaluate(frozenset(), every).device_memory if every else None
+    # devices whose blocks are enough: bisect the fewest (fits at high, not at low); the others
+    # recompute their stages whole
+    bounds = {d: (0, len(ranked[d])) for d in short if memory and memory[d] <= capacity}
+    stages = frozenset(s for s, d in enumerate(device_of_stage) if d in short and d not in bounds)
+    while any(high - low > 1 for low, high in bounds.values()):
+        middles = {d: (low + high) // 2 for d, (low, high) in bounds.items()}
+        tried = frozenset(fqn for d, middle in middles.items() for fqn in ranked[d][:middle])
+        memory = evaluate(frozenset(), tried).device_memory
+        bounds = {
+            d: (
+                (low, high)
+                if high - low <= 1
+                else (low, middles[d]) if memory[d] <= capacity else (middles[d], high)
+            )
+            for d, (low, high) in bounds.items()
+        }
+    blocks = frozenset(fqn for d, (_low, high) in bounds.items() for fqn in ranked[d][:high])
     prediction = evaluate(stages, blocks)
     needed = prediction.device_memory
     worst = max(range(len(needed)), key=needed.__getitem__)

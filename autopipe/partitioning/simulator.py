@@ -19,6 +19,7 @@ import contextlib
 import functools
 import re
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from ..errors import PartitionError
 from .action_graph import ActionGraph, compile_orders
@@ -223,6 +224,8 @@ def schedule_orders(
 
 def torch_orders(schedule: str, costs: PipelineCosts, microbatches: int) -> dict[int, list[Action]]:
     """The action orders of one of torch's multi-stage schedules."""
+    # imported here: torch.distributed.pipelining takes a second to import, and only the
+    # multi-stage schedules need it
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     devices, stages = costs.num_devices, costs.num_stages
@@ -233,7 +236,9 @@ def torch_orders(schedule: str, costs: PipelineCosts, microbatches: int) -> dict
             f"stages on devices {costs.device_of_stage}: use --schedule auto"
         )
     try:
-        ops = get_schedule_ops(MULTI_STAGE[schedule], devices, microbatches, stages // devices)
+        ops = get_schedule_ops(
+            _orders_only(MULTI_STAGE[schedule]), devices, microbatches, stages // devices
+        )
     except Exception as exc:  # torch validates the shape of the schedule
         raise PartitionError(
             f"torch's {schedule} schedule does not fit {stages} stages on {devices} devices with {microbatches} microbatches: {exc}"
@@ -249,3 +254,20 @@ def torch_orders(schedule: str, costs: PipelineCosts, microbatches: int) -> dict
         ]
         for device, row in enumerate(ops)
     }
+
+
+@functools.cache
+def _orders_only(name: str) -> type:
+    """torch's schedule class ``name`` computing its per-rank orders (and validating them) but
+    not lowering them to its runtime's unshard, reshard, reduction and send/receive actions:
+    the simulation reads compute actions only, and the lowering takes seconds at 64 ranks
+    (tests/test_simulator.py checks the orders equal ``get_schedule_ops``' of the class
+    itself)."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    base = get_schedule_class(name)
+
+    def validated(self: Any, actions: dict[int, list[Any]], format: str = "compute_only") -> None:
+        self._validate_and_set_stage_mapping(actions)
+
+    return type(base.__name__, (base,), {"_prepare_schedule_with_comms": validated})
