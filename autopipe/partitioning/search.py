@@ -24,6 +24,7 @@ from ..ir import Graph
 from ..profiling.profile import Profile
 from ..runtime.core.schedules import MULTI_STAGE, V_SHAPED, placement, schedule_problem_for
 from . import partition
+from .bounds import crossings, memory_floor
 from .cost import CostModel, iteration_time
 from .partition import Partition, PredictedStep
 
@@ -203,10 +204,11 @@ def search(
     throughput, then those that do not. Candidates are searched in the order of their lower
     bound (:func:`step_lower_bound`; candidates of equal bounds in their listed order); with
     ``prune``, one whose bound exceeds the best step found (by :data:`PRUNE_MARGIN`) is not
-    partitioned, and neither are those after it (their problem says so). With ``seconds``, the
-    candidates left when that many seconds have passed are not partitioned (their problem is
-    :data:`NOT_SEARCHED`; the first candidate always is); ``progress`` is told after each
-    candidate."""
+    partitioned, and neither are those after it (their problem says so); neither is one whose
+    fullest device needs more than the device's memory whatever the split
+    (:func:`.bounds.memory_floor`). With ``seconds``, the candidates left when that many seconds
+    have passed are not partitioned (their problem is :data:`NOT_SEARCHED`; the first candidate
+    always is); ``progress`` is told after each candidate."""
     capacity = profile.device.memory
     usable = dataclasses.replace(
         profile, device=dataclasses.replace(profile.device, memory=capacity * (1 - margin))
@@ -215,6 +217,7 @@ def search(
     listed = candidates(devices, global_batch, len(graph.units), max_stages_per_rank)
     compute = sum(unit.forward + unit.backward for unit in profile.units)
     bounds = [step_lower_bound(candidate, compute) for candidate in listed]
+    floors = _memory_floors(graph, usable, optimizer, listed) if prune else [0.0] * len(listed)
     every = sorted(range(len(listed)), key=lambda c: (bounds[c], c))
     began, best = monotonic(), None
     for c in every:
@@ -223,7 +226,14 @@ def search(
             plan.problem = NOT_SEARCHED
             plans.append(plan)
             continue
-        if prune and best is not None and bounds[c] > best.step_time * (1 + PRUNE_MARGIN):
+        if floors[c] > usable.device.memory:
+            shape = plan.candidate
+            plan.problem = (
+                f"a device needs at least {format_bytes(floors[c])} whatever the split (its "
+                f"share of the training state, and of the receive buffers of "
+                f"{shape.microbatches} microbatches at {shape.stages - 1} stage boundaries)"
+            )
+        elif prune and best is not None and bounds[c] > best.step_time * (1 + PRUNE_MARGIN):
             plan.problem = (
                 f"{PRUNED}: at least {bounds[c] * 1e3:.1f} ms per step, slower than the best "
                 f"plan's {best.step_time * 1e3:.1f} ms"
@@ -246,6 +256,21 @@ def search(
             listing[id(p)],
         ),
     )
+
+
+def _memory_floors(
+    graph: Graph, usable: Profile, optimizer: str, listed: list[Candidate]
+) -> list[float]:
+    """Each candidate's :func:`.bounds.memory_floor`: the least its fullest device needs."""
+    models: dict[int, CostModel] = {}
+    for shard in sorted({c.dp_shard for c in listed}):
+        models[shard] = CostModel(graph, usable, optimizer=optimizer, dp_shard=shard)
+    if not listed:
+        return []
+    crossed = crossings(models[listed[0].dp_shard])
+    return [
+        memory_floor(models[c.dp_shard], c.stages, c.ranks, c.microbatches, crossed) for c in listed
+    ]
 
 
 def _partitioned(plan: Plan, graph: Graph, usable: Profile, method: str, optimizer: str) -> None:

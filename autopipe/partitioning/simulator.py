@@ -243,17 +243,20 @@ def torch_orders(schedule: str, costs: PipelineCosts, microbatches: int) -> dict
         raise PartitionError(
             f"torch's {schedule} schedule does not fit {stages} stages on {devices} devices with {microbatches} microbatches: {exc}"
         ) from None
-    # compute actions only; an overlapped pair "(0F3;3B1)OVERLAP_F_B" runs as its two parts
+    # compute actions only (the orders are not lowered: no unshard, reshard, reduction or
+    # send/receive); an overlapped pair "(0F3;3B1)OVERLAP_F_B" runs as its two parts
     return {
         device: [
             Action.parse(part)
-            for a in row
-            if a is not None
-            for part in re.findall(r"\d+[FBIW]\d+", str(a))
-            if "REDUCE" not in str(a) and "UNSHARD" not in str(a) and "RESHARD" not in str(a)
+            for text in (str(a) for a in row if a is not None)
+            for part in _COMPUTE.findall(text)
         ]
         for device, row in enumerate(ops)
     }
+
+
+#: a compute action in the text of one of torch's actions
+_COMPUTE = re.compile(r"\d+[FBIW]\d+")
 
 
 @functools.cache

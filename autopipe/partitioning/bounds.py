@@ -1,0 +1,114 @@
+"""The least memory a plan's fullest device needs, whatever split a partitioner makes: what the
+plan search prunes candidates with before partitioning them (their step's bound is
+:func:`.search.step_lower_bound`).
+
+The bound holds for every partition into the candidate's stages, as the cost model counts
+memory, so pruning with it never drops a plan that fits (tests/test_bounds.py checks it against
+partitions, the flow cut against every boundary of small graphs, and the search against the
+exhaustive one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import networkx as nx
+
+from .cost import CostModel
+
+__all__ = ["Crossings", "crossings", "memory_floor", "MOST_CUTS"]
+
+#: the most minimum cuts :func:`crossings` makes (first units' patterns x last units); a graph
+#: needing more gets no memory bound from its boundaries
+MOST_CUTS = 32
+
+
+@dataclass(frozen=True)
+class Crossings:
+    """The least bytes a boundary between two stages holds per microbatch of a step (the
+    activations crossing it, the next stage's receive buffer, and twice their gradients: the
+    previous stage's receive buffer and the next stage's gradients of its inputs, kept to the
+    end of the step), by the first units before it: ``(bytes, at most this many boundaries)``,
+    cheapest first (None: any number)."""
+
+    least: tuple[tuple[float, int | None], ...]
+
+    def total(self, boundaries: int) -> float:
+        """The least bytes ``boundaries`` boundaries of one split hold in all, per microbatch."""
+        left, total = boundaries, 0.0
+        for size, most in self.least:
+            taken = left if most is None else min(left, most)
+            total, left = total + taken * size, left - taken
+            if not left:
+                break
+        return total
+
+
+def crossings(model: CostModel) -> Crossings:
+    """:class:`Crossings` of ``model``'s graph, over every partition. The units before a
+    boundary hold every predecessor of theirs, some of the first units (those without
+    predecessors) and not some last unit. Those holding exactly the first units ``P`` lie among
+    the units all of whose first units are in ``P``, so a split has at most that many less
+    ``|P|``, plus one, such boundaries (any number when ``P`` is every first unit); each holds
+    at least the least cut of a flow network where the units before it hold ``P``, not the
+    other first units, nor one last unit, and a value costs its bytes where its producer is
+    before the boundary and its last reader after it."""
+    n = model.num_units
+    dag = model.dag
+    firsts = [u for u in range(n) if dag.in_degree(u) == 0]
+    lasts = [u for u in range(n) if dag.out_degree(u) == 0]
+    patterns = (1 << len(firsts)) - 1
+    if n < 2 or patterns * len(lasts) > MOST_CUTS:
+        return Crossings(((0.0, None),))
+    # each unit's first units, as a bit mask
+    reached = [0] * n
+    for bit, u in enumerate(firsts):
+        reached[u] = 1 << bit
+    for u in nx.topological_sort(dag):
+        for v in dag.successors(u):
+            reached[v] |= reached[u]
+    network = nx.DiGraph()
+    network.add_nodes_from(range(n))
+    for u, v in dag.edges:  # a unit before the boundary has its predecessors before it too
+        network.add_edge(v, u)
+    for e, ex in enumerate(model.exchanges):
+        network.add_edge(("value", e), ("crossed", e), capacity=ex.activation + 2 * ex.gradient)
+        network.add_edge(ex.producer if ex.producer >= 0 else "source", ("value", e))
+        # a value crosses every boundary from its producer's stage to its last reader's (as
+        # the cost model counts it, :meth:`.cost.CostModel.pipeline_costs`)
+        network.add_edge(("crossed", e), ex.last if ex.last < n else "sink")
+    least: list[tuple[float, int | None]] = []
+    for pattern in range(1, patterns + 1):
+        every = pattern == patterns
+        within = sum(1 for u in range(n) if reached[u] & ~pattern == 0)
+        most = None if every else within - bin(pattern).count("1") + 1
+        cheapest = math.inf
+        for last in lasts:
+            pinned = network.copy()
+            for bit, first in enumerate(firsts):
+                pinned.add_edge(*(("source", first) if pattern >> bit & 1 else (first, "sink")))
+            pinned.add_edge(last, "sink")
+            try:
+                cut, _sides = nx.minimum_cut(pinned, "source", "sink")
+            except nx.NetworkXUnbounded:  # no boundary has these units before and ``last`` after
+                continue
+            cheapest = min(cheapest, cut)
+        if math.isfinite(cheapest):
+            least.append((cheapest, most))
+    if not any(most is None for _, most in least):  # every pattern capped: no bound past them
+        least.append((0.0, None))
+    return Crossings(tuple(sorted(least, key=lambda entry: entry[0])))
+
+
+def memory_floor(
+    model: CostModel, stages: int, ranks: int, microbatches: int, crossed: Crossings
+) -> float:
+    """Bytes the fullest of ``ranks`` devices holds at least, whatever the split into
+    ``stages`` stages: at the optimizer step every device holds its stages' training state
+    (``model``'s share under its ``--dp-shard``), their receive buffers of every microbatch and
+    the gradients of their received inputs, so all devices together hold at least the whole
+    model's state and ``microbatches`` x what the ``stages - 1`` boundaries hold
+    (:meth:`Crossings.total`); the fullest device holds at least the average."""
+    state = model.state_bytes(sum(model.param_bytes), sum(model.trainable_bytes))
+    return (state + microbatches * crossed.total(stages - 1)) / ranks

@@ -1,0 +1,160 @@
+"""The memory bound the plan search prunes with (autopipe/partitioning/bounds.py): the flow cuts
+against every boundary of small graphs, the floor against the memory partitions predict, and a
+search pruning with it against the exhaustive one."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from autopipe.compiler import CompileOptions, profile_step, trace_step
+from autopipe.partitioning import CostModel, partition
+from autopipe.partitioning.bounds import crossings, memory_floor
+from autopipe.partitioning.search import PRUNED, search
+from autopipe.spec import load_example
+
+from conftest import spec
+from graphs import dag_graph, device, profile
+
+#: two first units (a, b), a skip (a -> e) and values of different sizes
+READS = {"a": ["x"], "b": ["x"], "c": ["a"], "d": ["b", "c"], "e": ["d", "a"], "f": ["e"]}
+SHAPES = {"a": (64,), "b": (2,), "c": (16,), "d": (32,), "e": (8,), "f": (4,)}
+
+
+@pytest.fixture(scope="module")
+def small():
+    graph = dag_graph(READS, shapes=SHAPES)
+    return CostModel(graph, profile(graph, [1.0] * len(READS), spec=device()), microbatches=1)
+
+
+def held(model: CostModel, before: frozenset[int]) -> float:
+    """Bytes a boundary with the units ``before`` it holds (``model`` runs one microbatch), as
+    the cost model counts the pipeline (the next stage's receive buffer and gradients of its
+    inputs, the previous stage's gradient buffer): from a two-stage split's costs."""
+    assert model.microbatches == 1
+    stage_of_unit = [0 if u in before else 1 for u in range(model.num_units)]
+    costs = model.pipeline_costs(stage_of_unit, [0, 1])
+    return sum(costs.buffers) + costs.input_gradients[1]
+
+
+def boundaries(model: CostModel) -> list[frozenset[int]]:
+    """Every set of units a boundary can have before it: non-empty, not all, holding each
+    unit's predecessors."""
+    found = []
+    for size in range(1, model.num_units):
+        for units in itertools.combinations(range(model.num_units), size):
+            before = frozenset(units)
+            if all(u in before for v in before for u in model.dag.predecessors(v)):
+                found.append(before)
+    return found
+
+
+def test_cuts_are_the_least_any_boundaries_hold(small):
+    """For every number k of boundaries one split can have (nested, distinct), the least the
+    cuts say k boundaries hold is at most the least any k such boundaries hold, and for one
+    boundary it is exactly the least (found by enumerating every boundary)."""
+    model = small
+    every = boundaries(model)
+    size = {before: held(model, before) for before in every}
+    # the least total of k nested boundaries ending at each boundary, by the number of units
+    ordered = sorted(every, key=len)
+    least = {before: size[before] for before in ordered}
+    found = crossings(model)
+    assert found.total(1) == pytest.approx(min(size.values()))
+    for k in range(2, model.num_units):
+        least = {
+            later: size[later]
+            + min(
+                (least[earlier] for earlier in ordered if earlier < later and earlier in least),
+                default=float("inf"),
+            )
+            for later in ordered
+        }
+        least = {b: v for b, v in least.items() if v != float("inf")}
+        if not least:
+            break
+        assert found.total(k) <= min(least.values()) * (1 + 1e-12)
+    # the patterns of first units: a and b are the first units; boundaries holding only b
+    # (b, then b and nothing else it reaches alone) are few, and cheap
+    assert [most for _, most in found.least].count(None) == 1
+
+
+def test_a_split_holds_what_its_boundaries_hold(small):
+    """The per-boundary bytes the test reads from the costs add up over a split's boundaries to
+    what all its stages hold in receive buffers and gradients of received inputs."""
+    model = CostModel(small.graph, profile(small.graph, [1.0] * 6, spec=device()), microbatches=3)
+    split = [0, 0, 1, 1, 2, 2]  # a b | c d | e f
+    costs = model.pipeline_costs(split, [0, 1, 2])
+    total = sum(costs.buffers) + 3 * sum(costs.input_gradients)
+    per_boundary = [
+        held(small, frozenset(u for u, s in enumerate(split) if s <= b)) for b in (0, 1)
+    ]
+    assert total == pytest.approx(3 * sum(per_boundary)) and total > 0
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    example = load_example(spec("gpt2"))
+    options = CompileOptions(stages=2)
+    graph = trace_step(example, options)
+    return graph, profile_step(graph, options, example)
+
+
+@pytest.mark.parametrize(
+    "stages, devices, schedule, microbatches, shard",
+    [
+        (2, 2, "1f1b", 4, 1),
+        (4, 4, "gpipe", 8, 1),
+        (4, 2, "interleaved-1f1b", 4, 2),
+        (4, 2, "zbv", 4, 1),
+        (3, 3, "1f1b", 6, 4),
+    ],
+)
+def test_no_partition_needs_less_than_the_floor(
+    gpt2, stages, devices, schedule, microbatches, shard
+):
+    """The partition each method makes, and every contiguous split of a coarse grid, predicts
+    its fullest device holding at least the floor."""
+    graph, prof = gpt2
+    model = CostModel(graph, prof, schedule=schedule, microbatches=microbatches, dp_shard=shard)
+    floor = memory_floor(model, stages, devices, microbatches, crossings(model))
+    assert floor > 0
+    for method in ("dp", "mpipe"):
+        part = partition(
+            graph, prof, stages, num_devices=devices, schedule=schedule,
+            microbatches=microbatches, dp_shard=shard, method=method, compare=False,
+        )  # fmt: skip
+        assert part.predicted is not None
+        assert max(part.predicted.device_memory) >= floor
+    n = model.num_units
+    placed = part.device_of_stage
+    for cuts in itertools.combinations(range(1, n, max(1, n // 8)), stages - 1):
+        bounds = (0, *cuts, n)
+        split = [s for s in range(stages) for _ in range(bounds[s], bounds[s + 1])]
+        peak = max(model.evaluate(split, placed, schedule).device_memory)
+        assert peak >= floor
+
+
+def test_pruning_by_memory_keeps_every_plan_that_fits():
+    """A chain of 16 units passing 256 KiB values (receive buffers dominate its memory), on 4
+    devices with 16 microbatches a step, on a device between the least and the most the
+    candidates' floors say: the floor prunes candidates before partitioning them, none of which
+    fits in the exhaustive search, and the best plan is the exhaustive search's."""
+    reads = {f"u{i}": [f"u{i - 1}" if i else "x"] for i in range(16)}
+    graph = dag_graph(reads, shapes={name: (256, 256) for name in reads})
+    floors = []
+    for plan in search(graph, profile(graph, [1.0] * 16, spec=device()), 4, global_batch=16,
+                       method="dp", margin=0.0, prune=False):  # fmt: skip
+        c = plan.candidate
+        model = CostModel(graph, profile(graph, [1.0] * 16, spec=device()), dp_shard=c.dp_shard)
+        floors.append(memory_floor(model, c.stages, c.ranks, c.microbatches, crossings(model)))
+    tight = profile(graph, [1.0] * 16, spec=device(sorted(floors)[len(floors) // 2]))
+    every = search(graph, tight, 4, global_batch=16, method="dp", margin=0.0, prune=False)
+    pruned = search(graph, tight, 4, global_batch=16, method="dp", margin=0.0)
+    assert every[0].fits and pruned[0].to_json() == every[0].to_json()
+    floored = {p.candidate for p in pruned if "whatever the split" in p.problem}
+    assert floored, "the floor prunes"
+    assert not any(p.fits for p in every if p.candidate in floored)
+    assert not any(p.problem.startswith(PRUNED) for p in every)
