@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from autopipe.compiler import CompileOptions, trace_step
 from autopipe.errors import PartitionError
+from autopipe import partitioning
 from autopipe.partitioning import CostModel, Partition, partition
 from autopipe.partitioning.dp import ContiguousSplits, recompute_seconds, solve_contiguous
 from autopipe.profiling import Profile, UnitCost, device_spec, profile, with_link
@@ -228,3 +229,27 @@ def test_recomputation_switched_on_for_devices_short_of_memory():
     tiny = random_profile([1.0] * UNITS, [0] * UNITS, 1e3, memory_gib=1e-9)
     with pytest.raises(PartitionError, match="fits the memory of H100"):
         partition(GRAPH, tiny, 2, method="mpipe")
+
+
+def test_schedules_of_one_placement_share_the_solvers_split(monkeypatch):
+    """torch's looped schedules place stages alike and keep as many microbatches in flight:
+    partitioning one profile under each runs the solver once, and each partition equals the
+    one made from a fresh copy of the profile (nothing remembered)."""
+    graph = trace_step(load_example(spec("gpt2")), CompileOptions(stages=1))
+    prof = profile(graph, "analytic", device_spec("h100"))
+    calls = []
+    solver = partitioning.METHODS["mpipe"]
+    monkeypatch.setitem(
+        partitioning.METHODS, "mpipe", lambda *args: calls.append(args[1:]) or solver(*args)
+    )
+    looped = ("interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble")
+    made = [partition(graph, prof, 4, num_devices=2, schedule=s, microbatches=4) for s in looped]
+    assert len(calls) == 1
+    for schedule, part in zip(looped, made):
+        fresh = dataclasses.replace(prof)  # another profile: solved again
+        again = partition(graph, fresh, 4, num_devices=2, schedule=schedule, microbatches=4)
+        assert again.to_json() == part.to_json()
+    assert len(calls) == 1 + len(looped)
+    partition(graph, prof, 4, num_devices=2, schedule="zbv", microbatches=4)  # V-shaped
+    partition(graph, prof, 4, num_devices=2, schedule="interleaved-1f1b", microbatches=8)
+    assert len(calls) == 3 + len(looped)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass
 
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from .partition import Comparison, Partition, PartitionSettings, stage_costs
 from .recompute import plan_recompute
 from .refine import looped_devices
 from ..runtime.core.pipeline import default_microbatches
-from ..runtime.core.schedules import COMPILE_SCHEDULES, MULTI_STAGE
+from ..runtime.core.schedules import COMPILE_SCHEDULES, MULTI_STAGE, SPLIT_BACKWARD
 from ..runtime.core.schedules import placement as torch_placement
 
 
@@ -173,12 +174,11 @@ def _partition(
     )
     if not balance:
         model = model.without_balancing_recomputation()
-    solve = METHODS[method]
     try:
-        stage_of_unit, device_of_stage = solve(model, num_stages, num_devices, placement)
+        stage_of_unit, device_of_stage = _solved(profile, model, request, placement)
     except DeviceMemoryError:  # recomputation may make room: search as if every stage did
         recomputing = model.assuming_recomputation()
-        stage_of_unit, device_of_stage = solve(recomputing, num_stages, num_devices, placement)
+        stage_of_unit, device_of_stage = _solved(profile, recomputing, request, placement)
     schedule = schedule or default_schedule(device_of_stage)
     stage_of_unit = align_to_blocks(model, stage_of_unit, device_of_stage, schedule)
     model.check_monotone(stage_of_unit)
@@ -210,6 +210,52 @@ def _partition(
         predicted=prediction.record(),
         costs=stage_costs(costs),
     )
+
+
+#: the splits the methods made for each live profile (by its id), by what their solvers read
+#: of the request and the cost model (see :func:`_solved`)
+_SOLVED: dict[int, dict[tuple[object, ...], tuple[list[int], list[int]]]] = {}
+
+
+def _solved_for(profile: Profile) -> dict[tuple[object, ...], tuple[list[int], list[int]]]:
+    """The splits made for ``profile``, forgotten when it is (a profile is not hashable)."""
+    known = _SOLVED.get(id(profile))
+    if known is None:
+        known = _SOLVED[id(profile)] = {}
+        weakref.finalize(profile, _SOLVED.pop, id(profile), None)
+    return known
+
+
+def _solved(
+    profile: Profile, model: CostModel, request: PartitionRequest, placement: list[int] | None
+) -> tuple[list[int], list[int]]:
+    """``METHODS[request.method]``'s split of ``model`` (stage_of_unit, device_of_stage), made
+    once per profile and what the solver reads: a plan search partitions one profile under
+    several schedules, and where torch's multi-stage schedules fix the placement, the solvers
+    (the acyclic refinement of the contiguous optimum) see a schedule only through the
+    microbatches it keeps in flight, the same for all of them, and whether it gathers FSDP2's
+    parameters once per step (split backward, sharded)."""
+    if placement is None:
+        facet: object = model.schedule
+    else:
+        facet = (model.schedule == "gpipe", model.dp_shard > 1 and model.schedule in SPLIT_BACKWARD)
+    key = (
+        request.method,
+        request.num_stages,
+        request.devices,
+        None if placement is None else tuple(placement),
+        facet,
+        model.microbatches,
+        model.optimizer,
+        model.dp_shard,
+        model.recomputes_all,
+        model.recomputes_to_balance,
+    )
+    known = _solved_for(profile)
+    if key not in known:
+        known[key] = METHODS[request.method](model, request.num_stages, request.devices, placement)
+    stage_of_unit, device_of_stage = known[key]
+    return list(stage_of_unit), list(device_of_stage)
 
 
 #: values :func:`smallest_fitting` tries one by one before it doubles them

@@ -228,10 +228,14 @@ def search(
             continue
         if floors[c] > usable.device.memory:
             shape = plan.candidate
+            held = "its share of the training state"
+            if shape.stages > 1:
+                held += (
+                    f", and of the receive buffers of {shape.microbatches} microbatches at "
+                    f"{shape.stages - 1} stage boundaries"
+                )
             plan.problem = (
-                f"a device needs at least {format_bytes(floors[c])} whatever the split (its "
-                f"share of the training state, and of the receive buffers of "
-                f"{shape.microbatches} microbatches at {shape.stages - 1} stage boundaries)"
+                f"a device needs at least {format_bytes(floors[c])} whatever the split ({held})"
             )
         elif prune and best is not None and bounds[c] > best.step_time * (1 + PRUNE_MARGIN):
             plan.problem = (
