@@ -1237,9 +1237,12 @@ def _main(package: ModuleType, argv: list[str]) -> int:
 
 
 def _ending() -> None:
-    """From here on the rank only says how it ended: torchrun's SIGTERM (another rank ended
-    first) ends it at once, rather than raising inside that report."""
-    signal.signal(signal.SIGTERM, lambda _signum, _frame: os._exit(2))
+    """From here on the rank only says how it ended, which takes moments (at most a read of
+    the store, within its timeout): torchrun's SIGTERM, sent to every rank once one ends, is
+    ignored so that it neither raises inside that report nor cuts it short (a rank killed
+    while it read the board said nothing); torchrun's SIGKILL after its grace period still ends
+    a rank that lingers."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _said_who_failed(board: FailureBoard, rank: int, resume_hint: str) -> bool:
