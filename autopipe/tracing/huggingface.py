@@ -84,6 +84,11 @@ def _adapter(model: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         config.save_pretrained(tmp, auto_mapping_dict=mapping)
         written = json.loads((Path(tmp) / "adapter_config.json").read_text(encoding="utf-8"))
+    # PEFT writes a set (target_modules) in its process's string-hash order: sorted, the
+    # package is the same whichever process compiles it
+    for key, value in vars(config).items():
+        if isinstance(value, set) and isinstance(written.get(key), list):
+            written[key] = sorted(written[key])
     names = list(model.state_dict())
     markers = {n: torch.tensor([i]) for i, n in enumerate(names)}
     saved = peft.get_peft_model_state_dict(model, state_dict=markers, adapter_name=name)
