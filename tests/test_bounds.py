@@ -4,7 +4,6 @@ search pruning with it against the exhaustive one."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
@@ -55,15 +54,14 @@ def test_cuts_are_the_least_any_boundaries_hold(small):
     """For every number k of boundaries one split can have (nested, distinct), the least the
     cuts say k boundaries hold is at most the least any k such boundaries hold, and for one
     boundary it is exactly the least (found by enumerating every boundary)."""
-    model = small
-    every = boundaries(model)
-    size = {before: held(model, before) for before in every}
+    every = boundaries(small)
+    size = {before: held(small, before) for before in every}
     # the least total of k nested boundaries ending at each boundary, by the number of units
     ordered = sorted(every, key=len)
     least = {before: size[before] for before in ordered}
-    found = crossings(model)
+    found = crossings(small)
     assert found.total(1) == pytest.approx(min(size.values()))
-    for k in range(2, model.num_units):
+    for k in range(2, small.num_units):
         least = {
             later: size[later]
             + min(
@@ -76,8 +74,8 @@ def test_cuts_are_the_least_any_boundaries_hold(small):
         if not least:
             break
         assert found.total(k) <= min(least.values()) * (1 + 1e-12)
-    # the patterns of first units: a and b are the first units; boundaries holding only b
-    # (b, then b and nothing else it reaches alone) are few, and cheap
+    # three patterns of the first units a and b (a alone, b alone, both): only the one holding
+    # both may stand before any number of boundaries
     assert [most for _, most in found.least].count(None) == 1
 
 

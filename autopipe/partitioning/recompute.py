@@ -1,12 +1,13 @@
 """Recomputation: which blocks (or whole stages) recompute their activations in backward so that
 every device fits its memory, and what it costs.
 
-Blocks are recomputed one device at a time, those saving the most bytes per second of forward
-first; the fewest such blocks that make the device fit are found by bisection over that order
-(a device's peak only falls as more of its blocks recompute). Where all of a device's blocks are
-not enough, its stages recompute whole. The partitioners count the cost of recomputation too
-(:func:`.dp.recompute_seconds`, :func:`fastest_fitting`), so that recomputing to balance the stages competes with shrinking the
-stages that hold the most microbatches in flight.
+On each device short of memory, the blocks saving the most bytes per second of forward
+recompute first; the fewest such blocks that make the device fit are found by bisection over
+that order (a device's peak only falls as more of its blocks recompute), every short device
+bisected at once. Where all of a device's blocks are not enough, its stages recompute whole.
+The partitioners count the cost of recomputation too (:func:`.dp.recompute_seconds`,
+:func:`fastest_fitting`), so that recomputing to balance the stages competes with shrinking
+the stages that hold the most microbatches in flight.
 """
 
 from __future__ import annotations

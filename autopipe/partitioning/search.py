@@ -266,11 +266,12 @@ def _memory_floors(
     graph: Graph, usable: Profile, optimizer: str, listed: list[Candidate]
 ) -> list[float]:
     """Each candidate's :func:`.bounds.memory_floor`: the least its fullest device needs."""
-    models: dict[int, CostModel] = {}
-    for shard in sorted({c.dp_shard for c in listed}):
-        models[shard] = CostModel(graph, usable, optimizer=optimizer, dp_shard=shard)
     if not listed:
         return []
+    models = {
+        shard: CostModel(graph, usable, optimizer=optimizer, dp_shard=shard)
+        for shard in sorted({c.dp_shard for c in listed})
+    }
     crossed = crossings(models[listed[0].dp_shard])
     return [
         memory_floor(models[c.dp_shard], c.stages, c.ranks, c.microbatches, crossed) for c in listed
