@@ -1,0 +1,613 @@
+"""The one-GPU kit: autopipe's CUDA path checked and measured on one GPU, in a few minutes.
+
+    python benchmarks/gpu.py            # about 8 minutes on one H100
+    python benchmarks/gpu.py --quick    # smaller speed model, fewer steps and cases
+    python benchmarks/gpu.py --json results.json --work DIR
+
+Three parts, each case in fresh processes (a failure is reported in its row and the kit goes on):
+
+(a) **Exactness on CUDA.** GPT-2 and a Llama (tiny configs, fp32, dropout off) compiled into 2
+    and 4 stages on one device (``--devices 1``: every stage on the one GPU, torch's looped
+    interleaved 1F1B) and trained by ``train.py --device cuda`` on one rank, against the original
+    model trained on the same GPU from the same weights on the same batches
+    (benchmarks/gpu_worker.py reference): fp32 per-step losses and the trained weights must agree
+    (losses to 1e-5 relative, each parameter's update to 1e-3 of its norm); with
+    ``--bf16`` (autocast in each stage, as autocast around the original model) the loss curves
+    must agree to 1e-2 relative at every step.
+(b) **Speed.** A Llama in bf16 weights (1.1 B parameters, 8 microbatches of 1 x 2048 tokens; with
+    ``--quick`` 0.2 B and 1 x 1024): training tokens/s and MFU of the original model eager and
+    under ``torch.compile``, of the compiled two-stage package run by ``train.py`` on the one GPU
+    with and without ``--compile``, and of torch's ``pipeline()`` splitting the model at the same
+    layer into two stages on the same GPU under the same schedule. Every variant trains the same
+    batches with the same AdamW step; MFU counts the model's FLOPs (no recomputation) over the
+    GPU's bf16 peak in its device spec.
+(c) **Prediction.** The speed model's analytic profile (the device spec matching this GPU)
+    against ``--profile measured`` on it, unit by unit (forward and backward time, bytes saved for
+    backward), and the plan's predicted step time and peak memory against the train.py run's
+    median step and ``torch.cuda.max_memory_allocated``; the step is also predicted again from
+    the measured profile.
+
+It prints one table and writes every figure to ``--json``. Without a CUDA device it exits with a
+message; ``--device cpu`` rehearses every step on this machine's CPU (gloo, the smallest speed
+model) to check the kit itself, and its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+HERE = REPO / "benchmarks"
+sys.path.insert(0, str(REPO))
+
+from autopipe.compiler import CompileOptions, compile_spec, load_graph  # noqa: E402
+from autopipe.partitioning import Partition  # noqa: E402
+from autopipe.partitioning.cost import CostModel  # noqa: E402
+from autopipe.profiling import KNOWN_DEVICES, Profile, device_spec, profile  # noqa: E402
+from autopipe.runtime.core.pipeline import Pipeline  # noqa: E402
+from autopipe.spec import load_example  # noqa: E402
+
+MODELS = "benchmarks/gpu_models.py"
+WORKER = HERE / "gpu_worker.py"
+MICROBATCHES = 8  # gpu_models.MICROBATCHES
+SCHEDULE = "interleaved-1f1b"  # every stage on one rank: torch's looped 1F1B
+
+#: fp32: per-step losses, relative; and each parameter's training update (trained - initial),
+#: the norm of the difference over the norm of the reference's update. Element-wise closeness is
+#: no test after AdamW steps: AdamW turns a gradient element near zero, where a different but
+#: equally exact order of additions (autograd accumulating a value's gradients in the order the
+#: generated code reads it) changes its sign, into a step of the full learning rate
+LOSS_RTOL, UPDATE_RTOL = 1e-5, 1e-3
+#: bf16: the loss curves, relative, at every step
+BF16_LOSS_RTOL = 1e-2
+
+
+@dataclass
+class Row:
+    """One line of the table: a case, what was measured, against what, and the verdict."""
+
+    part: str
+    case: str
+    measured: str
+    against: str = ""
+    verdict: str = ""  # "ok", "FAIL", "error", or "" for a figure without a pass mark
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Kit:
+    device: str
+    quick: bool
+    work: Path
+    spec: str  # the device spec (a name autopipe knows, or a calibrated JSON file)
+    output: Path  # the JSON file, rewritten after every row (a kit cut short keeps its figures)
+    facts: dict[str, Any]
+    rows: list[Row] = field(default_factory=list)
+
+    def add(self, row: Row) -> Row:
+        self.rows.append(row)
+        mark = f"  [{row.verdict}]" if row.verdict else ""
+        print(f"  {row.part:<11} {row.case:<34} {row.measured}{mark}", flush=True)
+        self.write()
+        return row
+
+    def write(self) -> None:
+        results = {"facts": self.facts, "rows": [r.__dict__ for r in self.rows]}
+        self.output.write_text(json.dumps(results, indent=1, default=str))
+
+
+# -- running things ----------------------------------------------------------------------------
+class Failed(Exception):
+    """A subprocess of the kit failed; the message holds the end of its output."""
+
+
+def environment() -> dict[str, str]:
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=python_path, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+
+
+def run(command: list[str], timeout: float) -> str:
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(
+            command,
+            cwd=REPO,
+            env=environment(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise Failed(f"timed out after {timeout:.0f} s: {' '.join(command[:6])} ...") from exc
+    if done.returncode != 0:
+        tail = (done.stdout[-1500:] + "\n" + done.stderr[-3000:]).strip()
+        raise Failed(f"exit {done.returncode} after {time.perf_counter() - started:.0f} s:\n{tail}")
+    return done.stdout
+
+
+def train(kit: Kit, package: Path, log: Path, *options: str, timeout: float = 600) -> list[dict]:
+    """train.py of ``package`` on one rank of this machine; its --log-json records."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        str(package / "train.py"),
+        "--device",
+        kit.device,
+        "--microbatches",
+        str(MICROBATCHES),
+        "--schedule",
+        SCHEDULE,
+        "--log-json",
+        str(log),
+        *options,
+    ]
+    run(command, timeout)
+    return [json.loads(line) for line in log.read_text().splitlines() if '"loss"' in line]
+
+
+def worker(kit: Kit, *arguments: str, timeout: float = 600) -> None:
+    run([sys.executable, str(WORKER), *arguments, "--device", kit.device], timeout)
+
+
+def compiled(kit: Kit, model: str, stages: int) -> Path:
+    """``model`` of gpu_models.py compiled into ``stages`` stages on one device."""
+    out = kit.work / f"{model}_{stages}"
+    options = CompileOptions(
+        stages=stages,
+        devices=1,
+        schedule=SCHEDULE,
+        microbatches=MICROBATCHES,
+        device_spec=kit.spec,
+    )
+    compile_spec(f"{MODELS}:{model}", out, options, force=True, report=False)
+    return out
+
+
+def attempt(kit: Kit, part: str, case: str, measure) -> None:
+    """Run one case; a failure becomes an error row instead of ending the kit."""
+    try:
+        measure()
+    except Exception as exc:  # the kit reports every failure and goes on
+        message = str(exc) if isinstance(exc, Failed) else traceback.format_exc(limit=6)
+        first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
+        kit.add(Row(part, case, f"failed: {first[:90]}", verdict="error", data={"error": message}))
+        print("    " + "\n    ".join(message.strip().splitlines()[-25:]), flush=True)
+
+
+# -- (a) exactness ----------------------------------------------------------------------------
+def exactness(kit: Kit) -> None:
+    steps = {"fp32": 6, "bf16": 10}
+    cases = [("gpt2", 2), ("gpt2", 4), ("llama", 2), ("llama", 4)]
+    references: dict[tuple[str, str], Path] = {}
+    for model, stages in cases:
+        precisions = ["fp32", "bf16"] if not (kit.quick and stages == 4) else ["fp32"]
+        for precision in precisions:
+            case = f"{model}, {stages} stages, {precision}"
+            attempt(
+                kit,
+                "exactness",
+                case,
+                lambda: exact_case(kit, model, stages, precision, steps[precision], references),
+            )
+
+
+def exact_case(
+    kit: Kit,
+    model: str,
+    stages: int,
+    precision: str,
+    steps: int,
+    references: dict[tuple[str, str], Path],
+) -> None:
+    init = kit.work / f"{model}_init.pt"
+    if not init.exists():
+        torch.save(load_example(f"{MODELS}:{model}").model.state_dict(), init)
+    bf16 = ["--bf16"] if precision == "bf16" else []
+    reference = references.get((model, precision))
+    if reference is None:
+        reference = kit.work / f"{model}_reference_{precision}"
+        worker(kit, "reference", model, "--steps", str(steps), "--init", str(init),
+               "--out", str(reference), *bf16)  # fmt: skip
+        references[(model, precision)] = reference
+    package = kit.work / f"{model}_{stages}"
+    if not package.exists():
+        compiled(kit, model, stages)
+    trained = kit.work / f"{model}_{stages}_{precision}.pt"
+    records = train(
+        kit,
+        package,
+        kit.work / f"{model}_{stages}_{precision}.jsonl",
+        "--steps", str(steps), "--data", f"{MODELS}:{model}_batches", "--load", str(init),
+        "--save", str(trained), *bf16,
+    )  # fmt: skip
+    losses = [r["loss"] for r in records]
+    ref_losses = json.loads((reference / "losses.json").read_text())
+    loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    mine = torch.load(trained, weights_only=True)
+    theirs = torch.load(reference / "trained.pt", weights_only=True)
+    if set(mine) != set(theirs):
+        raise Failed(f"trained state names differ: {sorted(set(mine) ^ set(theirs))[:5]}")
+    start = torch.load(init, weights_only=True)
+    weight_error = max((mine[k].float() - theirs[k].float()).abs().max().item() for k in theirs)
+    update_error = max(
+        (mine[k].float() - theirs[k].float()).norm().item()
+        / max((theirs[k].float() - start[k].float()).norm().item(), 1e-30)
+        for k in theirs
+        if not torch.equal(theirs[k], start[k])
+    )
+    if precision == "fp32":
+        ok = len(losses) == steps and loss_error <= LOSS_RTOL and update_error <= UPDATE_RTOL
+        against = f"losses {LOSS_RTOL:g}, updates {UPDATE_RTOL:g} rel"
+    else:
+        ok = len(losses) == steps and loss_error <= BF16_LOSS_RTOL
+        against = f"loss curve {BF16_LOSS_RTOL:g} rel"
+    kit.add(
+        Row(
+            "exactness",
+            f"{model}, {stages} stages, {precision}",
+            f"{steps} steps: loss err {loss_error:.1e}, update err {update_error:.1e}, "
+            f"weights max {weight_error:.1e}",
+            against,
+            "ok" if ok else "FAIL",
+            {
+                "losses": losses,
+                "reference_losses": ref_losses,
+                "loss_rel_error": loss_error,
+                "weight_max_error": weight_error,
+                "update_rel_error": update_error,
+            },
+        )
+    )
+
+
+# -- CUDA paths beyond a plain run ----------------------------------------------------------------
+def paths(kit: Kit) -> None:
+    """The two-stage GPT-2 of (a), fp32: a run of 3 steps that records a timeline (CUDA events)
+    and writes a DCP checkpoint, resumed to 6 steps; the resumed losses against (a)'s
+    uninterrupted run, the timeline read back by ``autopipe report --run``."""
+    package, init = kit.work / "gpt2_2", kit.work / "gpt2_init.pt"
+    if not package.exists():
+        compiled(kit, "gpt2", 2)
+    if not init.exists():
+        torch.save(load_example(f"{MODELS}:gpt2").model.state_dict(), init)
+    log, checkpoints, trace = (kit.work / f"paths_{n}" for n in ("log.jsonl", "ckpt", "trace"))
+    common = ["--data", f"{MODELS}:gpt2_batches", "--load", str(init),
+              "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "3"]  # fmt: skip
+    train(kit, package, log, "--steps", "3", "--trace", str(trace), *common)
+    records = train(kit, package, log, "--steps", "6", "--resume", *common)
+    losses = [r["loss"] for r in records]
+    uninterrupted = kit.work / "gpt2_2_fp32.jsonl"
+    if uninterrupted.exists():
+        reference = [json.loads(line)["loss"] for line in uninterrupted.read_text().splitlines()]
+        error = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+        same = len(losses) == 6 and error <= LOSS_RTOL
+        kit.add(
+            Row(
+                "paths",
+                "DCP checkpoint at 3, resumed to 6",
+                f"losses of the resumed run vs uninterrupted: rel err {error:.1e}",
+                f"{LOSS_RTOL:g}",
+                "ok" if same else "FAIL",
+                {"losses": losses, "uninterrupted": reference},
+            )
+        )
+    report = run(
+        [sys.executable, "-m", "autopipe", "report", str(package), "--run", str(trace)], 300
+    )
+    files = sorted(p.name for p in trace.iterdir())
+    said = [line for line in report.splitlines() if line.startswith("pipeline run:")]
+    kit.add(
+        Row(
+            "paths",
+            "--trace (CUDA events), report --run",
+            f"{', '.join(files)}; " + (said[0] if said else "report: no pipeline run line"),
+            verdict="ok" if "trace.json" in files else "FAIL",
+            data={"files": files, "report": report[-3000:]},
+        )
+    )
+
+
+# -- (b) speed ---------------------------------------------------------------------------------
+def speed_model(kit: Kit) -> tuple[str, str, int]:
+    """The speed Llama for this run: model function, batch function, sequence length."""
+    size = "rehearsal" if kit.device == "cpu" else "quick" if kit.quick else ""
+    suffix = f"_{size}" if size else ""
+    sequence = {"": 2048, "quick": 1024, "rehearsal": 128}[size]
+    return f"speed_llama{suffix}", f"speed_batches{suffix}", sequence
+
+
+def speed(kit: Kit) -> Path | None:
+    model, batches, sequence = speed_model(kit)
+    warmup, timed = (2, 4) if kit.quick or kit.device == "cpu" else (3, 10)
+    steps = warmup + timed
+    built: list[Path] = []
+    attempt(kit, "speed", f"compile {model}", lambda: built.append(compiled(kit, model, 2)))
+    if not built:
+        return None
+    package = built[0]
+    pipeline = Pipeline.from_json(json.loads((package / "pipeline.json").read_text()))
+    plan = pipeline.plan
+    assert plan is not None
+    tokens = MICROBATCHES * sequence
+
+    def figure(case: str, seconds: float, peak: int | None, losses: list[float], **data) -> None:
+        mfu = plan.utilisation(seconds, MICROBATCHES, 1)
+        peak_text = f", peak {peak / 2**30:.1f} GiB" if peak else ""
+        kit.add(
+            Row(
+                "speed",
+                case,
+                f"{tokens / seconds:,.0f} tokens/s, {seconds * 1e3:.1f} ms/step"
+                + (f", MFU {mfu * 100:.1f}%" if mfu is not None else "")
+                + peak_text,
+                data={
+                    "step_time": seconds,
+                    "tokens_per_s": tokens / seconds,
+                    "mfu": mfu,
+                    "peak_memory": peak,
+                    "losses": losses,
+                    **data,
+                },
+            )
+        )
+
+    def original(compiled_model: bool) -> None:
+        out = kit.work / f"original{'_compiled' if compiled_model else ''}.json"
+        flag = ["--compile"] if compiled_model else []
+        worker(kit, "original", model, "--batches", batches, "--steps", str(steps),
+               "--warmup", str(warmup), "--out", str(out), *flag)  # fmt: skip
+        result = json.loads(out.read_text())
+        name = "original, torch.compile" if compiled_model else "original, eager"
+        figure(name, result["step_time"], result["peak_memory"], result["losses"])
+
+    def autopipe(compile_stages: bool) -> None:
+        tag = "compiled" if compile_stages else "eager"
+        flag = ["--compile"] if compile_stages else []
+        records = train(kit, package, kit.work / f"autopipe_{tag}.jsonl", "--steps", str(steps),
+                        "--data", f"{MODELS}:{batches}", *flag)  # fmt: skip
+        seconds = statistics.median(r["time"] for r in records[warmup:])
+        peak = max(records[-1]["peak_memory"])
+        figure(f"autopipe 2 stages, {'--compile' if compile_stages else 'eager'}", seconds,
+               peak, [r["loss"] for r in records], predicted_step=plan.step_time)  # fmt: skip
+
+    def torch_pipeline() -> None:
+        runtime = load_module("benchmarks_runtime", HERE / "runtime.py")
+        points, moved = runtime.split_points(package)
+        out = kit.work / "pipeline.json"
+        worker(kit, "pipeline", model, "--batches", batches, "--steps", str(steps), "--warmup",
+               str(warmup), "--split", points[0], "--out", str(out))  # fmt: skip
+        result = json.loads(out.read_text())
+        figure(f"pipeline() 2 stages at {points[0]}", result["step_time"],
+               result["peak_memory"], result["losses"], moved=moved[0])  # fmt: skip
+
+    attempt(kit, "speed", "original, eager", lambda: original(False))
+    attempt(kit, "speed", "original, torch.compile", lambda: original(True))
+    attempt(kit, "speed", "autopipe 2 stages, eager", lambda: autopipe(False))
+    attempt(kit, "speed", "autopipe 2 stages, --compile", lambda: autopipe(True))
+    attempt(kit, "speed", "pipeline() 2 stages", torch_pipeline)
+    return package
+
+
+# -- (c) prediction ----------------------------------------------------------------------------
+def prediction(kit: Kit, package: Path) -> None:
+    model, _, _ = speed_model(kit)
+    graph = load_graph(package / "artifacts" / "graph.json")
+    analytic = Profile.load(package / "artifacts" / "profile.json")
+    partition = Partition.load(package / "artifacts" / "partition.json")
+    example = load_example(f"{MODELS}:{model}")
+    started = time.perf_counter()
+    measured = profile(graph, "measured", analytic.device, example)
+    measuring = time.perf_counter() - started
+    del example
+    units = []
+    for label, a, m in zip((u.label for u in graph.units), analytic.units, measured.units):
+        units.append(
+            {
+                "unit": label,
+                "forward": [a.forward, m.forward],
+                "backward": [a.backward, m.backward],
+                "activations": [a.activations, m.activations],
+                "flops": [a.flops_forward + a.flops_backward, m.flops_forward + m.flops_backward],
+            }
+        )
+    for kind in ("forward", "backward"):
+        total_a = sum(u[kind][0] for u in units)
+        total_m = sum(u[kind][1] for u in units)
+        ratios = [u[kind][1] / u[kind][0] for u in units if u[kind][0] > 0]
+        worst = max(units, key=lambda u: abs(_log_ratio(u[kind])))
+        kit.add(
+            Row(
+                "prediction",
+                f"unit {kind} time, measured/analytic",
+                f"total {total_m * 1e3:.1f} ms vs {total_a * 1e3:.1f} ms ({total_m / total_a:.2f}x); "
+                f"per unit median {statistics.median(ratios):.2f}x, "
+                f"range {min(ratios):.2f}-{max(ratios):.2f}x",
+                f"worst: {worst['unit']} {worst[kind][1] / max(worst[kind][0], 1e-12):.2f}x",
+                data={"total": [total_a, total_m], "ratios": ratios},
+            )
+        )
+    saved_a = sum(u["activations"][0] for u in units)
+    saved_m = sum(u["activations"][1] for u in units)
+    kit.add(
+        Row(
+            "prediction",
+            "unit bytes saved for backward",
+            f"measured {saved_m / 2**20:,.0f} MiB vs analytic {saved_a / 2**20:,.0f} MiB "
+            f"({saved_m / max(saved_a, 1):.3f}x)",
+            data={"total": [saved_a, saved_m], "measuring_seconds": measuring, "units": units},
+        )
+    )
+    runs = {r.case: r for r in kit.rows if r.part == "speed"}
+    run = runs.get("autopipe 2 stages, eager")
+    predicted = partition.predicted
+    settings = partition.settings
+    remodel = CostModel(
+        graph, measured, schedule=settings.schedule, microbatches=settings.microbatches
+    ).evaluate(
+        partition.stage_of_unit,
+        partition.device_of_stage,
+        recompute=frozenset(partition.recompute),
+        recompute_blocks=frozenset(partition.recompute_blocks),
+    )
+    if run is not None and "step_time" in run.data:
+        step = run.data["step_time"]
+        kit.add(
+            Row(
+                "prediction",
+                "step time: plan vs train.py",
+                f"analytic plan {predicted.step_time * 1e3:.1f} ms, from measured units "
+                f"{remodel.step_time * 1e3:.1f} ms, run {step * 1e3:.1f} ms",
+                f"run/plan {step / predicted.step_time:.2f}x, "
+                f"run/measured-units {step / remodel.step_time:.2f}x",
+                data={
+                    "plan": predicted.step_time,
+                    "measured_units": remodel.step_time,
+                    "run": step,
+                },
+            )
+        )
+        peak = run.data.get("peak_memory")
+        if peak:
+            planned = max(predicted.device_memory)
+            kit.add(
+                Row(
+                    "prediction",
+                    "peak memory: plan vs train.py",
+                    f"plan {planned / 2**30:.2f} GiB, run {peak / 2**30:.2f} GiB "
+                    "(torch.cuda.max_memory_allocated)",
+                    f"run/plan {peak / planned:.2f}x",
+                    data={"plan": planned, "run": peak},
+                )
+            )
+
+
+def _log_ratio(pair: list[float]) -> float:
+    a, m = pair
+    return math.log(max(m, 1e-12) / max(a, 1e-12))
+
+
+# -- the whole kit ------------------------------------------------------------------------------
+def load_module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def matching_spec(device: str, work: Path) -> str:
+    """The device spec of this machine's accelerator: a known one by its name, else measured
+    with ``autopipe calibrate``."""
+    if device == "cuda":
+        name = torch.cuda.get_device_name(0).upper().replace(" ", "")
+        for known in sorted(KNOWN_DEVICES, key=len, reverse=True):
+            if known.upper() in name:
+                return known
+    calibrated = work / "device.json"
+    run([sys.executable, "-m", "autopipe", "calibrate", "-o", str(calibrated)], 900)
+    return str(calibrated)
+
+
+def table(rows: list[Row]) -> str:
+    headers = ("part", "case", "measured", "against", "verdict")
+    cells = [(r.part, r.case, r.measured, r.against, r.verdict) for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    return "\n".join([line, rule, *body])
+
+
+def describe(device: str) -> dict[str, Any]:
+    facts: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": device,
+    }
+    if device == "cuda":
+        facts["gpu"] = torch.cuda.get_device_name(0)
+        facts["cuda"] = torch.version.cuda
+        facts["memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    return facts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="autopipe on one GPU: exactness, speed and prediction (see the module text)"
+    )
+    parser.add_argument("--quick", action="store_true", help="the smaller speed model, fewer cases")
+    parser.add_argument("--json", default="gpu.json", help="where to write every figure")
+    parser.add_argument("--work", help="a directory for packages and logs (default: temporary)")
+    parser.add_argument(
+        "--parts",
+        default="exactness,paths,speed,prediction",
+        help="which parts to run, comma-separated (prediction needs speed's package)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu rehearses the kit itself on this machine's CPU (figures meaningless)",
+    )
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA (a CPU build)"
+        print(
+            "benchmarks/gpu.py measures autopipe on a CUDA GPU, and this machine has none that "
+            f"torch can use (torch {torch.__version__}, built with {built}). Run it on a machine "
+            "with an NVIDIA GPU and a CUDA build of torch; `--device cpu` rehearses the kit on "
+            "this CPU instead.",
+            file=sys.stderr,
+        )
+        return 2
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = set(parts) - {"exactness", "paths", "speed", "prediction"}
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))}")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="autopipe-gpu-") as scratch:
+        work = Path(args.work) if args.work else Path(scratch)
+        work.mkdir(parents=True, exist_ok=True)
+        facts = describe(args.device)
+        spec = matching_spec(args.device, work)
+        facts["device_spec"] = spec
+        print(f"autopipe GPU kit: {json.dumps(facts)}", flush=True)
+        kit = Kit(args.device, args.quick, work, spec, Path(args.json), facts)
+        if "exactness" in parts:
+            exactness(kit)
+        if "paths" in parts:
+            attempt(kit, "paths", "checkpoint, resume, trace", lambda: paths(kit))
+        package = speed(kit) if "speed" in parts or "prediction" in parts else None
+        if "prediction" in parts and package is not None:
+            attempt(kit, "prediction", "measured profile", lambda: prediction(kit, package))
+        facts["seconds"] = round(time.perf_counter() - started, 1)
+        kit.write()
+    print()
+    print(table(kit.rows))
+    print(f"\n{len(kit.rows)} rows in {facts['seconds']:.0f} s; figures in {args.json}")
+    failed = [r for r in kit.rows if r.verdict in ("FAIL", "error")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
