@@ -16,6 +16,8 @@ from autopipe.codegen.package import BLACK_MODE
 from autopipe.compiler import CompileOptions, compile_spec
 from autopipe.runtime.parallel import Layout
 
+from zoo.packages import Packages
+
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = "tests/models.py"
 
@@ -108,3 +110,10 @@ def single_process_group(tmp_path):
     )
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def zoo_packages(tmp_path_factory):
+    """The architecture zoo (tests/zoo/models.py), each compiled into 2 stages once per session
+    when first asked for (test_device_consistency, test_zoo)."""
+    return Packages(tmp_path_factory.mktemp("zoo"))

@@ -16,8 +16,6 @@ with timings.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from autopipe.compiler import CompileOptions, compile_spec
@@ -32,9 +30,7 @@ from zoo.survey import (
     fresh_example,
     judge,
     largest_grad,
-    save_standalone_inputs,
     spec,
-    standalone_checks,
 )
 
 # The slower half (encoder-decoders, vision, multi-modal, audio, MoE, state space): -m "not slow"
@@ -63,50 +59,10 @@ def _params():
     ]
 
 
-class Packages:
-    """Each architecture compiled once per session (a failed compilation raises again), and the
-    standalone check run for every compiled package at once, in one fresh process."""
-
-    def __init__(self, root):
-        self.root = root
-        self.compiled: dict[str, Path | Exception] = {}
-        self.standalone: dict[str, str] = {}
-
-    def get(self, name: str) -> Path:
-        if name not in self.compiled:
-            out = self.root / name
-            try:
-                compile_spec(spec(name), out, CompileOptions(stages=2), report=False)
-                self.compiled[name] = out
-            except Exception as exc:  # noqa: BLE001 - re-raised by every test of this model
-                self.compiled[name] = exc
-        result = self.compiled[name]
-        if isinstance(result, Exception):
-            raise result
-        return result
-
-    def standalone_result(self, name: str) -> str:
-        self.get(name)
-        if name not in self.standalone:
-            pending = [
-                n
-                for n, out in self.compiled.items()
-                if isinstance(out, Path) and n not in self.standalone
-            ]
-            cases = [
-                (
-                    self.compiled[n],
-                    save_standalone_inputs(load_example(spec(n)), self.root / f"{n}.pt"),
-                )
-                for n in pending
-            ]
-            self.standalone.update(zip(pending, standalone_checks(cases)))
-        return self.standalone[name]
-
-
 @pytest.fixture(scope="session")
-def packages(tmp_path_factory):
-    return Packages(tmp_path_factory.mktemp("zoo"))
+def packages(zoo_packages):
+    """Each architecture compiled once per session (shared with test_device_consistency)."""
+    return zoo_packages
 
 
 def _assert_matches(package, example, what):

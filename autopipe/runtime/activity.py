@@ -286,6 +286,9 @@ class Activity:
         self.now: tuple[Action, int, Action | None] | None = None
         self.busy = busy
         self._stack: list[tuple[Action, Any]] = []  # entered actions, and their busy marks
+        #: the innermost action an exception left, the first time one did (what a --dry-run
+        #: rank's error happened in), or None
+        self.failed: Action | None = None
 
     def begin_step(self, step: int) -> None:
         self.step, self.round = step, 0
@@ -311,8 +314,11 @@ class Activity:
         stack.append((action, mark))
         self.now = (action, time.monotonic_ns(), None)
 
-    def leave(self) -> None:
+    def leave(self, failed: bool = False) -> None:
+        """Back to the action around the one left (``failed``: left by an exception)."""
         left, mark = self._stack.pop()
+        if failed and self.failed is None:
+            self.failed = left
         if mark is not None and self.busy is not None and left.stage is not None:
             self.busy.end(mark, left.kind, left.stage)
         self.now = (self._stack[-1][0], time.monotonic_ns(), left) if self._stack else None
@@ -362,7 +368,7 @@ class _Recorded:
             if self.span is not None:
                 self.span.__exit__(*exc)
         finally:
-            ACTIVITY.leave()
+            ACTIVITY.leave(exc[0] is not None)
 
 
 def recorded(

@@ -1,6 +1,6 @@
 """Command line of a generated ``train.py``: one argparse group per concern (run, optimisation,
-data and weights, checkpoints, evaluation, metrics, observability), each option declared once
-with its help text, and one validation of the parsed options against each other and the
+data and weights, checkpoints, evaluation, metrics, observability, dry run), each option declared
+once with its help text, and one validation of the parsed options against each other and the
 pipeline.
 
 Copied into every generated pipeline as ``runtime/options.py``; it needs only torch. The schedules
@@ -82,6 +82,10 @@ class TrainConfig:
     # observability
     trace: str | None  # the directory of the measured timeline
     trace_steps: tuple[int, int] | None  # the traced steps [A, B); None: timeline.default_steps
+    # dry run
+    dry_run: bool  # play ranks of the job in this process, on fake tensors (dry_run.py)
+    world_size: int | None  # the job's processes (--dry-run; torchrun's otherwise)
+    rank: int | None  # the one rank --dry-run plays (None: every rank in turn)
 
     @property
     def gathers_per_block(self) -> bool:
@@ -449,6 +453,36 @@ def observability_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -
     )
 
 
+def dry_run_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
+    """Checking a launch without its devices: ranks played one process at a time."""
+    group = parser.add_argument_group("dry run")
+    group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the launch without running it, in this one process (no torchrun, no GPU): "
+        "play each rank of the job in turn (or --rank R) on fake tensors of --device with a "
+        "fake process group (collectives return at once): the device mesh, the rank's stages "
+        "(sharded by FSDP2 as they would be), the schedule and the optimizer are built and 2 "
+        "steps run (forward, backward, optimizer); prints each rank's peak of live tensor bytes "
+        "against the plan's prediction, the collectives it issued and any error with the "
+        "action it happened in, and what torch could not pretend and was faked. --load is "
+        "checked for names and shapes; nothing is written",
+    )
+    group.add_argument(
+        "--world-size",
+        type=int,
+        metavar="W",
+        help="with --dry-run: the processes of the job, torchrun's nodes x processes per node "
+        f"(default: {pipeline.num_ranks} ranks per pipeline x --dp x --dp-shard)",
+    )
+    group.add_argument(
+        "--rank",
+        type=int,
+        metavar="R",
+        help="with --dry-run: the one rank to play, 0 to W-1 (default: every rank in turn)",
+    )
+
+
 #: train.py's option groups, in the order ``--help`` shows them
 OPTION_GROUPS: tuple[Callable[[argparse.ArgumentParser, Pipeline], None], ...] = (
     run_options,
@@ -458,6 +492,7 @@ OPTION_GROUPS: tuple[Callable[[argparse.ArgumentParser, Pipeline], None], ...] =
     evaluation_options,
     metrics_options,
     observability_options,
+    dry_run_options,
 )
 
 
@@ -541,12 +576,52 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, pipeline
     problem = schedule_problem(args.schedule, pipeline, args.microbatches)
     if problem:
         parser.error(problem)
+    dry_run_problem(parser, args, pipeline)
     if args.gather == "auto":
         args.gather = "step" if args.schedule in SPLIT_BACKWARD else "block"
     elif args.gather == "block" and args.schedule in SPLIT_BACKWARD:
         parser.error(
             f"--gather block does not work with --schedule {args.schedule}: its weight passes "
             "need each stage's parameters gathered from the input backward on; use --gather step"
+        )
+
+
+def dry_run_problem(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, pipeline: Pipeline
+) -> None:
+    """``--world-size`` and ``--rank`` describe the job a ``--dry-run`` plays (torchrun gives a
+    real run's): the world must be the layout's and the rank inside it. Resolves the world size
+    a dry run leaves out."""
+    given = [flag for flag in ("world_size", "rank") if getattr(args, flag) is not None]
+    if given and not args.dry_run:
+        flags = " and ".join(f"--{flag.replace('_', '-')}" for flag in given)
+        parser.error(
+            f"{flags} describe{'s' if len(given) == 1 else ''} the job a --dry-run plays; "
+            "torchrun sets them for a real run (add --dry-run, or leave them out)"
+        )
+    if not args.dry_run:
+        return
+    pp = pipeline.num_ranks
+    wanted = pp * args.dp * args.dp_shard
+    world = args.world_size if args.world_size is not None else wanted
+    if world < 1:
+        parser.error(f"--world-size must be >= 1, got {world}")
+    if world != wanted:
+        fix = (
+            f", or choose --dp x --dp-shard = {world // pp}"
+            if world % pp == 0
+            else f" (a job runs whole pipelines of {pp} ranks)"
+        )
+        parser.error(
+            f"--world-size {world}: this pipeline runs on {pp} ranks per pipeline x --dp "
+            f"{args.dp} x --dp-shard {args.dp_shard} = {wanted} processes; give --world-size "
+            f"{wanted}{fix}"
+        )
+    args.world_size = world
+    if args.rank is not None and not 0 <= args.rank < world:
+        parser.error(
+            f"--rank {args.rank} is outside the job: its {world} rank{'s are' if world > 1 else ' is'} "
+            f"0{f' to {world - 1}' if world > 1 else ''}"
         )
 
 

@@ -216,8 +216,8 @@ class StepTimes:
         dist.all_gather(every, mine)
         self.steps, self.seconds, self.scale = 0, 0.0, 0.0
         times = []
-        for rank, values in enumerate(every):
-            steps, seconds, scale, *rest = values.tolist()
+        for rank, values in enumerate(torch.stack(every).tolist()):  # one copy to the host
+            steps, seconds, scale, *rest = values
             steps = max(steps, 1.0)
             stages = tuple(
                 StageTimes(

@@ -159,8 +159,13 @@ def copy_whole(tensor: torch.Tensor, values: torch.Tensor) -> None:
     """Copy the whole tensor's ``values`` into ``tensor``, or into this rank's shard of it when
     it is a DTensor (FSDP2): every rank holds the same ``values``, so nothing is sent."""
     if isinstance(tensor, DTensor):
+        # on the shards' device first: distribute_tensor would move them to the mesh's device
+        # type without an index (the current device)
         values = distribute_tensor(
-            values.to(tensor.dtype), tensor.device_mesh, tensor.placements, src_data_rank=None
+            values.to(tensor.device, tensor.dtype),
+            tensor.device_mesh,
+            tensor.placements,
+            src_data_rank=None,
         ).to_local()
     local_shard(tensor).copy_(values)
 

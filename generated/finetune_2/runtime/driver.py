@@ -46,6 +46,7 @@ from .core.memory import LiveTensorBytes
 from .core.pipeline import Pipeline, PipelineFormatError
 from .core.schedules import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, greedy_orders
 from .data import Batches
+from .dry_run import run_dry
 from .evaluation import EvalResult, LossSums, label_tokens, weighs_by_tokens
 from .failures import FailureBoard
 from .guards import (
@@ -60,7 +61,14 @@ from .guards import (
 )
 from .hangs import DIAGNOSIS_MARGIN, HangWatch
 from .huggingface import write_pretrained
-from .metrics import Metrics, gather_per_rank, peak_memory, run_configuration, state_bytes
+from .metrics import (
+    Metrics,
+    gather_per_rank,
+    mfu_problem,
+    peak_memory,
+    run_configuration,
+    state_bytes,
+)
 from .options import TrainConfig, parse_config
 from .parallel import (
     DataParallelStage,
@@ -532,13 +540,41 @@ def train(package: ModuleType, pipeline: Pipeline, config: TrainConfig) -> None:
     timeout = config.timeout + DIAGNOSIS_MARGIN
     layout = init_distributed(pipeline, config.device, config.dp, config.dp_shard, timeout)
     stages = tuple(s.index for s in pipeline.stages_on(layout.pp_rank))
-    ACTIVITY.reset(CudaBusyTimes(layout.device) if layout.device.type == "cuda" else BusyTimes())
+    ACTIVITY.reset(busy_times(layout.device))
     watch = HangWatch(layout.rank, dist.get_world_size(), stages, config.timeout)
     watch.start()
     try:
         run_training(package, pipeline, config, layout)
     finally:
         watch.stop()
+
+
+def busy_times(device: torch.device) -> BusyTimes:
+    """How this rank times its stages' compute: CUDA events, or the host's clock."""
+    return CudaBusyTimes(device) if device.type == "cuda" else BusyTimes()
+
+
+def rehearse(
+    package: ModuleType, pipeline: Pipeline, config: TrainConfig, layout: Layout
+) -> _PipelineSchedule:
+    """``--dry-run``'s play of this rank (``dry_run.py`` runs it under fake tensors and a fake
+    process group): the phases of a training run as :func:`train` runs them, setup then each
+    step and its checkpoint (none: the played options have no ``--checkpoint-dir``), nothing
+    reported. Every rank of a dynamic pipeline reads the step's batch (in a real run the ranks
+    that read it send its sizes, which a fake process group does not carry). Returns the
+    schedule of the last step."""
+    ACTIVITY.reset(busy_times(layout.device))
+    torch.manual_seed(config.seed * 1_000_003 + layout.rank)
+    run = TrainingRun(package, pipeline, config, layout, reporting=False)
+    run.reads_every_batch = bool(pipeline.dimensions)
+    run.setup()
+    try:
+        for step in range(config.steps):
+            run.step(step)
+            run.checkpoint(step + 1)
+    finally:
+        run.metrics.close()
+    return next(reversed(run.schedules.built.values()))[1]
 
 
 def run_training(
@@ -623,6 +659,8 @@ class TrainingRun:
         self.timeline: Timeline | None = None  # --trace
         # the ranks of the collectives the hang diagnosis names
         self.world_ranks = tuple(range(dist.get_world_size()))
+        #: every rank reads each step's batch, not only the ones that feed the pipeline
+        self.reads_every_batch = False
         self.dp_ranks = group_ranks(layout.dp_group) if layout.dp_size > 1 else (layout.rank,)
         self.data_ranks = group_ranks(layout.pp_group) if pipeline.dimensions else ()
 
@@ -756,6 +794,8 @@ class TrainingRun:
             if self.reporting
             else []
         )
+        # MFU against the device that runs, not another's peak: see metrics.mfu_problem
+        no_mfu = mfu_problem(plan.device, self.device) if plan and plan.peak_flops else None
         metrics = Metrics(
             reporting=self.reporting,
             steps=config.steps,
@@ -766,7 +806,7 @@ class TrainingRun:
             resumed_at=resumed_at,
             utilisation=lambda seconds: (
                 plan.utilisation(seconds / self.flops_scale, per_step, dist.get_world_size())
-                if plan
+                if plan and not no_mfu
                 else None
             ),
             sinks=sinks,
@@ -774,6 +814,8 @@ class TrainingRun:
         )
         if plan and plan.step_time:
             metrics.note(plan_note(pipeline, config, dist.get_world_size()))
+        if no_mfu:
+            metrics.note(no_mfu)
         if self.resume is not None:
             metrics.note(f"resumed from {self.resume} at step {self.start}")
         elif config.resume:
@@ -896,7 +938,7 @@ class TrainingRun:
         pipeline, metrics = self.pipeline, self.metrics
         held_out = batches is not None
         batches = batches or self.batches
-        reads = self.is_first or self.needs_target
+        reads = self.is_first or self.needs_target or self.reads_every_batch
         if not pipeline.dimensions:
             return batches(step) if reads else None, None
         batch, sizes = agree_dimensions(batches, step, reads, self.layout)
@@ -1172,6 +1214,18 @@ def _main(package: ModuleType, argv: list[str]) -> int:
         print(f"train.py: error: pipeline.json breaks the contract: {exc}", file=sys.stderr)
         return 2
     config = parse_config(argv, pipeline)
+    if config.dry_run:
+        warn_if_edited(package)
+        try:
+            return run_dry(
+                package,
+                pipeline,
+                config,
+                lambda played, layout: rehearse(package, pipeline, played, layout),
+            )
+        except PipelineRunError as exc:
+            _error(f"train.py: error: {exc}")
+            return 2
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1") or 1)
     board = FailureBoard(rank, world)
     where = _where(pipeline, rank) if world > 1 else ""

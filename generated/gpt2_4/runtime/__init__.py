@@ -10,6 +10,7 @@ it may import only torch and the standard library. It has two roles:
 * the executor, what train.py runs: ``driver`` (the training loop), ``options`` (train.py's
   command line), ``data`` (batches), ``parallel`` (process groups, data parallelism),
   ``checkpoint`` and ``train_state`` (weights and training checkpoints), ``guards`` (output
-  checks, run lock, non-finite steps), ``metrics`` (logs) and ``support``, which the generated
-  stage modules import to build their parameters under the original names.
+  checks, run lock, non-finite steps), ``metrics`` (logs), ``dry_run`` (``--dry-run``: the
+  job's ranks played in one process on fake tensors) and ``support``, which the generated stage
+  modules import to build their parameters under the original names.
 """

@@ -22,6 +22,7 @@ and ``slowest_rank``, the rank slowest against its plan. An evaluation's line is
 from __future__ import annotations
 
 import json
+import re
 import resource
 import sys
 from pathlib import Path
@@ -52,6 +53,40 @@ def peak_memory(device: torch.device, tracker: LiveTensorBytes | None = None) ->
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def mfu_problem(plan_device: str, device: torch.device) -> str | None:
+    """Why this run shows no model FLOPs utilisation, or None when it does. MFU is the FLOPs
+    over the peak FLOP/s of the device spec the plan was made for (``plan_device``), so it is
+    shown only when that spec is of the device that runs: on CUDA, a GPU whose name holds the
+    spec's (``H100`` in ``NVIDIA H100 80GB HBM3``, or a spec ``autopipe calibrate`` named after
+    the GPU); on the CPU, a calibrated CPU spec (named ``cpu-...``, as ``autopipe calibrate``
+    names one)."""
+    if device.type == "cuda":
+        running = torch.cuda.get_device_name(device)
+        if _same_device(plan_device, running):
+            return None
+        return (
+            f"MFU is not shown: the plan's peak FLOP/s are {plan_device or 'unknown'}'s, this "
+            f"run is on {running} (compile with --device-spec of this GPU, e.g. from autopipe "
+            "calibrate -o gpu.json on it, to see MFU)"
+        )
+    if plan_device.lower().startswith("cpu"):
+        return None
+    return (
+        f"MFU is not shown: the plan's peak FLOP/s are {plan_device or 'unknown'}'s, this run "
+        f"is on the {device.type} (compile with --device-spec cpu.json from autopipe calibrate "
+        "-o cpu.json on this machine to see it against the CPU)"
+    )
+
+
+def _same_device(spec: str, running: str) -> bool:
+    """Whether a device spec's name names the GPU ``running``: each of its words is a word of
+    the GPU's name, or two adjacent ones run together (``RTX4090`` in ``GeForce RTX 4090``)."""
+    words = re.findall(r"[a-z0-9]+", spec.lower())
+    gpu = re.findall(r"[a-z0-9]+", running.lower())
+    known = set(gpu) | {a + b for a, b in zip(gpu, gpu[1:])}
+    return bool(words) and all(word in known for word in words)
+
+
 def state_bytes(modules: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer]) -> int:
     """Bytes this rank holds of its stages' parameters, gradients and optimizer state (only its
     shards where FSDP2 shards them)."""
@@ -72,7 +107,7 @@ def gather_per_rank(value: int, device: torch.device) -> list[int]:
     mine = torch.tensor([value], dtype=torch.int64, device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    return [int(t) for t in every]
+    return [int(v) for v in torch.cat(every).tolist()]  # one copy to the host, not one a rank
 
 
 class Metrics:

@@ -1,0 +1,59 @@
+"""train.py's metrics (runtime/metrics.py): MFU is against the device that runs. The plan's peak
+FLOP/s are those of the device spec it was made for; a run on another device (a CPU run of an
+H100 plan) shows no MFU and says once why, and the plan's own line keeps naming the device its
+predicted MFU is for."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from autopipe.runtime.metrics import Metrics, mfu_problem
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    "plan, gpu, shown",
+    [
+        ("H100", "NVIDIA H100 80GB HBM3", True),
+        ("H100-PCIe", "NVIDIA H100 PCIe", True),
+        ("A100-40GB", "NVIDIA A100-SXM4-40GB", True),
+        ("RTX4090", "NVIDIA GeForce RTX 4090", True),
+        ("NVIDIA H200", "NVIDIA H200", True),  # a spec autopipe calibrate named after the GPU
+        ("H100", "NVIDIA H200", False),
+        ("L4", "NVIDIA L40S", False),
+        ("A100-40GB", "NVIDIA A100-SXM4-80GB", False),
+        ("cpu-2-cores", "NVIDIA H100 80GB HBM3", False),
+    ],
+)
+def test_mfu_on_cuda_only_against_the_gpu_that_runs(monkeypatch, plan, gpu, shown):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
+    problem = mfu_problem(plan, CUDA)
+    assert (problem is None) == shown
+    if not shown:
+        assert problem.startswith("MFU is not shown: the plan's peak FLOP/s are ")
+        assert f"{plan}'s, this run is on {gpu}" in problem
+
+
+def test_mfu_on_the_cpu_only_against_a_calibrated_cpu():
+    assert mfu_problem("cpu-2-cores", CPU) is None  # as autopipe calibrate names a CPU spec
+    problem = mfu_problem("H100", CPU)
+    assert problem.startswith("MFU is not shown: the plan's peak FLOP/s are H100's")
+    assert "autopipe calibrate -o cpu.json" in problem
+
+
+def test_a_step_without_mfu_says_none(tmp_path, capsys):
+    """The step line and the JSON log carry MFU only where the run has one."""
+    for utilisation, shown in ((lambda seconds: 0.25, True), (lambda seconds: None, False)):
+        path = tmp_path / f"{shown}.jsonl"
+        log = Metrics(
+            reporting=True, steps=1, samples_per_step=4, tokens_per_step=None,
+            log_json=str(path), log_every=1, resumed_at=None, utilisation=utilisation,
+        )  # fmt: skip
+        log.record(0, 1.0, 0.5, 1e-3, 1.0, [1 << 20], [1 << 20])
+        log.close()
+        assert ("MFU 25%" in capsys.readouterr().out) == shown
+        assert ("mfu" in json.loads(path.read_text())) == shown
