@@ -7,7 +7,12 @@ import pytest
 
 from autopipe.errors import DeviceMemoryError, PartitionError
 from autopipe.partitioning import CostModel, partition
-from autopipe.partitioning.dp import solve_contiguous
+from autopipe.partitioning.dp import (
+    BLOCK_TOLERANCE,
+    ContiguousSplits,
+    between_blocks_or_anywhere,
+    solve_contiguous,
+)
 
 from graphs import chain_graph, device, profile
 
@@ -109,3 +114,78 @@ def test_method_dp_through_partition():
     assert result["settings"]["microbatches"] == 4
     assert result["predicted"]["bottleneck"] == 5.0
     assert result["predicted"]["lower_bound"] == 5.0
+
+
+# -- solving on block boundaries (issue 23) ------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt2_model():
+    """GPT-2 with 24 blocks (each layer's units stay together unless cutting inside pays),
+    built on the meta device."""
+    from autopipe.profiling import profile as profile_graph
+    from autopipe.spec import load_example
+    from autopipe.tracing import trace
+
+    from conftest import spec
+
+    graph = trace(load_example(spec("gpt2_meta_24")))
+    return graph, profile_graph(graph)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("schedule, shard", [("1f1b", 1), ("gpipe", 2)])
+def test_a_solve_on_the_cut_positions_alone_equals_the_masked_one(
+    gpt2_model, stages, schedule, shard
+):
+    """Solving on the block boundaries alone (the runs of units between them as single units)
+    gives the same split and bottleneck as masking every other position, with and without a
+    reserve and a bound, on a device that makes some stages recompute."""
+    graph, prof = gpt2_model
+    for capacity in (None, 0.25):
+        used = prof if capacity is None else _smaller(prof, capacity)
+        model = CostModel(graph, used, schedule=schedule, microbatches=8, dp_shard=shard)
+        split = ContiguousSplits(model, stages)
+        assert int(split.between_blocks.sum()) < model.num_units + 1  # some positions masked
+        reserve = [float(2**20 * (k + 1)) for k in range(stages)]
+        full = split.solve_masked()
+        for arguments in ((), (reserve,), (None, full.bottleneck * 1.5), (reserve, 1e-12)):
+            fast = split.solve(split.between_blocks, *arguments)
+            masked = split.solve_masked(split.between_blocks, *arguments)
+            assert (fast is None) == (masked is None)
+            if fast is not None:
+                assert fast.stage_of_unit == masked.stage_of_unit
+                assert fast.bottleneck == masked.bottleneck
+
+
+def _smaller(prof, fraction):
+    """``prof`` on a device with ``fraction`` of the memory the first stage of a 1-stage split
+    would need: stages must recompute or shrink."""
+    import dataclasses
+
+    need = sum(u.activations for u in prof.units) * 8 + 16 * sum(u.parameters for u in prof.units)
+    return dataclasses.replace(
+        prof, device=dataclasses.replace(prof.device, memory=need * fraction)
+    )
+
+
+def test_the_block_split_is_kept_exactly_when_the_old_rule_keeps_it(gpt2_model):
+    """Solving the split between blocks first and the one cut anywhere only below its
+    tolerance decides as solving both in full did: the block split when its bottleneck is
+    within BLOCK_TOLERANCE of cutting anywhere (few stages here), else cutting anywhere (more
+    stages than the 24 blocks share evenly)."""
+    graph, prof = gpt2_model
+    kept = []
+    for stages in (2, 3, 4, 5, 16, 20):
+        model = CostModel(graph, prof, schedule="1f1b", microbatches=8)
+        split = ContiguousSplits(model, stages)
+        anywhere = split.solve_masked()
+        blocks = split.solve_masked(
+            split.between_blocks,
+            within=None if anywhere is None else anywhere.bottleneck * (1 + BLOCK_TOLERANCE),
+        )
+        chosen, cuts = between_blocks_or_anywhere(split)
+        expected = blocks if blocks is not None else anywhere
+        assert chosen.stage_of_unit == expected.stage_of_unit
+        assert chosen.bottleneck == expected.bottleneck
+        assert (cuts is not None) == (blocks is not None)
+        kept.append(blocks is not None)
+    assert any(kept) and not all(kept)  # both ways decided

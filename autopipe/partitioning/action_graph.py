@@ -20,7 +20,7 @@ compiled: :func:`compile_orders` returns None and callers use the reference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,7 +29,6 @@ from ..runtime.core.schedules import (
     Action,
     MemoryPeak,
     PipelineCosts,
-    dependencies,
 )
 
 __all__ = ["ActionGraph", "compile_orders"]
@@ -55,8 +54,16 @@ class ActionGraph:
     waits: np.ndarray  # (n, 2): the actions waited for, n where fewer
     link: np.ndarray  # (n, 2): each wait's link (_NO_LINK, _FORWARD, _BACKWARD)
     link_stage: np.ndarray  # (n, 2): the stage boundary the link crosses (after that stage)
-    levels: list[np.ndarray]  # action indices, each level waiting only on earlier ones
     position: np.ndarray  # each action's place in the reference's round-robin listing
+    #: the actions by level, each level waiting only on earlier ones: the permutation, each
+    #: level's range in it, and each action's previous action and waits in its numbering
+    #: (``n``: nothing), so that a level's figures are slices
+    by_level: np.ndarray
+    level_bounds: list[tuple[int, int]]
+    previous_by_level: np.ndarray
+    waits_by_level: np.ndarray
+    #: each device count's :class:`_Rows`, made on first use
+    _layouts: dict[int, _Rows] = field(default_factory=dict, compare=False, repr=False)
 
     def events(self, costs: PipelineCosts) -> list[tuple[int, Action, float, float]]:
         """``(device, action, start, end)`` of every action: what
@@ -87,30 +94,36 @@ class ActionGraph:
         for b in range(boundaries):
             links[_FORWARD, b] = costs.link(b, costs.send_forward)
             links[_BACKWARD, b] = costs.link(b, costs.send_backward)
-        delay = links[self.link, self.link_stage]  # (n, 2)
+        order = self.by_level
+        delay = links[self.link[order], self.link_stage[order]]  # (n, 2), by level
+        first_delay, second_delay = delay[:, 0], delay[:, 1]
+        length = duration[order]
+        first, second = self.waits_by_level[:, 0], self.waits_by_level[:, 1]
+        previous = self.previous_by_level
         end = np.zeros(n + 1, dtype=np.float64)
         start = np.zeros(n, dtype=np.float64)
         zero = np.zeros(1, dtype=np.float64)
-        for level in self.levels:
-            waits = self.waits[level]
+        for a, b in self.level_bounds:
             ready = np.maximum(
-                np.maximum(zero, end[waits[:, 0]] + delay[level, 0]),
-                end[waits[:, 1]] + delay[level, 1],
+                np.maximum(zero, end[first[a:b]] + first_delay[a:b]),
+                end[second[a:b]] + second_delay[a:b],
             )
-            begin = np.maximum(ready, end[self.previous[level]])
-            start[level] = begin
-            end[level] = begin + duration[level]
-        return start, end[:n]
+            begin = np.maximum(ready, end[previous[a:b]])
+            start[a:b] = begin
+            end[a:b] = begin + length[a:b]
+        by_action_start = np.empty(n, dtype=np.float64)
+        by_action_end = np.empty(n, dtype=np.float64)
+        by_action_start[order] = start
+        by_action_end[order] = end[:n]
+        return by_action_start, by_action_end
 
     # -- what a simulation derives from the times, without listing the events ---------------
     def busy(self, start: np.ndarray, end: np.ndarray, num_devices: int) -> list[float]:
         """Each device's seconds computing: its actions' durations summed in its order, as the
         simulation sums them (a device's actions start in its order)."""
-        duration = end - start
-        return [
-            float(np.cumsum(duration[first:last])[-1]) if last > first else 0.0
-            for first, last in self._spans(num_devices)
-        ]
+        rows = self._rows(num_devices)
+        summed = np.cumsum(rows.table(end - start, 0.0), axis=1)
+        return [float(summed[d, -1]) if rows.counts[d] else 0.0 for d in range(num_devices)]
 
     def held(self, start: np.ndarray, end: np.ndarray, num_stages: int) -> list[int]:
         """The most microbatches of each stage alive at once: from a forward's start to the end
@@ -138,8 +151,9 @@ class ActionGraph:
         """:func:`~autopipe.runtime.core.schedules.device_memory` of these orders, equal to it
         to the last bit: a device's actions run in its order whatever the times, so its memory
         at each action depends on the order and the memory tables alone; each running sum is a
-        cumulative sum over the device's actions of the very terms the walk adds in turn."""
-        num_stages = costs.num_stages
+        cumulative sum over the device's actions of the very terms the walk adds in turn (all
+        devices at once: a row each, padded with terms that add nothing)."""
+        num_stages, num_devices = costs.num_stages, costs.num_devices
 
         def table(name: str) -> np.ndarray:
             values = getattr(costs, name) or [0.0] * num_stages
@@ -150,69 +164,89 @@ class ActionGraph:
         during_forward, during_backward = table("transient_forward"), table("transient_backward")
         grads_list, buffers_list = grads.tolist(), buffers.tolist()
         optimizer_list = optimizer.tolist()
-        peaks = []
-        for device, (first, last) in enumerate(self._spans(costs.num_devices)):
+        rows = self._rows(num_devices)
+        width = rows.width
+        stage, kind = self.stage, self.kind
+        forward = kind == 0
+        freeing = (kind == 1) | (kind == 3)
+        # activations: + at a forward (before its moment), - after a full or weight backward
+        steps = np.zeros((num_devices, 2 * width), dtype=np.float64)
+        steps[:, 0::2] = rows.table(np.where(forward, act[stage], 0.0), 0.0)
+        steps[:, 1::2] = rows.table(np.where(freeing, -act[stage], 0.0), 0.0)
+        running = np.cumsum(steps, axis=1)
+        live, live_end = running[:, 0::2], running[:, -1]
+        counts = np.zeros((num_devices, 2 * width), dtype=np.int64)
+        counts[:, 0::2] = rows.table(forward.astype(np.int64), 0)
+        counts[:, 1::2] = rows.table(-freeing.astype(np.int64), 0)
+        counting = np.cumsum(counts, axis=1)
+        count, count_end = counting[:, 0::2], counting[:, -1]
+        # the stage's gradients appear with its first backward on its device (a stage runs on
+        # one device: its first backward anywhere)
+        added = np.zeros((num_devices, width + 1), dtype=np.float64)
+        state0, buffered, full, transient_optimizer = [], [], [], []
+        for device in range(num_devices):
             stages = [s for s, d in enumerate(costs.device_of_stage) if d == device]
-            state0 = sum(costs.static_memory[s] - grads_list[s] for s in stages)
-            buffered = sum(buffers_list[s] for s in stages)
-            full = sum(costs.static_memory[s] for s in stages)
-            transient_optimizer = sum(optimizer_list[s] for s in stages)
-            start_peak = MemoryPeak(state0, buffered, 0.0, 0, 0.0, 0.0, "start")
-            m = last - first
-            if m == 0:
-                step = MemoryPeak(full, buffered, 0.0, 0, 0.0, transient_optimizer, "optimizer")
+            state0.append(sum(costs.static_memory[s] - grads_list[s] for s in stages))
+            buffered.append(sum(buffers_list[s] for s in stages))
+            full.append(sum(costs.static_memory[s] for s in stages))
+            transient_optimizer.append(sum(optimizer_list[s] for s in stages))
+        added[:, 0] = state0
+        backward = np.flatnonzero(~forward)
+        if len(backward):
+            seen, firsts = np.unique(stage[backward], return_index=True)
+            at = backward[firsts]
+            added[self.device[at], rows.column[at] + 1] = grads[seen]
+        state = np.cumsum(added, axis=1)[:, 1:]
+        # gradients of received inputs: kept after each full or input backward
+        keeping = rows.table(np.where((kind == 1) | (kind == 2), in_grads[stage], 0.0), 0.0)
+        kept_running = np.cumsum(keeping, axis=1)
+        kept = np.c_[np.zeros(num_devices), kept_running[:, :-1]]
+        transient = rows.table(
+            np.where(forward, during_forward[stage], during_backward[stage]), 0.0
+        )
+        total = state + np.asarray(buffered)[:, None] + live + kept + transient
+        total = np.where(rows.valid, total, -np.inf)
+        tops = np.argmax(total, axis=1).tolist() if width else [0] * num_devices
+        peaks = []
+        for device in range(num_devices):
+            start_peak = MemoryPeak(state0[device], buffered[device], 0.0, 0, 0.0, 0.0, "start")
+            if not rows.counts[device]:
+                step = MemoryPeak(
+                    full[device], buffered[device], 0.0, 0, 0.0, transient_optimizer[device],
+                    "optimizer",
+                )  # fmt: skip
                 peaks.append(step if step.total > start_peak.total else start_peak)
                 continue
-            stage, kind = self.stage[first:last], self.kind[first:last]
-            forward = kind == 0
-            freeing = (kind == 1) | (kind == 3)
-            # activations: + at a forward (before its moment), - after a full or weight backward
-            steps = np.zeros(2 * m, dtype=np.float64)
-            steps[0::2] = np.where(forward, act[stage], 0.0)
-            steps[1::2] = np.where(freeing, -act[stage], 0.0)
-            running = np.cumsum(steps)
-            live, live_end = running[0::2], running[-1]
-            counts = np.zeros(2 * m, dtype=np.int64)
-            counts[0::2], counts[1::2] = forward, -freeing.astype(np.int64)
-            counting = np.cumsum(counts)
-            count, count_end = counting[0::2], counting[-1]
-            # the stage's gradients appear with its first backward on the device
-            added = np.zeros(m + 1, dtype=np.float64)
-            added[0] = state0
-            backward = np.flatnonzero(~forward)
-            if len(backward):
-                seen, firsts = np.unique(stage[backward], return_index=True)
-                added[backward[firsts] + 1] = grads[seen]
-            state = np.cumsum(added)[1:]
-            # gradients of received inputs: kept after each full or input backward
-            keeping = np.where((kind == 1) | (kind == 2), in_grads[stage], 0.0)
-            kept_running = np.cumsum(keeping)
-            kept = np.r_[0.0, kept_running[:-1]]
-            transient = np.where(forward, during_forward[stage], during_backward[stage])
-            total = state + buffered + live + kept + transient
             best = start_peak
-            top = int(np.argmax(total))
-            if total[top] > start_peak.total:
+            top = tops[device]
+            if total[device, top] > start_peak.total:
                 best = MemoryPeak(
-                    float(state[top]),
-                    buffered,
-                    float(live[top]),
-                    int(count[top]),
-                    float(kept[top]),
-                    float(transient[top]),
-                    str(self.actions[first + top]),
+                    float(state[device, top]),
+                    buffered[device],
+                    float(live[device, top]),
+                    int(count[device, top]),
+                    float(kept[device, top]),
+                    float(transient[device, top]),
+                    str(self.actions[rows.first[device] + top]),
                 )
             step = MemoryPeak(
-                full,
-                buffered,
-                float(live_end),
-                int(count_end),
-                float(kept_running[-1]),
-                transient_optimizer,
+                full[device],
+                buffered[device],
+                float(live_end[device]),
+                int(count_end[device]),
+                float(kept_running[device, -1]),
+                transient_optimizer[device],
                 "optimizer",
             )
             peaks.append(step if step.total > best.total else best)
         return peaks
+
+    def _rows(self, num_devices: int) -> _Rows:
+        """Each device's actions as a row (actions are listed device by device)."""
+        known = self._layouts.get(num_devices)
+        if known is None:
+            known = self._layouts[num_devices] = _Rows.of(self.device, num_devices)
+        return known
 
     def _spans(self, num_devices: int) -> list[tuple[int, int]]:
         """Each device's actions: a range of indices (actions are listed device by device)."""
@@ -220,60 +254,118 @@ class ActionGraph:
         return list(zip(bounds[:-1], bounds[1:]))
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """Actions listed device by device, as a table with a row per device: each action's
+    column, each row's first action and count, and which cells hold an action."""
+
+    row: np.ndarray
+    column: np.ndarray
+    first: list[int]
+    counts: list[int]
+    width: int
+    valid: np.ndarray  # (devices, width)
+
+    @classmethod
+    def of(cls, device: np.ndarray, num_devices: int) -> _Rows:
+        counts = np.bincount(device, minlength=num_devices)
+        first = np.r_[0, np.cumsum(counts)[:-1]]
+        column = np.arange(len(device)) - np.repeat(first, counts)
+        width = int(counts.max()) if len(counts) else 0
+        valid = np.arange(width)[None, :] < counts[:, None]
+        return cls(device, column, first.tolist(), counts.tolist(), width, valid)
+
+    def table(self, values: np.ndarray, pad: float | int) -> np.ndarray:
+        """``values`` (one per action) in their rows, ``pad`` in the cells past a row's end."""
+        out = np.full((len(self.counts), self.width), pad, dtype=values.dtype)
+        out[self.row, self.column] = values
+        return out
+
+
 def compile_orders(orders: dict[int, list[Action]], num_stages: int) -> ActionGraph | None:
     """The orders as an :class:`ActionGraph`, or None where only the reference can run them
-    (see the module's note)."""
-    actions = [a for device in sorted(orders) for a in orders[device]]
-    index = {a: i for i, a in enumerate(actions)}
-    if len(index) != len(actions):
-        return None  # an action listed twice
+    (see the module's note). Each action's waits are :func:`~autopipe.runtime.core.schedules.dependencies`' rule, resolved for
+    all actions at once by looking the needed actions up in a table by stage, kind and
+    microbatch."""
+    devices = sorted(orders)
+    actions = [a for d in devices for a in orders[d]]
     n = len(actions)
-    device = np.empty(n, dtype=np.int64)
-    previous = np.full(n, n, dtype=np.int64)
+    kinds = {"F": 0, "B": 1, "I": 2, "W": 3}
+    stage = np.fromiter((a.stage for a in actions), dtype=np.int64, count=n)
+    kind = np.fromiter((kinds[a.kind] for a in actions), dtype=np.int64, count=n)
+    microbatch = np.fromiter((a.microbatch for a in actions), dtype=np.int64, count=n)
+    counts = [len(orders[d]) for d in devices]
+    device = np.repeat(np.asarray(devices, dtype=np.int64), counts)
+    firsts = np.r_[0, np.cumsum(counts)[:-1]].astype(np.int64)
+    previous = np.arange(n, dtype=np.int64) - 1
+    previous[firsts[np.asarray(counts) > 0]] = n  # a device's first action follows nothing
     waits = np.full((n, _MAX_DEPENDENCIES), n, dtype=np.int64)
     link = np.zeros((n, _MAX_DEPENDENCIES), dtype=np.int64)
     link_stage = np.zeros((n, _MAX_DEPENDENCIES), dtype=np.int64)
-    i = 0
-    for d in sorted(orders):
-        for place, action in enumerate(orders[d]):
-            device[i] = d
-            if place:
-                previous[i] = i - 1
-            needs = dependencies(action, num_stages)
-            if len(needs) > _MAX_DEPENDENCIES:
+    if n:
+        stages = max(num_stages, int(stage.max()) + 1)
+        width = int(microbatch.max()) + 1
+        key = (stage * 4 + kind) * width + microbatch
+        if len(np.unique(key)) != n:
+            return None  # an action listed twice
+        table = np.full(stages * 4 * width + 1, -1, dtype=np.int64)  # the last: "none"
+        table[key] = np.arange(n)
+
+        def found(at_stage: np.ndarray, of_kind: int, mb: np.ndarray) -> np.ndarray:
+            inside = (at_stage >= 0) & (at_stage < stages)
+            keys = np.where(inside, (at_stage * 4 + of_kind) * width + mb, len(table) - 1)
+            return table[keys]
+
+        forward, weight, backward = kind == 0, kind == 3, (kind == 1) | (kind == 2)
+        # a forward after the first stage waits for the previous stage's forward
+        later = forward & (stage > 0)
+        needed = found(stage - 1, 0, microbatch)
+        if (needed[later] < 0).any():
+            return None  # waits forever (a deadlock)
+        waits[later, 0] = needed[later]
+        link[later, 0], link_stage[later, 0] = _FORWARD, stage[later] - 1
+        # a weight backward waits for its input backward; a full or input backward for its
+        # forward, and before the last stage for the next stage's full or input backward
+        own = found(stage, 2, microbatch), found(stage, 0, microbatch)
+        for chosen, needed in ((weight, own[0]), (backward, own[1])):
+            if (needed[chosen] < 0).any():
                 return None
-            for k, (options, direction) in enumerate(needs):
-                present = [index[o] for o in options if o in index]
-                if len(present) != 1:
-                    return None  # waits forever (a deadlock) or on whichever runs first
-                waits[i, k] = present[0]
-                if direction == "forward":
-                    link[i, k], link_stage[i, k] = _FORWARD, options[0].stage
-                elif direction == "backward":
-                    link[i, k], link_stage[i, k] = _BACKWARD, action.stage
-            i += 1
+            waits[chosen, 0] = needed[chosen]
+        before_last = backward & (stage < num_stages - 1)
+        full, inputs = found(stage + 1, 1, microbatch), found(stage + 1, 2, microbatch)
+        present = (full >= 0).astype(np.int64) + (inputs >= 0)
+        if (present[before_last] != 1).any():
+            return None  # waits forever, or on whichever runs first
+        waits[before_last, 1] = np.maximum(full, inputs)[before_last]
+        link[before_last, 1], link_stage[before_last, 1] = _BACKWARD, stage[before_last]
     level = _levels(previous, waits, n)
     if level is None:
         return None  # a cycle: the reference finds the deadlock and says where
-    listing = _listing(orders, index, waits, n)
+    listing = _listing(orders, dict(zip(devices, firsts.tolist())), waits, n)
     if listing is None:
         return None
-    by_level: dict[int, list[int]] = {}
-    for a, lv in enumerate(level):
-        by_level.setdefault(lv, []).append(a)
-    kinds = {"F": 0, "B": 1, "I": 2, "W": 3}
+    order = np.argsort(np.asarray(level, dtype=np.int64), kind="stable")
+    sizes = np.bincount(np.asarray(level, dtype=np.int64))
+    ends = np.cumsum(sizes).tolist()
+    bounds = [(a, b) for a, b in zip([0, *ends[:-1]], ends) if b > a]
+    renumbered = np.empty(n + 1, dtype=np.int64)
+    renumbered[order] = np.arange(n)
+    renumbered[n] = n
     return ActionGraph(
         orders=orders,
         actions=actions,
         device=device,
-        stage=np.array([a.stage for a in actions], dtype=np.int64),
-        kind=np.array([kinds[a.kind] for a in actions], dtype=np.int64),
+        stage=stage,
+        kind=kind,
         previous=previous,
         waits=waits,
         link=link,
         link_stage=link_stage,
-        levels=[np.array(by_level[lv], dtype=np.int64) for lv in sorted(by_level)],
         position=np.array(listing, dtype=np.int64),
+        by_level=order,
+        level_bounds=bounds,
+        previous_by_level=renumbered[previous[order]],
+        waits_by_level=renumbered[waits[order]],
     )
 
 
@@ -282,8 +374,8 @@ def _levels(previous: np.ndarray, waits: np.ndarray, n: int) -> list[int] | None
     previous action included); None on a cycle."""
     after: list[list[int]] = [[] for _ in range(n)]
     missing = [0] * n
-    for a in range(n):
-        for b in (int(previous[a]), *map(int, waits[a])):
+    for a, needs in enumerate(zip(previous.tolist(), *waits.T.tolist())):
+        for b in needs:
             if b < n:
                 after[b].append(a)
                 missing[a] += 1
@@ -302,24 +394,23 @@ def _levels(previous: np.ndarray, waits: np.ndarray, n: int) -> list[int] | None
 
 
 def _listing(
-    orders: dict[int, list[Action]],
-    index: dict[Action, int],
-    waits: np.ndarray,
-    n: int,
+    orders: dict[int, list[Action]], first: dict[int, int], waits: np.ndarray, n: int
 ) -> list[int] | None:
     """Each action's place in the reference's listing: it sweeps the devices in turn, running
-    each device's actions while their inputs have ended (in that sweep or before)."""
+    each device's actions while their inputs have ended (in that sweep or before). ``first``:
+    each device's first action's index (actions are numbered device by device)."""
     done = [False] * (n + 1)
     done[n] = True
     position = [0] * n
+    first_wait, second_wait = waits[:, 0].tolist(), waits[:, 1].tolist()
     cursor = dict.fromkeys(orders, 0)
     listed = 0
     while listed < n:
         progressed = False
         for d, order in orders.items():
             while cursor[d] < len(order):
-                a = index[order[cursor[d]]]
-                if not (done[int(waits[a, 0])] and done[int(waits[a, 1])]):
+                a = first[d] + cursor[d]
+                if not (done[first_wait[a]] and done[second_wait[a]]):
                     break
                 done[a] = True
                 position[a] = listed

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from ..runtime.core.schedules import SPLIT_BACKWARD
 from .cost import CostModel
 
 __all__ = ["Crossings", "crossings", "memory_floor", "MOST_CUTS"]
@@ -102,13 +103,23 @@ def crossings(model: CostModel) -> Crossings:
 
 
 def memory_floor(
-    model: CostModel, stages: int, ranks: int, microbatches: int, crossed: Crossings
+    model: CostModel,
+    stages: int,
+    ranks: int,
+    microbatches: int,
+    crossed: Crossings,
+    schedule: str | None = None,
 ) -> float:
     """Bytes the fullest of ``ranks`` devices holds at least, whatever the split into
     ``stages`` stages: at the optimizer step every device holds its stages' training state
     (``model``'s share under its ``--dp-shard``), their receive buffers of every microbatch and
     the gradients of their received inputs, so all devices together hold at least the whole
     model's state and ``microbatches`` x what the ``stages - 1`` boundaries hold
-    (:meth:`Crossings.total`); the fullest device holds at least the average."""
-    state = model.state_bytes(sum(model.param_bytes), sum(model.trainable_bytes))
-    return (state + microbatches * crossed.total(stages - 1)) / ranks
+    (:meth:`Crossings.total`); under a split-backward ``schedule`` with sharding, FSDP2 keeps
+    every stage's parameters and gradients gathered for the step as well (every parameter in
+    at least one stage). The fullest device holds at least the average."""
+    params, trainable = sum(model.param_bytes), sum(model.trainable_bytes)
+    held = model.state_bytes(params, trainable) + microbatches * crossed.total(stages - 1)
+    if model.dp_shard > 1 and schedule in SPLIT_BACKWARD:
+        held += params + trainable
+    return held / ranks

@@ -24,6 +24,7 @@ import weakref
 from dataclasses import asdict, dataclass, field
 
 import networkx as nx
+import numpy as np
 import torch
 
 from ..errors import PartitionError
@@ -36,6 +37,7 @@ from ..runtime.core.pipeline import default_microbatches, flops_utilisation
 from ..runtime.core.schedules import SPLIT_BACKWARD, MemoryPeak, PipelineCosts
 from .partition import PartitionSettings, PredictedStage, PredictedStep
 from .simulator import Simulation, simulate_schedule
+from .stage_sums import StageSums
 
 #: Bytes of state per parameter byte: weight + gradient (+ two Adam moments). A frozen parameter
 #: (``requires_grad=False``) holds its weight alone: 1.
@@ -375,6 +377,33 @@ class CostModel:
         ]
         self.blocks = facts.blocks
         self.exchanges = facts.exchanges
+        #: each block's parameter and gradient bytes
+        self.block_state = {
+            block.fqn: sum(self.param_bytes[u] + self.trainable_bytes[u] for u in block.units)
+            for block in self.blocks.values()
+        }
+        self.sums = StageSums(
+            num_units=self.num_units,
+            forward=self.forward,
+            backward=self.backward,
+            activations=self.activations,
+            temporaries=self.temporaries,
+            backward_memory=self.backward_memory,
+            trainable_bytes=self.trainable_bytes,
+            dp_shard=dp_shard,
+            unit_params=self.unit_params,
+            frozen=self.frozen,
+            exchanges=[(e.producer, e.last, e.activation, e.gradient) for e in self.exchanges],
+            savers=[
+                [
+                    unit
+                    for unit in (e.producer, *e.readers)
+                    if 0 <= unit < self.num_units and e.name in self.saved_values[unit]
+                ]
+                for e in self.exchanges
+            ],
+            blocks=[block.units for block in self.blocks.values()],
+        )
         self.dag = facts.dag
         #: stages -> the best contiguous stage_of_unit (dp.solve_contiguous fills it)
         self.contiguous_optimum: dict[int, list[int]] = {}
@@ -430,13 +459,9 @@ class CostModel:
     ) -> list[float]:
         """Parameter bytes per stage, unsharded (a tied parameter in each stage reading it);
         ``trainable``: of the parameters that require gradients only."""
-        held: list[dict[str, int]] = [{} for _ in range(num_stages)]
-        for unit, stage in enumerate(stage_of_unit):
-            held[stage].update(self.unit_params[unit])
-        return [
-            float(sum(b for name, b in params.items() if not (trainable and name in self.frozen)))
-            for params in held
-        ]
+        params, trained = self.sums.parameters(self.sums.assignment(stage_of_unit), num_stages)
+        held: list[float] = (trained if trainable else params).tolist()
+        return held
 
     def gathered(
         self, stage_of_unit: list[int], params: list[float], trainable: list[float]
@@ -452,11 +477,18 @@ class CostModel:
             return [0.0] * num_stages
         if self.schedule in SPLIT_BACKWARD:
             return [p + t for p, t in zip(params, trainable)]
+        return self._gathered(
+            self.sums.block_stages(self.sums.assignment(stage_of_unit)), params, trainable
+        )
+
+    def _gathered(
+        self, block_stages: np.ndarray, params: list[float], trainable: list[float]
+    ) -> list[float]:
+        num_stages = len(params)
         largest, in_blocks = [0.0] * num_stages, [0.0] * num_stages
-        for block in self.blocks.values():
-            stage = block.stage(stage_of_unit)
-            if stage is not None:  # a block cut by a boundary is inline: the stage's own
-                size = sum(self.param_bytes[u] + self.trainable_bytes[u] for u in block.units)
+        for block, stage in zip(self.blocks.values(), block_stages.tolist()):
+            if stage >= 0:  # a block cut by a boundary is inline: the stage's own
+                size = self.block_state[block.fqn]
                 in_blocks[stage] += size
                 largest[stage] = max(largest[stage], size)
         return [params[s] + trainable[s] - in_blocks[s] + largest[s] for s in range(num_stages)]
@@ -501,21 +533,29 @@ class CostModel:
         their forward again there, and so do the blocks in ``recompute_blocks`` (by name) in
         other stages."""
         num_stages = len(device_of_stage)
-        forward = [0.0] * num_stages
-        backward = [0.0] * num_stages
-        saved = [0.0] * num_stages
-        for unit, stage in enumerate(stage_of_unit):
-            forward[stage] += self.forward[unit]
-            backward[stage] += self.backward[unit]
-            saved[stage] += self.activations[unit]
-        for stage, twice in enumerate(self._counted_twice(stage_of_unit, num_stages)):
-            saved[stage] -= twice
-        params = self.stage_parameters(stage_of_unit, num_stages)
-        trainable = self.stage_parameters(stage_of_unit, num_stages, trainable=True)
-        gathered = self.gathered(stage_of_unit, params, trainable)
-        act_cross, grad_cross, outputs = self._crossing(stage_of_unit, num_stages)
+        sums = self.sums
+        stages = sums.assignment(stage_of_unit)
+        forward = sums.per_stage(sums.forward, stages, num_stages).tolist()
+        backward = sums.per_stage(sums.backward, stages, num_stages).tolist()
+        saved = (
+            sums.per_stage(sums.activations, stages, num_stages)
+            - sums.counted_twice(stages, num_stages)
+        ).tolist()
+        param_array, trainable_array = sums.parameters(stages, num_stages)
+        params, trainable = param_array.tolist(), trainable_array.tolist()
+        block_stages = sums.block_stages(stages)
+        if self.dp_shard == 1:
+            gathered = [0.0] * num_stages
+        elif self.schedule in SPLIT_BACKWARD:
+            gathered = [p + t for p, t in zip(params, trainable)]
+        else:
+            gathered = self._gathered(block_stages, params, trainable)
+        act_array, grad_array = sums.crossing(stages, num_stages)
+        act_cross, grad_cross = act_array.tolist(), grad_array.tolist()
+        outputs = [*act_cross, sums.model_outputs]
         inputs = [0.0, *act_cross]
-        transient_forward, transient_backward = self._transients(stage_of_unit, num_stages)
+        forward_array, backward_array = sums.transients(stages, num_stages, block_stages)
+        transient_forward, transient_backward = forward_array.tolist(), backward_array.tolist()
         for fqn in recompute_blocks:
             block = self.blocks[fqn]
             s = block.stage(stage_of_unit)
@@ -568,38 +608,17 @@ class CostModel:
         """Activation and gradient bytes crossing each boundary between stages, and the bytes
         each stage outputs (to later stages or as the model's outputs) and keeps until its
         backward."""
-        act_cross = [0.0] * max(num_stages - 1, 0)
-        grad_cross = [0.0] * max(num_stages - 1, 0)
-        model_outputs = 0.0
-        for ex in self.exchanges:
-            first = stage_of_unit[ex.producer] if ex.producer >= 0 else 0
-            last = ex.last
-            end = stage_of_unit[last] if last < self.num_units else num_stages - 1
-            for s in range(first, end):
-                act_cross[s] += ex.activation
-                grad_cross[s] += ex.gradient
-            if last == self.num_units:
-                model_outputs += ex.activation
-        return act_cross, grad_cross, [*act_cross, model_outputs]
+        act, grad = self.sums.crossing(self.sums.assignment(stage_of_unit), num_stages)
+        act_cross = act.tolist()
+        return act_cross, grad.tolist(), [*act_cross, self.sums.model_outputs]
 
     def _counted_twice(self, stage_of_unit: list[int], num_stages: int) -> list[float]:
         """Bytes per stage that the units' saved activations count more than once: a value
         its producer and its readers in one stage all save (one tensor), or that a stage
         saves and also holds as an output (until its backward) or a receive buffer."""
-        twice = [0.0] * num_stages
-        for ex in self.exchanges:
-            home = stage_of_unit[ex.producer] if ex.producer >= 0 else -1
-            savers: dict[int, int] = {}
-            for unit in (ex.producer, *ex.readers):
-                if 0 <= unit < self.num_units and ex.name in self.saved_values[unit]:
-                    stage = stage_of_unit[unit]
-                    savers[stage] = savers.get(stage, 0) + 1
-            last = ex.last
-            end = stage_of_unit[last] if last < self.num_units else num_stages
-            for stage, count in savers.items():
-                # also held as a receive buffer, or as an output kept for the backward
-                held = (home >= 0 and stage != home) or end > stage
-                twice[stage] += ex.activation * (count if held else count - 1)
+        twice: list[float] = self.sums.counted_twice(
+            self.sums.assignment(stage_of_unit), num_stages
+        ).tolist()
         return twice
 
     def _transients(
@@ -610,33 +629,8 @@ class CostModel:
         that returns), and the most a backward holds beyond its microbatch's activations and
         the stage's gradients: a unit's backward, less the activations of the units after it
         (freed by then) and the gradients of those before it (not allocated yet)."""
-        forward = [0.0] * num_stages
-        backward = [0.0] * num_stages
-        freed = [0.0] * num_stages
-        pending = [0.0] * num_stages  # gradient bytes not allocated yet
-        for unit, s in enumerate(stage_of_unit):
-            pending[s] += self.trainable_bytes[unit] / self.dp_shard
-        for unit in reversed(range(self.num_units)):
-            s = stage_of_unit[unit]
-            pending[s] -= self.trainable_bytes[unit] / self.dp_shard
-            beyond = self.backward_memory[unit] - freed[s] - pending[s]
-            backward[s] = max(backward[s], beyond)
-            freed[s] += self.activations[unit]
-        inline = [0.0] * num_stages
-        largest = [0.0] * num_stages
-        blocked: set[int] = set()
-        for block in self.blocks.values():
-            stage = block.stage(stage_of_unit)
-            if stage is not None:
-                blocked.update(block.units)
-                held = sum(self.temporaries[u] for u in block.units)
-                largest[stage] = max(largest[stage], held)
-        for unit, s in enumerate(stage_of_unit):
-            if unit not in blocked:
-                inline[s] += self.temporaries[unit]
-        for s in range(num_stages):
-            forward[s] = inline[s] + largest[s]
-        return forward, backward
+        forward, backward = self.sums.transients(self.sums.assignment(stage_of_unit), num_stages)
+        return forward.tolist(), backward.tolist()
 
     def evaluate(
         self,
@@ -655,8 +649,10 @@ class CostModel:
         microbatches = self.microbatches or default_microbatches(num_stages)
         schedule = schedule or self.schedule
         simulation = self.simulate(costs, schedule, microbatches)
-        params = self.stage_parameters(stage_of_unit, num_stages)
-        trainable = self.stage_parameters(stage_of_unit, num_stages, trainable=True)
+        param_array, trainable_array = self.sums.parameters(
+            self.sums.assignment(stage_of_unit), num_stages
+        )
+        params, trainable = param_array.tolist(), trainable_array.tolist()
         held = simulation.held
         stages = []
         for s in range(num_stages):
@@ -708,6 +704,7 @@ class CostModel:
         (each keeps only its inputs, which its neighbour already counts)."""
         recomputing = copy.copy(self)
         recomputing.activations = [0.0] * self.num_units
+        recomputing.sums = self.sums.with_activations(recomputing.activations)
         recomputing.recomputes_all = True
         return recomputing
 

@@ -29,6 +29,8 @@ BLOCK_TOLERANCE = 0.10
 #: the most stage-cost entries the DP computes at once (stages x starts x ends): bounds the
 #: memory of its intermediate tensors
 COSTED_AT_ONCE = 1 << 21
+#: the most stage-cost entries a solve keeps from its first pass for its second (8 bytes each)
+COSTS_KEPT = 1 << 24
 #: the split solved again with each stage's uncounted memory reserved is of use only if its
 #: slowest stage is at most this much slower than the first split's (whose own recomputation
 #: the simulator then charges)
@@ -49,19 +51,11 @@ def solve_contiguous(model: CostModel, num_stages: int) -> list[int]:
 
 def _calibrated(model: CostModel, num_stages: int) -> list[int]:
     split = ContiguousSplits(model, num_stages)
-    anywhere = split.solve()
-    between_blocks = split.solve(
-        split.between_blocks,
-        within=None if anywhere is None else anywhere.bottleneck * (1 + BLOCK_TOLERANCE),
-    )
-    cuts = None
-    if between_blocks is not None:  # within the tolerance of cutting anywhere, if that solves
-        best, cuts = between_blocks, split.between_blocks
-    elif anywhere is not None:
-        best = anywhere
-    elif model.recomputes_to_balance:  # the state alone does not fit, whatever is recomputed
+    best, cuts = between_blocks_or_anywhere(split)
+    if best is None and model.recomputes_to_balance:
+        # the state alone does not fit, whatever is recomputed
         raise memory_error(model.assuming_recomputation(), num_stages)
-    else:
+    if best is None:
         raise memory_error(model, num_stages)
     if model.recomputes_all:
         return best.stage_of_unit
@@ -79,6 +73,26 @@ def _calibrated(model: CostModel, num_stages: int) -> list[int]:
         model, [(best.stage_of_unit, devices, schedule), (again.stage_of_unit, devices, schedule)]
     )
     return again.stage_of_unit if chosen else best.stage_of_unit
+
+
+def between_blocks_or_anywhere(
+    split: ContiguousSplits,
+) -> tuple[SplitOptimum | None, torch.Tensor | None]:
+    """The optimum cut between blocks, with those cuts, where its slowest stage is within
+    :data:`BLOCK_TOLERANCE` of the optimum cut anywhere (or nothing cuts anywhere); else the
+    optimum cut anywhere, with None (None, None: no split). The split between blocks is solved
+    first (on the block boundaries alone, a small problem); the one cut anywhere only as far
+    as it could beat it by more than the tolerance."""
+    blocks = split.solve(split.between_blocks)
+    if blocks is None:
+        return split.solve(), None
+    # only an optimum below this could make the split between blocks more than the tolerance
+    # slower (the margin covers rounding: the test below decides)
+    within = blocks.bottleneck / (1 + BLOCK_TOLERANCE) * (1 + 1e-9)
+    anywhere = split.solve(within=within)
+    if anywhere is None or blocks.bottleneck <= anywhere.bottleneck * (1 + BLOCK_TOLERANCE):
+        return blocks, split.between_blocks
+    return anywhere, None
 
 
 @dataclass(frozen=True)
@@ -155,6 +169,19 @@ class ContiguousSplits:
             in_flight(k, num_stages, model.schedule, microbatches) for k in range(num_stages)
         ]
         self.positions = torch.arange(n + 1)
+        #: the last restriction to cut positions (:meth:`_at`), by the identity of its cuts
+        self._restricted: tuple[int, _CutsOnly] | None = None
+
+    def _at(self, cuts: torch.Tensor) -> _CutsOnly:
+        """These splits restricted to the positions in ``cuts`` (which hold 0 and the end):
+        the runs of units between two such positions as single units, the same sums at the
+        same positions, so a solve gives the same optimum as one masked by ``cuts``, with far
+        fewer positions to try (a model's blocks, not its units)."""
+        key = id(cuts)
+        if self._restricted is None or self._restricted[0] != key:
+            positions = torch.nonzero(cuts).flatten()
+            self._restricted = (key, _CutsOnly(self, positions))
+        return self._restricted[1]
 
     def memory(self, stage_of_unit: list[int]) -> list[float]:
         """Each stage's training state and activations in flight, as the split counts them."""
@@ -250,6 +277,18 @@ class ContiguousSplits:
         """The optimum (None if no split is allowed, or none whose slowest stage takes at most
         ``within`` seconds), stages cut only at ``cuts`` (positions between units; None:
         anywhere), stage k's room the device's memory less ``reserve[k]``."""
+        if cuts is not None and bool(cuts[0]) and bool(cuts[-1]):
+            return self._at(cuts).solve(None, reserve, within)
+        return self.solve_masked(cuts, reserve, within)
+
+    def solve_masked(
+        self,
+        cuts: torch.Tensor | None = None,
+        reserve: Sequence[float] | None = None,
+        within: float | None = None,
+    ) -> SplitOptimum | None:
+        """:meth:`solve` over every position, those not in ``cuts`` masked (what :meth:`solve`
+        answers on the cut positions alone)."""
         n, num_stages = self.n, self.num_stages
         rooms = [self.capacity - (reserve[k] if reserve else 0.0) for k in range(num_stages)]
 
@@ -283,10 +322,18 @@ class ContiguousSplits:
         # earlier tiles', which are done; each tile's costs for all stages at once.
         best = torch.full((num_stages + 1, n + 1), inf, dtype=dtype)
         best[0, 0] = 0.0
+        # the second pass reads the same costs: kept from the first, up to COSTS_KEPT entries
+        kept: list[torch.Tensor] = []
+        room_left = COSTS_KEPT
         for tile in tiles:
             for k, costs in self._by_stage(tile, rooms):
                 candidates = torch.maximum(best[k, tile.rows].unsqueeze(1), costs)
                 best[k + 1, tile.ends] = candidates.min(0).values
+                if room_left >= costs.numel():
+                    kept.append(costs)
+                    room_left -= costs.numel()
+                else:
+                    room_left = -1  # the second pass costs them again
         optimum = float(best[num_stages, n])
         if not math.isfinite(optimum) or (within is not None and optimum > within):
             return None
@@ -296,8 +343,14 @@ class ContiguousSplits:
         total = torch.full((num_stages + 1, n + 1), inf, dtype=dtype)
         choice = torch.zeros((num_stages + 1, n + 1), dtype=torch.long)
         total[0, 0] = 0.0
+        reread = iter(kept)
         for tile in tiles:
-            for k, costs in self._by_stage(tile, rooms):
+            by_stage = (
+                self._by_stage(tile, rooms)
+                if room_left < 0
+                else ((k, next(reread)) for k in range(num_stages))
+            )
+            for k, costs in by_stage:
                 squares = torch.where(costs <= limit, costs * costs, inf)
                 value = total[k, tile.rows].unsqueeze(1) + squares
                 total[k + 1, tile.ends], index = value.min(0)
@@ -310,6 +363,45 @@ class ContiguousSplits:
                 stage_of_unit[u] = k - 1
             j = i
         return SplitOptimum(stage_of_unit, optimum)
+
+
+class _CutsOnly(ContiguousSplits):
+    """A :class:`ContiguousSplits` whose units are the runs of another's units between the
+    given cut positions (0 and the end among them): its prefix sums are the other's at those
+    positions. :meth:`solve` answers in the other's units."""
+
+    def __init__(self, whole: ContiguousSplits, positions: torch.Tensor) -> None:
+        self.model, self.num_stages = whole.model, whole.num_stages
+        self.n = len(positions) - 1
+        self.first_unit = positions.tolist()  # of each run, and the end
+        for name in ("fwd", "bwd", "act", "par", "trn", "savable", "forward_in_blocks"):
+            setattr(self, name, getattr(whole, name)[positions])
+        self.cut_forward, self.cut_backward = (
+            whole.cut_forward[positions],
+            whole.cut_backward[positions],
+        )
+        self.between_blocks = torch.ones(self.n + 1, dtype=torch.bool)
+        self.trained, self.frozen = whole.trained, whole.frozen
+        self.capacity, self.held = whole.capacity, whole.held
+        self.positions = torch.arange(self.n + 1)
+        self._restricted = None
+        self.units = whole.n
+
+    def solve(
+        self,
+        cuts: torch.Tensor | None = None,
+        reserve: Sequence[float] | None = None,
+        within: float | None = None,
+    ) -> SplitOptimum | None:
+        assert cuts is None  # every position of these splits is a cut
+        runs = self.solve_masked(None, reserve, within)
+        if runs is None:
+            return None
+        stage_of_unit = [0] * self.units
+        for run, stage in enumerate(runs.stage_of_unit):
+            for unit in range(self.first_unit[run], self.first_unit[run + 1]):
+                stage_of_unit[unit] = stage
+        return SplitOptimum(stage_of_unit, runs.bottleneck)
 
 
 def recompute_seconds(

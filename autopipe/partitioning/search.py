@@ -22,7 +22,13 @@ from ..byte_units import format_bytes
 from ..errors import DeviceMemoryError, PartitionError
 from ..ir import Graph
 from ..profiling.profile import Profile
-from ..runtime.core.schedules import MULTI_STAGE, V_SHAPED, placement, schedule_problem_for
+from ..runtime.core.schedules import (
+    MULTI_STAGE,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    placement,
+    schedule_problem_for,
+)
 from . import partition
 from .bounds import crossings, memory_floor
 from .cost import CostModel, iteration_time
@@ -229,6 +235,8 @@ def search(
         if floors[c] > usable.device.memory:
             shape = plan.candidate
             held = "its share of the training state"
+            if shape.dp_shard > 1 and shape.schedule in SPLIT_BACKWARD:
+                held += ", its stages' parameters and gradients, gathered for the step"
             if shape.stages > 1:
                 held += (
                     f", and of the receive buffers of {shape.microbatches} microbatches at "
@@ -274,7 +282,8 @@ def _memory_floors(
     }
     crossed = crossings(models[listed[0].dp_shard])
     return [
-        memory_floor(models[c.dp_shard], c.stages, c.ranks, c.microbatches, crossed) for c in listed
+        memory_floor(models[c.dp_shard], c.stages, c.ranks, c.microbatches, crossed, c.schedule)
+        for c in listed
     ]
 
 

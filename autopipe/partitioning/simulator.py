@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -246,17 +245,24 @@ def torch_orders(schedule: str, costs: PipelineCosts, microbatches: int) -> dict
     # compute actions only (the orders are not lowered: no unshard, reshard, reduction or
     # send/receive); an overlapped pair "(0F3;3B1)OVERLAP_F_B" runs as its two parts
     return {
-        device: [
-            Action.parse(part)
-            for text in (str(a) for a in row if a is not None)
-            for part in _COMPUTE.findall(text)
-        ]
+        device: [own for a in row if a is not None for own in _computed(a)]
         for device, row in enumerate(ops)
     }
 
 
-#: a compute action in the text of one of torch's actions
-_COMPUTE = re.compile(r"\d+[FBIW]\d+")
+#: the kinds of compute action, as torch's actions name them
+_KINDS = {"F": "F", "B": "B", "I": "I", "W": "W"}
+
+
+def _computed(action: Any) -> list[Action]:
+    """The compute actions of one of torch's actions (an ``_Action``): itself, or the parts of
+    an overlapped pair ``(0F3;3B1)OVERLAP_F_B``, each run as itself."""
+    parts = action.sub_actions if action.sub_actions is not None else (action,)
+    return [
+        Action(part.stage_index, _KINDS[part.computation_type.value], part.microbatch_index)
+        for part in parts
+        if part.computation_type.value in _KINDS and part.microbatch_index is not None
+    ]
 
 
 @functools.cache

@@ -1,0 +1,174 @@
+"""autopipe/partitioning/stage_sums.py: the cost model's per-stage sums, with numpy, equal to
+the last bit to the unit-by-unit loops they replaced (kept here as the reference), for random
+assignments of real models' units: contiguous, any monotone one, and any at all."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from autopipe.partitioning.cost import CostModel
+from autopipe.profiling import profile
+from autopipe.spec import load_example
+from autopipe.tracing import trace
+
+from conftest import spec
+
+
+# -- the reference: the loops as they were ---------------------------------------------------
+def stage_parameters(model, stage_of_unit, num_stages, trainable=False):
+    held = [{} for _ in range(num_stages)]
+    for unit, stage in enumerate(stage_of_unit):
+        held[stage].update(model.unit_params[unit])
+    return [
+        float(sum(b for name, b in params.items() if not (trainable and name in model.frozen)))
+        for params in held
+    ]
+
+
+def crossing(model, stage_of_unit, num_stages):
+    act_cross = [0.0] * max(num_stages - 1, 0)
+    grad_cross = [0.0] * max(num_stages - 1, 0)
+    model_outputs = 0.0
+    for ex in model.exchanges:
+        first = stage_of_unit[ex.producer] if ex.producer >= 0 else 0
+        last = ex.last
+        end = stage_of_unit[last] if last < model.num_units else num_stages - 1
+        for s in range(first, end):
+            act_cross[s] += ex.activation
+            grad_cross[s] += ex.gradient
+        if last == model.num_units:
+            model_outputs += ex.activation
+    return act_cross, grad_cross, [*act_cross, model_outputs]
+
+
+def counted_twice(model, stage_of_unit, num_stages):
+    twice = [0.0] * num_stages
+    for ex in model.exchanges:
+        home = stage_of_unit[ex.producer] if ex.producer >= 0 else -1
+        savers = {}
+        for unit in (ex.producer, *ex.readers):
+            if 0 <= unit < model.num_units and ex.name in model.saved_values[unit]:
+                stage = stage_of_unit[unit]
+                savers[stage] = savers.get(stage, 0) + 1
+        last = ex.last
+        end = stage_of_unit[last] if last < model.num_units else num_stages
+        for stage, count in savers.items():
+            held = (home >= 0 and stage != home) or end > stage
+            twice[stage] += ex.activation * (count if held else count - 1)
+    return twice
+
+
+def transients(model, stage_of_unit, num_stages):
+    forward = [0.0] * num_stages
+    backward = [0.0] * num_stages
+    freed = [0.0] * num_stages
+    pending = [0.0] * num_stages
+    for unit, s in enumerate(stage_of_unit):
+        pending[s] += model.trainable_bytes[unit] / model.dp_shard
+    for unit in reversed(range(model.num_units)):
+        s = stage_of_unit[unit]
+        pending[s] -= model.trainable_bytes[unit] / model.dp_shard
+        beyond = model.backward_memory[unit] - freed[s] - pending[s]
+        backward[s] = max(backward[s], beyond)
+        freed[s] += model.activations[unit]
+    inline = [0.0] * num_stages
+    largest = [0.0] * num_stages
+    blocked = set()
+    for block in model.blocks.values():
+        stage = block.stage(stage_of_unit)
+        if stage is not None:
+            blocked.update(block.units)
+            held = sum(model.temporaries[u] for u in block.units)
+            largest[stage] = max(largest[stage], held)
+    for unit, s in enumerate(stage_of_unit):
+        if unit not in blocked:
+            inline[s] += model.temporaries[unit]
+    for s in range(num_stages):
+        forward[s] = inline[s] + largest[s]
+    return forward, backward
+
+
+def gathered(model, stage_of_unit, params, trainable):
+    num_stages = len(params)
+    if model.dp_shard == 1:
+        return [0.0] * num_stages
+    largest, in_blocks = [0.0] * num_stages, [0.0] * num_stages
+    for block in model.blocks.values():
+        stage = block.stage(stage_of_unit)
+        if stage is not None:
+            size = sum(model.param_bytes[u] + model.trainable_bytes[u] for u in block.units)
+            in_blocks[stage] += size
+            largest[stage] = max(largest[stage], size)
+    return [params[s] + trainable[s] - in_blocks[s] + largest[s] for s in range(num_stages)]
+
+
+# -- assignments ------------------------------------------------------------------------------
+def contiguous(rng, n, stages):
+    cuts = sorted(rng.sample(range(1, n), stages - 1))
+    return [sum(u >= c for c in cuts) for u in range(n)]
+
+
+def monotone(model, rng, stages):
+    """Units in a random topological order of the unit DAG, cut into ``stages`` runs: a valid
+    assignment that need not be contiguous in program order."""
+    n = model.num_units
+    indegree = {u: model.dag.in_degree(u) for u in range(n)}
+    ready, order = [u for u in range(n) if indegree[u] == 0], []
+    while ready:
+        u = ready.pop(rng.randrange(len(ready)))
+        order.append(u)
+        for v in model.dag.successors(u):
+            indegree[v] -= 1
+            if indegree[v] == 0:
+                ready.append(v)
+    runs = contiguous(rng, n, stages)
+    out = [0] * n
+    for position, u in enumerate(order):
+        out[u] = runs[position]
+    return out
+
+
+MODELS = ["gpt2", "t5", "bert", "cnn", "multi_io"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def traced(request):
+    example = load_example(spec(request.param))
+    graph = trace(example)
+    return graph, profile(graph)
+
+
+@pytest.mark.parametrize("dp_shard, schedule", [(1, "1f1b"), (3, "1f1b"), (2, "zbv")])
+def test_the_sums_equal_the_loops_to_the_last_bit(traced, dp_shard, schedule):
+    graph, prof = traced
+    model = CostModel(graph, prof, schedule=schedule, microbatches=4, dp_shard=dp_shard)
+    rng = random.Random(dp_shard)
+    n = model.num_units
+    assignments = []
+    for stages in (1, 2, 3, min(7, n)):
+        assignments += [contiguous(rng, n, stages), monotone(model, rng, stages)]
+        assignments.append([rng.randrange(stages) for _ in range(n)])  # any at all
+    for recomputing in (model, model.assuming_recomputation()):
+        for stage_of_unit in assignments:
+            num_stages = max(stage_of_unit) + 1
+            for trainable in (False, True):
+                assert recomputing.stage_parameters(
+                    stage_of_unit, num_stages, trainable
+                ) == stage_parameters(recomputing, stage_of_unit, num_stages, trainable)
+            assert recomputing._crossing(stage_of_unit, num_stages) == crossing(
+                recomputing, stage_of_unit, num_stages
+            )
+            assert recomputing._counted_twice(stage_of_unit, num_stages) == counted_twice(
+                recomputing, stage_of_unit, num_stages
+            )
+            assert recomputing._transients(stage_of_unit, num_stages) == transients(
+                recomputing, stage_of_unit, num_stages
+            )
+            params = stage_parameters(recomputing, stage_of_unit, num_stages)
+            trained = stage_parameters(recomputing, stage_of_unit, num_stages, True)
+            if schedule == "1f1b":
+                assert recomputing.gathered(stage_of_unit, params, trained) == gathered(
+                    recomputing, stage_of_unit, params, trained
+                )
