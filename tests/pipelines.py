@@ -70,12 +70,14 @@ def run_pipeline(
     compile_spec=None,
     devices=None,
     nproc=None,
+    package=None,
     **options,
 ):
-    out = tmp_path / "pipe"
-    compile_model(
-        compile_spec or train_spec or name, out, stages, loss=loss, devices=devices, **options
-    )
+    out = package or tmp_path / "pipe"
+    if package is None:
+        compile_model(
+            compile_spec or train_spec or name, out, stages, loss=loss, devices=devices, **options
+        )
     example = load_example(spec(train_spec or name))
     torch.save(example.model.state_dict(), tmp_path / "init.pt")
     log, saved = tmp_path / "log.jsonl", tmp_path / "trained.pt"

@@ -68,14 +68,18 @@ def test_label_tokens_count_what_the_loss_averages(two_stages):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stages, ranks", [(2, 2), (4, 2)], ids=["one-stage-per-rank", "looped"])
+@pytest.mark.parametrize(
+    "stages, ranks, schedule",
+    [(2, 2, None), (4, 2, "interleaved-1f1b"), (4, 2, "auto")],
+    ids=["one-stage-per-rank", "looped", "auto"],  # auto: the greedy orders, run as given
+)
 def test_eval_only_gives_the_original_models_eval_loss(
-    tmp_path, weights, two_stages, stages, ranks
+    tmp_path, weights, two_stages, stages, ranks, schedule
 ):
     package = two_stages
     if stages != 2:
         package = tmp_path / "pipe"
-        compile_model("gpt2", package, stages, devices=ranks)
+        compile_model("gpt2", package, stages, devices=ranks, schedule=schedule)
     log = tmp_path / "log.jsonl"
     result = torchrun(
         package / "train.py", ranks, "--load", str(weights), "--eval-only", *EVAL,

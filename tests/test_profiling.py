@@ -167,3 +167,57 @@ def test_a_measured_profile_is_reported_as_measured_on_this_machine(tmp_path):
     source = result.partition.profile_source
     assert source.startswith("measured on cpu (") and source.endswith("memory and link of H100")
     assert source in (tmp_path / "pipe" / "report" / "report.html").read_text()
+
+
+class Attention(nn.Module):
+    """Attention through ``scaled_dot_product_attention`` (the CPU's flash kernel when profiled
+    on fake CPU tensors), and code asking a tensor for its device."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(64, 3 * 64)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 32, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out + torch.zeros(1, device=x.device)
+
+
+def test_analytic_attention_is_counted_as_torch_counts_a_gpu_kernel():
+    """The CPU's flash attention kernel gets the FLOPs torch's counter gives the GPU's (it
+    leaves the CPU's at zero): 2 x 2 matrix products of 32 x 16 x 32 per head, forward; the
+    backward recomputes the scores and takes four more."""
+    example = Example(Attention(), (torch.randn(2, 32, 64),))
+    graph = trace_step(example, CompileOptions(stages=1))
+    prof = profile(graph, "analytic", device_spec("h100"))
+    heads = 2 * 4
+    products = 2 * heads * 32 * 16 * 32  # FLOPs of one attention matrix product, every head
+    linear = 2 * 64 * 64 * 192
+    assert sum(u.flops_forward for u in prof.units) == 2 * products + linear
+    assert sum(u.flops_backward for u in prof.units) == 5 * products + linear  # no input grad
+
+
+def test_analytic_times_launch_no_kernel_for_metadata_nor_the_profilers_own_work():
+    """Asking a tensor for its device, and the gradient the profiler seeds a unit's backward
+    with, cost nothing: a unit's time is its operators' (on a device without launch overhead,
+    their bytes over the bandwidth: forward a product and a relu, backward the relu's and the
+    weight's gradient)."""
+    spec = DeviceSpec(
+        "bytes", {"default": 1e12}, 1e9, 1e9, 1e9, memory_efficiency=1.0, kernel_overhead=0.0
+    )
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(256, 256))
+
+        def forward(self, x):
+            return torch.relu(x * self.w).to(x.device)
+
+    graph = trace_step(Example(Scaled(), (torch.randn(256, 256),)), CompileOptions(stages=1))
+    seconds = 256 * 256 * 4 / 1e9  # one pass over a tensor
+    forward = backward = 0.0
+    for unit in profile(graph, "analytic", spec).units:
+        forward, backward = forward + unit.forward, backward + unit.backward
+    assert forward == pytest.approx(5 * seconds)  # mul: 2 in, 1 out; relu: 1 in, 1 out
+    assert backward == pytest.approx(6 * seconds)  # threshold_backward and grad x w: 3 each

@@ -17,6 +17,9 @@ import torch
 
 import models
 from autopipe.cli import main as autopipe_main
+from autopipe.compiler import CompileOptions, generate_step, trace_step
+from autopipe.partitioning import Partition
+from autopipe.profiling.profile import graph_digest
 from autopipe.runtime import train_state
 from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.spec import load_example
@@ -73,6 +76,30 @@ def test_every_schedule_trains_like_pytorch(tmp_path, schedule, stages, devices)
         devices=devices,
         schedule=None if schedule == "auto" else schedule,
     )
+    assert_same_training(pipe, gpt2_reference())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_a_stage_handing_back_no_gradient_trains_under_a_split_backward(tmp_path, schedule):
+    """Stage 1 here receives integer values alone (stage 0 only reshapes the token ids), so it
+    hands no gradient back: torch's split backward would find its weights' gradients from what
+    its input pass kept, which is nothing then (torch runs the whole backward in the weight
+    pass for stage 0 alone); the runtime runs its whole backward in the input pass."""
+    graph = trace_step(load_example(spec("gpt2")), CompileOptions(stages=4))
+    labels = [u.label for u in graph.units]
+    cuts = [1, labels.index("transformer.h.0.ln_1 (LayerNorm)")]
+    cuts.append(next(i for i, label in enumerate(labels) if label.startswith("transformer.h.2")))
+    bounds = [0, *cuts, len(labels)]
+    stage_of_unit = [s for s in range(4) for _ in range(bounds[s], bounds[s + 1])]
+    package = tmp_path / "pipe"
+    generate_step(
+        graph, Partition("manual", stage_of_unit, [0, 1, 1, 0], graph_digest(graph)), package
+    )
+    pipeline = Pipeline.from_json(load_pipeline(package).PIPELINE)
+    assert not any(v.requires_grad for v in pipeline.received(pipeline.stages[1]))
+    pipe = run_pipeline(tmp_path, "gpt2", 4, "gpt2_batch", "--schedule", schedule,
+                        package=package, nproc=2)  # fmt: skip
     assert_same_training(pipe, gpt2_reference())
 
 

@@ -98,3 +98,14 @@ def test_a_batch_unlike_the_example_stops_train_py_clearly(tmp_path):
     assert f'File "{tmp_path / "pipe"}' not in result.stderr, result.stderr[-3000:]
     assert "train.py: error: rank 0: tests/models.py:" in result.stderr
     assert "the pipeline was compiled for that size" in result.stderr
+
+
+def test_a_value_of_a_specialised_size_needs_gradients_as_its_operator_makes_it():
+    """The rows a mask selects from a tensor that needs gradients need gradients too, though
+    fake tensors cannot compute their number (the size is the example's): a stage receiving
+    them must hand their gradients back."""
+    from autopipe.tracing import trace
+
+    graph = trace(load_example(spec("masked_sum")))
+    selected = [n for n in graph.calls if n.target == "aten.index.Tensor"]
+    assert selected and all(n.tensor_meta.requires_grad for n in selected)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
+from torch.utils._pytree import tree_leaves
 
 from .graph import Graph
 from .kinds import kind_of
@@ -94,12 +95,41 @@ def run_node(
                 return fn(*args, **kwargs)
         return fn(*args, **kwargs)
     except DynamicOutputShapeException:
-        # on fake tensors, an operator whose output size depends on values (nonzero) has the
-        # size the graph was specialised to at trace time
+        # on fake tensors, an operator whose output size depends on values (nonzero, a boolean
+        # mask's index) has the size the graph was specialised to at trace time
         meta = node.tensor_meta
         if meta is None:
             raise
+        inputs = [
+            t
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if meta.dtype.is_floating_point and inputs and torch.is_grad_enabled():
+            return _SpecialisedSize.apply(  # type: ignore[no-untyped-call]  # torch: unannotated
+                meta.shape, meta.stride, meta.dtype, *inputs
+            )
         return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=device)
+
+
+class _SpecialisedSize(torch.autograd.Function):
+    """The output of an operator whose size depends on values, at its specialised size, on
+    fake tensors: differentiable in the inputs that need gradients as the operator is (its
+    backward gives each a gradient of its own shape), so that what reads it needs gradients
+    and a backward through it reaches the operator's inputs."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype,
+        *inputs: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in inputs]
+        return torch.empty_strided(shape, stride, dtype=dtype, device=inputs[0].device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        gradients = [torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.inputs]
+        return (None, None, None, *gradients)
 
 
 def run_nodes(

@@ -2,8 +2,9 @@
 
 Nothing is allocated and no weights are needed, so a model of any size profiles on a laptop.
 Each operator costs ``max(flops / achievable FLOP/s, bytes / achievable bandwidth)`` plus a launch
-overhead; views cost nothing. FLOPs follow ``torch.utils.flop_counter.FlopCounterMode`` (two per
-multiply-add), forward and backward.
+overhead; views and queries of metadata (a tensor's device or size) launch no kernel and cost
+nothing. FLOPs follow ``torch.utils.flop_counter.FlopCounterMode`` (two per multiply-add), forward
+and backward, with the CPU's attention kernels counted as the GPU's (:mod:`.flops`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from ..ir.cond import worst_branch
 from ..ir import Graph
 from ..ir.interpreter import empty_placeholder
 from .devices import DeviceSpec
+from .flops import flop_counter
 from .profile import Profile, UnitCost, graph_digest
 from ..ir.analysis import UnitWorkload, signature, unit_workloads
 from .workload import output_bytes, parameter_bytes, run_forward_backward
 
 #: Operators that read only the rows they gather, not their whole (table) input.
 _GATHERS = {"embedding", "index", "gather", "index_select", "take", "_unsafe_index"}
+#: Operators that launch no kernel though their schema does not say they return a view
+_NO_KERNEL = {torch.ops.aten._unsafe_view.default}
 
 
 class RooflineMode(TorchDispatchMode):
@@ -47,8 +51,12 @@ class RooflineMode(TorchDispatchMode):
         schema = func._schema
         if schema.returns and schema.returns[0].alias_info is not None and not schema.is_mutable:
             return out  # a view: no kernel, no traffic
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if func in _NO_KERNEL:
+            return out
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outputs and not schema.is_mutable:
+            return out  # a query of metadata (a tensor's device, a size): no kernel
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         written = sum(_nbytes(t) for t in outputs)
         read = sum(_nbytes(t) for t in inputs)
         if func._opname in _GATHERS:
@@ -68,7 +76,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 @contextlib.contextmanager
 def _counting(spec: DeviceSpec, sink: list[RooflineMode]):
-    with FlopCounterMode(display=False) as counter, RooflineMode(spec, counter) as roofline:
+    with flop_counter() as counter, RooflineMode(spec, counter) as roofline:
         yield
     sink.append(roofline)
 

@@ -19,7 +19,6 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from ..ir.cond import worst_branch
 from ..ir import Graph
@@ -27,6 +26,7 @@ from ..ir.codec import decode_tensor
 from ..ir.interpreter import run_nodes
 from ..spec import Example
 from .devices import DeviceSpec
+from .flops import flop_counter
 from .profile import Profile, UnitCost, graph_digest
 from ..ir.analysis import UnitWorkload, unit_workloads
 from .workload import output_bytes, parameter_bytes, run_forward_backward
@@ -152,7 +152,7 @@ class _Footprint:
 def _footprint(
     graph: Graph, work: UnitWorkload, values: dict[str, Any], device: torch.device
 ) -> _Footprint:
-    forward, backward = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    forward, backward = flop_counter(), flop_counter()
     memory = run_forward_backward(
         graph, work, _fresh(graph, values), device, lambda: forward, lambda: backward
     )

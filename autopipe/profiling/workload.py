@@ -77,9 +77,12 @@ def run_forward_backward(
     wrt = [leaf for leaf in leaves if leaf.requires_grad]
     gradients = LiveTensorBytes(existing | set(held) | set(saved))
     if outputs and wrt:
-        with backward_mode(), gradients:
+        with gradients:
+            # the gradients of the outputs come from later units: held, not made, by this
+            # unit's backward (counted in its memory, not in its time or FLOPs)
             grads = [torch.ones_like(o) for o in outputs]
-            torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
+            with backward_mode():
+                torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
     shared = tuple(
         i
         for i, n in enumerate((*work.inputs, *work.outputs))

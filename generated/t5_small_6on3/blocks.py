@@ -384,7 +384,7 @@ class T5Block_3(Block):
 class T5Block_4(Block):
     """decoder.block.1 (T5Block) as traced: 64 operators.
 
-    Used for 4 blocks: decoder.block.1, decoder.block.3, decoder.block.4, decoder.block.5.
+    Used for 5 blocks: decoder.block.1-5.
     """
 
     #: Parameters: name within the block -> (shape, dtype, requires_grad, initialisation).

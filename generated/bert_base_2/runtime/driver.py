@@ -94,6 +94,16 @@ from .train_state import (
 )
 
 _KINDS = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
+#: the lowered actions an evaluation runs: forwards, their transfers, FSDP2's gathers
+_FORWARD_ACTIONS = frozenset(
+    {
+        _ComputationType.FORWARD,
+        _ComputationType.SEND_F,
+        _ComputationType.RECV_F,
+        _ComputationType.UNSHARD,
+        _ComputationType.RESHARD,
+    }
+)
 #: microbatches x stages from which building the schedule takes long enough to say so
 LARGE_SCHEDULE = 4096
 #: this rank's pipeline stages and a schedule over them, for some sizes of dynamic dimensions
@@ -252,9 +262,12 @@ def build_schedule(
     pipeline: Pipeline,
     microbatches: int,
     loss_fn: LossFn,
+    forward_only: bool = False,
 ) -> _PipelineSchedule:
     """A torch.distributed.pipelining schedule over this rank's stages. Gradients are left
-    unscaled (sums over microbatches): the driver scales them once per optimizer step."""
+    unscaled (sums over microbatches): the driver scales them once per optimizer step.
+    ``forward_only``: a schedule that only ever runs ``eval`` (``auto``'s orders, which torch
+    runs as given, then hold the forwards alone; torch's own schedules skip the backwards)."""
     if name in SINGLE_STAGE:
         # torch leaves get_schedule_class's return unannotated
         return get_schedule_class(SINGLE_STAGE[name])(  # type: ignore[no-any-return]
@@ -276,6 +289,13 @@ def build_schedule(
         for rank, order in orders.items()
     }
     schedule._prepare_schedule_with_comms(actions)
+    if forward_only:
+        # torch checks that the orders hold every backward, and its runtime would run them in
+        # an evaluation too: its lowered orders keep the forwards and their transfers alone
+        schedule.pipeline_order_with_comms = {
+            rank: [a for a in lowered if a.computation_type in _FORWARD_ACTIONS]
+            for rank, lowered in schedule.pipeline_order_with_comms.items()
+        }
     return schedule
 
 
@@ -844,6 +864,9 @@ class TrainingRun:
             stage.reduce_every_microbatch = config.gathers_per_block
             stage.overlap = config.dp_overlap
             stage.dp_ranks = self.dp_ranks
+            stage.whole_backward_in_input = not any(
+                value.requires_grad for value in pipeline.received(s)
+            )
             if s.index != pipeline.num_stages - 1:  # its outputs are sent on: checked first
                 stage.planned_outputs = tuple(
                     (value.name, value.shape_for(sizes), value.torch_dtype)
@@ -854,7 +877,7 @@ class TrainingRun:
                 f"building the {config.schedule} schedule of {config.microbatches} microbatches ..."
             )
         schedule = build_schedule(
-            config.schedule, stages, pipeline, config.microbatches, self.loss_fn
+            config.schedule, stages, pipeline, config.microbatches, self.loss_fn, forward_only
         )
         return stages, schedule
 

@@ -181,6 +181,12 @@ class DataParallelStage(PipelineStage):
     planned_outputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] | None = None
     #: the ranks this stage's gradients are reduced over (data parallelism)
     dp_ranks: tuple[int, ...] = ()
+    #: none of the values this stage receives needs a gradient (it hands none back): under a
+    #: split backward its input pass runs its whole backward and its weight pass nothing. torch
+    #: finds the weights' gradients in the weight pass from what the input pass kept, which
+    #: misses them when no input needs a gradient (it runs the whole backward in the weight pass
+    #: for stage 0 alone, whose inputs are data)
+    whole_backward_in_input: bool = False
 
     # -- the actions: each one this rank's current action, recorded when traced ----------------
     def forward_one_chunk(
@@ -225,12 +231,25 @@ class DataParallelStage(PipelineStage):
         last_backward: bool = False,
     ) -> None:
         kind = "backward" if full_backward else "backward_input"
+        whole = not full_backward and self.whole_backward_in_input and not self.is_first
         with recorded(self.timeline, kind, self.stage_index, bwd_chunk_id):
-            super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            super().backward_one_chunk(bwd_chunk_id, loss, full_backward or whole, last_backward)
+        if whole:
+            self._done_in_input().add(bwd_chunk_id)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         with recorded(self.timeline, "backward_weight", self.stage_index, bwd_chunk_id):
+            done = self._done_in_input()
+            if bwd_chunk_id in done:  # its input pass ran the whole backward
+                done.discard(bwd_chunk_id)
+                return
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+
+    def _done_in_input(self) -> set[int]:
+        """The microbatches whose whole backward ran in their input pass, their weight pass
+        not yet run (see :attr:`whole_backward_in_input`)."""
+        done: set[int] = self.__dict__.setdefault("_whole_backward_done", set())
+        return done
 
     def _transfer(self, kind: str, chunk: int, ops: list[dist.P2POp]) -> list[dist.P2POp]:
         return transfer(self.timeline, kind, self.stage_index, chunk, ops)
