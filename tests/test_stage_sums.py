@@ -172,3 +172,28 @@ def test_the_sums_equal_the_loops_to_the_last_bit(traced, dp_shard, schedule):
                 assert recomputing.gathered(stage_of_unit, params, trained) == gathered(
                     recomputing, stage_of_unit, params, trained
                 )
+
+
+@pytest.mark.parametrize("schedule, devices", [("1f1b", None), ("zbv", 2), ("auto", 2)])
+def test_the_step_and_memory_alone_equal_the_prediction(traced, schedule, devices):
+    """What partitioners read of many splits (the step and each device's peak; the peaks
+    alone, with recomputation) equals the full prediction's."""
+    graph, prof = traced
+    model = CostModel(graph, prof, schedule=schedule, microbatches=4)
+    rng = random.Random(schedule)
+    for stages in (2, 4):
+        if stages > model.num_units:
+            continue
+        stage_of_unit = monotone(model, rng, stages)
+        placed = list(range(stages)) if devices is None else [0, 1, 1, 0][:stages]
+        if schedule == "zbv" and stages != 4:
+            continue
+        prediction = model.evaluate(stage_of_unit, placed)
+        assert model.step_and_memory(stage_of_unit, placed) == (
+            prediction.step_time,
+            prediction.device_memory,
+        )
+        recomputed = model.evaluate(stage_of_unit, placed, recompute=frozenset({0}))
+        assert model.device_memory(stage_of_unit, placed, recompute=frozenset({0})) == list(
+            recomputed.device_memory
+        )

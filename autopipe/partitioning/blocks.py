@@ -37,11 +37,11 @@ def align_to_blocks(
                 candidate[unit] = stage
             if len(set(candidate)) < num_stages or not _ordered(model, candidate):
                 continue
-            prediction = model.evaluate(candidate, device_of_stage, schedule)
-            room = all(m <= capacity or not ok for m, ok in zip(prediction.device_memory, fits))
-            if room and prediction.step_time <= limit:
-                if best is None or prediction.step_time < best[0]:
-                    best = (prediction.step_time, candidate)
+            step, memory = model.step_and_memory(candidate, device_of_stage, schedule)
+            room = all(m <= capacity or not ok for m, ok in zip(memory, fits))
+            if room and step <= limit:
+                if best is None or step < best[0]:
+                    best = (step, candidate)
         if best is not None:
             stage_of_unit = best[1]
     return stage_of_unit

@@ -36,7 +36,7 @@ from ..ir.analysis import block_calls, unit_workloads
 from ..runtime.core.pipeline import default_microbatches, flops_utilisation
 from ..runtime.core.schedules import SPLIT_BACKWARD, MemoryPeak, PipelineCosts
 from .partition import PartitionSettings, PredictedStage, PredictedStep
-from .simulator import Simulation, simulate_schedule
+from .simulator import Simulation, schedule_memory, simulate_schedule
 from .stage_sums import StageSums
 
 #: Bytes of state per parameter byte: weight + gradient (+ two Adam moments). A frozen parameter
@@ -698,6 +698,34 @@ class CostModel:
             flops=self.flops,
             peak_flops=self.device.peak_flops(self.dtype),
         )
+
+    def step_and_memory(
+        self, stage_of_unit: list[int], device_of_stage: list[int], schedule: str | None = None
+    ) -> tuple[float, list[float]]:
+        """The simulated step time and each device's peak bytes of an assignment, equal to
+        :meth:`evaluate`'s, without the rest of its prediction (what a partitioner comparing
+        many splits reads)."""
+        num_stages = max(stage_of_unit) + 1
+        costs = self.pipeline_costs(stage_of_unit, device_of_stage)
+        microbatches = self.microbatches or default_microbatches(num_stages)
+        simulation = self.simulate(costs, schedule or self.schedule, microbatches)
+        return simulation.step_time, simulation.peak_memory
+
+    def device_memory(
+        self,
+        stage_of_unit: list[int],
+        device_of_stage: list[int],
+        schedule: str | None = None,
+        recompute: frozenset[int] = frozenset(),
+        recompute_blocks: frozenset[str] = frozenset(),
+    ) -> list[float]:
+        """Each device's peak bytes of an assignment, equal to :meth:`evaluate`'s, without
+        simulating the step's times (what the recomputation planner bisects on)."""
+        num_stages = max(stage_of_unit) + 1
+        costs = self.pipeline_costs(stage_of_unit, device_of_stage, recompute, recompute_blocks)
+        microbatches = self.microbatches or default_microbatches(num_stages)
+        peaks = schedule_memory(schedule or self.schedule, costs, microbatches)
+        return [peak.total for peak in peaks]
 
     def assuming_recomputation(self) -> CostModel:
         """This model as partitioners see it when every stage may recompute its activations

@@ -86,6 +86,11 @@ def between_blocks_or_anywhere(
     blocks = split.solve(split.between_blocks)
     if blocks is None:
         return split.solve(), None
+    # no split is faster than its share of the compute (nor than its heaviest unit): a split
+    # between blocks within the tolerance of that is within it of any (with a margin for
+    # rounding)
+    if blocks.bottleneck <= split.least_bottleneck() * (1 + BLOCK_TOLERANCE) * (1 - 1e-9):
+        return blocks, split.between_blocks
     # only an optimum below this could make the split between blocks more than the tolerance
     # slower (the margin covers rounding: the test below decides)
     within = blocks.bottleneck / (1 + BLOCK_TOLERANCE) * (1 + 1e-9)
@@ -182,6 +187,13 @@ class ContiguousSplits:
             positions = torch.nonzero(cuts).flatten()
             self._restricted = (key, _CutsOnly(self, positions))
         return self._restricted[1]
+
+    def least_bottleneck(self) -> float:
+        """What the slowest stage of any split costs at least: the compute's share of a stage,
+        and the heaviest unit's (a stage costs at least its units' forward and backward)."""
+        compute = self.fwd + self.bwd
+        heaviest = float((compute[1:] - compute[:-1]).max()) if self.n else 0.0
+        return max(float(compute[-1]) / self.num_stages, heaviest)
 
     def memory(self, stage_of_unit: list[int]) -> list[float]:
         """Each stage's training state and activations in flight, as the split counts them."""

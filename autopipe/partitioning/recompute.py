@@ -58,7 +58,11 @@ def plan_recompute(
     short = [d for d, m in enumerate(prediction.device_memory) if m > capacity]
     ranked = {d: blocks_by_value(model, stage_of_unit, device_of_stage, d) for d in short}
     every = frozenset(fqn for d in short for fqn in ranked[d])
-    memory = evaluate(frozenset(), every).device_memory if every else None
+
+    def memory_of(blocks: frozenset[str]) -> list[float]:
+        return model.device_memory(stage_of_unit, device_of_stage, schedule, frozenset(), blocks)
+
+    memory = memory_of(every) if every else None
     # devices whose blocks are enough: bisect the fewest (fits at high, not at low); the others
     # recompute their stages whole
     bounds = {d: (0, len(ranked[d])) for d in short if memory and memory[d] <= capacity}
@@ -66,7 +70,7 @@ def plan_recompute(
     while any(high - low > 1 for low, high in bounds.values()):
         middles = {d: (low + high) // 2 for d, (low, high) in bounds.items()}
         tried = frozenset(fqn for d, middle in middles.items() for fqn in ranked[d][:middle])
-        memory = evaluate(frozenset(), tried).device_memory
+        memory = memory_of(tried)
         bounds = {
             d: (
                 (low, high)

@@ -42,22 +42,35 @@ Event = tuple[int, Action, float, float]
 
 class Simulation:
     """One simulated step: its time, each device's seconds computing and memory peak, the most
-    microbatches of each stage alive at once, and (listed on demand: the partitioners need
-    only the figures) every action's times."""
+    microbatches of each stage alive at once, and every action's times; each figure but the
+    time computed when first read (a partitioner comparing splits reads the time and the
+    memory alone)."""
 
     def __init__(
         self,
         step_time: float,
-        busy: list[float],
-        memory_peaks: list[MemoryPeak],
-        held: list[int],
+        busy: list[float] | Callable[[], list[float]],
+        memory_peaks: list[MemoryPeak] | Callable[[], list[MemoryPeak]],
+        held: list[int] | Callable[[], list[int]],
         events: list[Event] | Callable[[], list[Event]],
     ) -> None:
         self.step_time = step_time
-        self.busy = busy  # per device: seconds computing
-        self.memory_peaks = memory_peaks  # per device: what its peak holds
-        self.held = held  # per stage
-        self._events = events
+        self._busy, self._memory_peaks, self._held, self._events = busy, memory_peaks, held, events
+
+    @functools.cached_property
+    def busy(self) -> list[float]:
+        """Per device: seconds computing."""
+        return self._busy if isinstance(self._busy, list) else self._busy()
+
+    @functools.cached_property
+    def memory_peaks(self) -> list[MemoryPeak]:
+        """Per device: what its peak holds."""
+        return self._memory_peaks if isinstance(self._memory_peaks, list) else self._memory_peaks()
+
+    @functools.cached_property
+    def held(self) -> list[int]:
+        """Per stage: the most microbatches alive at once."""
+        return self._held if isinstance(self._held, list) else self._held()
 
     @functools.cached_property
     def events(self) -> list[Event]:
@@ -115,6 +128,17 @@ def simulate_schedule(schedule: str, costs: PipelineCosts, microbatches: int) ->
     return simulate(schedule_orders(schedule, costs, microbatches), costs)
 
 
+def schedule_memory(schedule: str, costs: PipelineCosts, microbatches: int) -> list[MemoryPeak]:
+    """Each device's memory peak under ``schedule``: :func:`simulate_schedule`'s, without
+    timing the actions where the orders are compiled (a device's memory depends on its own
+    order alone)."""
+    if schedule != "auto" and not _REFERENCE[-1]:
+        graph = _compiled(schedule, tuple(costs.device_of_stage), microbatches)
+        if graph is not None:
+            return graph.memory_peaks(costs)
+    return simulate_schedule(schedule, costs, microbatches).memory_peaks
+
+
 def _timed(graph: ActionGraph, costs: PipelineCosts) -> Simulation:
     """The simulation of a compiled schedule, each figure derived from the times' arrays the
     way :func:`_simulation` derives it from the listed events (equal to the last bit), the
@@ -122,9 +146,9 @@ def _timed(graph: ActionGraph, costs: PipelineCosts) -> Simulation:
     start, end = graph.times(costs)
     return Simulation(
         step_time=float(end.max()) if len(end) else 0.0,
-        busy=graph.busy(start, end, costs.num_devices),
-        memory_peaks=graph.memory_peaks(costs),
-        held=graph.held(start, end, costs.num_stages),
+        busy=lambda: graph.busy(start, end, costs.num_devices),
+        memory_peaks=lambda: graph.memory_peaks(costs),
+        held=lambda: graph.held(start, end, costs.num_stages),
         events=lambda: _by_start(graph.listing(start, end)),
     )
 
