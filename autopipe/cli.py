@@ -48,7 +48,13 @@ ArgumentContainer = argparse.ArgumentParser | argparse._ArgumentGroup
 TRACING = ("depth", "basic_blocks", "inline_blocks", "dynamic")
 PROFILING = ("profile", "expected", "device_spec", "link")
 PARTITIONING = ("stages", "devices", "method", "optimizer", "schedule", "microbatches", "dp_shard")
-PLAN_SEARCH = ("global_batch", "memory_margin", "max_stages_per_device", "search_seconds")
+PLAN_SEARCH = (
+    "global_batch",
+    "memory_margin",
+    "max_stages_per_device",
+    "search_seconds",
+    "search_workers",
+)
 
 
 def _add_option(container: ArgumentContainer, name: str, **overrides: Any) -> None:

@@ -21,6 +21,7 @@ from .partitioning.partition import PARTITION_KIND
 from .partitioning.search import (
     Plan,
     SearchProgress,
+    default_workers,
     plan_table,
     search,
     state_floor,
@@ -118,6 +119,7 @@ def plan_step(
         max_stages_per_rank=options.max_stages_per_device,
         seconds=options.search_seconds,
         progress=progress,
+        workers=options.search_workers or default_workers(),
     )
 
 

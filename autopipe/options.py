@@ -437,6 +437,14 @@ class CompileOptions:
         rule=Seconds(),
         metavar="S",
     )
+    #: with search: processes partitioning candidates at once (None: default_workers())
+    search_workers: int | None = option(
+        None,
+        help="processes the plan search partitions candidates in at once, on Linux (default: "
+        "the CPUs it may use, at most 8); the plans found are the same for any number",
+        rule=Count(1),
+        metavar="N",
+    )
     #: with search: stages per device tried, 1 .. this
     max_stages_per_device: int = option(
         2,
@@ -448,7 +456,9 @@ class CompileOptions:
     def __post_init__(self) -> None:
         """Check every option by its rule, so that a wrong one fails before the expensive steps
         (in this order, which decides the message when several are wrong)."""
-        self._check("stages", "accumulate", "max_stages_per_device", "global_batch")
+        self._check(
+            "stages", "accumulate", "max_stages_per_device", "global_batch", "search_workers"
+        )
         self._check("memory_margin", "search_seconds")
         if self.search and self.devices is None:
             raise AutopipeError(

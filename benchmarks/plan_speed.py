@@ -4,12 +4,16 @@
     python benchmarks/plan_speed.py --quick          # Llama-3-8B on 8 devices, with the reference
     python benchmarks/plan_speed.py --case 70b-64    # one case
     python benchmarks/plan_speed.py --reference 8b-8,8b-64   # also search with the reference
+    python benchmarks/plan_speed.py --workers 1      # every search in one process
 
 Each case runs the work of ``autopipe plan`` (trace the model, profile it analytically for the
 H100, search every plan for the devices and the global batch) in a child process of its own,
-timed, with its peak resident memory as the operating system counts it. The models are Llama-3-8B,
--70B and Llama-3.1-405B from benchmarks/llama.py: empty weights, bf16, sequence 4096,
-microbatch 1. Printed per case: seconds (tracing and profiling, then the search), peak memory,
+timed, with its peak resident memory as the operating system counts it. The search partitions
+candidates in worker processes forked from it (``--search-workers``; by default one per CPU,
+here 2). The models are Llama-3-8B, -70B and Llama-3.1-405B from benchmarks/llama.py: empty
+weights, bf16, sequence 4096, microbatch 1. Printed per case: seconds (tracing and profiling,
+then the search), the workers, peak memory (of the searching process; and of it with its
+workers, sampled: their proportional set sizes summed, so pages they share count once),
 the best plan (stages x data-parallel shards, schedule, microbatches x accumulation, what it
 recomputes), its bottleneck against the lower bound (one microbatch's compute on the busiest
 device against the model's compute over the devices of one pipeline), bubble and predicted MFU
@@ -35,6 +39,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,33 +66,80 @@ CASES = [
 REFERENCE_CASES = ("8b-8",)
 
 
-def child(case: Case, reference: bool) -> dict[str, object]:
-    """The work of ``autopipe plan`` for ``case``, in this process: its figures."""
+class ProportionalPeak:
+    """The most memory this process and its children (the search's workers) held together,
+    sampled every ``interval`` seconds: the sum of their proportional set sizes (Linux's Pss:
+    a page shared by n processes counts 1/n in each), so pages the forked workers share with
+    their parent count once. 0 where /proc has no smaps_rollup."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.peak, self.interval = 0, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> ProportionalPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            pids = [os.getpid()]
+            for task in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+                pids += [int(pid) for pid in task.read_text().split()]
+            total = 0
+            for pid in pids:
+                try:
+                    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+                except OSError:  # gone, or no smaps_rollup here
+                    continue
+                for line in rollup.splitlines():
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+            self.peak = max(self.peak, total)
+
+
+def child(case: Case, reference: bool, workers: int | None) -> dict[str, object]:
+    """The work of ``autopipe plan`` for ``case``, in this process (its search's workers
+    forked from it): its figures."""
     from autopipe.compiler import CompileOptions, plan_step, profile_step, trace_step
+    from autopipe.partitioning.search import default_workers
     from autopipe.partitioning.simulator import reference_simulation
     from autopipe.spec import load_example
 
     spec = f"{REPO / 'benchmarks' / 'llama.py'}:{case.model}"
     started = time.perf_counter()
     example = load_example(spec)
+    workers = workers or default_workers()
     options = CompileOptions(
-        stages=1, devices=case.devices, global_batch=case.global_batch, search=True
+        stages=1,
+        devices=case.devices,
+        global_batch=case.global_batch,
+        search=True,
+        search_workers=workers,
     )
     graph = trace_step(example, options, source=spec)
     prof = profile_step(graph, options, example)
     traced = time.perf_counter()
-    if reference:
-        with reference_simulation():
+    with ProportionalPeak() as together:
+        if reference:
+            with reference_simulation():
+                plans = plan_step(graph, prof, options)
+        else:
             plans = plan_step(graph, prof, options)
-    else:
-        plans = plan_step(graph, prof, options)
     searched = time.perf_counter()
     best = plans[0]
     figures: dict[str, object] = {
         "trace_seconds": traced - started,
         "search_seconds": searched - traced,
-        # the process's peak resident memory (Linux: kilobytes)
+        # the process's peak resident memory (Linux: kilobytes), and its largest worker's
         "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "worker_peak_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+        "together_bytes": together.peak,
+        "workers": workers,
         "candidates": len(plans),
         "fits": best.fits,
     }
@@ -112,10 +164,14 @@ def child(case: Case, reference: bool) -> dict[str, object]:
     return figures
 
 
-def run_case(case: Case, reference: bool, timeout: float | None) -> dict[str, object] | None:
+def run_case(
+    case: Case, reference: bool, timeout: float | None, workers: int | None
+) -> dict[str, object] | None:
     """``child`` in a process of its own: its figures and wall seconds (None if it ran past
     ``timeout``)."""
     command = [sys.executable, __file__, "--child", case.name]
+    if workers:
+        command += ["--workers", str(workers)]
     if reference:
         command.append("--as-reference")
     started = time.perf_counter()
@@ -151,29 +207,38 @@ def main() -> None:
         default=1200.0,
         help="the longest a reference search may run before it is given up",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        help="processes each search partitions candidates in (autopipe's --search-workers; "
+        "default: its default, the CPUs it may use)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--as-reference", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     by_name = {case.name: case for case in CASES}
     if args.child:
-        print(json.dumps(child(by_name[args.child], args.as_reference)))
+        print(json.dumps(child(by_name[args.child], args.as_reference, args.workers)))
         return
     names = ["8b-8"] if args.quick else (args.case or list(by_name))
     reference = {name for name in args.reference.split(",") if name}
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; H100 analytic")
     header = (
-        f"{'case':<9} {'trace s':>7} {'search s':>8} {'peak GB':>7}  {'best plan':<30} "
+        f"{'case':<9} {'trace s':>7} {'search s':>8} {'workers':>7} {'peak GB':>7} "
+        f"{'all GB':>6}  {'best plan':<30} "
         f"{'recompute':<10} {'step s':>7} {'bneck/bound':>11} {'bubble':>6} {'MFU':>5}"
     )
     rows, comparisons = [header], []
     for name in names:
         case = by_name[name]
-        figures = run_case(case, reference=False, timeout=None)
+        figures = run_case(case, reference=False, timeout=None, workers=args.workers)
         assert figures is not None  # no timeout
         rows.append(_row(name, figures))
         print(rows[-1], flush=True)
         if name in reference:
-            checked = run_case(case, reference=True, timeout=args.reference_seconds)
+            checked = run_case(
+                case, reference=True, timeout=args.reference_seconds, workers=args.workers
+            )
             comparisons.append(_comparison(name, figures, checked, args.reference_seconds))
     print()
     print("\n".join(rows))
@@ -184,9 +249,15 @@ def main() -> None:
 
 def _row(name: str, f: dict[str, object]) -> str:
     peak = float(f["peak_bytes"]) / 1e9  # type: ignore[arg-type]
+    workers = int(f["workers"])  # type: ignore[call-overload]
+    # the search with its workers, their shared pages counted once (the sampled proportional
+    # sizes); where /proc cannot say, at most each worker at the largest one's peak
+    every = float(f["together_bytes"]) / 1e9  # type: ignore[arg-type]
+    if not every:
+        every = peak + workers * float(f["worker_peak_bytes"]) / 1e9  # type: ignore[arg-type]
     head = (
         f"{name:<9} {float(f['trace_seconds']):>7.1f} {float(f['search_seconds']):>8.1f} "  # type: ignore[arg-type]
-        f"{peak:>7.2f}  "
+        f"{workers:>7} {peak:>7.2f} {every:>6.2f}  "
     )
     if not f["fits"]:
         return head + "no plan fits"

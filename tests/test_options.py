@@ -33,6 +33,7 @@ BAD = {
     "memory_margin": 1.0,
     "max_stages_per_device": 0,
     "search_seconds": 0,
+    "search_workers": 0,
     "gpus_per_node": 0,
 }
 

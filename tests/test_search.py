@@ -219,6 +219,37 @@ def test_pruning_never_drops_the_best_plan(gpt2_graph, devices, global_batch):
             assert any(p.problem.startswith(PRUNED) for p in pruned)
 
 
+@pytest.mark.parametrize("devices, global_batch", [(4, 8), (4, 16)])
+def test_workers_find_the_plans_of_one_process(gpt2_graph, devices, global_batch):
+    """Two forked workers partitioning candidates at once: every plan as one process finds it
+    (the same table, pruned candidates included), with room and short of memory; progress is
+    told once per candidate, the last time for all of them."""
+    graph, profile = gpt2_graph
+    for prof in (profile, with_memory(profile, small_device(graph, profile))):
+        alone = search(graph, prof, devices, global_batch=global_batch, method="mpipe")
+        told: list[SearchProgress] = []
+        forked = search(
+            graph, prof, devices, global_batch=global_batch, method="mpipe", workers=2,
+            progress=told.append,
+        )  # fmt: skip
+        assert [p.to_json() for p in forked] == [p.to_json() for p in alone]
+        assert [p.partition for p in forked] == [p.partition for p in alone]
+        assert [t.done for t in told] == list(range(1, len(alone) + 1))
+        assert told[-1].total == len(alone) and told[-1].best is not None
+        # the fastest plan, as the ranking counts it (ties to 3 digits rank by memory)
+        assert f"{told[-1].best.throughput:.3g}" == f"{alone[0].throughput:.3g}"
+
+
+def test_workers_honour_the_search_seconds(gpt2_graph):
+    """With two workers and a budget spent at once, the first candidate is partitioned (by a
+    worker) and every other is not searched."""
+    graph, profile = gpt2_graph
+    plans = search(graph, profile, 4, global_batch=8, method="mpipe", workers=2, seconds=1e-9)
+    done = [p for p in plans if p.problem != NOT_SEARCHED]
+    assert len(done) == 1 and done[0].fits and len(plans) > 2
+    assert unsearched_note(plans) is not None
+
+
 def test_lower_bound_of_one_stage_per_rank_counts_the_pipeline_fill():
     """p ranks, m microbatches: each rank's share, and with one stage per rank the least a
     pipeline run can take over any split, compute / (1 - (1 - 1/m)^p): m x compute for one

@@ -3,7 +3,8 @@ shard, recompute or compile, see autopipe/codegen/blocks.py) unless splitting it
 
 from __future__ import annotations
 
-from ..ir.analysis import block_calls
+from collections.abc import Iterable
+
 from .cost import CostModel
 
 #: a boundary inside a block moves to a block boundary when that makes the predicted step at
@@ -18,15 +19,15 @@ def align_to_blocks(
     stages it spans (the one predicting the fastest step), where the order stays valid, no stage
     empties, no device runs out of memory that did not before, and the step is at most
     ``TOLERANCE`` slower than the given assignment's."""
-    graph = model.graph
     stage_of_unit = list(stage_of_unit)
     num_stages = max(stage_of_unit) + 1
     base = model.evaluate(stage_of_unit, device_of_stage, schedule)
     limit = base.step_time * (1 + TOLERANCE)
     capacity = model.device.memory
     fits = [m <= capacity for m in base.device_memory]
-    for call in block_calls(graph):
-        units = sorted({graph[name].unit for name in call.nodes})
+    if not _ordered(model, stage_of_unit, range(model.num_units)):
+        return stage_of_unit  # no move can make it valid: the caller's problem
+    for units in model.block_call_units:
         spanned = sorted({stage_of_unit[u] for u in units})
         if len(spanned) < 2:
             continue
@@ -35,7 +36,7 @@ def align_to_blocks(
             candidate = list(stage_of_unit)
             for unit in units:
                 candidate[unit] = stage
-            if len(set(candidate)) < num_stages or not _ordered(model, candidate):
+            if len(set(candidate)) < num_stages or not _ordered(model, candidate, units):
                 continue
             step, memory = model.step_and_memory(candidate, device_of_stage, schedule)
             room = all(m <= capacity or not ok for m, ok in zip(memory, fits))
@@ -47,5 +48,12 @@ def align_to_blocks(
     return stage_of_unit
 
 
-def _ordered(model: CostModel, stage_of_unit: list[int]) -> bool:
-    return all(stage_of_unit[u] <= stage_of_unit[v] for u, v in model.dag.edges)
+def _ordered(model: CostModel, stage_of_unit: list[int], units: Iterable[int]) -> bool:
+    """Does no edge of the unit DAG at one of ``units`` point to an earlier stage? (Checking
+    the moved units' edges is enough once the assignment they moved in is ordered.)"""
+    dag = model.dag
+    return all(
+        all(stage_of_unit[p] <= stage_of_unit[u] for p in dag.predecessors(u))
+        and all(stage_of_unit[u] <= stage_of_unit[s] for s in dag.successors(u))
+        for u in units
+    )

@@ -227,6 +227,8 @@ class GraphFacts:
     #: that reads it)
     unit_params: list[dict[str, int]]
     blocks: dict[str, BlockCost]
+    #: the units of every call of a block module (whole units or not), in program order
+    block_call_units: list[tuple[int, ...]]
     exchanges: list[Exchange]
     #: units and the edges no partition may point backwards: data (weighted by the bytes moved)
     #: and the order of in-place writes
@@ -256,6 +258,10 @@ def graph_facts(graph: Graph) -> GraphFacts:
             trainable_bytes=trainable_bytes,
             unit_params=unit_params,
             blocks=block_costs(graph),
+            block_call_units=[
+                tuple(sorted({graph[name].unit for name in call.nodes}))
+                for call in block_calls(graph)
+            ],
             exchanges=exchanges,
             dag=_unit_dag(graph, exchanges),
         )
@@ -376,6 +382,7 @@ class CostModel:
             self.state_bytes(p, t) for p, t in zip(self.param_bytes, self.trainable_bytes)
         ]
         self.blocks = facts.blocks
+        self.block_call_units = facts.block_call_units
         self.exchanges = facts.exchanges
         #: each block's parameter and gradient bytes
         self.block_state = {

@@ -9,6 +9,7 @@ and the bytes crossing each boundary up to date as single units move, so refinem
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from ..errors import PartitionError
@@ -39,8 +40,11 @@ class Assignment:
             in_flight(s, self.num_stages, model.schedule, microbatches)
             for s in range(self.num_stages)
         ]
-        self.act_crossing = [0.0] * max(self.num_stages - 1, 0)  # bytes over boundary s -> s+1
-        self.grad_crossing = [0.0] * max(self.num_stages - 1, 0)  # and back
+        # the bytes over boundary s -> s+1 (and back) are the sums of these up to s: a value
+        # spanning stages first .. end adds at first and takes back at end, so a move costs
+        # the unit's exchanges, not the stages they span
+        self.act_change = [0.0] * self.num_stages
+        self.grad_change = [0.0] * self.num_stages
         self.exchanges_of: list[list[int]] = [[] for _ in range(model.num_units)]
         for index, ex in enumerate(model.exchanges):
             if ex.producer >= 0:
@@ -67,9 +71,11 @@ class Assignment:
         first = self.stage[ex.producer] if ex.producer >= 0 else 0
         last = ex.last
         end = self.stage[last] if last < self.model.num_units else self.num_stages - 1
-        for s in range(first, end):
-            self.act_crossing[s] += sign * ex.activation
-            self.grad_crossing[s] += sign * ex.gradient
+        if first < end:
+            self.act_change[first] += sign * ex.activation
+            self.act_change[end] -= sign * ex.activation
+            self.grad_change[first] += sign * ex.gradient
+            self.grad_change[end] -= sign * ex.gradient
 
     def move(self, unit: int, to: int) -> None:
         """Move one unit to stage ``to`` (the caller keeps the assignment monotone)."""
@@ -86,15 +92,23 @@ class Assignment:
             self._span(index, +1)
 
     # -- costs --------------------------------------------------------------------------------
+    def crossings(self) -> tuple[list[float], list[float]]:
+        """The bytes over each boundary s -> s+1 (activations), and back (gradients)."""
+        act, grad = list(itertools.accumulate(self.act_change)), list(
+            itertools.accumulate(self.grad_change)
+        )
+        return act[:-1], grad[:-1]
+
     def stage_times(self) -> list[float]:
         bandwidth = self.model.device.link_bandwidth
         comm_forward = [0.0] * self.num_stages
         comm_backward = [0.0] * self.num_stages
+        act_crossing, grad_crossing = self.crossings()
         for s in range(self.num_stages - 1):
             if self.device_of_stage[s] != self.device_of_stage[s + 1]:
                 for stage in (s, s + 1):
-                    comm_forward[stage] += self.act_crossing[s] / bandwidth
-                    comm_backward[stage] += self.grad_crossing[s] / bandwidth
+                    comm_forward[stage] += act_crossing[s] / bandwidth
+                    comm_backward[stage] += grad_crossing[s] / bandwidth
         return [
             stage_time(*costs)
             for costs in zip(self.forward, self.backward, comm_forward, comm_backward)

@@ -13,10 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
+import os
+import sys
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from time import monotonic
 from typing import Any
+
+import torch
 
 from ..byte_units import format_bytes
 from ..errors import DeviceMemoryError, PartitionError
@@ -31,7 +37,7 @@ from ..runtime.core.schedules import (
 )
 from . import partition
 from .bounds import crossings, memory_floor
-from .cost import CostModel, iteration_time
+from .cost import CostModel, graph_facts, iteration_time
 from .partition import Partition, PredictedStep
 
 
@@ -205,6 +211,7 @@ def search(
     seconds: float | None = None,
     progress: Callable[[SearchProgress], None] | None = None,
     prune: bool = True,
+    workers: int = 1,
 ) -> list[Plan]:
     """Every candidate plan, partitioned and simulated, best first: those that fit by
     throughput, then those that do not. Candidates are searched in the order of their lower
@@ -214,49 +221,62 @@ def search(
     fullest device needs more than the device's memory whatever the split
     (:func:`.bounds.memory_floor`). With ``seconds``, the candidates left when that many seconds
     have passed are not partitioned (their problem is :data:`NOT_SEARCHED`; the first candidate
-    always is); ``progress`` is told after each candidate."""
+    always is); ``progress`` is told after each other candidate.
+
+    With ``workers`` > 1 (on Linux), that many forked processes partition candidates at once,
+    the next ones in the same order; the plans are those of one process (a candidate the one
+    process would have pruned is listed as pruned, though a worker partitioned it while the
+    best plan was still being found), so the result does not depend on ``workers``."""
     capacity = profile.device.memory
     usable = dataclasses.replace(
         profile, device=dataclasses.replace(profile.device, memory=capacity * (1 - margin))
     )
-    plans: list[Plan] = []
     listed = candidates(devices, global_batch, len(graph.units), max_stages_per_rank)
     compute = sum(unit.forward + unit.backward for unit in profile.units)
     bounds = [step_lower_bound(candidate, compute) for candidate in listed]
     floors = _memory_floors(graph, usable, optimizer, listed) if prune else [0.0] * len(listed)
     every = sorted(range(len(listed)), key=lambda c: (bounds[c], c))
     began, best = monotonic(), None
-    for c in every:
-        plan = Plan(listed[c], global_batch, capacity)
-        if plans and seconds is not None and monotonic() - began >= seconds:
-            plan.problem = NOT_SEARCHED
-            plans.append(plan)
-            continue
-        if floors[c] > usable.device.memory:
-            shape = plan.candidate
-            held = "its share of the training state"
-            if shape.dp_shard > 1 and shape.schedule in SPLIT_BACKWARD:
-                held += ", its stages' parameters and gradients, gathered for the step"
-            if shape.stages > 1:
-                held += (
-                    f", and of the receive buffers of {shape.microbatches} microbatches at "
-                    f"{shape.stages - 1} stage boundaries"
-                )
-            plan.problem = (
-                f"a device needs at least {format_bytes(floors[c])} whatever the split ({held})"
-            )
-        elif prune and best is not None and bounds[c] > best.step_time * (1 + PRUNE_MARGIN):
-            plan.problem = (
-                f"{PRUNED}: at least {bounds[c] * 1e3:.1f} ms per step, slower than the best "
-                f"plan's {best.step_time * 1e3:.1f} ms"
-            )
-        else:
-            _partitioned(plan, graph, usable, method, optimizer)
-            if plan.fits and (best is None or plan.throughput > best.throughput):
-                best = plan
-        plans.append(plan)
-        if progress is not None:
-            progress(SearchProgress(len(plans), len(every), monotonic() - began, best))
+    settled: dict[int, Plan] = {}
+
+    def settle(c: int, plan: Plan) -> None:
+        nonlocal best
+        settled[c] = plan
+        if plan.fits and (best is None or plan.throughput > best.throughput):
+            best = plan
+        if progress is not None and plan.problem != NOT_SEARCHED:
+            progress(SearchProgress(len(settled), len(every), monotonic() - began, best))
+
+    pool = _Workers(workers, graph, usable, method, optimizer) if workers > 1 else None
+    try:
+        for c in every:
+            plan = Plan(listed[c], global_batch, capacity)
+            if pool is not None:
+                pool.wait_for_room(settle)
+            if (
+                (settled or pool and pool.busy)
+                and seconds is not None
+                and (monotonic() - began >= seconds)
+            ):
+                plan.problem = NOT_SEARCHED
+            elif floors[c] > usable.device.memory:
+                plan.problem = _short_of_memory(plan.candidate, floors[c])
+            elif prune and best is not None and bounds[c] > best.step_time * (1 + PRUNE_MARGIN):
+                plan.problem = _pruned(bounds[c], best)
+            elif pool is not None:
+                pool.submit(c, plan)
+                continue
+            else:
+                _partitioned(plan, graph, usable, method, optimizer)
+            settle(c, plan)
+        if pool is not None:
+            pool.finish(settle)
+    finally:
+        if pool is not None:
+            pool.close()
+    plans = [settled[c] for c in every]
+    if pool is not None and prune:
+        _as_one_process(plans, [bounds[c] for c in every], [pool.took(c) for c in every])
     listing = {id(plan): c for plan, c in zip(plans, every)}
     # throughputs equal to 3 significant digits tie: then the plan needing the least memory
     return sorted(
@@ -268,6 +288,121 @@ def search(
             listing[id(p)],
         ),
     )
+
+
+def _short_of_memory(shape: Candidate, floor: float) -> str:
+    """The problem of a candidate whose fullest device needs more than it has, whatever the
+    split (``floor`` bytes)."""
+    held = "its share of the training state"
+    if shape.dp_shard > 1 and shape.schedule in SPLIT_BACKWARD:
+        held += ", its stages' parameters and gradients, gathered for the step"
+    if shape.stages > 1:
+        held += (
+            f", and of the receive buffers of {shape.microbatches} microbatches at "
+            f"{shape.stages - 1} stage boundaries"
+        )
+    return f"a device needs at least {format_bytes(floor)} whatever the split ({held})"
+
+
+def _pruned(bound: float, best: Plan) -> str:
+    return (
+        f"{PRUNED}: at least {bound * 1e3:.1f} ms per step, slower than the best "
+        f"plan's {best.step_time * 1e3:.1f} ms"
+    )
+
+
+def _as_one_process(plans: list[Plan], bounds: list[float], partitioned: list[bool]) -> None:
+    """Mark pruned, in place, the plans (in search order, with their lower ``bounds``, those
+    ``partitioned`` by a worker) that one process would have pruned: workers partition
+    candidates before the best plan of the earlier ones is known, so they may partition more."""
+    best: Plan | None = None
+    for index, (plan, bound) in enumerate(zip(plans, bounds)):
+        if not partitioned[index]:
+            continue
+        if best is not None and bound > best.step_time * (1 + PRUNE_MARGIN):
+            plans[index] = Plan(plan.candidate, plan.global_batch, plan.capacity)
+            plans[index].problem = _pruned(bound, best)
+        elif plan.fits and (best is None or plan.throughput > best.throughput):
+            best = plan
+
+
+class _Workers:
+    """Forked processes partitioning candidates, at most one each at a time (what
+    :func:`search` runs with ``workers`` > 1). The graph, the profile and the graph's facts
+    are the parent's, inherited when the processes fork; each runs torch on one thread."""
+
+    def __init__(
+        self, workers: int, graph: Graph, usable: Profile, method: str, optimizer: str
+    ) -> None:
+        graph_facts(graph)  # computed once, before the fork, for every worker
+        self.workers = workers
+        self.executor = ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("fork"),
+            initializer=_start_worker,
+            initargs=(graph, usable, method, optimizer),
+        )
+        self.running: dict[Future[Plan], int] = {}
+        self.submitted: set[int] = set()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
+
+    def took(self, c: int) -> bool:
+        """Did a worker partition candidate ``c``?"""
+        return c in self.submitted
+
+    def submit(self, c: int, plan: Plan) -> None:
+        self.submitted.add(c)
+        self.running[self.executor.submit(_partition_in_worker, plan)] = c
+
+    def wait_for_room(self, settle: Callable[[int, Plan], None]) -> None:
+        """Settle finished candidates, waiting for one while every worker is busy."""
+        while self.running:
+            done, _ = wait(
+                self.running,
+                timeout=None if len(self.running) >= self.workers else 0,
+                return_when=FIRST_COMPLETED,
+            )
+            if not done:
+                return
+            for future in sorted(done, key=self.running.__getitem__):
+                settle(self.running.pop(future), future.result())
+
+    def finish(self, settle: Callable[[int, Plan], None]) -> None:
+        """Settle every candidate still running."""
+        while self.running:
+            done, _ = wait(self.running, return_when=FIRST_COMPLETED)
+            for future in sorted(done, key=self.running.__getitem__):
+                settle(self.running.pop(future), future.result())
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+#: what a worker partitions with: the graph, the usable profile, the method and the optimizer
+_WORK: tuple[Graph, Profile, str, str] | None = None
+
+
+def _start_worker(graph: Graph, usable: Profile, method: str, optimizer: str) -> None:
+    global _WORK
+    _WORK = (graph, usable, method, optimizer)
+    torch.set_num_threads(1)  # the workers are the parallelism
+
+
+def _partition_in_worker(plan: Plan) -> Plan:
+    assert _WORK is not None, "a worker partitions after _start_worker"
+    _partitioned(plan, *_WORK)
+    return plan
+
+
+def default_workers() -> int:
+    """Worker processes a plan search uses by default: the CPUs this process may run on, at
+    most 8, where processes fork (Linux); else 1."""
+    if not sys.platform.startswith("linux"):
+        return 1
+    return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
 def _memory_floors(
