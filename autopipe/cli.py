@@ -47,7 +47,16 @@ ArgumentContainer = argparse.ArgumentParser | argparse._ArgumentGroup
 #: the compile options of each argument group, in the order --help lists them
 TRACING = ("depth", "basic_blocks", "inline_blocks", "dynamic")
 PROFILING = ("profile", "expected", "device_spec", "link")
-PARTITIONING = ("stages", "devices", "method", "optimizer", "schedule", "microbatches", "dp_shard")
+PARTITIONING = (
+    "stages",
+    "devices",
+    "method",
+    "split_points",
+    "optimizer",
+    "schedule",
+    "microbatches",
+    "dp_shard",
+)
 PLAN_SEARCH = (
     "global_batch",
     "memory_margin",

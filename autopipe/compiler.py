@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,8 @@ from .codegen import check_output_dir, package_files, with_manifest, write_packa
 from .codegen.output_lock import output_lock
 from .ir import Graph
 from .partitioning import Partition, partition
-from .partitioning.partition import PARTITION_KIND
+from .partitioning.partition import PARTITION_KIND, RequestedSplit
+from .partitioning.split_points import SplitPoints, requested_split
 from .partitioning.search import (
     Plan,
     SearchProgress,
@@ -155,6 +157,7 @@ def partition_step(
             memory_margin=options.memory_margin,
             plans=tuple(plan.to_json() for plan in plans[:TOP_PLANS]),
         )
+    asked = SplitPoints.parse(options.split_points) if options.split_points else None
     part = partition(
         graph,
         prof,
@@ -165,8 +168,42 @@ def partition_step(
         microbatches=options.microbatches,
         optimizer=options.optimizer,
         dp_shard=options.dp_shard,
+        split=None if asked is None else requested_split(graph, asked),
     )
+    if asked is None and graph.model.split_markers:
+        microbatches = part.settings.microbatches
+        requested = markers_split(graph, prof, options, microbatches)
+        part = dataclasses.replace(part, requested=requested)
     return part.with_settings(accumulate=options.accumulate) if options.accumulate > 1 else part
+
+
+def markers_split(
+    graph: Graph, prof: Profile, options: CompileOptions, microbatches: int | None
+) -> RequestedSplit:
+    """The stages the model's ``pipe_split()`` markers ask for, partitioned (what they
+    recompute) and predicted under ``options``' other settings with ``microbatches`` (the
+    partition's, so that both steps train on the same batch): one stage per device."""
+    asked = SplitPoints(markers=True)
+    stages = len(graph.model.split_markers) + 1
+    try:
+        theirs = partition(
+            graph,
+            prof,
+            stages,
+            method=options.method,
+            schedule=options.schedule if options.schedule in ("1f1b", "gpipe") else None,
+            microbatches=microbatches,
+            optimizer=options.optimizer,
+            dp_shard=options.dp_shard,
+            split=requested_split(graph, asked),
+            compare=False,
+        )
+    except PartitionError as exc:  # DeviceMemoryError included
+        return RequestedSplit(str(asked), stages, None, None, str(exc).split(". ")[0])
+    assert theirs.predicted is not None  # partition() predicts every partition it makes
+    return RequestedSplit(
+        str(asked), stages, theirs.predicted.bottleneck, theirs.predicted.step_time
+    )
 
 
 def generate_step(

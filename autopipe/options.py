@@ -20,6 +20,7 @@ from .checks import is_int, is_number, is_text
 from .errors import AutopipeError
 from .partitioning import DEFAULT_METHOD, METHODS
 from .partitioning.cost import STATE_FACTOR
+from .partitioning.split_points import SPLIT_POINTS_SYNTAX
 from .profiling import PROFILE_MODES
 from .profiling.devices import link_bandwidth
 from .runtime.core.schedules import COMPILE_SCHEDULES
@@ -162,6 +163,24 @@ class Fraction(Rule):
         if not self.holds(value):
             raise argparse.ArgumentTypeError(f"must be less than 1, got {text!r}")
         return value
+
+
+@dataclass(frozen=True)
+class SplitPointsText(Rule):
+    """Where the user asks stages to begin (``--split-points``): ``markers`` or module names
+    each with ``:begin`` or ``:end``, comma-separated."""
+
+    rule = "must be 'markers' or module names each with :begin or :end, comma-separated"
+
+    def check(self, value: Any, flag: str) -> Any:
+        if not (isinstance(value, str) and SPLIT_POINTS_SYNTAX.fullmatch(value)):
+            raise AutopipeError(f"{flag} {self.rule} (layers.4,layers.8:end), got {value!r}")
+        return value
+
+    def parse(self, text: str) -> str:
+        if not SPLIT_POINTS_SYNTAX.fullmatch(text):
+            raise argparse.ArgumentTypeError(f"{self.rule} (layers.4,layers.8:end), got {text!r}")
+        return text
 
 
 @dataclass(frozen=True)
@@ -318,6 +337,16 @@ class CompileOptions:
         help=f"partitioning method (default {DEFAULT_METHOD})",
         rule=Choice(tuple(sorted(METHODS))),
     )
+    #: stage boundaries the user asks for (None: the method chooses them)
+    split_points: str | None = option(
+        None,
+        help="begin the stages where the model's pipe_split() calls are ('markers') or at "
+        "modules' beginnings or ends (torch's split_spec as text: layers.4,layers.8:end) "
+        "instead of where the method would; without it, a model's markers are compared with "
+        "the method's split in the summary",
+        rule=SplitPointsText(),
+        metavar="markers|MODULE[:end],...",
+    )
     depth: int | None = option(
         None,
         help="group operators by module scope down to this depth (default: every module)",
@@ -459,7 +488,12 @@ class CompileOptions:
         self._check(
             "stages", "accumulate", "max_stages_per_device", "global_batch", "search_workers"
         )
+        self._check("split_points")
         self._check("memory_margin", "search_seconds")
+        if self.search and self.split_points is not None:
+            raise AutopipeError(
+                "--split-points fixes the stages and --search chooses them: use one of the two"
+            )
         if self.search and self.devices is None:
             raise AutopipeError(
                 "--search needs --devices: the number of devices to plan for (pipeline "

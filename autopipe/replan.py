@@ -36,7 +36,7 @@ from .codegen.output_lock import output_lock
 from .compiler import generate_step, load_graph
 from .errors import ArtifactError, AutopipeError
 from .ir import Graph
-from .partitioning import CostModel, Partition, partition
+from .partitioning import DEFAULT_METHOD, METHODS, CostModel, Partition, partition
 from .partitioning.cost import block_costs, iteration_time
 from .partitioning.partition import PredictedStep
 from .profiling.profile import TRACED, Profile
@@ -155,7 +155,8 @@ def replan(
         usable,
         old.num_stages,
         num_devices=len(set(old.device_of_stage)),
-        method=method or old.method,
+        # a split the user fixed (--split-points) is replanned by the default method
+        method=method or (old.method if old.method in METHODS else DEFAULT_METHOD),
         schedule=run.schedule,
         microbatches=run.microbatches,
         optimizer=optimizer,

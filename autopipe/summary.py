@@ -49,7 +49,28 @@ def format_partition(graph: Graph, part: Partition) -> str:
     if graph.model.symbols:
         rows.append(f"dynamic dimensions: {dimensions_text(graph, part)}")
     rows += recompute_lines(graph, part)
+    rows += requested_lines(part)
     return "\n".join(rows)
+
+
+def requested_lines(part: Partition) -> list[str]:
+    """How the stages the model's pipe_split() markers ask for compare with the partition's
+    (none where it has no markers, or its stages are theirs)."""
+    theirs, predicted = part.requested, part.predicted
+    if theirs is None or predicted is None:
+        return []
+    stages = f"{theirs.stages} stage{'s' if theirs.stages != 1 else ''} on as many devices"
+    if theirs.step_time is None or theirs.bottleneck is None:
+        return [f"{theirs.asked} ask for {stages}, which cannot run: {theirs.problem}"]
+    ours = predicted.step_time
+    change = (theirs.step_time / ours - 1) * 100
+    return [
+        f"{theirs.asked} ask for {stages}: bottleneck {theirs.bottleneck * 1e3:.3f} ms, "
+        f"predicted step {theirs.step_time * 1e3:.3f} ms for the same microbatches "
+        f"({change:+.1f}% against this "
+        f"partition's {predicted.bottleneck * 1e3:.3f} ms and {ours * 1e3:.3f} ms; compile with "
+        f"--split-points markers --stages {theirs.stages} to keep them)"
+    ]
 
 
 def recompute_lines(graph: Graph, part: Partition) -> list[str]:

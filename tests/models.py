@@ -10,6 +10,7 @@ import os
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import pipe_split
 from torch.nn import functional as F
 
 BATCH = 2
@@ -562,3 +563,42 @@ class BlockStack(nn.Module):
 def block_stack_with_target():
     torch.manual_seed(0)
     return BlockStack(), (torch.randn(64, 512),), {}, torch.zeros(64)
+
+
+class PipeSplitMarked(nn.Module):
+    """A model written for torch.distributed.pipelining's pipeline(): ``pipe_split()`` markers
+    in its forward where its author wants stages to begin (after layers 0 and 3), as PyTorch's
+    own pipelining tests write them, and a LayerNorm buffer-free head."""
+
+    def __init__(self, markers: bool = True):
+        super().__init__()
+        self.markers = markers
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(6)
+        )
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        for index, layer in enumerate(self.layers):
+            x = x + layer(x)
+            if self.markers and index in (0, 3):
+                pipe_split()
+        return self.head(self.norm(x)).squeeze(-1)
+
+
+def pipe_split_marked():
+    torch.manual_seed(0)
+    return PipeSplitMarked(), (torch.randn(BATCH * 2, 16),), {}, torch.zeros(BATCH * 2)
+
+
+def split_spec_model():
+    """The same model without markers: its stages named by a split spec instead."""
+    torch.manual_seed(0)
+    return PipeSplitMarked(markers=False), (torch.randn(BATCH * 2, 16),), {}, torch.zeros(BATCH * 2)
+
+
+def pipe_split_batch(step: int, microbatches: int = 4):
+    g = torch.Generator().manual_seed(9100 + step)
+    x = torch.randn(BATCH * 2 * microbatches, 16, generator=g)
+    return (x,), {}, x.sum(-1).cos()

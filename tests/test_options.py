@@ -34,6 +34,7 @@ BAD = {
     "max_stages_per_device": 0,
     "search_seconds": 0,
     "search_workers": 0,
+    "split_points": "layers.4:middle",
     "gpus_per_node": 0,
 }
 

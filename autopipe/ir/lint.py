@@ -109,6 +109,7 @@ def lint_graph(graph: Graph, where: str = "") -> None:
         f"the input nodes, each once ({sorted(declared)})",
     )
     _lint_symbol_sources(graph, where)
+    _lint_split_markers(graph, where)
     _lint_units(graph, where)
     if graph.loss is not None:
         require(
@@ -130,6 +131,19 @@ def _lint_symbol_sources(graph: Graph, where: str) -> None:
                 [source, dim],
                 f"a model input whose dimension {dim} is {name}",
             )
+
+
+def _lint_split_markers(graph: Graph, where: str) -> None:
+    """Each ``pipe_split()`` marker names a call node, the markers in program order."""
+    calls = {node.name: index for index, node in enumerate(graph.calls)}
+    markers = graph.model.split_markers
+    positions = [calls.get(name, -1) for name in markers]
+    require(
+        all(p >= 0 for p in positions) and positions == sorted(positions),
+        f"{where}model.split_markers",
+        list(markers),
+        "call nodes of the graph, in program order",
+    )
 
 
 def _lint_state(info: ParamInfo | BufferInfo, field: str) -> None:

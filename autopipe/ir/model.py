@@ -1,7 +1,7 @@
 """What a graph records about the model it was traced from (``Graph.model``): its class and
 spec, how it was traced (on the meta device, with which blocks and unit depth), the value ranges
 of its integer inputs, the modules that register its custom operators, its dynamic
-dimensions, and for a Hugging Face ``PreTrainedModel`` its configuration (and generation
+dimensions, where its ``pipe_split()`` markers ask stages to begin, and for a Hugging Face ``PreTrainedModel`` its configuration (and generation
 configuration), which a trained model's ``from_pretrained`` directory needs.
 
 Graphs traced from a model record every fact; the graphs of a ``torch.cond`` branch record the
@@ -33,6 +33,7 @@ _KEYS = (
     "operators",
     "symbols",
     "huggingface",
+    "split_markers",
 )
 
 
@@ -105,6 +106,9 @@ class ModelFacts:
     #: absent), as ``save_pretrained`` writes them, and a PEFT model's ``"adapter"``; None for
     #: other models
     huggingface: Mapping[str, Any] | None = None
+    #: the first call node after each of the model's ``pipe_split()`` markers (torch's
+    #: pipelining's requested stage boundaries), in program order
+    split_markers: tuple[str, ...] = ()
     #: the keys the record holds (a branch's or a function's graph records fewer facts)
     keys: frozenset[str] = frozenset(_KEYS[:8])
 
@@ -141,6 +145,7 @@ class ModelFacts:
             "operators": self.operators,
             "symbols": self.symbols,
             "huggingface": self.huggingface,
+            "split_markers": self.split_markers,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -155,8 +160,13 @@ class ModelFacts:
             "operators": dict(self.operators),
             "symbols": self.symbols_json(),
             "huggingface": self.huggingface,
+            "split_markers": list(self.split_markers),
         }
-        optional = {"symbols": bool(self.symbols), "huggingface": self.huggingface is not None}
+        optional = {
+            "symbols": bool(self.symbols),
+            "huggingface": self.huggingface is not None,
+            "split_markers": bool(self.split_markers),
+        }
         return {key: values[key] for key in _KEYS if key in self.keys or optional.get(key)}
 
     def lint(self, where: str) -> None:
@@ -224,6 +234,15 @@ class ModelFacts:
             "null or {config: {...}, generation_config: {...}, adapter: {...}} (a Hugging Face "
             "model's)",
         )
+        markers = model.get("split_markers", [])
+        require(
+            isinstance(markers, list)
+            and all(map(is_value_name, markers))
+            and len(set(markers)) == len(markers),
+            f"{where}model.split_markers",
+            markers,
+            "a list of distinct node names (the first call after each pipe_split() marker)",
+        )
 
         for name, module in sorted(operators.items()):  # registers them, for the graph's lint
             try:
@@ -244,5 +263,6 @@ class ModelFacts:
             operators=dict(operators),
             symbols=dims,
             huggingface=huggingface,
+            split_markers=tuple(markers),
             keys=frozenset(model),
         )

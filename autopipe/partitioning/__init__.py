@@ -50,6 +50,8 @@ METHODS: dict[str, Callable[..., tuple[list[int], list[int]]]] = {
     "mpipe": solve_mpipe,
 }
 DEFAULT_METHOD = "mpipe"
+#: the method a partition records when its stages are the user's (--split-points)
+SPLIT_POINTS_METHOD = "split-points"
 
 
 def default_schedule(device_of_stage: list[int]) -> str:
@@ -68,6 +70,8 @@ class PartitionRequest:
     microbatches: int | None = None
     optimizer: str = "adamw"
     dp_shard: int = 1
+    #: the stage of every unit, where the user fixed it (--split-points); else the method's
+    split: tuple[int, ...] | None = None
 
     @property
     def devices(self) -> int:
@@ -87,6 +91,7 @@ def partition(
     dp_shard: int = 1,
     advise: bool = True,
     compare: bool = True,
+    split: list[int] | None = None,
 ) -> Partition:
     """Split ``graph`` into ``num_stages`` stages on ``num_devices`` devices (default: one each),
     each stage's training state sharded over ``dp_shard`` data-parallel ranks. Stages may
@@ -95,14 +100,23 @@ def partition(
     one that recomputes only where nothing fits without, the faster kept and the other
     recorded (:attr:`Partition.compared`). When no partition
     fits the device's memory, the error says what each rank needs against its capacity and, with
-    ``advise``, the smallest changes that fit (:func:`memory_advice`)."""
+    ``advise``, the smallest changes that fit (:func:`memory_advice`). With ``split`` (the stage
+    of every unit, :func:`.split_points.requested_split`), the stages are those: the
+    partition's method is ``split-points``, and only what they recompute is chosen."""
     request = PartitionRequest(
-        num_stages, num_devices, method, schedule, microbatches, optimizer, dp_shard
+        num_stages,
+        num_devices,
+        method,
+        schedule,
+        microbatches,
+        optimizer,
+        dp_shard,
+        None if split is None else tuple(split),
     )
     try:
         part = _partition(graph, profile, request)
     except DeviceMemoryError as exc:
-        if not advise:
+        if not advise or split is not None:
             raise
         advice = memory_advice(graph, profile, request)
         raise DeviceMemoryError(exc.need, advice, peak=exc.peak) from None
@@ -174,14 +188,29 @@ def _partition(
     )
     if not balance:
         model = model.without_balancing_recomputation()
-    try:
-        stage_of_unit, device_of_stage = _solved(profile, model, request, placement)
-    except DeviceMemoryError:  # recomputation may make room: search as if every stage did
-        recomputing = model.assuming_recomputation()
-        stage_of_unit, device_of_stage = _solved(profile, recomputing, request, placement)
-    schedule = schedule or default_schedule(device_of_stage)
-    stage_of_unit = align_to_blocks(model, stage_of_unit, device_of_stage, schedule)
+    if request.split is not None:
+        stage_of_unit, method = list(request.split), SPLIT_POINTS_METHOD
+        if max(stage_of_unit) + 1 != num_stages:
+            raise PartitionError(
+                f"the split points make {max(stage_of_unit) + 1} stages; pass --stages "
+                f"{max(stage_of_unit) + 1}, or change the split points"
+            )
+        device_of_stage = placement or looped_devices(num_stages, num_devices)
+        schedule = schedule or default_schedule(device_of_stage)
+    else:
+        try:
+            stage_of_unit, device_of_stage = _solved(profile, model, request, placement)
+        except DeviceMemoryError:  # recomputation may make room: search as if every stage did
+            recomputing = model.assuming_recomputation()
+            stage_of_unit, device_of_stage = _solved(profile, recomputing, request, placement)
+        schedule = schedule or default_schedule(device_of_stage)
+        stage_of_unit = align_to_blocks(model, stage_of_unit, device_of_stage, schedule)
     model.check_monotone(stage_of_unit)
+    if sorted(set(stage_of_unit)) != list(range(num_stages)) and request.split is not None:
+        raise PartitionError(
+            "the split points leave a stage without a unit (two boundaries inside one unit); "
+            "trace with a larger --depth (finer units), or move the boundaries apart"
+        )
     if sorted(set(stage_of_unit)) != list(range(num_stages)):
         raise PartitionError(
             f"method {method} did not produce {num_stages} non-empty stages (a bug: please report)"

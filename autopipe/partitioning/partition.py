@@ -346,6 +346,55 @@ class Comparison:
 
 
 @dataclass(frozen=True)
+class RequestedSplit:
+    """The stages the model's author asked for (its ``pipe_split()`` markers), predicted
+    under the same settings, for the summary to compare with the partition: ``asked`` in
+    words, its stages, and its bottleneck and step (None, and ``problem``, where it cannot
+    run: a device short of memory even recomputing, a boundary inside a unit)."""
+
+    asked: str
+    stages: int
+    bottleneck: float | None
+    step_time: float | None
+    problem: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "asked": self.asked,
+            "stages": self.stages,
+            "bottleneck": self.bottleneck,
+            "step_time": self.step_time,
+            "problem": self.problem,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> RequestedSplit:
+        keys = {"asked", "stages", "bottleneck", "step_time", "problem"}
+        require(isinstance(data, dict) and set(data) == keys, where, data, f"an object of {keys}")
+        require(is_text(data["asked"]), f"{where}.asked", data["asked"], "text")
+        require(is_int(data["stages"], 1), f"{where}.stages", data["stages"], "a count >= 1")
+        for name in ("bottleneck", "step_time"):
+            value = data[name]
+            require(
+                value is None or is_number(value, 0, strict=True),
+                f"{where}.{name}",
+                value,
+                "seconds > 0, or null",
+            )
+        require(isinstance(data["problem"], str), f"{where}.problem", data["problem"], "text")
+        runs = data["step_time"] is not None and data["bottleneck"] is not None
+        require(
+            runs != bool(data["problem"]),
+            f"{where}.problem",
+            data["problem"],
+            "why the split cannot run, exactly when it has no step",
+        )
+        return cls(
+            data["asked"], data["stages"], data["bottleneck"], data["step_time"], data["problem"]
+        )
+
+
+@dataclass(frozen=True)
 class Partition:
     """Which stage each unit runs in and which device each stage runs on, with the settings,
     prediction and per-stage costs it was made with."""
@@ -367,6 +416,9 @@ class Partition:
     #: stages balanced by recomputing, or shrunk where short of memory (recomputing only where
     #: nothing fits without); this is the faster (None: not compared)
     compared: Comparison | None = None
+    #: the stages the model's pipe_split() markers ask for, predicted alike (None: it has none,
+    #: or they are the partition's stages)
+    requested: RequestedSplit | None = None
 
     @property
     def profile_source(self) -> str:
@@ -429,7 +481,10 @@ class Partition:
             "costs": costs_to_json(self.costs),
             "recompute": self.recompute,
             "recompute_blocks": self.recompute_blocks,
-        } | ({} if self.compared is None else {"compared": self.compared.to_json()})
+        } | (
+            ({} if self.compared is None else {"compared": self.compared.to_json()})
+            | ({} if self.requested is None else {"requested": self.requested.to_json()})
+        )
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Partition:
@@ -506,9 +561,10 @@ def _parse(data: dict[str, Any]) -> Partition:
     _check_placement(settings.schedule, device_of_stage)
     costs = costs_from_json(data.get("costs", {}), stages, "costs")
     predicted = PredictedStep.from_json(data.get("predicted", {}), stages, devices, "predicted")
-    compared = data.get("compared")
+    compared, requested = data.get("compared"), data.get("requested")
     return Partition(
         compared=None if compared is None else Comparison.from_json(compared, "compared"),
+        requested=None if requested is None else RequestedSplit.from_json(requested, "requested"),
         method=method,
         stage_of_unit=stage_of_unit,
         device_of_stage=device_of_stage,

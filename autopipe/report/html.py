@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 
 from ..version import __version__
-from ..summary import MEMORY_PARTS, dimensions_text, throughput_line
+from ..summary import MEMORY_PARTS, dimensions_text, requested_lines, throughput_line
 from ..artifacts import atomic_write_bytes
 from .data import ReportData, format_bytes, format_count
 from .figures import (
@@ -187,6 +187,7 @@ def summary_rows(data: ReportData) -> list[tuple[str, str]]:
         ),
         ("throughput", throughput_line(data.graph, data.partition).removeprefix("plan: ")),
         ("dynamic dimensions", dimensions_text(data.graph, data.partition)),
+        ("split asked for", " ".join(requested_lines(data.partition))),
     ]
     return [(key, value) for key, value in rows if value]
 

@@ -45,6 +45,9 @@ _DROPPED_OPS = {
     "aten.sym_constrain_range_for_size.default",
     "aten.sym_constrain_range.default",
 }
+#: torch.distributed.pipelining's stage-boundary marker (``pipe_split()``): no operator of the
+#: generated code, a requested stage boundary (``ModelFacts.split_markers``)
+PIPE_SPLIT = "pippy._pipe_split.default"
 #: Operators that read a number from a tensor's value (``.item()``).
 READS_A_NUMBER = {"aten.item.default", "aten._local_scalar_dense.default"}
 
@@ -97,6 +100,8 @@ class Converter:
         self.constants: dict[str, Any] = {}
         #: operators from outside torch ("ns::name") -> the module that registers them
         self.operators: dict[str, str] = {}
+        #: the names of the nodes converted before each ``pipe_split()`` marker, in order
+        self.markers: list[frozenset[str]] = []
         #: symbol -> its value on the example, for sizes and numbers computed from tensor values:
         #: the graph is specialised to them and checks them at run time
         self.specialised = _unbacked_values(exported)
@@ -155,6 +160,17 @@ class Converter:
         move_getitems_after_sources(self.nodes)
         return drop_dead(self.nodes, set(self.outputs))
 
+    def split_markers(self, nodes: list[Node]) -> tuple[str, ...]:
+        """The first call of ``nodes`` (:meth:`convert`'s) after each ``pipe_split()`` marker:
+        where the model's author asks a stage to begin. A marker with no call after it, or
+        right after another, asks for nothing."""
+        firsts: list[str] = []
+        for before in self.markers:
+            first = next((n.name for n in nodes if n.kind == "call" and n.name not in before), None)
+            if first is not None and first not in firsts:
+                firsts.append(first)
+        return tuple(firsts)
+
     def _output_names(self) -> list[str]:
         """One name per tensor leaf of the model output, from its pytree keys."""
         out_spec = self.exported.module_call_graph[0].signature.out_spec
@@ -206,6 +222,15 @@ class Converter:
         target = node.target
         name = str(target)
         if name in _DROPPED_OPS:
+            return
+        if name == PIPE_SPLIT:
+            if self.cond_branch or context:
+                raise TraceError(
+                    f"the model calls pipe_split() (node {node.name}) inside a branch or a "
+                    "region run under another grad or autocast mode; a stage boundary can only "
+                    "be asked for in the model's own forward: move the call there"
+                )
+            self.markers.append(frozenset(n.name for n in self.nodes))
             return
         if isinstance(target, torch._ops.HigherOrderOperator):
             self._inline(node, owner, context)

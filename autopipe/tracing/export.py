@@ -127,6 +127,7 @@ def trace(
             inline_blocks=inline_blocks,
             operators=dict(sorted(converter.operators.items())),
             symbols=_symbol_table(dims),
+            split_markers=converter.split_markers(nodes),
             huggingface=huggingface_configs(model),
         ),
         functions=functions.definitions(nodes),

@@ -29,6 +29,13 @@ TORCH_NAMESPACES = frozenset(
         "_c10d_functional_autograd",
         "_dtensor",
         "inductor",
+        "pippy",  # torch.distributed.pipelining's pipe_split() marker
+        "fsdp",
+        "c10d",
+        "mkldnn",
+        "onednn",
+        "rngprims",
+        "debugprims",
     }
 )
 

@@ -140,6 +140,18 @@ def llama():
     return _causal_lm(LlamaForCausalLM(_decoder_config(LlamaConfig)))
 
 
+def pipe_split_llama():
+    """Llama as a torch.distributed.pipelining user brings it: a pipe_split() marker before
+    its second decoder layer (a forward pre-hook, as torch's split_spec inserts one)."""
+    from torch.distributed.pipelining import pipe_split
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_decoder_config(LlamaConfig))
+    model.model.layers[1].register_forward_pre_hook(lambda module, args: pipe_split())
+    return _causal_lm(model)
+
+
 def mistral():
     """Mistral: Llama with sliding-window attention (a window shorter than the sequence)."""
     from transformers import MistralConfig, MistralForCausalLM
@@ -741,6 +753,10 @@ def llama_batch(step: int, microbatches: int = 4):
     return _batch("llama", "decoder", step, microbatches)
 
 
+def pipe_split_llama_batch(step: int, microbatches: int = 4):
+    return _batch("pipe_split_llama", "decoder", step, microbatches)
+
+
 def mistral_batch(step: int, microbatches: int = 4):
     return _batch("mistral", "decoder", step, microbatches)
 
@@ -894,6 +910,7 @@ ZOO = {
     "mixtral": mixtral,
     "qwen2_moe": qwen2_moe,
     "mamba": mamba,
+    "pipe_split_llama": pipe_split_llama,
 }
 
 FAMILIES = {
@@ -926,6 +943,7 @@ FAMILIES = {
     "mixtral": "moe",
     "qwen2_moe": "moe",
     "mamba": "state-space",
+    "pipe_split_llama": "torch pipelining",
 }
 
 BATCHES = {name: globals()[f"{name}_batch"] for name in ZOO}
