@@ -219,7 +219,7 @@ def test_pruning_never_drops_the_best_plan(gpt2_graph, devices, global_batch):
             assert any(p.problem.startswith(PRUNED) for p in pruned)
 
 
-@pytest.mark.parametrize("devices, global_batch", [(4, 8), (4, 16)])
+@pytest.mark.parametrize("devices, global_batch", [(4, 16)])
 def test_workers_find_the_plans_of_one_process(gpt2_graph, devices, global_batch):
     """Two forked workers partitioning candidates at once: every plan as one process finds it
     (the same table, pruned candidates included), with room and short of memory; progress is

@@ -272,9 +272,13 @@ class Converter:
         if target is _getitem:
             name = "getitem"
         elif not isinstance(target, torch._ops.OpOverload):
+            scope = scope_of(node)
+            where = f"in {scope[-1].fqn}" if scope and scope[-1].fqn else "in the model's forward"
             raise TraceError(
-                f"the model calls {getattr(target, '__name__', target)!r} (node {node.name}), which "
-                "autopipe cannot put in generated code; only torch operators are supported"
+                f"the model calls {getattr(target, '__name__', target)!r} (node {node.name}, "
+                f"{where}), which is not a torch operator, so generated code could "
+                "not call it; compute it with torch operators, or define it with "
+                "torch.library.custom_op in an importable module"
             )
         else:
             provider = operator_provider(target)
