@@ -54,22 +54,31 @@ def format_partition(graph: Graph, part: Partition) -> str:
 
 
 def requested_lines(part: Partition) -> list[str]:
-    """How the stages the model's pipe_split() markers ask for compare with the partition's
-    (none where it has no markers, or its stages are theirs)."""
+    """How the stages the model's pipe_split() markers ask for (one per device, so many
+    devices) compare with the partition's (none where it has no markers, or its stages are
+    theirs)."""
     theirs, predicted = part.requested, part.predicted
     if theirs is None or predicted is None:
         return []
-    stages = f"{theirs.stages} stage{'s' if theirs.stages != 1 else ''} on as many devices"
+    shards = part.settings.dp_shard or 1
+    stages = f"{theirs.stages} stage{'s' if theirs.stages != 1 else ''}"
     if theirs.step_time is None or theirs.bottleneck is None:
         return [f"{theirs.asked} ask for {stages}, which cannot run: {theirs.problem}"]
     ours = predicted.step_time
     change = (theirs.step_time / ours - 1) * 100
+    their_devices = theirs.stages * shards
+    our_devices = len(set(part.device_of_stage)) * shards
+    keep = f"--split-points markers --stages {theirs.stages}"
+    if part.settings.schedule == "gpipe":  # the markers' split ran the partition's schedule
+        keep += " --schedule gpipe"
+    if shards > 1:
+        keep += f" --dp-shard {shards}"
     return [
-        f"{theirs.asked} ask for {stages}: bottleneck {theirs.bottleneck * 1e3:.3f} ms, "
-        f"predicted step {theirs.step_time * 1e3:.3f} ms for the same microbatches "
-        f"({change:+.1f}% against this "
-        f"partition's {predicted.bottleneck * 1e3:.3f} ms and {ours * 1e3:.3f} ms; compile with "
-        f"--split-points markers --stages {theirs.stages} to keep them)"
+        f"{theirs.asked} ask for {stages}: on {their_devices} devices (one stage each), "
+        f"bottleneck {theirs.bottleneck * 1e3:.3f} ms, predicted step "
+        f"{theirs.step_time * 1e3:.3f} ms for the same microbatches ({change:+.1f}% against this "
+        f"partition's {predicted.bottleneck * 1e3:.3f} ms and {ours * 1e3:.3f} ms on "
+        f"{our_devices} devices; compile with {keep} to keep them)"
     ]
 
 

@@ -11,6 +11,8 @@ import pty
 import re
 import subprocess
 import sys
+import time
+import types
 
 import pytest
 import torch
@@ -238,6 +240,67 @@ def test_workers_find_the_plans_of_one_process(gpt2_graph, devices, global_batch
         assert told[-1].total == len(alone) and told[-1].best is not None
         # the fastest plan, as the ranking counts it (ties to 3 digits rank by memory)
         assert f"{told[-1].best.throughput:.3g}" == f"{alone[0].throughput:.3g}"
+
+
+def _fake_partitions(graph, profile, devices, global_batch, steps_and_seconds):
+    """A stand-in for partitioning: each candidate (in search order) gets the step and takes
+    the seconds ``steps_and_seconds(index, bound)`` gives, so that workers finish out of order."""
+    listed = candidates(devices, global_batch, len(graph.units))
+    compute = sum(unit.forward + unit.backward for unit in profile.units)
+    bounds = [step_lower_bound(c, compute) for c in listed]
+    order = sorted(range(len(listed)), key=lambda c: (bounds[c], c))
+    fake = {
+        listed[c]: steps_and_seconds(index, bounds[c], bounds[order[0]])
+        for index, c in enumerate(order)
+    }
+
+    def partitioned(plan, *_):
+        step, seconds = fake[plan.candidate]
+        time.sleep(seconds)
+        plan.partition = types.SimpleNamespace(recompute=[], recompute_blocks=[])
+        plan.prediction = types.SimpleNamespace(device_memory=[1.0], bubble=0.0)
+        plan.step_time = step
+
+    return partitioned
+
+
+def test_workers_cite_the_best_plan_one_process_knew(gpt2_graph, monkeypatch):
+    """The first candidate is the best and slow to partition, the second quick and slower:
+    while the first runs, the main process prunes with the second's step; the table still
+    cites the first's, as one process does (issue found in review)."""
+    graph, profile = gpt2_graph
+
+    def steps(index, bound, first):
+        if index == 0:
+            return first, 2.0
+        return (first * 1.3, 0.05) if index == 1 else (bound * 10, 0.01)
+
+    monkeypatch.setattr(
+        search_module, "_partitioned", _fake_partitions(graph, profile, 4, 16, steps)
+    )
+    alone = search(graph, profile, 4, global_batch=16, method="mpipe")
+    forked = search(graph, profile, 4, global_batch=16, method="mpipe", workers=2)
+    assert [p.to_json() for p in forked] == [p.to_json() for p in alone]
+    assert any(p.problem.startswith(PRUNED) for p in alone)
+
+
+def test_workers_count_only_searched_candidates_as_done(gpt2_graph, monkeypatch):
+    """With --search-seconds, the candidates left out are not counted as done when the last
+    running ones finish."""
+    graph, profile = gpt2_graph
+    monkeypatch.setattr(
+        search_module,
+        "_partitioned",
+        _fake_partitions(graph, profile, 4, 16, lambda index, bound, first: (bound * 2, 0.4)),
+    )
+    told: list[SearchProgress] = []
+    plans = search(
+        graph, profile, 4, global_batch=16, method="mpipe", workers=2, seconds=0.5,
+        progress=told.append, prune=False,
+    )  # fmt: skip
+    searched = [p for p in plans if p.problem != NOT_SEARCHED]
+    assert [t.done for t in told] == list(range(1, len(searched) + 1))
+    assert len(searched) < len(plans)
 
 
 def test_workers_honour_the_search_seconds(gpt2_graph):

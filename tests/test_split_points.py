@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from torch.distributed.pipelining import SplitPoint
+from torch.distributed.pipelining import SplitPoint, pipe_split
 
 import models
 from autopipe.compiler import CompileOptions, trace_step
@@ -18,13 +18,30 @@ from autopipe.errors import ArtifactError, AutopipeError, PartitionError
 from autopipe.ir import Graph
 from autopipe.partitioning.partition import Partition
 from autopipe.partitioning.split_points import SplitPoints, requested_split, split_spec_text
-from autopipe.spec import load_example
+from autopipe.spec import Example, load_example
 from autopipe.summary import format_partition
 from autopipe.tracing.operators import operator_provider
 from autopipe.verify import verify
 
 from conftest import compile_model, spec
 from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
+
+
+class CalledTwice(torch.nn.Module):
+    """A block called twice, and pipe_split() before the first operator and after the last
+    (neither asks for a stage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.block, self.last = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        pipe_split()
+        x = self.block(self.first(x))
+        pipe_split()
+        x = self.last(self.block(x))
+        pipe_split()
+        return x
 
 
 def _graph(name: str, **options) -> Graph:
@@ -57,6 +74,9 @@ def test_markers_are_recorded_where_the_stages_begin(tmp_path):
     firsts = [graph[name].scope[0].fqn for name in graph.model.split_markers]
     assert firsts == ["layers.1", "layers.4"]
     assert all(name in calls for name in graph.model.split_markers)
+    # markers before the first operator and after the last ask for no stage
+    ends = trace_step(Example(CalledTwice(), (torch.randn(2, 8),)), CompileOptions(stages=1))
+    assert [ends[name].scope[0].fqn for name in ends.model.split_markers] == ["block"]
     graph.save(tmp_path / "graph.json")
     assert Graph.load(tmp_path / "graph.json").model.split_markers == graph.model.split_markers
     # a model without markers records none (its graph artefact has no such key)
@@ -108,7 +128,11 @@ def test_without_split_points_the_markers_are_compared_with_the_method(tmp_path)
     assert theirs.step_time == pytest.approx(alone.predicted.step_time, rel=1e-12)
     assert theirs.bottleneck == pytest.approx(alone.predicted.bottleneck, rel=1e-12)
     summary = format_partition(result.graph, part)
-    assert "the model's pipe_split() markers ask for 3 stages on as many devices" in summary
+    assert (
+        "the model's pipe_split() markers ask for 3 stages: on 3 devices (one stage each)"
+        in summary
+    )
+    assert "ms on 2 devices; compile with" in summary
     assert "--split-points markers --stages 3" in summary
     saved = Partition.load(tmp_path / "pipe" / "artifacts" / "partition.json")
     assert saved.requested == theirs
@@ -138,6 +162,10 @@ def test_split_points_that_cannot_be_kept_are_refused_clearly(tmp_path):
         requested_split(plain, SplitPoints.parse("layers.9"))
     with pytest.raises(PartitionError, match="leaves a stage with no operator"):
         requested_split(plain, SplitPoints.parse("layers.0"))
+    # a module called twice: torch's split_spec would split at both calls
+    shared = trace_step(Example(CalledTwice(), (torch.randn(2, 8),)), CompileOptions(stages=1))
+    with pytest.raises(PartitionError, match="calls 'block' 2 times"):
+        requested_split(shared, SplitPoints.parse("block:end"))
     # whole layers as units (depth 1): a boundary inside one is refused, naming it
     coarse = _graph("split_spec_model", depth=1)
     with pytest.raises(PartitionError, match=r"layers.2.1 falls inside the unit layers.2"):

@@ -239,13 +239,17 @@ def search(
     began, best = monotonic(), None
     settled: dict[int, Plan] = {}
 
+    searched = 0  # candidates settled but those --search-seconds left out
+
     def settle(c: int, plan: Plan) -> None:
-        nonlocal best
+        nonlocal best, searched
         settled[c] = plan
         if plan.fits and (best is None or plan.throughput > best.throughput):
             best = plan
-        if progress is not None and plan.problem != NOT_SEARCHED:
-            progress(SearchProgress(len(settled), len(every), monotonic() - began, best))
+        if plan.problem != NOT_SEARCHED:
+            searched += 1
+            if progress is not None:
+                progress(SearchProgress(searched, len(every), monotonic() - began, best))
 
     pool = _Workers(workers, graph, usable, method, optimizer) if workers > 1 else None
     try:
@@ -314,12 +318,16 @@ def _pruned(bound: float, best: Plan) -> str:
 def _as_one_process(plans: list[Plan], bounds: list[float], partitioned: list[bool]) -> None:
     """Mark pruned, in place, the plans (in search order, with their lower ``bounds``, those
     ``partitioned`` by a worker) that one process would have pruned: workers partition
-    candidates before the best plan of the earlier ones is known, so they may partition more."""
+    candidates before the best plan of the earlier ones is known, so they may partition more;
+    and say of every pruned plan the best step one process knew when it pruned it."""
     best: Plan | None = None
     for index, (plan, bound) in enumerate(zip(plans, bounds)):
-        if not partitioned[index]:
+        if plan.problem.startswith(PRUNED):  # pruned as it was listed: cite one process's best
+            assert best is not None, "a candidate is pruned after a plan that fits"
+            plan.problem = _pruned(bound, best)
+        elif not partitioned[index]:
             continue
-        if best is not None and bound > best.step_time * (1 + PRUNE_MARGIN):
+        elif best is not None and bound > best.step_time * (1 + PRUNE_MARGIN):
             plans[index] = Plan(plan.candidate, plan.global_batch, plan.capacity)
             plans[index].problem = _pruned(bound, best)
         elif plan.fits and (best is None or plan.throughput > best.throughput):

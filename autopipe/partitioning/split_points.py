@@ -113,6 +113,15 @@ def requested_split(graph: Graph, asked: SplitPoints) -> list[int]:
                     "points name modules by their original names, as the model's "
                     "named_modules() does)"
                 )
+            runs = {
+                level.key for node in calls for level in node.scope if level.fqn == point.module
+            }
+            if len(runs) > 1:
+                raise PartitionError(
+                    f"--split-points {point}: the model calls {point.module!r} {len(runs)} times "
+                    "(torch's split_spec would split at every call); name a module called once, "
+                    "or mark the boundaries with pipe_split()"
+                )
             starts.append(inside[0] if point.where == "begin" else inside[-1] + 1)
             where.append(str(point))
     boundaries = sorted(set(zip(starts, where)))

@@ -162,10 +162,12 @@ class Converter:
 
     def split_markers(self, nodes: list[Node]) -> tuple[str, ...]:
         """The first call of ``nodes`` (:meth:`convert`'s) after each ``pipe_split()`` marker:
-        where the model's author asks a stage to begin. A marker with no call after it, or
-        right after another, asks for nothing."""
+        where the model's author asks a stage to begin. A marker with no call before or after
+        it, or right after another, asks for nothing."""
         firsts: list[str] = []
         for before in self.markers:
+            if not any(n.kind == "call" and n.name in before for n in nodes):
+                continue  # before the first operator: no stage would come before it
             first = next((n.name for n in nodes if n.kind == "call" and n.name not in before), None)
             if first is not None and first not in firsts:
                 firsts.append(first)
