@@ -61,7 +61,7 @@ def requested_lines(part: Partition) -> list[str]:
     if theirs is None or predicted is None:
         return []
     shards = part.settings.dp_shard or 1
-    stages = f"{theirs.stages} stage{'s' if theirs.stages != 1 else ''}"
+    stages = _count(theirs.stages, "stage")
     if theirs.step_time is None or theirs.bottleneck is None:
         return [f"{theirs.asked} ask for {stages}, which cannot run: {theirs.problem}"]
     ours = predicted.step_time

@@ -206,11 +206,6 @@ def _partition(
         schedule = schedule or default_schedule(device_of_stage)
         stage_of_unit = align_to_blocks(model, stage_of_unit, device_of_stage, schedule)
     model.check_monotone(stage_of_unit)
-    if sorted(set(stage_of_unit)) != list(range(num_stages)) and request.split is not None:
-        raise PartitionError(
-            "the split points leave a stage without a unit (two boundaries inside one unit); "
-            "trace with a larger --depth (finer units), or move the boundaries apart"
-        )
     if sorted(set(stage_of_unit)) != list(range(num_stages)):
         raise PartitionError(
             f"method {method} did not produce {num_stages} non-empty stages (a bug: please report)"

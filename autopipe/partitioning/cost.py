@@ -652,10 +652,10 @@ class CostModel:
         device_of_stage = (
             device_of_stage if device_of_stage is not None else list(range(num_stages))
         )
-        costs = self.pipeline_costs(stage_of_unit, device_of_stage, recompute, recompute_blocks)
-        microbatches = self.microbatches or default_microbatches(num_stages)
         schedule = schedule or self.schedule
-        simulation = self.simulate(costs, schedule, microbatches)
+        costs, microbatches, simulation = self._simulated(
+            stage_of_unit, device_of_stage, schedule, recompute, recompute_blocks
+        )
         param_array, trainable_array = self.sums.parameters(
             self.sums.assignment(stage_of_unit), num_stages
         )
@@ -712,11 +712,22 @@ class CostModel:
         """The simulated step time and each device's peak bytes of an assignment, equal to
         :meth:`evaluate`'s, without the rest of its prediction (what a partitioner comparing
         many splits reads)."""
-        num_stages = max(stage_of_unit) + 1
-        costs = self.pipeline_costs(stage_of_unit, device_of_stage)
-        microbatches = self.microbatches or default_microbatches(num_stages)
-        simulation = self.simulate(costs, schedule or self.schedule, microbatches)
+        _, _, simulation = self._simulated(stage_of_unit, device_of_stage, schedule)
         return simulation.step_time, simulation.peak_memory
+
+    def _simulated(
+        self,
+        stage_of_unit: list[int],
+        device_of_stage: list[int],
+        schedule: str | None,
+        recompute: frozenset[int] = frozenset(),
+        recompute_blocks: frozenset[str] = frozenset(),
+    ) -> tuple[PipelineCosts, int, Simulation]:
+        """An assignment's pipeline costs, microbatches and simulated step under ``schedule``
+        (None: the model's)."""
+        costs = self.pipeline_costs(stage_of_unit, device_of_stage, recompute, recompute_blocks)
+        microbatches = self.microbatches or default_microbatches(max(stage_of_unit) + 1)
+        return costs, microbatches, self.simulate(costs, schedule or self.schedule, microbatches)
 
     def device_memory(
         self,

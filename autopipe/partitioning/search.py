@@ -367,21 +367,22 @@ class _Workers:
 
     def wait_for_room(self, settle: Callable[[int, Plan], None]) -> None:
         """Settle finished candidates, waiting for one while every worker is busy."""
-        while self.running:
-            done, _ = wait(
-                self.running,
-                timeout=None if len(self.running) >= self.workers else 0,
-                return_when=FIRST_COMPLETED,
-            )
-            if not done:
-                return
-            for future in sorted(done, key=self.running.__getitem__):
-                settle(self.running.pop(future), future.result())
+        self._settle(settle, most_running=self.workers - 1)
 
     def finish(self, settle: Callable[[int, Plan], None]) -> None:
         """Settle every candidate still running."""
+        self._settle(settle, most_running=0)
+
+    def _settle(self, settle: Callable[[int, Plan], None], most_running: int) -> None:
+        """Settle the finished candidates (in search order), waiting while more than
+        ``most_running`` run."""
         while self.running:
-            done, _ = wait(self.running, return_when=FIRST_COMPLETED)
+            waiting = len(self.running) > most_running
+            done, _ = wait(
+                self.running, timeout=None if waiting else 0, return_when=FIRST_COMPLETED
+            )
+            if not done:
+                return
             for future in sorted(done, key=self.running.__getitem__):
                 settle(self.running.pop(future), future.result())
 

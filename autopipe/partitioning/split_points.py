@@ -102,20 +102,18 @@ def requested_split(graph: Graph, asked: SplitPoints) -> list[int]:
     else:
         starts, where = [], []
         for point in asked.points:
-            inside = [
-                index
-                for index, node in enumerate(calls)
-                if any(level.fqn == point.module for level in node.scope)
-            ]
+            inside, runs = [], set()  # its calls' positions, and its calls
+            for index, node in enumerate(calls):
+                levels = [level.key for level in node.scope if level.fqn == point.module]
+                if levels:
+                    inside.append(index)
+                    runs.update(levels)
             if not inside:
                 raise PartitionError(
                     f"--split-points {point}: the model runs no module {point.module!r} (split "
                     "points name modules by their original names, as the model's "
                     "named_modules() does)"
                 )
-            runs = {
-                level.key for node in calls for level in node.scope if level.fqn == point.module
-            }
             if len(runs) > 1:
                 raise PartitionError(
                     f"--split-points {point}: the model calls {point.module!r} {len(runs)} times "
