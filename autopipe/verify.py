@@ -227,11 +227,12 @@ def _forward_stages(
 def _backward_stages(
     records: list[tuple[Stage, list, tuple]], grads: dict[str, torch.Tensor]
 ) -> None:
-    """Backward from the last stage to the first, handing input gradients to the stage before."""
+    """Backward from the last stage to the first, handing input gradients to the stage before.
+    A value a stage returns twice (a model returning one tensor in two places) gets its
+    gradient, the sum of both places', once."""
     for spec, inputs, outputs in reversed(records):
-        pairs = [
-            (o, grads[n]) for n, o in zip(spec.outputs, outputs) if n in grads and o.requires_grad
-        ]
+        returned = dict(zip(spec.outputs, outputs))
+        pairs = [(o, grads[n]) for n, o in returned.items() if n in grads and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         grads = {n: i.grad for n, i in zip(spec.inputs, inputs) if i.grad is not None}

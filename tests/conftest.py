@@ -91,6 +91,20 @@ def torchrun(
     return result
 
 
+def torchrun_failing(script: Path, nproc: int, *args: str, timeout: int = 300):
+    """Run a generated train.py expected to fail on ``nproc`` local gloo ranks; its result."""
+    result = subprocess.run(
+        torchrun_command(script, nproc, *args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=torchrun_env(),
+        cwd=ROOT,
+    )
+    assert result.returncode != 0, f"train.py did not fail:\n{result.stdout[-4000:]}"
+    return result
+
+
 ONE_PROCESS = Layout(
     torch.device("cpu"), pp_size=1, dp_size=1, pp_rank=0, dp_rank=0, pp_group=None, dp_group=None
 )

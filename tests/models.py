@@ -419,6 +419,45 @@ def masked_sum_batch_unlike_the_example(step: int, microbatches: int = 4):
     return (x,), {}, target
 
 
+class ValueChecked(nn.Module):
+    """A model checking its input's values, as LLaVA checks its image tokens: a branch whose
+    other side only raises, an assert and torch._check_tensor_all. Every check holds for this
+    model's data (3 of every 4 rows marked, finite values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 1)
+
+    def forward(self, x):
+        marked = x[:, 0] > 0
+        if marked.sum() != 3 * (x.shape[0] // 4):
+            raise ValueError(f"3 of every 4 rows must be marked, got {int(marked.sum())}")
+        torch._check_tensor_all(x.isfinite(), lambda: "the input holds inf or nan")
+        h = torch.tanh(self.first(x))
+        assert (h.abs() <= 1).all(), "tanh left its range"
+        return self.second(h * marked[:, None]).squeeze(-1)
+
+
+def value_checked():
+    torch.manual_seed(0)
+    return ValueChecked(), (_marked(4),)
+
+
+def value_checked_with_target():
+    model, args = value_checked()
+    return model, args, {}, torch.zeros(4)
+
+
+def value_checked_batch(step: int, microbatches: int = 4):
+    return masked_sum_batch(step, microbatches)
+
+
+def value_checked_batch_unlike_the_example(step: int, microbatches: int = 4):
+    """value_checked_batch, but step 1 marks every row, which the model's check refuses."""
+    return masked_sum_batch_unlike_the_example(step, microbatches)
+
+
 class ThirdPartyInCond(nn.Module):
     """An operator registered by another module, called in a torch.cond branch."""
 

@@ -142,3 +142,14 @@ def capacity_needing_recomputation(result, schedule: str, whole_stages: bool) ->
     low, high = min(recomputed), min(plain)
     assert low < high, "recomputation does not lower this model's peak"
     return (low + high) / 2
+
+
+def run_stages(package, state: dict, values: dict) -> dict:
+    """The stages of a loaded package run one after another in this process on the model's
+    ``state``, from the inputs in ``values`` (which gains every stage's outputs)."""
+    for index in range(len(package.PIPELINE["stages"])):
+        stage = package.build_stage(index)
+        stage.load_state_dict(state, strict=False)
+        outputs = stage(*[values[n] for n in stage.inputs])
+        values.update(zip(stage.outputs, outputs))
+    return values

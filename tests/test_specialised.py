@@ -10,21 +10,18 @@ import models
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline, verify
 
-from conftest import compile_model, spec
-from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
+from conftest import compile_model, spec, torchrun_failing
+from pipelines import (
+    STEPS,
+    assert_same_training,
+    reference_training,
+    run_pipeline,
+    run_stages,
+)
 
 
 def _run_stages(package, x):
-    values = {"x": x}
-    for index in range(len(package.PIPELINE["stages"])):
-        stage = package.build_stage(index)
-        stage.load_state_dict(
-            {k: v for k, v in load_example(spec("masked_sum")).model.state_dict().items()},
-            strict=False,
-        )
-        outputs = stage(*[values[n] for n in stage.inputs])
-        values.update(zip(stage.outputs, outputs))
-    return values
+    return run_stages(package, load_example(spec("masked_sum")).model.state_dict(), {"x": x})
 
 
 def test_sizes_from_tensor_values_are_specialised_and_checked(tmp_path):
@@ -72,28 +69,17 @@ def test_specialised_sizes_train_like_pytorch(tmp_path):
 
 @pytest.mark.slow
 def test_a_batch_unlike_the_example_stops_train_py_clearly(tmp_path):
-    from conftest import torchrun_command, torchrun_env, ROOT
-    import subprocess
-
     compile_model("masked_sum_with_target", tmp_path / "pipe", 2, loss="tests/models.py:mse")
-    result = subprocess.run(
-        torchrun_command(
-            tmp_path / "pipe" / "train.py",
-            2,
-            "--steps",
-            "3",
-            "--microbatches",
-            "4",
-            "--data",
-            "tests/models.py:masked_sum_batch_unlike_the_example",
-        ),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=torchrun_env(),
-        cwd=ROOT,
+    result = torchrun_failing(
+        tmp_path / "pipe" / "train.py",
+        2,
+        "--steps",
+        "3",
+        "--microbatches",
+        "4",
+        "--data",
+        "tests/models.py:masked_sum_batch_unlike_the_example",
     )
-    assert result.returncode != 0
     assert "step 0 loss" in result.stdout and "step 1 loss" not in result.stdout
     assert f'File "{tmp_path / "pipe"}' not in result.stderr, result.stderr[-3000:]
     assert "train.py: error: rank 0: tests/models.py:" in result.stderr

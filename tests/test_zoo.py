@@ -45,6 +45,7 @@ SLOW = {
     "swin",
     "convnext",
     "clip",
+    "llava",
     "wav2vec2",
     "mixtral",
     "qwen2_moe",
@@ -88,8 +89,9 @@ def test_zoo_runs_standalone(packages, name):
 
 # A subset trains through train.py on gloo against plain PyTorch: a decoder LLM, ALBERT (one
 # layer shared by every position), a mixture of experts (an operator registered by transformers,
-# imported by the generated stages) and a vision transformer with windows.
-TRAINED = ["llama", "albert", "mixtral", "swin"]
+# imported by the generated stages), a vision transformer with windows and LLaVA (a check on
+# tensor values, kept as a run-time check).
+TRAINED = ["llama", "albert", "mixtral", "swin", "llava"]
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from .dynamic import DynamicDim, UnwritableSize, formula
 from .operators import operator_provider
 from .passes import drop_dead, move_getitems_after_sources
 from .user_line import at_node
+from .value_checks import ValueCheck
 from .values import (
     constant_literal,
     is_symbolic,
@@ -82,8 +83,12 @@ class Converter:
         exported: torch.export.ExportedProgram,
         symbols: dict[Any, DynamicDim] | None = None,
         higher_order: Mapping[str, HigherOrderConverter] | None = None,
+        checks: Mapping[str, ValueCheck] | None = None,
     ) -> None:
         self.exported = exported
+        #: the reads of truth values from tensors that are the model's checks, by node name:
+        #: specialised to the example's value, and checked at run time with the model's message
+        self.checks: Mapping[str, ValueCheck] = checks or {}
         #: higher-order operator name -> what converts its nodes (other than inlined regions)
         self.higher_order: Mapping[str, HigherOrderConverter] = higher_order or {}
         #: whether this converter converts a branch of a ``torch.cond`` (see tracing/cond.py)
@@ -245,6 +250,13 @@ class Converter:
         value: Any = node.meta.get("val")  # what torch recorded: a tensor, a number, a symbol
         if name in READS_A_NUMBER:  # .item(): specialised to the example's value, and checked
             number = self._concrete(value) if is_symbolic(value) else value
+            check = self.checks.get(node.name)
+            if check is not None and type(number) is bool:  # the model's check on values
+                self.names[node] = number
+                tensor = node.args[0]
+                assert isinstance(tensor, fx.Node)  # the tensor .item() reads
+                self._check(node, self.names[tensor], number, scope_of(node), context, check=check)
+                return
             if type(number) is not int:
                 error = symbolic_size_error(node)
                 assert error is not None  # a number that is not an int here is symbolic
@@ -378,12 +390,16 @@ class Converter:
         scope: tuple,
         context: tuple,
         shown: int | None = None,
+        check: ValueCheck | None = None,
     ) -> None:
         """Nodes that fail loudly at run time unless tensor ``observed`` (one element) equals
-        ``expected``, the example's value the graph was specialised to at ``node``."""
+        ``expected``, the example's value the graph was specialised to at ``node``: with the
+        model's own message where the value is its ``check``."""
         where, code = at_node(node)
         message = (
-            f"{where}: {code.strip()} computes a size from tensor values "
+            check.failure()
+            if check is not None
+            else f"{where}: {code.strip()} computes a size from tensor values "
             f"({expected if shown is None else shown} on the example), and {SPECIALISED_SIZE}; "
             "this batch gives another. Compile with an example like your data, or compute the "
             "size without reading tensor values"

@@ -43,7 +43,8 @@ from .model_tables import (
 )
 from .passes import propagate_requires_grad
 from .units import group_units
-from .user_line import UserLine, in_traceback, on_stack
+from .user_line import UserLine, at_node, every_user_frame_recorded, in_traceback, on_stack
+from .value_checks import ValueCheck, value_check
 from .values import data_dependent_error, symbolic_size_error
 
 __all__ = ["guards_recorded", "partial_graph_held_back", "trace"]
@@ -84,13 +85,21 @@ def trace(
         # weights are not needed to trace: a model built on meta is traced with fake tensors on
         # the CPU, so that its device-dependent code takes the branch a CPU (or GPU) run takes
         with (
-            state_as_fake(model, torch.device("cpu")) if on_meta else contextlib.nullcontext()
-        ) as fake, custom_functions_captured() as functions, partial_graph_held_back():
+            (
+                state_as_fake(model, torch.device("cpu")) if on_meta else contextlib.nullcontext()
+            ) as fake,
+            custom_functions_captured() as functions,
+            partial_graph_held_back(),
+        ):
             if fake is not None:
                 args, kwargs = fake((args, kwargs))
-            with cond_grad_mode_checked(), guards_recorded(active=bool(dims)) as guards:
+            with (
+                cond_grad_mode_checked(),
+                every_user_frame_recorded(),
+                guards_recorded(active=bool(dims)) as guards,
+            ):
                 # (torch.export drops no_grad around a cond; guards name specialising lines)
-                exported = _export(
+                exported, checks = _export(
                     model,
                     tuple(args),
                     dict(kwargs),
@@ -106,7 +115,7 @@ def trace(
 
     refuse_lost_backwards(exported)
     symbols = _symbols(exported, dims, args, kwargs, model)
-    converter = Converter(exported, symbols, higher_order=_HIGHER_ORDER)
+    converter = Converter(exported, symbols, higher_order=_HIGHER_ORDER, checks=checks)
     with symbolic_sizes(converter.size) if dims else contextlib.nullcontext():
         nodes = converter.convert()
     graph = Graph(
@@ -140,12 +149,14 @@ def trace(
 
 def _export(
     model: torch.nn.Module, args: tuple, kwargs: dict, real: bool, shapes: dict
-) -> torch.export.ExportedProgram:
-    """``torch.export`` (non-strict), with the dynamic ``shapes`` of its inputs. A model whose
-    sizes or branches depend on tensor values (``nonzero``, ``.item()``) is exported again with
-    real tensors propagated beside the fake ones (``real``: the model has weights), which gives
-    every such value on the example; the converter specialises the graph to them and checks them
-    at run time. The model's buffers and the RNG are left as they were."""
+) -> tuple[torch.export.ExportedProgram, dict[str, ValueCheck]]:
+    """``torch.export`` (non-strict), with the dynamic ``shapes`` of its inputs, and the model's
+    checks on tensor values by the name of the node reading each. A model whose sizes or
+    branches depend on tensor values (``nonzero``, ``.item()``) is exported again with real
+    tensors propagated beside the fake ones (``real``: the model has weights), which gives every
+    such value on the example; the converter specialises the graph to them and checks them at
+    run time. A branch on a value is refused unless it is the model's check (its other side only
+    raises: tracing/value_checks.py). The model's buffers and the RNG are left as they were."""
     export = functools.partial(
         torch.export.export,
         model,
@@ -162,8 +173,8 @@ def _export(
             raise
         failure: Exception | None = exc
     else:
-        if not (real and _unbacked_bindings(exported)):
-            return exported
+        if not (real and _reads_values(exported)):
+            return exported, {}
         failure = None
     buffers = [(b, b.clone()) for b in model.buffers()]
     rng = torch.get_rng_state()
@@ -183,14 +194,29 @@ def _export(
         with torch.no_grad():
             for buffer, value in buffers:
                 buffer.copy_(value)
-    branch = next((n for n in exported.graph.nodes if _decides_a_branch(n)), None)
-    if branch is not None:  # a size can be specialised and checked; a branch on values cannot
-        if failure is not None:
-            raise failure
-        error = symbolic_size_error(branch)
-        assert error is not None  # torch records a truth value read from tensors as a symbol
-        raise error
-    return exported
+    checks = {}
+    for node in exported.graph.nodes:
+        if not _decides_a_branch(node):
+            continue
+        # a size can be specialised and checked, a check kept; other branches on values cannot
+        truth = isinstance(node.meta.get("val"), (bool, torch.SymBool))
+        check = value_check(node) if truth else None
+        if check is None:
+            if failure is not None:
+                raise failure
+            error = None if truth else symbolic_size_error(node)
+            if error is not None:  # a float read from tensors
+                raise error
+            where, code = at_node(node)
+            raise data_dependent_error(
+                "control flow",
+                where,
+                code,
+                f"a branch on the truth value {node.target} reads from a tensor; a branch whose "
+                "other side only raises is a check, which autopipe keeps as a run-time check",
+            )
+        checks[node.name] = check
+    return exported, checks
 
 
 def _decides_a_branch(node: fx.Node) -> bool:
@@ -206,8 +232,13 @@ def _is_data_dependent(exc: BaseException) -> bool:
     return "data-dependent" in str(exc) or "DataDependent" in name
 
 
-def _unbacked_bindings(exported: torch.export.ExportedProgram) -> bool:
-    return any(node.meta.get("unbacked_bindings") for node in exported.graph.nodes)
+def _reads_values(exported: torch.export.ExportedProgram) -> bool:
+    """Whether the program reads sizes or numbers from tensor values (a ``torch._check`` on one
+    may have fixed it, leaving no symbol)."""
+    return any(
+        node.meta.get("unbacked_bindings") or str(node.target) in READS_A_NUMBER
+        for node in exported.graph.nodes
+    )
 
 
 def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -7,21 +7,24 @@ package from the package on, else relative to the working directory, else by its
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import cast
 
 import torch
+import torch.fx.proxy
 from torch import fx
 from torch.utils import _pytree as pytree
 
 __all__ = [
     "UserLine",
     "at_node",
+    "every_user_frame_recorded",
     "in_stack_trace",
     "in_traceback",
     "is_user_file",
@@ -105,3 +108,29 @@ def at_node(node: fx.Node) -> tuple[str, str]:
     """Where in the user's code ``node`` was traced: ``("file.py:12", "\\n    code")``."""
     line = in_stack_trace(node.meta.get("stack_trace") or "")
     return (line.where, line.code_block) if line else ("the model's forward", "")
+
+
+class _UserFrames(frozenset):
+    """Stands for torch's set of ``(file, function)`` frames a traced node's stack trace keeps
+    beside the ``forward`` methods': every frame of user code."""
+
+    def __contains__(self, frame: object) -> bool:
+        return isinstance(frame, tuple) and is_user_file(frame[0])
+
+
+@contextlib.contextmanager
+def every_user_frame_recorded() -> Iterator[None]:
+    """While the block runs, the stack traces ``torch.export`` records for nodes keep every
+    frame of user code, not only ``forward`` methods: the line a helper function (a check in
+    ``get_placeholder_mask``) runs is the node's innermost user line. torch keeps those frames
+    in ``torch.fx.proxy._STACK_TRACE_ANCHORS`` (functions registered as user code); without
+    it, stack traces are torch's own."""
+    anchors = getattr(torch.fx.proxy, "_STACK_TRACE_ANCHORS", None)
+    if not isinstance(anchors, set):
+        yield
+        return
+    torch.fx.proxy._STACK_TRACE_ANCHORS = _UserFrames(anchors)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.fx.proxy._STACK_TRACE_ANCHORS = anchors

@@ -96,6 +96,22 @@ def _clip_inputs(batch: int, g: torch.Generator):
     return (ids, pixels), {"return_loss": True}
 
 
+LLAVA_IMAGE, LLAVA_PATCH = 8, 4
+LLAVA_IMAGE_TOKENS = (LLAVA_IMAGE // LLAVA_PATCH) ** 2  # the vision tower's CLS is dropped
+LLAVA_IMAGE_TOKEN = VOCAB - 1
+
+
+def _llava_inputs(batch: int, g: torch.Generator):
+    """Token ids with one image's placeholder tokens after the first, its pixels, and labels
+    for the text tokens (-100 on the image's)."""
+    ids = torch.randint(3, LLAVA_IMAGE_TOKEN, (batch, SEQ), generator=g)
+    ids[:, 1 : 1 + LLAVA_IMAGE_TOKENS] = LLAVA_IMAGE_TOKEN
+    pixels = torch.randn(batch, 3, LLAVA_IMAGE, LLAVA_IMAGE, generator=g)
+    labels = ids.clone()
+    labels[ids == LLAVA_IMAGE_TOKEN] = -100
+    return (ids, pixels), {"labels": labels}
+
+
 WAV2VEC2_SAMPLES = 400
 
 
@@ -649,6 +665,40 @@ def clip():
     return model, args, kwargs
 
 
+def llava():
+    """LLaVA: a CLIP vision tower, a projector and a Llama; the image features are scattered
+    into the token embeddings after the model checks that the image tokens number the
+    features (a check on tensor values, kept as a run-time check)."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=LLAVA_IMAGE,
+        patch_size=LLAVA_PATCH,
+        attention_dropout=0.0,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=_decoder_config(LlamaConfig),
+        image_token_id=LLAVA_IMAGE_TOKEN,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+    model = LlavaForConditionalGeneration(config)
+    args, kwargs = _llava_inputs(BATCH, _example_generator())
+    return model, args, kwargs
+
+
 def wav2vec2():
     """Wav2Vec2 audio classification: a convolutional feature extractor with group norm, a
     weight-normed positional convolution, mean pooling."""
@@ -742,6 +792,7 @@ _INPUTS = {
     "whisper": _whisper_inputs,
     "clip": _clip_inputs,
     "wav2vec2": _wav2vec2_inputs,
+    "llava": _llava_inputs,
 }
 
 
@@ -853,6 +904,10 @@ def clip_batch(step: int, microbatches: int = 4):
     return _batch("clip", "clip", step, microbatches)
 
 
+def llava_batch(step: int, microbatches: int = 4):
+    return _batch("llava", "llava", step, microbatches)
+
+
 def wav2vec2_batch(step: int, microbatches: int = 4):
     return _batch("wav2vec2", "wav2vec2", step, microbatches)
 
@@ -906,6 +961,7 @@ ZOO = {
     "swin": swin,
     "convnext": convnext,
     "clip": clip,
+    "llava": llava,
     "wav2vec2": wav2vec2,
     "mixtral": mixtral,
     "qwen2_moe": qwen2_moe,
@@ -939,6 +995,7 @@ FAMILIES = {
     "swin": "vision",
     "convnext": "vision",
     "clip": "multi-modal",
+    "llava": "vision-language",
     "wav2vec2": "audio",
     "mixtral": "moe",
     "qwen2_moe": "moe",

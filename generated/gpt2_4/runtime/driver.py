@@ -41,7 +41,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.utils.checkpoint import checkpoint
 
 from .activity import ACTIVITY, BusyTimes, CudaBusyTimes, doing, recorded
-from .core.errors import SPECIALISED_SIZE, PipelineRunError, UserCodeError, first_line
+from .core.errors import RUN_TIME_CHECKS, PipelineRunError, UserCodeError, first_line
 from .core.memory import LiveTensorBytes
 from .core.pipeline import Pipeline, PipelineFormatError
 from .core.schedules import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, greedy_orders
@@ -1190,12 +1190,13 @@ def _user_code_error(exc: BaseException | None) -> UserCodeError | None:
     return None
 
 
-def _failed_size_check(exc: BaseException | None) -> str | None:
-    """The message of a generated size check that failed, found along the exception's causes
-    (torch's pipeline stages wrap what a stage raises), or None."""
+def _failed_check(exc: BaseException | None) -> str | None:
+    """The message of a generated run-time check that failed (a specialised size, the model's
+    own check on tensor values), found along the exception's causes (torch's pipeline stages
+    wrap what a stage raises), or None."""
     while exc is not None:
         for line in str(exc).splitlines():
-            if SPECIALISED_SIZE in line:
+            if any(words in line for words in RUN_TIME_CHECKS):
                 return line.strip()
         exc = exc.__cause__ or exc.__context__
     return None
@@ -1292,9 +1293,9 @@ def _main(package: ModuleType, argv: list[str]) -> int:
             return 2
         _error(f"train.py: rank {rank} stopped ({str(exc) or 'SIGINT'}).{resume_hint}")
         return 130
-    except Exception as exc:  # noqa: BLE001 - lost peers and failed size checks are explained
+    except Exception as exc:  # noqa: BLE001 - lost peers and failed checks are explained
         _ending()
-        unlike = _failed_size_check(exc)
+        unlike = _failed_check(exc)
         if unlike:  # a batch unlike the example, caught by a stage's check
             board.post(unlike)
             _error(f"train.py: error: rank {rank}: {unlike}")

@@ -1,10 +1,11 @@
-"""What a pipeline's run reports: its error, messages in one line, and the words of the size
-checks generated code makes.
+"""What a pipeline's run reports: its error, messages in one line, and the words of the
+run-time checks generated code makes.
 
 Copied into every generated pipeline as ``runtime/core/errors.py``; it needs only the standard
-library. The compiler writes :data:`SPECIALISED_SIZE` into the message of a size it specialised
-and train.py looks for it to explain a stage's failed check; ``autopipe verify`` and train.py
-raise :class:`PipelineRunError`.
+library. The compiler writes :data:`SPECIALISED_SIZE` into the message of a size it specialised,
+:data:`FAILED_MODEL_CHECK` into that of a check the model makes on tensor values, and
+train.py looks for them (:data:`RUN_TIME_CHECKS`) to explain a stage's failed check;
+``autopipe verify`` and train.py raise :class:`PipelineRunError`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,22 @@ from __future__ import annotations
 import os
 import traceback
 
-__all__ = ["SPECIALISED_SIZE", "PipelineRunError", "UserCodeError", "first_line", "user_line"]
+__all__ = [
+    "FAILED_MODEL_CHECK",
+    "RUN_TIME_CHECKS",
+    "SPECIALISED_SIZE",
+    "PipelineRunError",
+    "UserCodeError",
+    "first_line",
+    "user_line",
+]
 
 #: in the message of the checks generated code makes of sizes computed from tensor values
 SPECIALISED_SIZE = "the pipeline was compiled for that size"
+#: in the message of the checks generated code makes where the model checks tensor values
+FAILED_MODEL_CHECK = "the model's own check failed for this batch"
+#: the words train.py looks for to explain a stage's failed check
+RUN_TIME_CHECKS = (SPECIALISED_SIZE, FAILED_MODEL_CHECK)
 
 
 class PipelineRunError(RuntimeError):

@@ -1,0 +1,300 @@
+"""Checks on tensor values: a truth value read from tensors (``if x.sum() != n: raise ...``,
+``assert``, ``torch._check_tensor_all``) whose other side only raises is the model checking its
+input, not control flow. The graph follows the example's side and the stage checks, at run time,
+that each batch takes it too, raising the model's own message when it does not.
+
+A read is a check when the statement of the user's code that made it is one of
+
+- ``assert cond, message``;
+- ``if cond: raise E(message)`` (or its ``else`` alone raises): the side that only raises
+  (simple statements may precede the ``raise``) is the one the example did not take;
+- a call of a check function (``torch._check``, ``torch._check_tensor_all``, a library's own
+  ``*check*`` wrapper): the message is its argument after the condition, found in the caller
+  when the wrapper passes on its own parameter (transformers' ``torch_compilable_check``).
+
+Anything else (work on both sides, a loop, a conditional expression) is control flow and stays
+refused (tracing/values.py says what to do). The message is the model's: a string as written, an
+f-string with its fields shown as in the source (``{n_tokens}``), since the values are the
+failing batch's and only the stage has them.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import linecache
+import os
+import re
+from dataclasses import dataclass
+
+from torch import fx
+
+from ..runtime.core.errors import FAILED_MODEL_CHECK
+from .user_line import UserLine, is_user_file
+
+__all__ = ["ValueCheck", "value_check"]
+
+#: One frame of a formatted stack trace (``node.meta["stack_trace"]``): file, line, function.
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)')
+#: torch's check functions and the exception each raises
+_TORCH_CHECKS = {
+    "_check": "RuntimeError",
+    "_check_tensor_all": "RuntimeError",
+    "_check_value": "ValueError",
+    "_check_index": "IndexError",
+    "_check_type": "TypeError",
+    "_check_not_implemented": "NotImplementedError",
+    "_check_is_size": "RuntimeError",
+}
+#: keyword names a check function takes its message and its exception type by
+_MESSAGE_KEYWORDS = ("msg", "message", "error_message")
+_ERROR_KEYWORDS = ("error_type", "exc_type", "error", "exception")
+
+
+@dataclass(frozen=True)
+class ValueCheck:
+    """A check of the model on tensor values, where its user's line is (``where``,
+    ``FILE:LINE``; ``code``, the statement's first line) and what it raises: the exception's
+    name (``error``, empty when the source does not say) and the model's ``message``."""
+
+    where: str
+    code: str
+    error: str
+    message: str
+
+    def failure(self) -> str:
+        """What the stage raises when a batch fails the check: the model's message, where it
+        is, and why the pipeline checks it (the example passed)."""
+        error = f"{self.error}: " if self.error else ""
+        message = self.message or self.code
+        return f"{self.where}: {error}{message} ({FAILED_MODEL_CHECK}; the example passed it)"
+
+
+def value_check(node: fx.Node) -> ValueCheck | None:
+    """The check ``node`` (a read of a truth value from a tensor) is part of, or None when the
+    read decides real control flow."""
+    frames = [
+        (m["file"], int(m["line"]), m["function"])
+        for m in _FRAME.finditer(node.meta.get("stack_trace") or "")
+        if is_user_file(m["file"])
+    ]
+    if not frames:
+        return None
+    filename, lineno, function = frames[-1]
+    statement = _statement_at(filename, lineno)
+    if statement is None:
+        return None
+    found = _check_of(statement, lineno)
+    if found is None:
+        return None
+    error, message, statement = found
+    lineno = statement.lineno
+    # a wrapper passing on its own parameter: the message is the argument its caller gives,
+    # and the exception the wrapper's (the caller's choice, else the wrapper's default)
+    for outer_file, outer_line, outer_function in reversed(frames[:-1]):
+        if not (isinstance(message, ast.Name) or message is None):
+            break
+        call = _call_of(_statement_at(outer_file, outer_line))
+        definition = _function_at(filename, lineno)
+        if call is None or definition is None or _name(call.func) != function:
+            break
+        passed = _parameters(call, definition)
+        if isinstance(message, ast.Name):
+            if message.id not in passed:
+                break  # a local of the wrapper, not what its caller passed
+            message = passed[message.id]
+        else:
+            message = _message_of(call)
+        errors = [passed[name] for name in _ERROR_KEYWORDS if name in passed]
+        error = _name(errors[0]) if errors else _error_of(call) or error
+        filename, lineno, function = outer_file, outer_line, outer_function
+        statement = _statement_at(filename, lineno)
+        assert statement is not None  # it holds the call
+    line = UserLine(filename, lineno, _first_line(filename, statement))
+    return ValueCheck(line.where, line.code, error, _text(message))
+
+
+# -- the statement at a line ------------------------------------------------------------------
+def _module(filename: str) -> ast.Module | None:
+    """``filename`` parsed (once for each time it was modified), or None if it cannot be."""
+    try:
+        return _parsed(filename, os.stat(filename).st_mtime_ns)
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(filename: str, modified: int) -> ast.Module | None:
+    try:
+        with open(filename, encoding="utf-8") as handle:
+            return ast.parse(handle.read(), filename)
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def _statement_at(filename: str, lineno: int) -> ast.stmt | None:
+    """The innermost statement of ``filename`` spanning line ``lineno``."""
+    node: ast.AST | None = _module(filename)
+    found = None
+    while node is not None:
+        node = next(
+            (
+                child
+                for child in ast.iter_child_nodes(node)
+                if getattr(child, "lineno", lineno + 1) <= lineno <= getattr(child, "end_lineno", 0)
+            ),
+            None,
+        )
+        if isinstance(node, ast.stmt):
+            found = node
+    return found
+
+
+def _first_line(filename: str, statement: ast.stmt) -> str:
+    return linecache.getline(filename, statement.lineno).strip()
+
+
+def _spans(expression: ast.expr, lineno: int) -> bool:
+    return expression.lineno <= lineno <= (expression.end_lineno or expression.lineno)
+
+
+# -- which statements are checks --------------------------------------------------------------
+def _check_of(statement: ast.stmt, lineno: int) -> tuple[str, ast.expr | None, ast.stmt] | None:
+    """``(exception name, message expression, statement raising it)`` if ``statement`` checks
+    the truth value read at ``lineno``, else None."""
+    if isinstance(statement, ast.Assert) and _spans(statement.test, lineno):
+        written = ast.Constant(f"assert {ast.unparse(statement.test)}")
+        return "AssertionError", statement.msg or written, statement
+    if isinstance(statement, ast.If) and _spans(statement.test, lineno):
+        body, orelse = _only_raises(statement.body), _only_raises(statement.orelse)
+        if body == orelse:
+            return None  # work on both sides (or raising on both): not a check
+        side = statement.body if body else statement.orelse
+        error, message = _raised(side[-1])
+        if isinstance(message, ast.Name):  # a message the side computes before raising
+            assigned = [
+                s.value
+                for s in side
+                if isinstance(s, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == message.id for t in s.targets)
+            ]
+            message = assigned[-1] if assigned else message
+        return error, message, side[-1]
+    call = _call_of(statement)
+    if call is not None and _is_check_function(call.func):
+        return _error_of(call), _message_of(call), statement
+    return None
+
+
+def _only_raises(statements: list[ast.stmt]) -> bool:
+    """Whether ``statements`` can only end in the ``raise`` ending them (simple statements, a
+    message computed or logged, before it)."""
+    if not statements or not isinstance(statements[-1], ast.Raise) or statements[-1].exc is None:
+        return False
+    simple = (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Expr)
+    return all(isinstance(s, simple) for s in statements[:-1])
+
+
+def _raised(statement: ast.stmt) -> tuple[str, ast.expr | None]:
+    assert isinstance(statement, ast.Raise)  # the side ends in one (_only_raises)
+    exc = statement.exc
+    if isinstance(exc, ast.Call):
+        return _name(exc.func), exc.args[0] if exc.args else None
+    return _name(exc) if exc is not None else "", None
+
+
+def _call_of(statement: ast.stmt | None) -> ast.Call | None:
+    if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call):
+        return statement.value
+    return None
+
+
+def _name(expression: ast.expr | None) -> str:
+    if isinstance(expression, ast.Attribute):
+        return expression.attr
+    if isinstance(expression, ast.Name):
+        return expression.id
+    return ""
+
+
+def _is_check_function(function: ast.expr) -> bool:
+    name = _name(function)
+    return name in _TORCH_CHECKS or "check" in name.lower()
+
+
+def _error_of(call: ast.Call | None) -> str:
+    """The exception a check call raises, where its source says."""
+    if call is None:
+        return ""
+    for keyword in call.keywords:
+        if keyword.arg in _ERROR_KEYWORDS:
+            return _name(keyword.value)
+    name = _name(call.func)
+    if name == "_check_with" and call.args:
+        return _name(call.args[0])
+    return _TORCH_CHECKS.get(name, "")
+
+
+def _message_of(call: ast.Call) -> ast.expr | None:
+    for keyword in call.keywords:
+        if keyword.arg in _MESSAGE_KEYWORDS:
+            return keyword.value
+    position = 2 if _name(call.func) == "_check_with" else 1
+    return call.args[position] if len(call.args) > position else None
+
+
+def _parameters(
+    call: ast.Call, definition: ast.FunctionDef | ast.AsyncFunctionDef
+) -> dict[str, ast.expr]:
+    """What ``call`` passes for each parameter of the function ``definition`` defines, with the
+    defaults of those it leaves out."""
+    arguments = definition.args
+    names = [a.arg for a in arguments.posonlyargs + arguments.args]
+    if names and names[0] in ("self", "cls") and isinstance(call.func, ast.Attribute):
+        names = names[1:]  # a method: the instance is not among the call's arguments
+    defaults = dict(zip(reversed(names), reversed(arguments.defaults)))
+    defaults |= {
+        a.arg: d for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults) if d is not None
+    }
+    passed = dict(zip(names, call.args))
+    passed |= {k.arg: k.value for k in call.keywords if k.arg is not None}
+    return defaults | passed
+
+
+def _function_at(filename: str, lineno: int) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    module = _module(filename)
+    found = None
+    for node in ast.walk(module) if module is not None else ():
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if node.lineno <= lineno <= (node.end_lineno or 0):
+                if found is None or node.lineno > found.lineno:
+                    found = node
+    return found
+
+
+# -- the message as the model writes it -------------------------------------------------------
+def _text(message: ast.expr | None) -> str:
+    """A message expression as text: a string as written, an f-string with its fields as in
+    the source, a lambda's result, other expressions as source."""
+    if message is None:
+        return ""
+    if isinstance(message, ast.Lambda):
+        return _text(message.body)
+    if isinstance(message, ast.Constant):
+        return str(message.value)
+    if isinstance(message, ast.JoinedStr):
+        return "".join(
+            (
+                str(part.value)
+                if isinstance(part, ast.Constant)
+                else (
+                    "{" + ast.unparse(part.value) + "}"
+                    if isinstance(part, ast.FormattedValue)
+                    else ""
+                )
+            )
+            for part in message.values
+        )
+    if isinstance(message, ast.BinOp) and isinstance(message.op, ast.Add):
+        return _text(message.left) + _text(message.right)
+    return "{" + ast.unparse(message) + "}"
