@@ -197,8 +197,14 @@ class ActionGraph:
             at = backward[firsts]
             added[self.device[at], rows.column[at] + 1] = grads[seen]
         state = np.cumsum(added, axis=1)[:, 1:]
-        # gradients of received inputs: kept after each full or input backward
-        keeping = rows.table(np.where((kind == 1) | (kind == 2), in_grads[stage], 0.0), 0.0)
+        # gradients of received inputs: kept after each full or input backward (after the
+        # stage's first alone where a backward's input gradients replace the last ones sent)
+        sends = (kind == 1) | (kind == 2)
+        if costs.input_gradients_freed:
+            sending = np.flatnonzero(sends)
+            sends = np.zeros_like(sends)
+            sends[sending[np.unique(stage[sending], return_index=True)[1]]] = True
+        keeping = rows.table(np.where(sends, in_grads[stage], 0.0), 0.0)
         kept_running = np.cumsum(keeping, axis=1)
         kept = np.c_[np.zeros(num_devices), kept_running[:, :-1]]
         transient = rows.table(
@@ -234,7 +240,7 @@ class ActionGraph:
                 buffered[device],
                 float(live_end[device]),
                 int(count_end[device]),
-                float(kept_running[device, -1]),
+                0.0 if costs.input_gradients_freed else float(kept_running[device, -1]),
                 transient_optimizer[device],
                 "optimizer",
             )

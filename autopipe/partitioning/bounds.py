@@ -28,10 +28,10 @@ MOST_CUTS = 32
 @dataclass(frozen=True)
 class Crossings:
     """The least bytes a boundary between two stages holds per microbatch of a step (the
-    activations crossing it, the next stage's receive buffer, and twice their gradients: the
-    previous stage's receive buffer and the next stage's gradients of its inputs, kept to the
-    end of the step), by the first units before it: ``(bytes, at most this many boundaries)``,
-    cheapest first (None: any number)."""
+    activations crossing it, the next stage's receive buffer, their gradients, the previous
+    stage's receive buffer, and where the schedule keeps them to the end of the step, the next
+    stage's gradients of its inputs once more), by the first units before it: ``(bytes, at
+    most this many boundaries)``, cheapest first (None: any number)."""
 
     least: tuple[tuple[float, int | None], ...]
 
@@ -46,8 +46,10 @@ class Crossings:
         return total
 
 
-def crossings(model: CostModel) -> Crossings:
-    """:class:`Crossings` of ``model``'s graph, over every partition. The units before a
+def crossings(model: CostModel, input_gradients_kept: bool = True) -> Crossings:
+    """:class:`Crossings` of ``model``'s graph, over every partition, for a schedule keeping the
+    gradients of received inputs to the end of the step or not (``input_gradients_kept``; see
+    :data:`~autopipe.runtime.core.schedules.SENDS_WAITED_AT_ONCE`). The units before a
     boundary hold every predecessor of theirs, some of the first units (those without
     predecessors) and not some last unit. Those holding exactly the first units ``P`` lie among
     the units all of whose first units are in ``P``, so a split has at most that many less
@@ -74,7 +76,8 @@ def crossings(model: CostModel) -> Crossings:
     for u, v in dag.edges:  # a unit before the boundary has its predecessors before it too
         network.add_edge(v, u)
     for e, ex in enumerate(model.exchanges):
-        network.add_edge(("value", e), ("crossed", e), capacity=ex.activation + 2 * ex.gradient)
+        held = ex.activation + (2 if input_gradients_kept else 1) * ex.gradient
+        network.add_edge(("value", e), ("crossed", e), capacity=held)
         network.add_edge(ex.producer if ex.producer >= 0 else "source", ("value", e))
         # a value crosses every boundary from its producer's stage to its last reader's (as
         # the cost model counts it, :meth:`.cost.CostModel.pipeline_costs`)
@@ -113,9 +116,10 @@ def memory_floor(
     """Bytes the fullest of ``ranks`` devices holds at least, whatever the split into
     ``stages`` stages: at the optimizer step every device holds its stages' training state
     (``model``'s share under its ``--dp-shard``), their receive buffers of every microbatch and
-    the gradients of their received inputs, so all devices together hold at least the whole
-    model's state and ``microbatches`` x what the ``stages - 1`` boundaries hold
-    (:meth:`Crossings.total`); under a split-backward ``schedule`` with sharding, FSDP2 keeps
+    (but where ``schedule`` frees them as it goes) the gradients of their received inputs, so
+    all devices together hold at least the whole model's state and ``microbatches`` x what the
+    ``stages - 1`` boundaries hold (:meth:`Crossings.total`: ``crossed`` must be of a schedule
+    like ``schedule``); under a split-backward ``schedule`` with sharding, FSDP2 keeps
     every stage's parameters and gradients gathered for the step as well (every parameter in
     at least one stage). The fullest device holds at least the average."""
     params, trainable = sum(model.param_bytes), sum(model.trainable_bytes)

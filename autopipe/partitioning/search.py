@@ -30,6 +30,7 @@ from ..ir import Graph
 from ..profiling.profile import Profile
 from ..runtime.core.schedules import (
     MULTI_STAGE,
+    SENDS_WAITED_AT_ONCE,
     SPLIT_BACKWARD,
     V_SHAPED,
     placement,
@@ -424,9 +425,20 @@ def _memory_floors(
         shard: CostModel(graph, usable, optimizer=optimizer, dp_shard=shard)
         for shard in sorted({c.dp_shard for c in listed})
     }
-    crossed = crossings(models[listed[0].dp_shard])
+    model = models[listed[0].dp_shard]
+    crossed = {
+        kept: crossings(model, input_gradients_kept=kept)
+        for kept in sorted({c.schedule not in SENDS_WAITED_AT_ONCE for c in listed})
+    }
     return [
-        memory_floor(models[c.dp_shard], c.stages, c.ranks, c.microbatches, crossed, c.schedule)
+        memory_floor(
+            models[c.dp_shard],
+            c.stages,
+            c.ranks,
+            c.microbatches,
+            crossed[c.schedule not in SENDS_WAITED_AT_ONCE],
+            c.schedule,
+        )
         for c in listed
     ]
 

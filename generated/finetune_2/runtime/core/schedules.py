@@ -21,6 +21,7 @@ __all__ = [
     "MULTI_STAGE",
     "SCHEDULES",
     "SINGLE_STAGE",
+    "SENDS_WAITED_AT_ONCE",
     "SPLIT_BACKWARD",
     "V_SHAPED",
     "Action",
@@ -56,6 +57,10 @@ SCHEDULES = (*SINGLE_STAGE, *MULTI_STAGE, "auto")
 COMPILE_SCHEDULES = (*SINGLE_STAGE, "auto", *MULTI_STAGE)
 #: schedules that split each backward into an input part and a weight part (zero bubble)
 SPLIT_BACKWARD = ("interleaved-zero-bubble", "zbv", "dualpipev")
+#: schedules whose ranks wait for a backward's sends within the next actions (torch's
+#: Schedule1F1B), so that a stage holds the gradients of one microbatch's received inputs, the
+#: last it sent; the others wait for every send at the end of the step, holding them all
+SENDS_WAITED_AT_ONCE = ("1f1b",)
 V_SHAPED = ("zbv", "dualpipev")
 
 
@@ -158,7 +163,9 @@ class PipelineCosts:
     memory_capacity: float = float("inf")  # bytes per device
     gradients: list[float] = field(default_factory=list)  # of static_memory: from 1st backward
     buffers: list[float] = field(default_factory=list)  # receive buffers of every microbatch
-    input_gradients: list[float] = field(default_factory=list)  # kept from backward to step end
+    input_gradients: list[float] = field(default_factory=list)  # sent by a backward: kept ...
+    #: ... the last one sent alone (True: :data:`SENDS_WAITED_AT_ONCE`), or every one to step end
+    input_gradients_freed: bool = False
     transient_forward: list[float] = field(default_factory=list)  # during a forward
     transient_backward: list[float] = field(default_factory=list)  # during a backward
     transient_optimizer: list[float] = field(default_factory=list)  # during the optimizer step
@@ -369,7 +376,7 @@ class MemoryPeak:
     buffers: float  # receive buffers
     activations: float  # saved by the microbatches in flight, and their outputs
     in_flight: int  # microbatches whose activations are alive
-    input_gradients: float  # gradients of received inputs, kept to the end of the step
+    input_gradients: float  # gradients of received inputs sent and not yet freed
     transient: float  # inside the action running at the peak, or the optimizer step
     moment: str  # the action at the peak ("0F1"), or "optimizer"
 
@@ -383,8 +390,10 @@ def device_memory(
 ) -> list[MemoryPeak]:
     """Each device's peak, walking its actions in the order it runs them: a forward adds its
     microbatch's activations, freed by its full (or weight) backward; a stage's gradients appear
-    with its first backward, the gradients of received inputs stay to the end of the step, and
-    each action (and the optimizer step after them) adds its own transient bytes."""
+    with its first backward, the gradients of received inputs a backward sends stay to the end
+    of the step (or, where ``costs.input_gradients_freed``, until the next one replaces them, all
+    freed by the optimizer step), and each action (and the optimizer step after them) adds its
+    own transient bytes."""
 
     def table(name: str) -> list[float]:
         return getattr(costs, name) or [0.0] * costs.num_stages
@@ -402,7 +411,7 @@ def device_memory(
         stages = [s for s, d in enumerate(costs.device_of_stage) if d == device]
         state = sum(costs.static_memory[s] - grads[s] for s in stages)
         buffered = sum(buffers[s] for s in stages)
-        live, count, kept, backward_seen = 0.0, 0, 0.0, set()
+        live, count, kept, backward_seen, sent = 0.0, 0, 0.0, set(), set()
         best = MemoryPeak(state, buffered, 0.0, 0, 0.0, 0.0, "start")
         # the device's actions in the order they run (a stable sort: ties keep their order)
         for _device, action, _start, _end in sorted(by_device[device], key=lambda e: (e[2], e[3])):
@@ -417,11 +426,13 @@ def device_memory(
             )
             if action.kind in ("B", "W"):
                 live, count = live - act[s], count - 1
-            if action.kind in ("B", "I"):
-                kept += in_grads[s]
+            if action.kind in ("B", "I") and not (costs.input_gradients_freed and s in sent):
+                kept += in_grads[s]  # (freed: each backward's replace the stage's last ones)
+                sent.add(s)
             if now.total > best.total:
                 best = now
         full = sum(costs.static_memory[s] for s in stages)
+        kept = 0.0 if costs.input_gradients_freed else kept
         step = MemoryPeak(
             full, buffered, live, count, kept, sum(optimizer[s] for s in stages), "optimizer"
         )
