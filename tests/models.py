@@ -10,6 +10,7 @@ import os
 
 import torch
 from torch import nn
+from torch._higher_order_ops.scan import scan
 from torch.distributed.pipelining import pipe_split
 from torch.nn import functional as F
 
@@ -456,6 +457,26 @@ def value_checked_batch(step: int, microbatches: int = 4):
 def value_checked_batch_unlike_the_example(step: int, microbatches: int = 4):
     """value_checked_batch, but step 1 marks every row, which the model's check refuses."""
     return masked_sum_batch_unlike_the_example(step, microbatches)
+
+
+class ScanLoop(nn.Module):
+    """A recurrence written with torch's scan higher-order operator, which autopipe refuses
+    saying what to write instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        def step(h, y):
+            return h + y, h.clone()
+
+        h, _ = scan(step, torch.zeros(2, 4), self.fc(x))
+        return h
+
+
+def scan_loop():
+    return ScanLoop(), (torch.randn(3, 2, 4),)
 
 
 class ThirdPartyInCond(nn.Module):

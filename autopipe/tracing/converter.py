@@ -54,6 +54,23 @@ READS_A_NUMBER = {"aten.item.default", "aten._local_scalar_dense.default"}
 
 _getitem = operator.getitem
 
+#: what to do instead of a higher-order operator autopipe does not compile, by its name
+_HIGHER_ORDER_ADVICE = {
+    "while_loop": "write the loop in Python with a fixed trip count (torch.export unrolls it), "
+    "or as torch.cond steps",
+    "scan": "write the loop in Python over the sequence (torch.export unrolls it)",
+    "associative_scan": "write the scan in Python or with torch.cumsum / torch.cumprod",
+    "map": "write the loop in Python over the first dimension (torch.export unrolls it)",
+    "flex_attention": "use torch.nn.functional.scaled_dot_product_attention with an attention "
+    "mask (HF models: attn_implementation='sdpa' or 'eager')",
+    "invoke_subgraph": "call the function directly instead of through torch.compile's "
+    "nested_compile_region",
+}
+_OTHER_HIGHER_ORDER = (
+    "call the function the operator wraps directly, or build the model so that it does not "
+    "use it"
+)
+
 
 #: Converts one node of a higher-order operator (``torch.cond``) of ``owner``'s graph into the
 #: converter's nodes: ``(converter, node, owner, context)``.
@@ -302,8 +319,12 @@ class Converter:
             args = encode_args(node.args, self.names)
             kwargs = encode_args(node.kwargs, self.names)
         except UnsupportedValue as exc:
+            where, code = at_node(node)
             raise TraceError(
-                f"operator {name} (node {node.name}) has an unsupported argument: {exc}"
+                f"the model calls the operator {name} at {where}:{code}\nwith an argument "
+                f"generated code cannot hold: {exc}. Pass tensors, numbers, strings, dtypes, "
+                "devices or lists of them (make the value a tensor, or compute it from the "
+                "inputs' sizes)"
             ) from None
         ir = Node(
             preferred or self.fresh(node.name),
@@ -445,9 +466,11 @@ class Converter:
             self.higher_order[op](self, node, owner, context)
             return
         else:
+            where, code = at_node(node)
             raise TraceError(
-                f"the model uses the higher-order operator {op} (node {node.name}); autopipe "
-                "supports torch.cond, torch.no_grad / set_grad_enabled and autocast regions only"
+                f"the model uses torch's higher-order operator {op} at {where}:{code}\n"
+                "autopipe compiles torch.cond, no_grad / set_grad_enabled and autocast regions, "
+                f"and no other; {_HIGHER_ORDER_ADVICE.get(op, _OTHER_HIGHER_ORDER)}"
             )
         # the region's body: a get_attr node naming a submodule of owner
         assert isinstance(submod_node, fx.Node) and isinstance(submod_node.target, str)
