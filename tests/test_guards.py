@@ -22,7 +22,7 @@ from autopipe.cli import main as autopipe_main
 from autopipe.runtime import driver, train_state
 from autopipe.runtime.checkpoint import Checkpoint, CheckpointError, save_safetensors
 from autopipe.runtime.core.errors import PipelineRunError
-from autopipe.runtime.guards import RunLock
+from autopipe.runtime.guards import RunLock, output_problems
 from autopipe.runtime.options import parse_config
 from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.spec import load_example
@@ -116,6 +116,8 @@ def test_all_labels_ignored_is_named_and_can_be_skipped(gpt2_pipe, tmp_path):
 
 @pytest.mark.slow
 def test_output_paths_are_checked_before_the_first_step(gpt2_pipe, tmp_path):
+    """Every rank checks the paths it will write (guards.output_problems) before any training;
+    train.py stops on a problem, said once by rank 0, with nothing trained or written."""
     (tmp_path / "a_dir").mkdir()
     (tmp_path / "a_file").write_text("mine")
     cases = {
@@ -125,9 +127,14 @@ def test_output_paths_are_checked_before_the_first_step(gpt2_pipe, tmp_path):
         ("--log-json", "/proc/autopipe/log.jsonl"): "cannot write in /proc",
     }
     for (option, value), problem in cases.items():
-        message = error_of(run(gpt2_pipe, *STEPS, "--steps", "2", option, value), gpt2_pipe)
-        assert option in message and problem in message and "Nothing was trained" in message
-        assert "step 0" not in message
+        paths = dict.fromkeys(("save", "log_json", "checkpoint_dir"))
+        paths[option.removeprefix("--").replace("-", "_")] = value
+        (found,) = output_problems(**paths)
+        assert option in found and problem in found
+    (option, value), problem = next(iter(cases.items()))  # as train.py says it
+    message = error_of(run(gpt2_pipe, *STEPS, "--steps", "2", option, value), gpt2_pipe)
+    assert option in message and problem in message and "Nothing was trained" in message
+    assert "step 0" not in message
     assert (tmp_path / "a_file").read_text() == "mine" and not any((tmp_path / "a_dir").iterdir())
 
 
