@@ -459,6 +459,37 @@ def value_checked_batch_unlike_the_example(step: int, microbatches: int = 4):
     return masked_sum_batch_unlike_the_example(step, microbatches)
 
 
+def expect_rows(cond, message, error_type=KeyError):
+    """A library's check wrapper, as transformers' torch_compilable_check: under tracing it
+    hands torch the condition alone."""
+    torch._check_tensor_all(cond)
+
+
+class CheckedThroughHelpers(nn.Module):
+    """Checks written other ways: through a wrapper passing on its caller's message, and an
+    if whose else alone raises (the example takes the side that works)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        marked = x[:, 0] > 0
+        expect_rows(marked.sum() == 3 * (x.shape[0] // 4), f"{marked.sum()} rows marked")
+        h = self.fc(x)
+        if marked.any():
+            h = h * 2
+        else:
+            reason = "no row is marked"
+            raise ValueError(reason)
+        return h.sum(-1)
+
+
+def checked_through_helpers():
+    torch.manual_seed(0)
+    return CheckedThroughHelpers(), (_marked(4),)
+
+
 class ScanLoop(nn.Module):
     """A recurrence written with torch's scan higher-order operator, which autopipe refuses
     saying what to write instead."""

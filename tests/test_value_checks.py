@@ -14,6 +14,7 @@ import torch
 
 import models
 from autopipe.spec import Example, load_example
+from autopipe.tracing import trace
 from autopipe.verify import load_pipeline, verify
 
 from conftest import compile_model, spec, torchrun_failing
@@ -88,6 +89,21 @@ def test_a_batch_failing_a_check_raises_the_models_message(checked, kind, violat
     assert kind != "if" or str(raised.value).startswith("3 of every 4 rows must be marked")
     with pytest.raises(RuntimeError, match=re.escape(MESSAGES[kind])):
         _run_stages(package, bad)
+
+
+def test_checks_through_a_wrapper_and_in_an_else():
+    """A wrapper's check takes its caller's message and the wrapper's default exception; an
+    if whose else alone raises is a check too, with the message the else composes."""
+    graph = trace(load_example(spec("checked_through_helpers")))
+    messages = [n.args[1] for n in graph.calls if n.target == "aten._assert_async.msg"]
+    lines, first = inspect.getsourcelines(models.CheckedThroughHelpers.forward)
+    at = {text: first + next(i for i, l in enumerate(lines) if text in l) for text in lines}
+    wrapper = next(n for t, n in at.items() if "expect_rows(" in t)
+    raised = next(n for t, n in at.items() if "raise ValueError" in t)
+    assert messages == [
+        f"tests/models.py:{wrapper}: KeyError: {{marked.sum()}} rows marked ({_WORDS})",
+        f"tests/models.py:{raised}: ValueError: no row is marked ({_WORDS})",
+    ]
 
 
 def test_llava_checks_its_image_tokens_with_its_own_message(zoo_packages):

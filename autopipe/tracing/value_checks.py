@@ -49,6 +49,8 @@ _TORCH_CHECKS = {
 #: keyword names a check function takes its message and its exception type by
 _MESSAGE_KEYWORDS = ("msg", "message", "error_message")
 _ERROR_KEYWORDS = ("error_type", "exc_type", "error", "exception")
+#: the word "check" in a function's name, as a word of it
+_CHECK_WORD = re.compile(r"(?:^|_)check(?:$|_)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -218,8 +220,10 @@ def _name(expression: ast.expr | None) -> str:
 
 
 def _is_check_function(function: ast.expr) -> bool:
+    """Whether ``function`` is named as a check: torch's, or one with the word "check" in its
+    name (``check_inputs``, ``torch_compilable_check``; not ``checkpoint``)."""
     name = _name(function)
-    return name in _TORCH_CHECKS or "check" in name.lower()
+    return name in _TORCH_CHECKS or bool(_CHECK_WORD.search(name))
 
 
 def _error_of(call: ast.Call | None) -> str:
@@ -283,18 +287,9 @@ def _text(message: ast.expr | None) -> str:
     if isinstance(message, ast.Constant):
         return str(message.value)
     if isinstance(message, ast.JoinedStr):
-        return "".join(
-            (
-                str(part.value)
-                if isinstance(part, ast.Constant)
-                else (
-                    "{" + ast.unparse(part.value) + "}"
-                    if isinstance(part, ast.FormattedValue)
-                    else ""
-                )
-            )
-            for part in message.values
-        )
+        return "".join(_text(part) for part in message.values)
+    if isinstance(message, ast.FormattedValue):  # a field of an f-string, as written
+        return "{" + ast.unparse(message.value) + "}"
     if isinstance(message, ast.BinOp) and isinstance(message.op, ast.Add):
         return _text(message.left) + _text(message.right)
     return "{" + ast.unparse(message) + "}"
