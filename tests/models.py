@@ -10,7 +10,6 @@ import os
 
 import torch
 from torch import nn
-from torch._higher_order_ops.scan import scan
 from torch.distributed.pipelining import pipe_split
 from torch.nn import functional as F
 
@@ -488,26 +487,6 @@ class CheckedThroughHelpers(nn.Module):
 def checked_through_helpers():
     torch.manual_seed(0)
     return CheckedThroughHelpers(), (_marked(4),)
-
-
-class ScanLoop(nn.Module):
-    """A recurrence written with torch's scan higher-order operator, which autopipe refuses
-    saying what to write instead."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        def step(h, y):
-            return h + y, h.clone()
-
-        h, _ = scan(step, torch.zeros(2, 4), self.fc(x))
-        return h
-
-
-def scan_loop():
-    return ScanLoop(), (torch.randn(3, 2, 4),)
 
 
 class ThirdPartyInCond(nn.Module):

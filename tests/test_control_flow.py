@@ -4,6 +4,7 @@ outputs and gradients of whichever branch the input takes, training included."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -200,9 +201,19 @@ def test_nested_cond_is_refused_clearly(tmp_path):
 
 
 def test_while_loop_is_refused_clearly(tmp_path):
-    with pytest.raises(TraceError, match="higher-order operator while_loop") as info:
+    """Refused at the user's line, saying what to write instead; nothing is written."""
+    with pytest.raises(TraceError) as info:
         compile_spec(f"{SPECS}:while_loop_model", tmp_path / "out", CompileOptions(stages=1))
-    assert "supports torch.cond" in str(info.value)
+    message = str(info.value)
+    assert re.match(
+        r"the model uses torch's higher-order operator while_loop at tests/cond_models.py:\d+:",
+        message,
+    )
+    assert "return while_loop(lambda i, y: i < 3," in message
+    assert (
+        "autopipe compiles torch.cond, no_grad / set_grad_enabled and autocast regions" in message
+    )
+    assert "write the loop in Python with a fixed trip count (torch.export unrolls it)" in message
     assert not (tmp_path / "out").exists()
 
 

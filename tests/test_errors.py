@@ -72,19 +72,6 @@ def test_more_stages_than_units(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_higher_order_operator_is_refused_saying_what_to_write():
-    from autopipe.tracing import trace
-
-    with pytest.raises(TraceError) as refused:
-        trace(load_example(spec("scan_loop")))
-    message = str(refused.value)
-    assert re.match(
-        r"the model uses torch's higher-order operator scan at tests/models.py:\d+:", message
-    )
-    assert "h, _ = scan(step, torch.zeros(2, 4), self.fc(x))" in message
-    assert "write the loop in Python over the sequence (torch.export unrolls it)" in message
-
-
 def test_data_dependent_control_flow_names_user_line(tmp_path):
     with pytest.raises(TraceError) as info:
         compile_model("branchy", tmp_path / "out", 2)

@@ -11,6 +11,7 @@ runs. It needs only the standard library.
 
 from __future__ import annotations
 
+import heapq
 import re
 from dataclasses import dataclass, field
 
@@ -269,30 +270,38 @@ def _greedy(
     }
     in_flight = [0] * num_stages
     next_forward = [0] * num_stages
-    pending_backward: list[list[int]] = [
-        [] for _ in range(num_stages)
-    ]  # forwarded, not yet backward
+    # per stage, a heap of the microbatches whose backward's inputs have run (its forward and
+    # the next stage's backward): the earliest of them is the backward it may run next
+    arrived: list[list[int]] = [[] for _ in range(num_stages)]
     done: dict[Action, float] = {}
     free = [0.0] * num_devices
     last_kind = ["B"] * num_devices
     orders: dict[int, list[Action]] = {d: [] for d in range(num_devices)}
+    known: dict[Action, float] = {}  # ready times found: fixed once an action's inputs ran
+
+    def ready_time(action: Action) -> float | None:
+        if action not in known:
+            ready = _ready_time(action, done, costs)
+            if ready is None:
+                return None
+            known[action] = ready
+        return known[action]
+
     total = 2 * num_stages * microbatches
     while len(done) < total:
         candidates: list[tuple[float, tuple[int, ...], int, Action]] = []
         for device, stages in stages_of.items():
             turn = alternate and last_kind[device] == "F"  # backward's turn
             for s in stages:
-                for m in pending_backward[s]:
-                    ready = _ready_time(Action(s, "B", m), done, costs)
-                    if ready is not None:
-                        key = (0 if (turn or not alternate) else 1, 0, -s, m)
-                        candidates.append(
-                            (max(ready, free[device]), key, device, Action(s, "B", m))
-                        )
-                        break
+                if arrived[s]:
+                    m = arrived[s][0]
+                    ready = ready_time(Action(s, "B", m))
+                    assert ready is not None  # its inputs have run
+                    key = (0 if (turn or not alternate) else 1, 0, -s, m)
+                    candidates.append((max(ready, free[device]), key, device, Action(s, "B", m)))
                 m = next_forward[s]
                 if m < microbatches and in_flight[s] < limit[s]:
-                    ready = _ready_time(Action(s, "F", m), done, costs)
+                    ready = ready_time(Action(s, "F", m))
                     if ready is not None:
                         order = (-s, m) if forward_first == "late" else (s, m)
                         key = (0 if (alternate and not turn) else 1, 1, *order)
@@ -315,10 +324,13 @@ def _greedy(
         if action.kind == "F":
             next_forward[action.stage] += 1
             in_flight[action.stage] += 1
-            pending_backward[action.stage].append(action.microbatch)
+            if action.stage == num_stages - 1:
+                heapq.heappush(arrived[action.stage], action.microbatch)
         else:
             in_flight[action.stage] -= 1
-            pending_backward[action.stage].remove(action.microbatch)
+            heapq.heappop(arrived[action.stage])  # the earliest: the only one offered
+            if action.stage > 0:
+                heapq.heappush(arrived[action.stage - 1], action.microbatch)
     return orders
 
 
