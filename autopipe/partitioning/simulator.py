@@ -247,10 +247,6 @@ def schedule_orders(
 
 def torch_orders(schedule: str, costs: PipelineCosts, microbatches: int) -> dict[int, list[Action]]:
     """The action orders of one of torch's multi-stage schedules."""
-    # imported here: torch.distributed.pipelining takes a second to import, and only the
-    # multi-stage schedules need it
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-
     devices, stages = costs.num_devices, costs.num_stages
     expected = placement(schedule, stages, devices)
     if costs.device_of_stage != expected or stages % devices:
@@ -259,19 +255,34 @@ def torch_orders(schedule: str, costs: PipelineCosts, microbatches: int) -> dict
             f"stages on devices {costs.device_of_stage}: use --schedule auto"
         )
     try:
-        ops = get_schedule_ops(
-            _orders_only(MULTI_STAGE[schedule]), devices, microbatches, stages // devices
-        )
+        orders = _torch_orders(schedule, devices, microbatches, stages // devices)
     except Exception as exc:  # torch validates the shape of the schedule
         raise PartitionError(
             f"torch's {schedule} schedule does not fit {stages} stages on {devices} devices with {microbatches} microbatches: {exc}"
         ) from None
-    # compute actions only (the orders are not lowered: no unshard, reshard, reduction or
-    # send/receive); an overlapped pair "(0F3;3B1)OVERLAP_F_B" runs as its two parts
-    return {
-        device: [own for a in row if a is not None for own in _computed(a)]
-        for device, row in enumerate(ops)
-    }
+    return {device: list(row) for device, row in enumerate(orders)}
+
+
+#: orders of torch's schedules kept (a search asks for the same ones again and again, and torch
+#: builds each through mocks: tens of milliseconds for a few ranks)
+TORCH_ORDERS_KEPT = 64
+
+
+@functools.lru_cache(maxsize=TORCH_ORDERS_KEPT)
+def _torch_orders(
+    schedule: str, devices: int, microbatches: int, stages_per_device: int
+) -> tuple[tuple[Action, ...], ...]:
+    """Each device's compute actions under torch's multi-stage ``schedule`` (the orders are not
+    lowered: no unshard, reshard, reduction or send/receive); an overlapped pair
+    "(0F3;3B1)OVERLAP_F_B" runs as its two parts."""
+    # imported here: torch.distributed.pipelining takes a second to import, and only the
+    # multi-stage schedules need it
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    ops = get_schedule_ops(
+        _orders_only(MULTI_STAGE[schedule]), devices, microbatches, stages_per_device
+    )
+    return tuple(tuple(own for a in row if a is not None for own in _computed(a)) for row in ops)
 
 
 #: the kinds of compute action, as torch's actions name them
