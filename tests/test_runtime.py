@@ -264,11 +264,14 @@ def test_killed_rank_resumes_to_the_same_weights(tmp_path):
     torch.save(load_example(spec("gpt2")).model.state_dict(), tmp_path / "init.pt")
     steps = "12"
     common = ["--steps", steps, "--microbatches", "4", "--load", str(tmp_path / "init.pt")]
-    common += ["--data", "tests/models.py:gpt2_batch_slowly", "--checkpoint-every", "3"]
+    common += ["--checkpoint-every", "3"]
+    fast, slowly = "tests/models.py:gpt2_batch", "tests/models.py:gpt2_batch_slowly"
     torchrun(
         out / "train.py",
         2,
         *common,
+        "--data",
+        fast,
         "--checkpoint-dir",
         str(tmp_path / "full"),
         "--save",
@@ -283,6 +286,8 @@ def test_killed_rank_resumes_to_the_same_weights(tmp_path):
         out / "train.py",
         2,
         *common,
+        "--data",
+        slowly,  # the same batches, late enough to kill a rank mid-run
         "--checkpoint-dir",
         str(ckpt),
         "--log-json",
@@ -308,6 +313,8 @@ def test_killed_rank_resumes_to_the_same_weights(tmp_path):
         out / "train.py",
         2,
         *common,
+        "--data",
+        fast,
         "--checkpoint-dir",
         str(ckpt),
         "--resume",
