@@ -464,6 +464,11 @@ def expect_rows(cond, message, error_type=KeyError):
     torch._check_tensor_all(cond)
 
 
+def require(cond, msg):
+    """A wrapper handing torch its message as a function."""
+    torch._check_tensor_all(cond, lambda: msg)
+
+
 class CheckedThroughHelpers(nn.Module):
     """Checks written other ways: through a wrapper passing on its caller's message, and an
     if whose else alone raises (the example takes the side that works)."""
@@ -475,6 +480,7 @@ class CheckedThroughHelpers(nn.Module):
     def forward(self, x):
         marked = x[:, 0] > 0
         expect_rows(marked.sum() == 3 * (x.shape[0] // 4), f"{marked.sum()} rows marked")
+        require(x.isfinite(), "the input holds inf or nan")
         h = self.fc(x)
         if marked.any():
             h = h * 2
@@ -487,6 +493,38 @@ class CheckedThroughHelpers(nn.Module):
 def checked_through_helpers():
     torch.manual_seed(0)
     return CheckedThroughHelpers(), (_marked(4),)
+
+
+class NotChecks(nn.Module):
+    """Branches on tensor values that look like checks and are not: two values combined so
+    that one can change without raising, and a raise the forward catches."""
+
+    def __init__(self, which: str):
+        super().__init__()
+        self.which = which
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.which == "and":
+            if (x[:, 0] > 0).any() and (x[:, 1] > 5).any():
+                raise ValueError("rows marked in both columns")
+        else:
+            try:
+                if (x[:, 1] > 5).any():
+                    raise ValueError("too large")
+                h = h * 2
+            except ValueError:
+                h = h * 3
+        return h.sum(-1)
+
+
+def not_a_check_and():
+    return NotChecks("and"), (_marked(4),)
+
+
+def not_a_check_caught():
+    return NotChecks("caught"), (_marked(4),)
 
 
 class ThirdPartyInCond(nn.Module):

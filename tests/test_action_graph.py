@@ -6,6 +6,7 @@ derived from its arrays equal the reference's from the listed events, for every 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -26,6 +27,7 @@ from autopipe.runtime.core.schedules import (
     V_SHAPED,
     Action,
     PipelineCosts,
+    device_memory,
     event_times,
     placement,
     schedule_problem_for,
@@ -97,7 +99,11 @@ def test_compiled_times_equal_the_reference(schedule, ranks, stages):
             assert graph is not None, f"{schedule} {microbatches} microbatches not compiled"
             assert graph.events(costs) == event_times(orders, costs)  # bit for bit, same order
             fast = simulate_schedule(schedule, costs, microbatches)
-            assert_same_simulation(fast, simulate(orders, costs))
+            assert_same_simulation(fast, simulate(orders, costs.for_schedule(schedule)))
+            for freed in (False, True):  # input gradients kept to the step's end, or freed
+                flagged = dataclasses.replace(costs, input_gradients_freed=freed)
+                walked = device_memory(event_times(orders, flagged), flagged)
+                assert graph.memory_peaks(flagged) == walked
             checked += 1
     assert checked
 

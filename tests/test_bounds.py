@@ -12,8 +12,8 @@ from autopipe.compiler import CompileOptions, profile_step, trace_step
 from autopipe.partitioning import CostModel, partition
 from autopipe.partitioning.bounds import crossings, memory_floor
 from autopipe.partitioning.search import PRUNED, search
+from autopipe.runtime.core.schedules import INPUT_GRADIENTS_FREED
 from autopipe.spec import load_example
-from autopipe.runtime.core.schedules import SENDS_WAITED_AT_ONCE
 
 from conftest import spec
 from graphs import dag_graph, device, profile
@@ -60,7 +60,7 @@ def test_cuts_are_the_least_any_boundaries_hold(small):
     # the least total of k nested boundaries ending at each boundary, by the number of units
     ordered = sorted(every, key=len)
     least = {before: size[before] for before in ordered}
-    found = crossings(small)
+    found = crossings(small, input_gradients_kept=True)
     assert found.total(1) == pytest.approx(min(size.values()))
     for k in range(2, small.num_units):
         least = {
@@ -120,7 +120,7 @@ def test_no_partition_needs_less_than_the_floor(
     its fullest device holding at least the floor."""
     graph, prof = gpt2
     model = CostModel(graph, prof, schedule=schedule, microbatches=microbatches, dp_shard=shard)
-    kept = schedule not in SENDS_WAITED_AT_ONCE  # 1F1B frees received inputs' gradients
+    kept = schedule not in INPUT_GRADIENTS_FREED  # 1F1B frees received inputs' gradients
     crossed = crossings(model, input_gradients_kept=kept)
     floor = memory_floor(model, stages, devices, microbatches, crossed, schedule)
     assert floor > 0
@@ -152,7 +152,9 @@ def test_pruning_by_memory_keeps_every_plan_that_fits():
                        method="dp", margin=0.0, prune=False):  # fmt: skip
         c = plan.candidate
         model = CostModel(graph, profile(graph, [1.0] * 16, spec=device()), dp_shard=c.dp_shard)
-        floors.append(memory_floor(model, c.stages, c.ranks, c.microbatches, crossings(model)))
+        kept = c.schedule not in INPUT_GRADIENTS_FREED
+        crossed = crossings(model, input_gradients_kept=kept)
+        floors.append(memory_floor(model, c.stages, c.ranks, c.microbatches, crossed, c.schedule))
     tight = profile(graph, [1.0] * 16, spec=device(sorted(floors)[len(floors) // 2]))
     every = search(graph, tight, 4, global_batch=16, method="dp", margin=0.0, prune=False)
     pruned = search(graph, tight, 4, global_batch=16, method="dp", margin=0.0)

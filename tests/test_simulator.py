@@ -7,7 +7,14 @@ import re
 import pytest
 
 from autopipe.errors import PartitionError
-from autopipe.partitioning.simulator import Action, PipelineCosts, schedule_orders, simulate
+from autopipe.partitioning.simulator import (
+    Action,
+    PipelineCosts,
+    schedule_memory,
+    schedule_orders,
+    simulate,
+    simulate_schedule,
+)
 from autopipe.runtime.core.schedules import MULTI_STAGE, V_SHAPED, placement
 
 
@@ -137,3 +144,31 @@ def test_multi_stage_orders_are_torchs(schedule, devices, per_device, microbatch
         for device, row in enumerate(ops)
     }
     assert schedule_orders(schedule, costs, microbatches) == expected
+
+
+@pytest.mark.parametrize("schedule, kept", [("1f1b", 0.0), ("gpipe", 400.0), ("auto", 400.0)])
+@pytest.mark.parametrize("given", [False, True])
+def test_received_input_gradients_are_freed_as_the_simulated_schedule_frees_them(
+    schedule, kept, given
+):
+    """At the optimizer step (the peak here) the last stage holds the gradients of its 4
+    microbatches' received inputs under GPipe and auto (torch waits for their sends at the end
+    of the step), none under 1F1B (each freed once the next actions wait for its send): as the
+    schedule simulated says, whatever the costs were made for."""
+    costs = PipelineCosts(
+        forward=[1.0, 1.0],
+        backward=[2.0, 2.0],
+        activations=[1.0, 1.0],
+        static_memory=[10.0, 10.0],
+        send_forward=[0.0],
+        send_backward=[0.0],
+        device_of_stage=[0, 1],
+        input_gradients=[0.0, 100.0],
+        transient_optimizer=[1e6, 1e6],
+        input_gradients_freed=given,
+    )
+    for peaks in (
+        schedule_memory(schedule, costs, 4),
+        simulate_schedule(schedule, costs, 4).memory_peaks,
+    ):
+        assert peaks[1].moment == "optimizer" and peaks[1].input_gradients == kept

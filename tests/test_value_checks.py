@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import models
+from autopipe.errors import TraceError
 from autopipe.spec import Example, load_example
 from autopipe.tracing import trace
 from autopipe.verify import load_pipeline, verify
@@ -99,11 +100,27 @@ def test_checks_through_a_wrapper_and_in_an_else():
     lines, first = inspect.getsourcelines(models.CheckedThroughHelpers.forward)
     at = {text: first + next(i for i, l in enumerate(lines) if text in l) for text in lines}
     wrapper = next(n for t, n in at.items() if "expect_rows(" in t)
+    given = next(n for t, n in at.items() if "require(" in t)
     raised = next(n for t, n in at.items() if "raise ValueError" in t)
     assert messages == [
         f"tests/models.py:{wrapper}: KeyError: {{marked.sum()}} rows marked ({_WORDS})",
+        f"tests/models.py:{given}: RuntimeError: the input holds inf or nan ({_WORDS})",
         f"tests/models.py:{raised}: ValueError: no row is marked ({_WORDS})",
     ]
+
+
+@pytest.mark.parametrize(
+    "name, refusal",
+    [
+        ("not_a_check_and", "reads more than one value from tensors and combines them"),
+        ("not_a_check_caught", "the model has data-dependent control flow"),
+    ],
+)
+def test_what_only_looks_like_a_check_stays_refused(name, refusal):
+    """Two values in one condition that one can change without raising (pinning both would
+    refuse batches the model takes), and a raise the forward catches, are not checks."""
+    with pytest.raises(TraceError, match=refusal):
+        trace(load_example(spec(name)))
 
 
 def test_llava_checks_its_image_tokens_with_its_own_message(zoo_packages):

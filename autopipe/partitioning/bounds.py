@@ -46,10 +46,10 @@ class Crossings:
         return total
 
 
-def crossings(model: CostModel, input_gradients_kept: bool = True) -> Crossings:
+def crossings(model: CostModel, *, input_gradients_kept: bool) -> Crossings:
     """:class:`Crossings` of ``model``'s graph, over every partition, for a schedule keeping the
     gradients of received inputs to the end of the step or not (``input_gradients_kept``; see
-    :data:`~autopipe.runtime.core.schedules.SENDS_WAITED_AT_ONCE`). The units before a
+    :data:`~autopipe.runtime.core.schedules.INPUT_GRADIENTS_FREED`). The units before a
     boundary hold every predecessor of theirs, some of the first units (those without
     predecessors) and not some last unit. Those holding exactly the first units ``P`` lie among
     the units all of whose first units are in ``P``, so a split has at most that many less

@@ -34,7 +34,7 @@ from ..profiling.devices import DeviceSpec
 from ..profiling.profile import Profile
 from ..ir.analysis import block_calls, unit_workloads
 from ..runtime.core.pipeline import default_microbatches, flops_utilisation
-from ..runtime.core.schedules import SENDS_WAITED_AT_ONCE, SPLIT_BACKWARD, MemoryPeak, PipelineCosts
+from ..runtime.core.schedules import SPLIT_BACKWARD, MemoryPeak, PipelineCosts
 from .partition import PartitionSettings, PredictedStage, PredictedStep
 from .simulator import Simulation, schedule_memory, simulate_schedule
 from .stage_sums import StageSums
@@ -601,8 +601,7 @@ class CostModel:
             memory_capacity=self.device.memory,
             gradients=[t * shard for t in trainable],
             buffers=[microbatches * (i + g) for i, g in zip(inputs, [*grad_cross, 0.0])],
-            input_gradients=[0.0, *grad_cross],
-            input_gradients_freed=self.schedule in SENDS_WAITED_AT_ONCE,
+            input_gradients=[0.0, *grad_cross],  # freed as the simulated schedule frees them
             transient_forward=transient_forward,
             transient_backward=transient_backward,
             transient_optimizer=[

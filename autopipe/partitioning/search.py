@@ -30,7 +30,7 @@ from ..ir import Graph
 from ..profiling.profile import Profile
 from ..runtime.core.schedules import (
     MULTI_STAGE,
-    SENDS_WAITED_AT_ONCE,
+    INPUT_GRADIENTS_FREED,
     SPLIT_BACKWARD,
     V_SHAPED,
     placement,
@@ -428,7 +428,7 @@ def _memory_floors(
     model = models[listed[0].dp_shard]
     crossed = {
         kept: crossings(model, input_gradients_kept=kept)
-        for kept in sorted({c.schedule not in SENDS_WAITED_AT_ONCE for c in listed})
+        for kept in sorted({c.schedule not in INPUT_GRADIENTS_FREED for c in listed})
     }
     return [
         memory_floor(
@@ -436,7 +436,7 @@ def _memory_floors(
             c.stages,
             c.ranks,
             c.microbatches,
-            crossed[c.schedule not in SENDS_WAITED_AT_ONCE],
+            crossed[c.schedule not in INPUT_GRADIENTS_FREED],
             c.schedule,
         )
         for c in listed

@@ -120,7 +120,9 @@ def simulate_schedule(schedule: str, costs: PipelineCosts, microbatches: int) ->
     """:func:`simulate` of ``schedule``'s orders, equal to it to the last bit: the orders of a
     fixed schedule (all but ``auto``, whose greedy orders depend on the costs) are compiled
     once per placement and microbatch count into an :class:`ActionGraph` and timed level by
-    level (see :mod:`.action_graph`)."""
+    level (see :mod:`.action_graph`). The memory walk frees input gradients as ``schedule``
+    does (:meth:`PipelineCosts.for_schedule`)."""
+    costs = costs.for_schedule(schedule)
     if schedule != "auto" and not _REFERENCE[-1]:
         graph = _compiled(schedule, tuple(costs.device_of_stage), microbatches)
         if graph is not None:
@@ -132,6 +134,7 @@ def schedule_memory(schedule: str, costs: PipelineCosts, microbatches: int) -> l
     """Each device's memory peak under ``schedule``: :func:`simulate_schedule`'s, without
     timing the actions where the orders are compiled (a device's memory depends on its own
     order alone)."""
+    costs = costs.for_schedule(schedule)
     if schedule != "auto" and not _REFERENCE[-1]:
         graph = _compiled(schedule, tuple(costs.device_of_stage), microbatches)
         if graph is not None:

@@ -22,7 +22,7 @@ from ..partitioning.partition import PartitionSettings, PredictedStep
 from ..partitioning.simulator import Simulation, schedule_orders, simulate
 from ..profiling import Profile
 from ..runtime.core.pipeline import Pipeline, PipelineFormatError
-from ..runtime.core.schedules import SENDS_WAITED_AT_ONCE, MemoryPeak, PipelineCosts
+from ..runtime.core.schedules import MemoryPeak, PipelineCosts
 
 ARTIFACTS = "artifacts"
 PIPELINE_KIND = "pipeline"
@@ -130,10 +130,8 @@ class ReportData:
         """Per-stage costs of one microbatch, as the partitioner stored them."""
         stored = self.partition.costs or self.pipeline.schedule.costs
         return PipelineCosts(
-            **stored.to_json(),
-            device_of_stage=list(self.partition.device_of_stage),
-            input_gradients_freed=self.schedule in SENDS_WAITED_AT_ONCE,
-        )
+            **stored.to_json(), device_of_stage=list(self.partition.device_of_stage)
+        ).for_schedule(self.schedule)
 
     @cached_property
     def simulation(self) -> Simulation:

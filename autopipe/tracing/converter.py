@@ -28,6 +28,7 @@ from .user_line import at_node
 from .value_checks import ValueCheck
 from .values import (
     constant_literal,
+    data_dependent_error,
     is_symbolic,
     scope_of,
     symbolic_size_error,
@@ -276,7 +277,11 @@ class Converter:
                 return
             if type(number) is not int:
                 error = symbolic_size_error(node)
-                assert error is not None  # a number that is not an int here is symbolic
+                if error is None:  # a truth value read in a region (no_grad, autocast)
+                    where, code = at_node(node)
+                    error = data_dependent_error(
+                        "control flow", where, code, "a truth value read from a tensor"
+                    )
                 raise error
             self.names[node] = number  # a Python number in the generated code
             tensor = node.args[0]

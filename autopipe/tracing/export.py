@@ -194,13 +194,25 @@ def _export(
         with torch.no_grad():
             for buffer, value in buffers:
                 buffer.copy_(value)
-    checks = {}
+    checks: dict[str, ValueCheck] = {}
+    reads: dict[tuple[str, tuple], int] = {}  # (check, scope) -> values it read
     for node in exported.graph.nodes:
         if not _decides_a_branch(node):
             continue
         # a size can be specialised and checked, a check kept; other branches on values cannot
         truth = isinstance(node.meta.get("val"), (bool, torch.SymBool))
         check = value_check(node) if truth else None
+        if check is not None and check.one_read:
+            key = (check.where, tuple(node.meta.get("nn_module_stack") or {}))
+            reads[key] = reads.get(key, 0) + 1
+            if reads[key] > 1:
+                raise TraceError(
+                    f"the check at {check.where}:\n    {check.code}\nreads more than one value "
+                    "from tensors and combines them (and / or / a conditional expression) so "
+                    "that one can change without the check failing; autopipe keeps a check "
+                    "on the example's values, which would refuse batches the model takes. "
+                    "Write one check per value."
+                )
         if check is None:
             if failure is not None:
                 raise failure
@@ -212,8 +224,8 @@ def _export(
                 "control flow",
                 where,
                 code,
-                f"a branch on the truth value {node.target} reads from a tensor; a branch whose "
-                "other side only raises is a check, which autopipe keeps as a run-time check",
+                "the branch reads a truth value from a tensor; a branch whose other side only "
+                "raises is a check, which autopipe keeps as a run-time check",
             )
         checks[node.name] = check
     return exported, checks

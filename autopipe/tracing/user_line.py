@@ -14,12 +14,10 @@ import re
 import traceback
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 import torch.fx.proxy
 from torch import fx
-from torch.utils import _pytree as pytree
 
 __all__ = [
     "UserLine",
@@ -32,19 +30,29 @@ __all__ = [
     "short_path",
 ]
 
-#: Directories of code that is not the user's: torch, the standard library, autopipe.
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(cast(str, m.__file__))) + os.sep  # modules of source files
-    for m in (torch, inspect, pytree)  # torch, the standard library
-) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+#: Directories of code that is not the user's: torch and autopipe, ...
+_LIBRARY_DIRS = (
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+)
+#: ... and the standard library, but for the packages installed within it
+_STDLIB_DIR = os.path.dirname(os.path.abspath(inspect.__file__)) + os.sep
 
 #: One frame of a formatted stack trace (``node.meta["stack_trace"]``) and its source line.
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in .*\n(?P<code>.*)')
 
 
 def is_user_file(filename: str) -> bool:
-    """Whether ``filename`` holds user code (not torch, autopipe or the standard library)."""
-    return not os.path.abspath(filename).startswith(_LIBRARY_DIRS) and not filename.startswith("<")
+    """Whether ``filename`` holds user code (not torch, autopipe or the standard library; an
+    installed package is the user's, though Python without a virtual environment installs
+    packages within the standard library's folder)."""
+    if filename.startswith("<"):
+        return False
+    path = os.path.abspath(filename)
+    if path.startswith(_LIBRARY_DIRS):
+        return False
+    installed = f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
+    return installed or not path.startswith(_STDLIB_DIR)
 
 
 def short_path(filename: str) -> str:
@@ -110,12 +118,15 @@ def at_node(node: fx.Node) -> tuple[str, str]:
     return (line.where, line.code_block) if line else ("the model's forward", "")
 
 
-class _UserFrames(frozenset):
+class _UserFrames(set):
     """Stands for torch's set of ``(file, function)`` frames a traced node's stack trace keeps
-    beside the ``forward`` methods': every frame of user code."""
+    beside the ``forward`` methods' (what torch registers in it meanwhile included): every
+    frame of user code as well."""
 
     def __contains__(self, frame: object) -> bool:
-        return isinstance(frame, tuple) and is_user_file(frame[0])
+        return super().__contains__(frame) or (
+            isinstance(frame, tuple) and bool(frame) and is_user_file(str(frame[0]))
+        )
 
 
 @contextlib.contextmanager
@@ -129,8 +140,10 @@ def every_user_frame_recorded() -> Iterator[None]:
     if not isinstance(anchors, set):
         yield
         return
-    torch.fx.proxy._STACK_TRACE_ANCHORS = _UserFrames(anchors)  # type: ignore[assignment]
+    standing = _UserFrames(anchors)
+    torch.fx.proxy._STACK_TRACE_ANCHORS = standing
     try:
         yield
     finally:
         torch.fx.proxy._STACK_TRACE_ANCHORS = anchors
+        anchors.update(standing)  # what torch registered meanwhile stays

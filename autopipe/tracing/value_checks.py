@@ -63,6 +63,10 @@ class ValueCheck:
     code: str
     error: str
     message: str
+    #: whether the check holds for one value read alone: its condition combines values so that
+    #: a second one read in it could change without the model raising (``if a.any() and
+    #: b.any(): raise``), so that pinning each to the example's would fail batches the model takes
+    one_read: bool = False
 
     def failure(self) -> str:
         """What the stage raises when a batch fails the check: the model's message, where it
@@ -83,17 +87,19 @@ def value_check(node: fx.Node) -> ValueCheck | None:
     if not frames:
         return None
     filename, lineno, function = frames[-1]
-    statement = _statement_at(filename, lineno)
-    if statement is None:
-        return None
-    found = _check_of(statement, lineno)
+    path = _statements_at(filename, lineno)
+    innermost = path[-1] if path else None
+    if not isinstance(innermost, ast.stmt) or _caught(path):
+        return None  # a raise the function catches (or suppresses) is control flow
+    found = _check_of(innermost, lineno)
     if found is None:
         return None
-    error, message, statement = found
+    error, message, statement, one_read = found
     lineno = statement.lineno
     # a wrapper passing on its own parameter: the message is the argument its caller gives,
     # and the exception the wrapper's (the caller's choice, else the wrapper's default)
     for outer_file, outer_line, outer_function in reversed(frames[:-1]):
+        message = _unwrapped(message)
         if not (isinstance(message, ast.Name) or message is None):
             break
         call = _call_of(_statement_at(outer_file, outer_line))
@@ -105,15 +111,18 @@ def value_check(node: fx.Node) -> ValueCheck | None:
             if message.id not in passed:
                 break  # a local of the wrapper, not what its caller passed
             message = passed[message.id]
-        else:
-            message = _message_of(call)
-        errors = [passed[name] for name in _ERROR_KEYWORDS if name in passed]
-        error = _name(errors[0]) if errors else _error_of(call) or error
-        filename, lineno, function = outer_file, outer_line, outer_function
-        statement = _statement_at(filename, lineno)
-        assert statement is not None  # it holds the call
+        else:  # the check has no message of its own: the wrapper's message parameter
+            given = [passed[name] for name in _MESSAGE_KEYWORDS if name in passed]
+            if not given and not _is_check_function(call.func):
+                break
+            message = given[0] if given else _message_of(call)
+        errors = [_exception(passed[name]) for name in _ERROR_KEYWORDS if name in passed]
+        error = next((e for e in errors if e), "") or _error_of(call) or error
+        caller = _statement_at(outer_file, outer_line)
+        assert caller is not None  # it holds the call
+        filename, function, statement, lineno = outer_file, outer_function, caller, caller.lineno
     line = UserLine(filename, lineno, _first_line(filename, statement))
-    return ValueCheck(line.where, line.code, error, _text(message))
+    return ValueCheck(line.where, line.code, error, _text(_unwrapped(message)), one_read)
 
 
 # -- the statement at a line ------------------------------------------------------------------
@@ -134,10 +143,11 @@ def _parsed(filename: str, modified: int) -> ast.Module | None:
         return None
 
 
-def _statement_at(filename: str, lineno: int) -> ast.stmt | None:
-    """The innermost statement of ``filename`` spanning line ``lineno``."""
+def _statements_at(filename: str, lineno: int) -> list[ast.AST]:
+    """The nodes of ``filename`` spanning line ``lineno`` that hold statements, outermost
+    first, down to the innermost statement (empty if the file cannot be read)."""
     node: ast.AST | None = _module(filename)
-    found = None
+    path: list[ast.AST] = []
     while node is not None:
         node = next(
             (
@@ -147,32 +157,81 @@ def _statement_at(filename: str, lineno: int) -> ast.stmt | None:
             ),
             None,
         )
-        if isinstance(node, ast.stmt):
-            found = node
-    return found
+        if isinstance(node, (ast.stmt, ast.excepthandler)):
+            path.append(node)
+    while path and not isinstance(path[-1], ast.stmt):
+        path.pop()
+    return path
+
+
+def _statement_at(filename: str, lineno: int) -> ast.stmt | None:
+    """The innermost statement of ``filename`` spanning line ``lineno``."""
+    path = _statements_at(filename, lineno)
+    return path[-1] if path and isinstance(path[-1], ast.stmt) else None
+
+
+def _caught(path: list[ast.AST]) -> bool:
+    """Whether the innermost statement of ``path`` runs where its own function catches what
+    it raises: in the body of a ``try`` with handlers, or a ``with`` block of ``suppress``."""
+    functions = [
+        i for i, n in enumerate(path) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    within = path[functions[-1] :] if functions else path
+    for outer, inner in zip(within, within[1:]):
+        if isinstance(outer, (ast.Try, ast.TryStar)) and outer.handlers and inner in outer.body:
+            return True
+        if isinstance(outer, (ast.With, ast.AsyncWith)) and any(
+            isinstance(item.context_expr, ast.Call) and _name(item.context_expr.func) == "suppress"
+            for item in outer.items
+        ):
+            return True
+    return False
 
 
 def _first_line(filename: str, statement: ast.stmt) -> str:
+    """The first line of ``statement`` in ``filename``, stripped."""
     return linecache.getline(filename, statement.lineno).strip()
 
 
 def _spans(expression: ast.expr, lineno: int) -> bool:
+    """Whether ``expression`` spans line ``lineno``."""
     return expression.lineno <= lineno <= (expression.end_lineno or expression.lineno)
 
 
+def _one_read(condition: ast.expr, required: bool) -> bool:
+    """Whether ``condition``, which the check needs to be ``required``, combines values so that
+    one of several read in it could change without changing the outcome (``a and b`` that must
+    be false, ``a or b`` that must be true, a conditional expression)."""
+    if isinstance(condition, ast.UnaryOp) and isinstance(condition.op, ast.Not):
+        return _one_read(condition.operand, not required)
+    if isinstance(condition, ast.BoolOp):
+        if isinstance(condition.op, ast.And) != required:
+            return True
+        return any(_one_read(value, required) for value in condition.values)
+    if isinstance(condition, ast.Compare) and len(condition.ops) > 1:
+        return not required  # a chain is an and of its comparisons
+    return isinstance(condition, ast.IfExp)
+
+
 # -- which statements are checks --------------------------------------------------------------
-def _check_of(statement: ast.stmt, lineno: int) -> tuple[str, ast.expr | None, ast.stmt] | None:
-    """``(exception name, message expression, statement raising it)`` if ``statement`` checks
-    the truth value read at ``lineno``, else None."""
+def _check_of(
+    statement: ast.stmt, lineno: int
+) -> tuple[str, ast.expr | None, ast.stmt, bool] | None:
+    """``(exception name, message expression, statement raising it, whether it holds for one
+    read alone)`` if ``statement`` checks the truth value read at ``lineno``, else None."""
     if isinstance(statement, ast.Assert) and _spans(statement.test, lineno):
         written = ast.Constant(f"assert {ast.unparse(statement.test)}")
-        return "AssertionError", statement.msg or written, statement
+        one_read = _one_read(statement.test, True)
+        return "AssertionError", statement.msg or written, statement, one_read
     if isinstance(statement, ast.If) and _spans(statement.test, lineno):
         body, orelse = _only_raises(statement.body), _only_raises(statement.orelse)
         if body == orelse:
             return None  # work on both sides (or raising on both): not a check
         side = statement.body if body else statement.orelse
         error, message = _raised(side[-1])
+        if message is None:
+            when = "" if body else "not "
+            message = ast.Constant(f"raised when {when}{ast.unparse(statement.test)}")
         if isinstance(message, ast.Name):  # a message the side computes before raising
             assigned = [
                 s.value
@@ -181,11 +240,23 @@ def _check_of(statement: ast.stmt, lineno: int) -> tuple[str, ast.expr | None, a
                 and any(isinstance(t, ast.Name) and t.id == message.id for t in s.targets)
             ]
             message = assigned[-1] if assigned else message
-        return error, message, side[-1]
+        return error, message, side[-1], _one_read(statement.test, not body)
     call = _call_of(statement)
-    if call is not None and _is_check_function(call.func):
-        return _error_of(call), _message_of(call), statement
+    condition = _condition_of(call) if call is not None else None
+    if call is not None and condition is not None and _spans(condition, lineno):
+        return _error_of(call), _message_of(call), statement, _one_read(condition, True)
     return None
+
+
+def _condition_of(call: ast.Call) -> ast.expr | None:
+    """The condition a check function's call checks, or None if ``call`` is no check."""
+    if not _is_check_function(call.func):
+        return None
+    for keyword in call.keywords:
+        if keyword.arg in ("cond", "condition"):
+            return keyword.value
+    position = 1 if _name(call.func) == "_check_with" else 0
+    return call.args[position] if len(call.args) > position else None
 
 
 def _only_raises(statements: list[ast.stmt]) -> bool:
@@ -198,6 +269,7 @@ def _only_raises(statements: list[ast.stmt]) -> bool:
 
 
 def _raised(statement: ast.stmt) -> tuple[str, ast.expr | None]:
+    """The exception's name a ``raise`` statement raises, and its message expression."""
     assert isinstance(statement, ast.Raise)  # the side ends in one (_only_raises)
     exc = statement.exc
     if isinstance(exc, ast.Call):
@@ -206,12 +278,27 @@ def _raised(statement: ast.stmt) -> tuple[str, ast.expr | None]:
 
 
 def _call_of(statement: ast.stmt | None) -> ast.Call | None:
+    """The call a statement is made of (a call whose result is not kept), or None."""
     if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call):
         return statement.value
     return None
 
 
+def _exception(expression: ast.expr) -> str:
+    """The name of the exception class ``expression`` names, or "" if it names none."""
+    name = _name(expression)
+    return name if name.endswith(("Error", "Exception", "Warning", "Interrupt", "Exit")) else ""
+
+
+def _unwrapped(message: ast.expr | None) -> ast.expr | None:
+    """A message given as a function of no arguments (``lambda: msg``) as what it returns."""
+    while isinstance(message, ast.Lambda) and not message.args.args:
+        message = message.body
+    return message
+
+
 def _name(expression: ast.expr | None) -> str:
+    """The last name of a name or an attribute (``torch._check`` -> ``_check``), else ""."""
     if isinstance(expression, ast.Attribute):
         return expression.attr
     if isinstance(expression, ast.Name):
@@ -240,6 +327,7 @@ def _error_of(call: ast.Call | None) -> str:
 
 
 def _message_of(call: ast.Call) -> ast.expr | None:
+    """The message a check function's call passes (after its condition), or None."""
     for keyword in call.keywords:
         if keyword.arg in _MESSAGE_KEYWORDS:
             return keyword.value
@@ -266,6 +354,7 @@ def _parameters(
 
 
 def _function_at(filename: str, lineno: int) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The innermost function of ``filename`` spanning line ``lineno``."""
     module = _module(filename)
     found = None
     for node in ast.walk(module) if module is not None else ():
@@ -289,7 +378,7 @@ def _text(message: ast.expr | None) -> str:
     if isinstance(message, ast.JoinedStr):
         return "".join(_text(part) for part in message.values)
     if isinstance(message, ast.FormattedValue):  # a field of an f-string, as written
-        return "{" + ast.unparse(message.value) + "}"
+        return ast.unparse(message)
     if isinstance(message, ast.BinOp) and isinstance(message.op, ast.Add):
         return _text(message.left) + _text(message.right)
     return "{" + ast.unparse(message) + "}"

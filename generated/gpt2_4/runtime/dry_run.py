@@ -227,7 +227,7 @@ def predicted_peak(
     microbatches (``core.schedules.device_memory`` of the rank's action order, as the compiler
     predicts it), and a note on how the plan's costs differ from the run (another
     ``--dp-shard``, recomputation, replicas, bf16), or "". None without stage costs."""
-    costs = pipeline.pipeline_costs()
+    costs = pipeline.pipeline_costs().for_schedule(config.schedule)
     if not any(costs.static_memory) and not any(costs.activations):
         return None, ""
     microbatches = config.microbatches

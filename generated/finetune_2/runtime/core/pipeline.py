@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 
 from .fields import FieldReader, is_int, is_number, is_object, json_kind
-from .schedules import SENDS_WAITED_AT_ONCE, PipelineCosts
+from .schedules import PipelineCosts
 from .shapes import FormulaError, names_in, shape
 
 FORMAT, VERSION = "autopipe.pipeline", 1
@@ -805,11 +805,7 @@ class Pipeline:
 
     def pipeline_costs(self) -> PipelineCosts:
         """The stage costs under this placement, as the schedule simulator takes them."""
-        return PipelineCosts(
-            **self.schedule.costs.to_json(),
-            device_of_stage=self.rank_of_stage,
-            input_gradients_freed=self.schedule.name in SENDS_WAITED_AT_ONCE,
-        )
+        return PipelineCosts(**self.schedule.costs.to_json(), device_of_stage=self.rank_of_stage)
 
 
 def as_pipeline(pipeline: Pipeline | dict[str, Any]) -> Pipeline:

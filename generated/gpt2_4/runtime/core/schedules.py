@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 __all__ = [
     "COMPILE_SCHEDULES",
@@ -22,7 +22,7 @@ __all__ = [
     "MULTI_STAGE",
     "SCHEDULES",
     "SINGLE_STAGE",
-    "SENDS_WAITED_AT_ONCE",
+    "INPUT_GRADIENTS_FREED",
     "SPLIT_BACKWARD",
     "V_SHAPED",
     "Action",
@@ -58,10 +58,11 @@ SCHEDULES = (*SINGLE_STAGE, *MULTI_STAGE, "auto")
 COMPILE_SCHEDULES = (*SINGLE_STAGE, "auto", *MULTI_STAGE)
 #: schedules that split each backward into an input part and a weight part (zero bubble)
 SPLIT_BACKWARD = ("interleaved-zero-bubble", "zbv", "dualpipev")
-#: schedules whose ranks wait for a backward's sends within the next actions (torch's
-#: Schedule1F1B), so that a stage holds the gradients of one microbatch's received inputs, the
-#: last it sent; the others wait for every send at the end of the step, holding them all
-SENDS_WAITED_AT_ONCE = ("1f1b",)
+#: schedules freeing the gradients of a stage's received inputs as they go: their ranks wait
+#: for a backward's sends within the next actions (torch's Schedule1F1B), so that a stage holds
+#: one microbatch's, the last it sent; the others wait for every send at the end of the step,
+#: holding them all
+INPUT_GRADIENTS_FREED = ("1f1b",)
 V_SHAPED = ("zbv", "dualpipev")
 
 
@@ -165,7 +166,7 @@ class PipelineCosts:
     gradients: list[float] = field(default_factory=list)  # of static_memory: from 1st backward
     buffers: list[float] = field(default_factory=list)  # receive buffers of every microbatch
     input_gradients: list[float] = field(default_factory=list)  # sent by a backward: kept ...
-    #: ... the last one sent alone (True: :data:`SENDS_WAITED_AT_ONCE`), or every one to step end
+    #: ... the last one sent alone (True: :data:`INPUT_GRADIENTS_FREED`), or every one to step end
     input_gradients_freed: bool = False
     transient_forward: list[float] = field(default_factory=list)  # during a forward
     transient_backward: list[float] = field(default_factory=list)  # during a backward
@@ -178,6 +179,16 @@ class PipelineCosts:
     @property
     def num_devices(self) -> int:
         return max(self.device_of_stage) + 1
+
+    def for_schedule(self, schedule: str) -> PipelineCosts:
+        """These costs, whose memory walk frees the gradients of received inputs as
+        ``schedule`` does (:data:`INPUT_GRADIENTS_FREED`)."""
+        freed = schedule in INPUT_GRADIENTS_FREED
+        return (
+            self
+            if self.input_gradients_freed == freed
+            else replace(self, input_gradients_freed=freed)
+        )
 
     def link(self, stage: int, table: list[float]) -> float:
         """Transfer time across the boundary after ``stage``: free on one device."""
