@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import models
 from autopipe.spec import load_example
 
 from conftest import compile_model, spec, torchrun
@@ -112,6 +113,20 @@ def assert_same_training(pipe, ref, atol=2e-5):
         assert torch.allclose(
             pipe_state[key].float(), ref_state[key].float(), atol=atol, rtol=1e-4
         ), key
+
+
+def assert_trains_like_pytorch_with_mse(tmp_path, name: str, batches: str) -> None:
+    """tests/models.py's ``name`` (a model whose spec gives a target) compiled into 2 stages
+    with the mean squared error as its loss trains through train.py (SGD, lr 0.1) on
+    ``batches`` exactly as plain PyTorch does."""
+    pipe = run_pipeline(
+        tmp_path, name, 2, batches, "--optimizer", "sgd", "--lr", "0.1",
+        loss="tests/models.py:mse",
+    )  # fmt: skip
+    ref = reference_training(
+        load_example(spec(name)), getattr(models, batches), STEPS, "sgd", 0.1, models.mse
+    )
+    assert_same_training(pipe, ref)
 
 
 def capacity_needing_recomputation(result, schedule: str, whole_stages: bool) -> float:

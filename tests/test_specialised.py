@@ -6,18 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-import models
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline, verify
 
 from conftest import compile_model, spec, torchrun_failing
-from pipelines import (
-    STEPS,
-    assert_same_training,
-    reference_training,
-    run_pipeline,
-    run_stages,
-)
+from pipelines import assert_trains_like_pytorch_with_mse, run_stages
 
 
 def _run_stages(package, x):
@@ -45,26 +38,7 @@ def test_sizes_from_tensor_values_are_specialised_and_checked(tmp_path):
 @pytest.mark.slow
 def test_specialised_sizes_train_like_pytorch(tmp_path):
     """Fresh batches whose values keep the sizes the model computes train exactly."""
-    pipe = run_pipeline(
-        tmp_path,
-        "masked_sum_with_target",
-        2,
-        "masked_sum_batch",
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.1",
-        loss="tests/models.py:mse",
-    )
-    ref = reference_training(
-        load_example(spec("masked_sum_with_target")),
-        models.masked_sum_batch,
-        STEPS,
-        "sgd",
-        0.1,
-        models.mse,
-    )
-    assert_same_training(pipe, ref)
+    assert_trains_like_pytorch_with_mse(tmp_path, "masked_sum_with_target", "masked_sum_batch")
 
 
 @pytest.mark.slow

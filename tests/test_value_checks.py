@@ -19,13 +19,7 @@ from autopipe.tracing import trace
 from autopipe.verify import load_pipeline, verify
 
 from conftest import compile_model, spec, torchrun_failing
-from pipelines import (
-    STEPS,
-    assert_same_training,
-    reference_training,
-    run_pipeline,
-    run_stages,
-)
+from pipelines import assert_trains_like_pytorch_with_mse, run_stages
 
 _WORDS = "the model's own check failed for this batch; the example passed it"
 
@@ -135,26 +129,9 @@ def test_llava_checks_its_image_tokens_with_its_own_message(zoo_packages):
 
 @pytest.mark.slow
 def test_a_checked_model_trains_like_pytorch(tmp_path):
-    pipe = run_pipeline(
-        tmp_path,
-        "value_checked_with_target",
-        2,
-        "value_checked_batch",
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.1",
-        loss="tests/models.py:mse",
+    assert_trains_like_pytorch_with_mse(
+        tmp_path, "value_checked_with_target", "value_checked_batch"
     )
-    ref = reference_training(
-        load_example(spec("value_checked_with_target")),
-        models.value_checked_batch,
-        STEPS,
-        "sgd",
-        0.1,
-        models.mse,
-    )
-    assert_same_training(pipe, ref)
 
 
 @pytest.mark.slow
