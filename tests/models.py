@@ -527,6 +527,78 @@ def not_a_check_caught():
     return NotChecks("caught"), (_marked(4),)
 
 
+class GRUSeq2Seq(nn.Module):
+    """A 2-layer bidirectional GRU encoder and a GRU decoder started from the encoder's last
+    states (through a bridge), over padded tensors."""
+
+    def __init__(self, vocab: int = 50, hidden: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.encoder = nn.GRU(hidden, hidden, num_layers=2, batch_first=True, bidirectional=True)
+        self.bridge = nn.Linear(2 * hidden, hidden)
+        self.decoder = nn.GRU(hidden, hidden, batch_first=True)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, src, tgt):
+        encoded, states = self.encoder(self.embed(src))
+        start = torch.tanh(self.bridge(torch.cat([states[-2], states[-1]], -1)))[None]
+        decoded, _ = self.decoder(self.embed(tgt), start)
+        return self.out(decoded + encoded[:, -1:, : decoded.shape[-1]])
+
+
+def gru_seq2seq(batch: int = 2, seed: int = 0):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1 + seed)
+    return GRUSeq2Seq(), (
+        torch.randint(0, 50, (batch, 7), generator=g),
+        torch.randint(0, 50, (batch, 5), generator=g),
+    )
+
+
+class StackedRNN(nn.Module):
+    """A 3-layer ReLU RNN (time first) started from given initial states."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.RNN(8, 16, num_layers=3, nonlinearity="relu")
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x, h0):
+        y, h = self.rnn(x, h0)
+        return self.head(y).squeeze(-1).sum(0) + h.sum((0, 2))
+
+
+def stacked_rnn(batch: int = 2, seed: int = 0):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1 + seed)
+    return StackedRNN(), (
+        torch.randn(6, batch, 8, generator=g),
+        torch.randn(3, batch, 16, generator=g),
+    )
+
+
+class LSTMLanguageModel(nn.Module):
+    """A 2-layer LSTM language model over padded tensors, its output layer tied to its
+    embedding."""
+
+    def __init__(self, vocab: int = 40, hidden: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.lstm = nn.LSTM(hidden, hidden, num_layers=2, batch_first=True)
+        self.out = nn.Linear(hidden, vocab)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        y, _ = self.lstm(self.embed(ids))
+        return self.out(y)
+
+
+def lstm_lm(batch: int = 3, seed: int = 0):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1 + seed)
+    return LSTMLanguageModel(), (torch.randint(0, 40, (batch, 6), generator=g),)
+
+
 class ThirdPartyInCond(nn.Module):
     """An operator registered by another module, called in a torch.cond branch."""
 
