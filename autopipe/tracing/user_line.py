@@ -28,6 +28,7 @@ __all__ = [
     "is_user_file",
     "on_stack",
     "short_path",
+    "user_frames",
 ]
 
 #: Directories of code that is not the user's: torch and autopipe, ...
@@ -39,7 +40,9 @@ _LIBRARY_DIRS = (
 _STDLIB_DIR = os.path.dirname(os.path.abspath(inspect.__file__)) + os.sep
 
 #: One frame of a formatted stack trace (``node.meta["stack_trace"]``) and its source line.
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in .*\n(?P<code>.*)')
+_FRAME = re.compile(
+    r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+).*\n(?P<code>.*)'
+)
 
 
 def is_user_file(filename: str) -> bool:
@@ -103,13 +106,20 @@ def on_stack() -> UserLine | None:
     return _innermost(traceback.extract_stack())
 
 
+def user_frames(text: str) -> list[tuple[UserLine, str]]:
+    """The frames of user code in a formatted stack trace (``torch.fx`` records one per node as
+    ``node.meta["stack_trace"]``), outermost first: each line and its function's name."""
+    return [
+        (UserLine(m["file"], int(m["line"]), m["code"].strip()), m["function"])
+        for m in _FRAME.finditer(text)
+        if is_user_file(m["file"])
+    ]
+
+
 def in_stack_trace(text: str) -> UserLine | None:
-    """The innermost line of user code in a formatted stack trace (``torch.fx`` records one per
-    node as ``node.meta["stack_trace"]``)."""
-    frames = [m for m in _FRAME.finditer(text) if is_user_file(m["file"])]
-    if not frames:
-        return None
-    return UserLine(frames[-1]["file"], int(frames[-1]["line"]), frames[-1]["code"].strip())
+    """The innermost line of user code in a formatted stack trace."""
+    frames = user_frames(text)
+    return frames[-1][0] if frames else None
 
 
 def at_node(node: fx.Node) -> tuple[str, str]:

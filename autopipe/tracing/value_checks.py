@@ -30,12 +30,10 @@ from dataclasses import dataclass
 from torch import fx
 
 from ..runtime.core.errors import FAILED_MODEL_CHECK
-from .user_line import UserLine, is_user_file
+from .user_line import UserLine, user_frames
 
 __all__ = ["ValueCheck", "value_check"]
 
-#: One frame of a formatted stack trace (``node.meta["stack_trace"]``): file, line, function.
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)')
 #: torch's check functions and the exception each raises
 _TORCH_CHECKS = {
     "_check": "RuntimeError",
@@ -80,9 +78,8 @@ def value_check(node: fx.Node) -> ValueCheck | None:
     """The check ``node`` (a read of a truth value from a tensor) is part of, or None when the
     read decides real control flow."""
     frames = [
-        (m["file"], int(m["line"]), m["function"])
-        for m in _FRAME.finditer(node.meta.get("stack_trace") or "")
-        if is_user_file(m["file"])
+        (line.filename, line.lineno, function)
+        for line, function in user_frames(node.meta.get("stack_trace") or "")
     ]
     if not frames:
         return None
