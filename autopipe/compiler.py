@@ -84,6 +84,7 @@ def trace_step(
         inline_blocks=options.inline_blocks,
         source=source,
         dynamic=options.dynamic,
+        keep_whole=tuple(options.keep_whole),
     )
     if loss is not None:
         loss_fn = load_function(loss, "loss spec") if isinstance(loss, str) else loss

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from .checks import is_int, is_number, is_text
+from .checks import is_fqn, is_int, is_number, is_text
 from .errors import AutopipeError
 from .partitioning import DEFAULT_METHOD, METHODS
 from .partitioning.cost import STATE_FACTOR
@@ -211,6 +211,22 @@ class ClassNames(Rule):
 
 
 @dataclass(frozen=True)
+class ModuleNames(Rule):
+    """Names of submodules as ``named_modules()`` gives them (``--keep-whole encoder.rnn``): a
+    tuple of names."""
+
+    def check(self, value: Any, flag: str) -> Any:
+        if isinstance(value, str) or not all(is_fqn(v) for v in value):
+            raise AutopipeError(
+                f"{name_of(flag)} must be a tuple of module names (encoder.rnn), got {value!r}"
+            )
+        return value
+
+    def parse(self, text: str) -> tuple[str, ...]:
+        return tuple(c for c in text.split(",") if c)
+
+
+@dataclass(frozen=True)
 class Flag(Rule):
     """A switch (``--inline-blocks``): True or False."""
 
@@ -357,6 +373,13 @@ class CompileOptions:
         help="module classes kept whole in one unit (e.g. GPT2Block)",
         rule=ClassNames(),
         metavar="CLASS,...",
+    )
+    keep_whole: tuple[str, ...] = option(
+        (),
+        help="torch.nn submodules generated code calls whole, by name (e.g. encoder.rnn): for "
+        "a module torch.export cannot trace; RNNs over packed sequences are kept whole anyway",
+        rule=ModuleNames(),
+        metavar="MODULE,...",
     )
     #: no block submodules: every operator in the stage's forward
     inline_blocks: bool = option(
@@ -507,7 +530,7 @@ class CompileOptions:
             )
         self._check("microbatches", "dp_shard", "depth", "gpus_per_node")
         self._check("profile", "method", "schedule", "optimizer")
-        self._check("basic_blocks", "dynamic", "expected", "inline_blocks", "link")
+        self._check("basic_blocks", "keep_whole", "dynamic", "expected", "inline_blocks", "link")
 
     def _check(self, *names: str) -> None:
         """Check options ``names`` by their rules (None passes where it is the default), keeping

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import pipe_split
 from torch.nn import functional as F
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 BATCH = 2
 
@@ -597,6 +598,194 @@ def lstm_lm(batch: int = 3, seed: int = 0):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1 + seed)
     return LSTMLanguageModel(), (torch.randint(0, 40, (batch, 6), generator=g),)
+
+
+def _lengths(batch: int, steps: int, g: torch.Generator, longest: bool = True) -> torch.Tensor:
+    """Unequal sequence lengths in [1, steps], one of them ``steps`` when ``longest``."""
+    lengths = torch.randint(1, steps + 1, (batch,), generator=g)
+    if longest:
+        lengths[torch.randint(0, batch, (1,), generator=g)] = steps
+    return lengths
+
+
+class PackedLSTMLanguageModel(nn.Module):
+    """A 2-layer LSTM language model over packed sequences of unequal lengths (unsorted),
+    unpacked to the batch's length, its output layer tied to its embedding."""
+
+    def __init__(self, vocab: int = 40, hidden: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.lstm = nn.LSTM(hidden, hidden, num_layers=2, batch_first=True)
+        self.out = nn.Linear(hidden, vocab)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids, lengths):
+        packed = pack_padded_sequence(
+            self.embed(ids), lengths, batch_first=True, enforce_sorted=False
+        )
+        y, _ = self.lstm(packed)
+        y, _ = pad_packed_sequence(y, batch_first=True, total_length=ids.size(1))
+        return self.out(y)
+
+
+def packed_lstm_lm(batch: int = 4, seed: int = 0):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1 + seed)
+    ids = torch.randint(0, 40, (batch, 7), generator=g)
+    return PackedLSTMLanguageModel(), (ids, _lengths(batch, 7, g, longest=False))
+
+
+class PackedGRUSeq2Seq(nn.Module):
+    """A bidirectional 2-layer GRU encoder over packed sources (unsorted, unpacked to the
+    longest source) and a GRU decoder over packed targets started from the encoder's states."""
+
+    def __init__(self, vocab: int = 50, hidden: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.encoder = nn.GRU(hidden, hidden, num_layers=2, batch_first=True, bidirectional=True)
+        self.bridge = nn.Linear(2 * hidden, hidden)
+        self.decoder = nn.GRU(hidden, hidden, batch_first=True)
+        self.out = nn.Linear(hidden + 2 * hidden, vocab)
+
+    def forward(self, src, src_lengths, tgt, tgt_lengths):
+        packed = pack_padded_sequence(
+            self.embed(src), src_lengths, batch_first=True, enforce_sorted=False
+        )
+        encoded, states = self.encoder(packed)
+        encoded, _ = pad_packed_sequence(encoded, batch_first=True)
+        start = torch.tanh(self.bridge(torch.cat([states[-2], states[-1]], -1)))[None]
+        packed = pack_padded_sequence(
+            self.embed(tgt), tgt_lengths, batch_first=True, enforce_sorted=False
+        )
+        decoded, _ = self.decoder(packed, start)
+        decoded, _ = pad_packed_sequence(decoded, batch_first=True, total_length=tgt.size(1))
+        context = encoded.mean(1, keepdim=True).expand(-1, decoded.size(1), -1)
+        return self.out(torch.cat([decoded, context], -1))
+
+
+def packed_gru_seq2seq(batch: int = 3, seed: int = 0):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1 + seed)
+    src, tgt = torch.randint(0, 50, (batch, 7), generator=g), torch.randint(
+        0, 50, (batch, 5), generator=g
+    )
+    return PackedGRUSeq2Seq(), (src, _lengths(batch, 7, g), tgt, _lengths(batch, 5, g))
+
+
+def packed_gru_seq2seq_with_target():
+    model, args = packed_gru_seq2seq()
+    return model, args, {}, torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(9))
+
+
+def packed_gru_seq2seq_batch(step: int, microbatches: int = 4):
+    """Microbatches of 3 pairs, each with a source of the example's longest length (7)."""
+    chunks = [packed_gru_seq2seq(seed=100 * step + i)[1] for i in range(microbatches)]
+    args = [torch.cat(parts) for parts in zip(*chunks)]
+    g = torch.Generator().manual_seed(5000 + step)
+    return args, {}, torch.randint(0, 50, (3 * microbatches, 5), generator=g)
+
+
+def sequence_cross_entropy(output, target):
+    return F.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+class PackedStackedRNN(nn.Module):
+    """A 3-layer tanh RNN, time first, over packed sequences given sorted (longest first),
+    started from given initial states; unpacked with -1 after each sequence's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.RNN(8, 16, num_layers=3)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x, lengths, h0):
+        y, h = self.rnn(pack_padded_sequence(x, lengths), h0)
+        y, _ = pad_packed_sequence(y, padding_value=-1.0, total_length=x.size(0))
+        return self.head(y).squeeze(-1).sum(0) + h.sum((0, 2))
+
+
+def packed_stacked_rnn(batch: int = 3, seed: int = 0):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1 + seed)
+    lengths = _lengths(batch, 6, g).sort(descending=True).values
+    return PackedStackedRNN(), (
+        torch.randn(6, batch, 8, generator=g),
+        lengths,
+        torch.randn(3, batch, 16, generator=g),
+    )
+
+
+class PackedDataChanged(nn.Module):
+    """Applies dropout to a packed sequence's data itself and packs it again: autopipe carries
+    packed sequences as padded tensors, so this is refused at that line."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(8, 8, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        packed = PackedSequence(
+            F.dropout(packed.data, 0.1), packed.batch_sizes, packed.sorted_indices, None
+        )
+        y, _ = self.rnn(packed)
+        return pad_packed_sequence(y, batch_first=True, total_length=x.size(1))[0]
+
+
+def packed_data_changed():
+    g = torch.Generator().manual_seed(1)
+    return PackedDataChanged(), (torch.randn(3, 5, 8, generator=g), torch.tensor([5, 2, 4]))
+
+
+class Halve(nn.Module):
+    """A module of the user's own (not torch.nn's)."""
+
+    def forward(self, x):
+        return x / 2
+
+
+class PackedDataRead(nn.Module):
+    """Reads the packed output's data itself (a head over every real step): refused at that
+    line, since autopipe carries packed sequences as padded tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, lengths):
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        y, _ = self.rnn(packed)
+        return self.head(y.data).sum()
+
+
+def packed_data_read():
+    g = torch.Generator().manual_seed(1)
+    return PackedDataRead(), (torch.randn(3, 5, 8, generator=g), torch.tensor([5, 2, 4]))
+
+
+class KeptWhole(nn.Module):
+    """An LSTM over padded tensors, a layer norm, a batch norm and a module of the user's own:
+    --keep-whole names them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, batch_first=True, bidirectional=True)
+        self.norm = nn.LayerNorm(32, elementwise_affine=False)
+        self.bn = nn.BatchNorm1d(32)
+        self.halve = Halve()
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        y, (h, _) = self.lstm(x)
+        y = self.halve(self.norm(y))
+        return self.head(y).sum(1) + h.sum(0).sum(-1, keepdim=True), self.bn(y.mean(1))
+
+
+def kept_whole():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return KeptWhole(), (torch.randn(3, 5, 8, generator=g),)
 
 
 class ThirdPartyInCond(nn.Module):

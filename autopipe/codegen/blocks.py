@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..ir import COND, FUNCTION_TARGET, Graph, Node, Ref, TensorMeta
+from ..ir import COND, FUNCTION_TARGET, MODULE_TARGET, Graph, Node, Ref, TensorMeta
 from ..ir.analysis import BlockCall
 from . import emit
 from .names import identifier, namespace, operator_name
@@ -79,7 +79,7 @@ def _submodule(
     inputs: dict[str, None] = {}
     constants: dict[str, None] = {}
     for node in body:
-        if node.target in (COND, FUNCTION_TARGET):
+        if node.target in (COND, FUNCTION_TARGET, MODULE_TARGET):
             return None
         for src in node.inputs:
             kind = graph[src].kind

@@ -47,6 +47,7 @@ class StageContext:
     formats: dict[str, str]  # inputs restored to the model's memory layout -> the format
     uses_device: bool  # whether the forward body names ``device``
     blocks: list[tuple[str, str]]  # submodules: (original name, block class)
+    kept: list[tuple[str, str]]  # torch modules kept whole: (original name, constructor)
     support: list[str]  # the runtime.support helpers it imports
     parameters: list[dict[str, Any]]  # its own parameter rows (its blocks hold the rest)
     buffers: list[dict[str, Any]]

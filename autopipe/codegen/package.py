@@ -40,6 +40,7 @@ from .blocks import (
 from .cond import branch_functions
 from .context import LaunchContext, PackageContext, StageContext
 from .autograd_function import function_classes
+from .kept_module import kept_constructors, support_names
 from .names import value_names
 from .output_lock import check_unlocked, output_lock
 from .plan import StagePlan, plan_stages
@@ -261,10 +262,12 @@ def _stage_context(
         formats={rename(n): f for n, f in _memory_formats(graph, plan.inputs).items()},
         uses_device=emit.uses_device(plan.nodes) or bool(constant_lines),
         blocks=[(sub.fqn, sub.class_name) for sub in submodules],
+        kept=kept_constructors(plan.nodes),
         support=sorted(
             ["build_state", "init_state"]
             + (["add_submodule"] if submodules else [])
             + (["require_operators"] if operators else [])
+            + support_names(plan.nodes)
         ),
         parameters=rows[0],
         buffers=rows[1],

@@ -2,7 +2,8 @@
 (:mod:`.graph`), JSON codec (:mod:`.codec`), invariants (:mod:`.lint`), model facts
 (:mod:`.model`), dynamic sizes (:mod:`.sizes`), interpreter and in-place ordering, and the
 higher-order node kinds (:mod:`.kinds`: ``torch.cond`` in :mod:`.cond`, custom autograd functions
-in :mod:`.autograd_function`), which register themselves when the package is imported.
+in :mod:`.autograd_function`, torch modules kept whole in :mod:`.kept_module`), which register
+themselves when the package is imported.
 
 Layers, lowest first: types; codec, sizes, model, kinds; lint; graph; interpreter; the kinds'
 modules; analysis and ordering. A module imports only modules below it.
@@ -10,13 +11,18 @@ modules; analysis and ordering. A module imports only modules below it.
 
 from __future__ import annotations
 
-from . import autograd_function, cond  # noqa: F401 - register the higher-order node kinds
+from . import (
+    autograd_function,
+    cond,
+    kept_module,
+)  # noqa: F401 - register the higher-order node kinds
 from .graph import GRAPH_KIND, Graph
 from .kinds import HigherOrderKind
 from .model import DynamicSymbol, ModelFacts
 from .types import (
     COND,
     FUNCTION_TARGET,
+    MODULE_TARGET,
     NODE_KINDS,
     PLACEHOLDER_KINDS,
     BufferInfo,
@@ -35,6 +41,7 @@ __all__ = [
     "DynamicSymbol",
     "FUNCTION_TARGET",
     "GRAPH_KIND",
+    "MODULE_TARGET",
     "Graph",
     "HigherOrderKind",
     "ModelFacts",

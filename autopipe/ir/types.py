@@ -23,6 +23,7 @@ from ..errors import ArtifactError
 __all__ = [
     "COND",
     "FUNCTION_TARGET",
+    "MODULE_TARGET",
     "NODE_KINDS",
     "PLACEHOLDER_KINDS",
     "SYMBOLIC_SIZE",
@@ -47,6 +48,8 @@ __all__ = [
 
 #: the target of a call of a custom autograd function (see autopipe/ir/autograd_function.py)
 FUNCTION_TARGET = "autopipe.function.default"
+#: the target of a call of a torch module kept whole (see autopipe/ir/kept_module.py)
+MODULE_TARGET = "autopipe.module.default"
 
 NodeKind = str  # "input" | "param" | "buffer" | "constant" | "call" | "output"
 PLACEHOLDER_KINDS = ("input", "param", "buffer", "constant")

@@ -5,7 +5,9 @@ A graph traced and profiled on the CPU runs ``scaled_dot_product_attention`` as 
 attention kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its backward), which
 torch's counter leaves at zero although it counts the same attention on a GPU's kernels: the
 model's attention would cost no compute and be missing from its FLOPs. It is counted here as
-torch counts the GPU's flash attention (no discount for a causal mask, as torch's)."""
+torch counts the GPU's flash attention (no discount for a causal mask, as torch's). Likewise an
+``nn.LSTM`` runs on the CPU as oneDNN's ``mkldnn_rnn_layer``, which the counter does not know:
+it is counted as the matrix products of its weights at every step."""
 
 from __future__ import annotations
 
@@ -29,10 +31,40 @@ def _attention_backward(
     return int(sdpa_backward_flop_count(grad, query, key, value))
 
 
-#: operators torch's counter leaves out, with the formulas of their GPU counterparts
+def _steps(shape: tuple[int, ...]) -> int:
+    """Time steps x batch of an RNN layer's input (either layout)."""
+    return int(shape[0]) * int(shape[1])
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= int(size)
+    return count
+
+
+def _rnn_layer(
+    input: tuple[int, ...], w_ih: tuple[int, ...], w_hh: tuple[int, ...], *_: object, **__: object
+) -> int:
+    """FLOPs of one LSTM layer and direction on the CPU (oneDNN's kernel): a product with the
+    input-to-hidden and the hidden-to-hidden weights at every step of every sequence."""
+    return 2 * _steps(input) * (_numel(w_ih) + _numel(w_hh))
+
+
+def _rnn_layer_backward(
+    input: tuple[int, ...], w_ih: tuple[int, ...], w_hh: tuple[int, ...], *_: object, **__: object
+) -> int:
+    """... and its backward: the gradients of the inputs, states and weights, twice that."""
+    return 2 * _rnn_layer(input, w_ih, w_hh)
+
+
+#: operators torch's counter leaves out, with the formulas of their GPU counterparts (or, for
+#: the CPU's LSTM kernel, which has none, of the matrix products it makes)
 MORE_FORMULAS = {
     aten._scaled_dot_product_flash_attention_for_cpu: _attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward,
+    aten.mkldnn_rnn_layer: _rnn_layer,
+    aten.mkldnn_rnn_layer_backward: _rnn_layer_backward,
 }
 
 

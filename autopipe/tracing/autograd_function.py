@@ -284,7 +284,7 @@ def _trace_function(
     definition (named after the class, renamed on registration) and whether forward returns one
     tensor rather than a tuple."""
     fake = FakeTensorMode()
-    with _outside_export(), torch.no_grad():
+    with outside_export(), torch.no_grad():
         with fake:
             examples = [
                 torch.empty_strided(
@@ -481,7 +481,7 @@ def _origin(cls: type[torch.autograd.Function]) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def _outside_export() -> Iterator[None]:
+def outside_export() -> Iterator[None]:
     """Leave torch.export's dispatch and function modes aside while tracing a function on its
     own (they would record its operators into the model's graph)."""
     stack = torch.overrides._get_current_function_mode_stack()

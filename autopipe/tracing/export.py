@@ -12,6 +12,7 @@ import io
 import logging
 import re
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from ..meta import state_as_fake
 from ..runtime.core.errors import first_line
 from ..spec import Example
 from .autograd_function import custom_functions_captured, refuse_lost_backwards
+from .kept_modules import modules_kept_whole, remove_packed_stand_ins
 from .cond import cond_grad_mode_checked, convert_cond
 from .converter import READS_A_NUMBER, Converter, HigherOrderConverter
 from .dynamic import DynamicDim, export_shapes, resolve
@@ -61,6 +63,7 @@ def trace(
     inline_blocks: bool = False,
     source: str | None = None,
     dynamic: tuple[DynamicDim, ...] = (),
+    keep_whole: tuple[str, ...] = (),
 ) -> Graph:
     """Trace ``example.model`` on its example microbatch into a :class:`Graph`.
 
@@ -69,7 +72,8 @@ def trace(
     ``inline_blocks`` which module calls stages hold as submodules (autopipe/ir/analysis.py).
     ``dynamic`` dimensions of the inputs are traced as such: sizes computed from them become
     formulas, and metadata is for their planned sizes: the upper bounds, else the example's
-    (autopipe/tracing/dynamic.py).
+    (autopipe/tracing/dynamic.py). The submodules ``keep_whole`` names, and RNNs over packed
+    sequences, are kept as one call each (autopipe/tracing/kept_modules.py).
     """
     model = example.model
     on_meta = any(t.is_meta for t in state_tensors(model))
@@ -89,6 +93,7 @@ def trace(
                 state_as_fake(model, torch.device("cpu")) if on_meta else contextlib.nullcontext()
             ) as fake,
             custom_functions_captured() as functions,
+            modules_kept_whole(model, keep_whole),
             partial_graph_held_back(),
         ):
             if fake is not None:
@@ -97,7 +102,10 @@ def trace(
                 cond_grad_mode_checked(),
                 every_user_frame_recorded(),
                 guards_recorded(active=bool(dims)) as guards,
+                warnings.catch_warnings(),
             ):
+                # an RNN refreshes its list of weights in forward; export warns of it, harmlessly
+                warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
                 # (torch.export drops no_grad around a cond; guards name specialising lines)
                 exported, checks = _export(
                     model,
@@ -114,6 +122,7 @@ def trace(
         model.train(was_training)
 
     refuse_lost_backwards(exported)
+    remove_packed_stand_ins(exported)
     symbols = _symbols(exported, dims, args, kwargs, model)
     converter = Converter(exported, symbols, higher_order=_HIGHER_ORDER, checks=checks)
     with symbolic_sizes(converter.size) if dims else contextlib.nullcontext():

@@ -44,8 +44,8 @@ def operator_provider(op: torch._ops.OpOverload) -> str | None:
     """The module outside torch whose import registers ``op``; None for torch's own operators.
     Raises TraceError for an operator whose origin cannot be found."""
     qualname = op._schema.name  # "namespace::name"
-    if qualname == "autopipe::function":  # a custom autograd function: generated as a class
-        return None
+    if qualname in ("autopipe::function", "autopipe::module"):
+        return None  # a custom autograd function, a module kept whole: generated as such
     opdef = OPDEFS.get(qualname)
     if opdef is not None:
         module = getattr(opdef._init_fn, "__module__", None)

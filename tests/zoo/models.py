@@ -1,8 +1,8 @@
 """The architecture zoo: one spec function per architecture, each returning (model, args, kwargs).
 
-Every model is a Hugging Face model built from a tiny config with its own random init (no
-downloads): 2 layers (encoder-decoders: 2 + 2), hidden size 32, 4 heads, a vocabulary of ~100
-tokens, sequences of 8-16, a microbatch of 2. Dropout is off and ``use_cache=False`` wherever the
+Every model but one is a Hugging Face model built from a tiny config with its own random init
+(no downloads; the recurrent one is plain torch.nn): 2 layers (encoder-decoders: 2 + 2), hidden
+size 32, 4 heads, a vocabulary of ~100 tokens, sequences of 8-16, a microbatch of 2. Dropout is off and ``use_cache=False`` wherever the
 config has them, and every model whose class takes labels returns its training loss. Labels that
 equal the inputs (causal and masked LMs) are a clone of the input ids, never the same tensor.
 
@@ -14,7 +14,10 @@ equal the inputs (causal and masked LMs) are a clone of the input ids, never the
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 BATCH = 2
 SEQ = 12  # token sequences
@@ -110,6 +113,16 @@ def _llava_inputs(batch: int, g: torch.Generator):
     labels = ids.clone()
     labels[ids == LLAVA_IMAGE_TOKEN] = -100
     return (ids, pixels), {"labels": labels}
+
+
+def _packed_lm_inputs(batch: int, g: torch.Generator):
+    """Token ids padded after sequences of unequal lengths (unsorted), the lengths, and labels
+    for the real tokens (-100 on the padding)."""
+    ids = torch.randint(3, VOCAB, (batch, SEQ), generator=g)
+    lengths = torch.randint(2, SEQ + 1, (batch,), generator=g)
+    labels = ids.clone()
+    labels[torch.arange(SEQ)[None, :] >= lengths[:, None]] = -100
+    return (ids, lengths), {"labels": labels}
 
 
 WAV2VEC2_SAMPLES = 400
@@ -781,6 +794,47 @@ def mamba():
     return _causal_lm(MambaForCausalLM(config))
 
 
+class LMOutput(NamedTuple):
+    """What the recurrent LM returns (a named tuple: torch.export flattens it)."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class PackedLSTMLM(torch.nn.Module):
+    """A recurrent language model as speech and older NLP code writes one: token embeddings
+    packed by length (pack_padded_sequence), a 2-layer LSTM over the packed sequence, unpacked
+    (pad_packed_sequence), an output layer tied to the embedding and the loss on real tokens."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, hidden)
+        self.lstm = torch.nn.LSTM(hidden, hidden, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(hidden, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids, lengths, labels=None):
+        packed = pack_padded_sequence(
+            self.embed(input_ids), lengths, batch_first=True, enforce_sorted=False
+        )
+        hidden, _ = self.lstm(packed)
+        hidden, _ = pad_packed_sequence(hidden, batch_first=True, total_length=input_ids.size(1))
+        logits = self.head(hidden)
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return LMOutput(loss, logits)
+
+
+def packed_lstm():
+    """An LSTM language model over packed sequences (torch.nn, no Hugging Face model): the
+    LSTM is kept whole, as one call of nn.LSTM in the generated stage."""
+    torch.manual_seed(0)
+    model = PackedLSTMLM()
+    args, kwargs = _packed_lm_inputs(BATCH, _example_generator())
+    return model, args, kwargs
+
+
 # -- data functions: a whole step's batch (2 x microbatches) ------------------------------------
 
 _INPUTS = {
@@ -793,6 +847,7 @@ _INPUTS = {
     "clip": _clip_inputs,
     "wav2vec2": _wav2vec2_inputs,
     "llava": _llava_inputs,
+    "packed_lm": _packed_lm_inputs,
 }
 
 
@@ -912,6 +967,10 @@ def wav2vec2_batch(step: int, microbatches: int = 4):
     return _batch("wav2vec2", "wav2vec2", step, microbatches)
 
 
+def packed_lstm_batch(step: int, microbatches: int = 4):
+    return _batch("packed_lstm", "packed_lm", step, microbatches)
+
+
 def mixtral_meta():
     """Mixtral built on the meta device (no weights at compile time). Its experts take a
     device-dependent branch (histc on floats on the CPU, on integers elsewhere)."""
@@ -967,6 +1026,7 @@ ZOO = {
     "qwen2_moe": qwen2_moe,
     "mamba": mamba,
     "pipe_split_llama": pipe_split_llama,
+    "packed_lstm": packed_lstm,
 }
 
 FAMILIES = {
@@ -1001,6 +1061,7 @@ FAMILIES = {
     "qwen2_moe": "moe",
     "mamba": "state-space",
     "pipe_split_llama": "torch pipelining",
+    "packed_lstm": "recurrent",
 }
 
 BATCHES = {name: globals()[f"{name}_batch"] for name in ZOO}

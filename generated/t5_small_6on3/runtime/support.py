@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .core.kept_modules import run_over_packed, tensors_of
+
 #: name -> (shape, dtype, requires_grad, initialisation rule): a stage's or block's PARAMETERS.
 ParameterTable = dict[str, tuple[tuple[int, ...], torch.dtype, bool, str]]
 #: name -> (shape, dtype, persistent, initialisation rule or fixed value): BUFFERS.
@@ -190,3 +192,43 @@ def add_submodule(root: nn.Module, fqn: str, module: nn.Module) -> None:
     original model at its original name: ``transformer.h.3``)."""
     parent, leaf = _parent(root, fqn)
     parent.add_module(leaf, module)
+
+
+def keep_whole(root: nn.Module, fqn: str, module: nn.Module) -> None:
+    """Place ``module``, a torch module the stage calls whole (built on the meta device), at
+    the fully-qualified name ``fqn`` under ``root``, holding the parameters ``build_state``
+    created under that name: the stage's ``state_dict()`` keeps the original keys, and
+    initialisation, checkpoints and FSDP reach them as any other parameter."""
+    parent, leaf = _parent(root, fqn)
+    scope = parent._modules.get(leaf)
+    held = dict(scope.named_parameters()) if scope is not None else {}
+    wanted = [name for name, _ in module.named_parameters()]
+    if sorted(held) != sorted(wanted):
+        raise ValueError(
+            f"{fqn} ({type(module).__name__}) has the parameters {sorted(wanted)}, but the stage "
+            f"created {sorted(held)} under its name: regenerate the pipeline"
+        )
+    for name in wanted:
+        owner, attribute = _parent(module, name)
+        setattr(owner, attribute, held[name])  # an RNN re-reads its weight list on assignment
+    parent.add_module(leaf, module)
+
+
+__all__ = [
+    "Block",
+    "BufferTable",
+    "IndexedModule",
+    "MissingOperatorError",
+    "ModuleScope",
+    "ParameterTable",
+    "add_submodule",
+    "build_state",
+    "copy_whole",
+    "init_state",
+    "keep_whole",
+    "local_shard",
+    "require_operators",
+    "run_over_packed",
+    "stage_state",
+    "tensors_of",
+]

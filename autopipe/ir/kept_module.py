@@ -1,0 +1,404 @@
+"""A torch module kept whole in the graph IR: one call node standing for a ``torch.nn`` module
+that ``torch.export`` cannot trace (an RNN over a packed sequence; a module the user names with
+``--keep-whole``).
+
+The node is ``autopipe.module.default(PATH, MODULE, CALL, [inputs])``:
+
+- ``PATH`` is the module's name in the model (``encoder.rnn``); its parameters keep their names
+  under it;
+- ``MODULE`` (:class:`ModuleSpec`, as JSON text) is how to build it: its ``torch.nn`` class, the
+  constructor's arguments and its parameters' names;
+- ``CALL`` (:class:`CallSpec`, as JSON text) is how the model calls it: over a packed sequence
+  (the padded tensor, lengths, sorting permutation and hidden state) or with tensor arguments;
+- ``inputs`` are the call's tensors, then the module's parameters in ``MODULE``'s order, so that
+  the graph knows what the call reads (partitioning, memory, gradients).
+
+Its results are a tuple of tensors that ``getitem`` nodes unpack. The node is self-contained: two
+calls of one module carry the same ``MODULE``. Generated stages hold a real instance at ``PATH``
+and call it (``autopipe/codegen/kept_module.py``); :func:`run_call` runs the same code on a
+module built on the meta device with the node's parameters swapped in
+(:mod:`autopipe.runtime.core.kept_modules`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checks import is_fqn, is_identifier, is_int, require
+from ..errors import ArtifactError
+from ..runtime.core.kept_modules import hidden_of, run_over_packed, tensors_of
+from .graph import Graph
+from .interpreter import node_context, replace_devices
+from .kinds import HigherOrderKind, register
+from .types import MODULE_TARGET, Node, Ref, TensorMeta, map_refs
+
+__all__ = [
+    "MODULE_TARGET",
+    "CallSpec",
+    "ModuleSpec",
+    "call_module",
+    "constructor_arguments",
+    "kept_modules",
+    "lint_call",
+    "rnn_signature",
+    "run_call",
+]
+
+#: JSON values a constructor argument may take
+_SCALARS = (bool, int, float, str, type(None))
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """How to build a kept module: ``torch.nn.<cls>(**args)``, with ``params`` the names of its
+    parameters in the order a call passes them."""
+
+    cls: str
+    args: tuple[tuple[str, Any], ...]
+    params: tuple[str, ...]
+
+    def module_class(self) -> type[nn.Module]:
+        found = getattr(nn, self.cls, None)
+        if not (isinstance(found, type) and issubclass(found, nn.Module)):
+            raise ArtifactError(f"torch.nn has no module class {self.cls!r}")
+        return found
+
+    def build(self, device: torch.device | str = "meta") -> nn.Module:
+        """A new instance on ``device`` (uninitialised values on the meta device)."""
+        return self.module_class()(**dict(self.args), device=device)
+
+    def to_text(self) -> str:
+        return json.dumps(
+            {"class": self.cls, "args": dict(self.args), "params": list(self.params)},
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_text(cls, text: Any, where: str) -> ModuleSpec:
+        data = _json_object(text, where, ("args", "class", "params"))
+        args, name, params = data["args"], data["class"], data["params"]
+        require(is_identifier(name), f"{where}.class", name, "the name of a torch.nn class")
+        require(
+            isinstance(args, dict)
+            and all(is_identifier(k) and _is_argument(v) for k, v in args.items()),
+            f"{where}.args",
+            args,
+            "constructor arguments: names -> numbers, booleans, strings, null or lists of them",
+        )
+        require(
+            isinstance(params, list) and all(is_fqn(p) for p in params),
+            f"{where}.params",
+            params,
+            "a list of parameter names",
+        )
+        return cls(name, tuple((k, _tuple(v)) for k, v in args.items()), tuple(params))
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """How the model calls a kept module.
+
+    ``form`` "packed": an RNN over a packed sequence; the call's tensors are the padded tensor
+    (``batch_first`` says its layout), its lengths, the sorting permutation when
+    ``sorted_indices``, and ``hidden`` tensors of the initial state (0, 1, or 2 for an LSTM's h
+    and c). ``form`` "call": positional ``arguments``, each a tensor (True) or None (False).
+    ``results`` counts the tensors it returns.
+    """
+
+    form: str
+    results: int
+    batch_first: bool = False
+    sorted_indices: bool = False
+    hidden: int = 0
+    arguments: tuple[bool, ...] = ()
+
+    @property
+    def tensors(self) -> int:
+        """How many of the node's inputs are the call's (the module's parameters follow)."""
+        if self.form == "packed":
+            return 2 + int(self.sorted_indices) + self.hidden
+        return sum(self.arguments)
+
+    def to_text(self) -> str:
+        if self.form == "packed":
+            data: dict[str, Any] = {
+                "form": "packed",
+                "batch_first": self.batch_first,
+                "sorted_indices": self.sorted_indices,
+                "hidden": self.hidden,
+            }
+        else:
+            data = {"form": "call", "arguments": list(self.arguments)}
+        return json.dumps(data | {"results": self.results}, sort_keys=True)
+
+    @classmethod
+    def from_text(cls, text: Any, where: str) -> CallSpec:
+        form = _json_object(text, where, None).get("form")
+        if form == "packed":
+            data = _json_object(
+                text, where, ("batch_first", "form", "hidden", "results", "sorted_indices")
+            )
+            for flag in ("batch_first", "sorted_indices"):
+                require(isinstance(data[flag], bool), f"{where}.{flag}", data[flag], "a boolean")
+            require(data["hidden"] in (0, 1, 2), f"{where}.hidden", data["hidden"], "0, 1 or 2")
+            spec = cls(
+                "packed",
+                data["results"],
+                batch_first=data["batch_first"],
+                sorted_indices=data["sorted_indices"],
+                hidden=data["hidden"],
+            )
+        else:
+            require(form == "call", f"{where}.form", form, '"packed" or "call"')
+            data = _json_object(text, where, ("arguments", "form", "results"))
+            arguments = data["arguments"]
+            require(
+                isinstance(arguments, list) and all(isinstance(a, bool) for a in arguments),
+                f"{where}.arguments",
+                arguments,
+                "a list of booleans (a tensor argument or None)",
+            )
+            spec = cls("call", data["results"], arguments=tuple(arguments))
+        require(is_int(spec.results, 1), f"{where}.results", spec.results, "a count of tensors")
+        return spec
+
+
+def _json_object(text: Any, where: str, keys: tuple[str, ...] | None) -> dict[str, Any]:
+    try:
+        data = json.loads(text) if isinstance(text, str) else None
+    except json.JSONDecodeError:
+        data = None
+    require(isinstance(data, dict), where, text, "the JSON text of an object")
+    assert isinstance(data, dict)  # require raised otherwise
+    if keys is not None:
+        require(sorted(data) == sorted(keys), where, text, f"an object with the keys {list(keys)}")
+    return data
+
+
+def _is_argument(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(_is_argument(v) for v in value)
+    return isinstance(value, _SCALARS)
+
+
+def _tuple(value: Any) -> Any:
+    return tuple(_tuple(v) for v in value) if isinstance(value, list) else value
+
+
+# -- the stand-in operator torch.export records -------------------------------------------------
+@torch.library.custom_op("autopipe::module", mutates_args=())
+def _module_op(path: str, module: str, call: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Stands for a kept module while torch.export traces the model (with real values when the
+    export propagates them); generated code calls the module itself."""
+    return _traced_call(path, module, call, inputs)
+
+
+@_module_op.register_fake
+def _module_op_fake(
+    path: str, module: str, call: str, inputs: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    return _traced_call(path, module, call, inputs)
+
+
+def _traced_call(
+    path: str, module: str, call: str, inputs: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    spec, call_spec = ModuleSpec.from_text(module, path), CallSpec.from_text(call, path)
+    return _fresh(call_module(spec, call_spec, inputs), inputs)
+
+
+def _fresh(results: tuple[torch.Tensor, ...], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Results as a custom operator must return them: none of them an input."""
+    return [t.clone() if any(t is i for i in inputs) else t for t in results]
+
+
+# -- running a call ----------------------------------------------------------------------------
+@lru_cache(maxsize=64)
+def _template(spec: ModuleSpec) -> nn.Module:
+    """An instance on the meta device, whose parameters each call swaps for its own."""
+    return spec.build("meta")
+
+
+class _Call(nn.Module):
+    """Runs one call of ``module`` (its parameters swapped in by ``functional_call``)."""
+
+    def __init__(self, module: nn.Module, call: CallSpec):
+        super().__init__()
+        self.module = module
+        self.call = call
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        call = self.call
+        if call.form == "packed":
+            padded, lengths, *rest = tensors
+            sorted_indices = rest.pop(0) if call.sorted_indices else None
+            hidden = hidden_of(rest, call.hidden)
+            assert isinstance(self.module, nn.RNNBase)  # lint: a packed call is an RNN's
+            return run_over_packed(
+                self.module, padded, lengths, sorted_indices, hidden, call.batch_first
+            )
+        given = iter(tensors)
+        return tensors_of(self.module(*(next(given) if a else None for a in call.arguments)))
+
+
+def call_module(
+    spec: ModuleSpec, call: CallSpec, inputs: list[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """One call of a kept module on the node's inputs (the call's tensors, then the module's
+    parameters), as the generated stage makes it: gradients reach every input."""
+    tensors, params = inputs[: call.tensors], inputs[call.tensors :]
+    runner = _Call(_template(spec), call)
+    state = {f"module.{name}": value for name, value in zip(spec.params, params)}
+    results: tuple[torch.Tensor, ...] = torch.func.functional_call(runner, state, tuple(tensors))
+    return results
+
+
+def run_call(
+    node: Node, env: Mapping[str, Any], device: torch.device, functions: Mapping[str, Any] | None
+) -> Any:
+    """The interpreter's hook: the call under the node's grad / autocast modes."""
+    path, module, call, inputs = replace_devices(map_refs(node.args, lambda r: env[r.name]), device)
+    spec, call_spec = ModuleSpec.from_text(module, path), CallSpec.from_text(call, path)
+    if node.context:
+        with node_context(node.context, device):
+            return call_module(spec, call_spec, inputs)
+    return call_module(spec, call_spec, inputs)
+
+
+# -- invariants ----------------------------------------------------------------------------------
+def kept_modules(nodes: Any) -> dict[str, ModuleSpec]:
+    """The kept modules ``nodes`` call, by path, in order of first call."""
+    found: dict[str, ModuleSpec] = {}
+    for node in nodes:
+        if node.target == MODULE_TARGET and node.args[0] not in found:
+            found[node.args[0]] = ModuleSpec.from_text(node.args[1], node.args[0])
+    return found
+
+
+def lint_call(graph: Graph, node: Node, field_: str) -> None:
+    """Check a call of a kept module: its path, module and call, and inputs whose parameters are
+    the graph's parameters of those names."""
+    args = list(node.args)
+    require(
+        len(args) == 4 and is_fqn(args[0]) and isinstance(args[3], list) and not node.kwargs,
+        f"{field_}.args",
+        args,
+        "[a module's name, its module spec, its call spec, a list of tensor inputs]",
+    )
+    path, module, call, inputs = args
+    spec = ModuleSpec.from_text(module, f"{field_}.args[1]")
+    call_spec = CallSpec.from_text(call, f"{field_}.args[2]")
+    try:
+        template = _template(spec)
+    except (ArtifactError, TypeError, ValueError) as exc:
+        raise ArtifactError(f"{field_}.args[1] does not build a module: {exc}") from None
+    names = [name for name, _ in template.named_parameters()]
+    require(
+        list(spec.params) == names,
+        f"{field_}.args[1].params",
+        list(spec.params),
+        f"the parameters torch.nn.{spec.cls} builds ({names})",
+    )
+    if call_spec.form == "packed":
+        lstm = isinstance(template, nn.LSTM)
+        require(
+            isinstance(template, nn.RNNBase),
+            f"{field_}.args[2].form",
+            call_spec.form,
+            "a call form its module takes (over a packed sequence: an RNN)",
+        )
+        require(
+            call_spec.hidden in ((0, 2) if lstm else (0, 1)),
+            f"{field_}.args[2].hidden",
+            call_spec.hidden,
+            f"the tensors of an initial state of torch.nn.{spec.cls} (0 or {2 if lstm else 1})",
+        )
+        require(
+            call_spec.results == (3 if lstm else 2),
+            f"{field_}.args[2].results",
+            call_spec.results,
+            "the output, then the final state's tensors",
+        )
+    require(
+        len(inputs) == call_spec.tensors + len(spec.params)
+        and all(isinstance(r, Ref) and isinstance(graph[r.name].meta, TensorMeta) for r in inputs),
+        f"{field_}.args[3]",
+        inputs,
+        f"{call_spec.tensors} tensor(s) of the call, then the module's {len(spec.params)} "
+        "parameter(s)",
+    )
+    for name, ref in zip(spec.params, inputs[call_spec.tensors :]):
+        source = graph[ref.name]
+        require(
+            source.kind == "param" and source.target == f"{path}.{name}",
+            f"{field_}.args[3]",
+            ref.name,
+            f"the parameter {path}.{name}",
+        )
+    meta = node.meta
+    require(
+        isinstance(meta, tuple) and len(meta) == call_spec.results,
+        f"{field_}.meta",
+        meta,
+        f"the metadata of {call_spec.results} result tensor(s)",
+    )
+
+
+def _lint_modules(graph: Graph, where: str) -> None:
+    """Every call of one path builds the same module."""
+    seen: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.target == MODULE_TARGET and len(node.args) == 4:
+            path, module = node.args[0], node.args[1]
+            require(
+                seen.setdefault(path, module) == module,
+                f"{where}nodes ({node.name!r}).args[1]",
+                module,
+                f"the module the other calls of {path} build",
+            )
+
+
+def rnn_signature(cls: type[nn.Module]) -> inspect.Signature | None:
+    """The constructor signature of an RNN class (``nn.LSTM`` and its kin take ``*args,
+    **kwargs`` and pass them to ``nn.RNNBase``), else None."""
+    return inspect.signature(nn.RNNBase.__init__) if issubclass(cls, nn.RNNBase) else None
+
+
+def constructor_arguments(spec: ModuleSpec) -> tuple[list[Any], list[tuple[str, Any]]]:
+    """The constructor arguments worth writing, in the signature's order: the required ones
+    (positional), then the others off their defaults (by name)."""
+    cls = spec.module_class()
+    signature = rnn_signature(cls) or inspect.signature(cls.__init__)
+    given = dict(spec.args)
+    positional: list[Any] = []
+    named: list[tuple[str, Any]] = []
+    for name, parameter in signature.parameters.items():
+        if name not in given:
+            continue
+        if parameter.default is inspect.Parameter.empty and not named:
+            positional.append(given.pop(name))
+        elif parameter.default is inspect.Parameter.empty or parameter.default != given[name]:
+            named.append((name, given.pop(name)))
+        else:
+            given.pop(name)
+    named.extend(given.items())  # not in the signature (nonlinearity of nn.RNN)
+    return positional, named
+
+
+register(
+    HigherOrderKind(
+        MODULE_TARGET,
+        operator=torch.ops.autopipe.module.default,
+        lint=lint_call,
+        run=run_call,
+        lint_graph=_lint_modules,
+    )
+)
