@@ -715,6 +715,46 @@ def packed_stacked_rnn(batch: int = 3, seed: int = 0):
     )
 
 
+class PackUnpack(nn.Module):
+    """Packs a projected batch and unpacks it again, with no RNN between, to a length between
+    the longest sequence and the padded one: zeros after each sequence's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, lengths):
+        packed = pack_padded_sequence(self.proj(x), lengths, batch_first=True, enforce_sorted=False)
+        y, _ = pad_packed_sequence(packed, batch_first=True, total_length=6)
+        return y.tanh()
+
+
+def pack_unpack(batch: int = 3, seed: int = 0):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1 + seed)
+    lengths = torch.randint(1, 6, (batch,), generator=g)
+    return PackUnpack(), (torch.randn(batch, 7, 8, generator=g), lengths)
+
+
+class PackedTokenCount(nn.Module):
+    """Divides by the packed data's rows (the batch's tokens): refused, autopipe carries packed
+    sequences as padded tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(8, 8, batch_first=True)
+
+    def forward(self, x, lengths):
+        y, _ = self.rnn(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))
+        tokens = y.data.size(0)
+        return y.data.sum() / tokens
+
+
+def packed_token_count():
+    g = torch.Generator().manual_seed(1)
+    return PackedTokenCount(), (torch.randn(3, 5, 8, generator=g), torch.tensor([5, 2, 4]))
+
+
 class PackedDataChanged(nn.Module):
     """Applies dropout to a packed sequence's data itself and packs it again: autopipe carries
     packed sequences as padded tensors, so this is refused at that line."""

@@ -29,7 +29,7 @@ from autopipe.verify import load_pipeline, verify
 from conftest import compile_model, spec
 from pipelines import STEPS, assert_same_training, reference_training, run_pipeline, run_stages
 
-PACKED = ["packed_lstm_lm", "packed_gru_seq2seq", "packed_stacked_rnn"]
+PACKED = ["packed_lstm_lm", "packed_gru_seq2seq", "packed_stacked_rnn", "pack_unpack"]
 
 
 def _source(package) -> str:
@@ -79,6 +79,7 @@ def test_rnns_over_packed_sequences_are_kept_whole_and_match_the_model(packed, n
         assert re.search(rf'keep_whole\(self,"{path}",nn\.(LSTM|GRU|RNN)\(', _flat(source)), path
         assert f"run_over_packed(self.{path}," in _flat(source), path
     assert source.count("run_over_packed(") == len(rnns)
+    assert ("keep_whole(" in source) == bool(rnns)
     assert "PackedSequence" not in source and "_pack_padded_sequence" not in source
     _assert_matches(out, load_example(spec(name)))
     for seed in (1, 2):  # the same weights, other values and lengths
@@ -140,7 +141,11 @@ def test_a_gru_encoder_decoder_over_packed_sequences_trains_like_pytorch(tmp_pat
 
 @pytest.mark.parametrize(
     "name,line",
-    [("packed_data_changed", "y, _ = self.rnn(packed)"), ("packed_data_read", "self.head(y.data)")],
+    [
+        ("packed_data_changed", "y, _ = self.rnn(packed)"),
+        ("packed_data_read", "self.head(y.data)"),
+        ("packed_token_count", "return y.data.sum() / tokens"),
+    ],
 )
 def test_a_model_computing_on_packed_data_itself_is_refused_at_that_line(name, line):
     with pytest.raises(TraceError) as raised:

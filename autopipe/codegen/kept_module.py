@@ -39,7 +39,9 @@ def support_names(nodes: Iterable[Node]) -> list[str]:
 def _constructor(spec: ModuleSpec) -> str:
     positional, named = constructor_arguments(spec)
     arguments = [repr(v) for v in positional] + [f"{k}={v!r}" for k, v in named]
-    return f"nn.{spec.cls}({', '.join([*arguments, 'device=' + repr('meta')])})"
+    if spec.takes_device:
+        arguments.append("device='meta'")
+    return f"nn.{spec.cls}({', '.join(arguments)})"
 
 
 def call_statement(

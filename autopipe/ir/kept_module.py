@@ -72,8 +72,17 @@ class ModuleSpec:
         return found
 
     def build(self, device: torch.device | str = "meta") -> nn.Module:
-        """A new instance on ``device`` (uninitialised values on the meta device)."""
+        """A new instance on ``device`` (uninitialised values on the meta device); a class
+        whose constructor takes no device holds no parameters (the trace checked it)."""
+        if not self.takes_device:
+            return self.module_class()(**dict(self.args))
         return self.module_class()(**dict(self.args), device=device)
+
+    @property
+    def takes_device(self) -> bool:
+        """Whether the class's constructor takes a ``device`` argument."""
+        cls = self.module_class()
+        return "device" in (rnn_signature(cls) or inspect.signature(cls.__init__)).parameters
 
     def to_text(self) -> str:
         return json.dumps(
@@ -298,7 +307,7 @@ def lint_call(graph: Graph, node: Node, field_: str) -> None:
     call_spec = CallSpec.from_text(call, f"{field_}.args[2]")
     try:
         template = _template(spec)
-    except (ArtifactError, TypeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever torch raises, the artefact is wrong
         raise ArtifactError(f"{field_}.args[1] does not build a module: {exc}") from None
     names = [name for name, _ in template.named_parameters()]
     require(

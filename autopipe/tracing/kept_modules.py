@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from ..runtime.core.kept_modules import has_values
 from .autograd_function import outside_export
 from .user_line import at_node, on_stack
 
-__all__ = ["KeptModules", "modules_kept_whole", "remove_packed_stand_ins"]
+__all__ = ["KeptModules", "module_spec", "modules_kept_whole", "remove_packed_stand_ins"]
 
 #: constructor arguments that say whether a parameter exists: read back from the module
 _FLAG_PARAMETERS = ("bias", "affine", "elementwise_affine")
@@ -49,17 +50,19 @@ _RNN_CLASSES = (nn.RNN, nn.LSTM, nn.GRU)
 def _stand_ins(
     padded: torch.Tensor, lengths: torch.Tensor, batch_first: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    time = padded.size(1 if batch_first else 0)
-    return padded.new_empty((0, *padded.shape[2:])), lengths.new_empty((time,))
+    """With values: empty tensors of the packed data's and batch sizes' real shapes."""
+    rows, steps = int(lengths.sum()), int(lengths.max())
+    return padded.new_empty((rows, *padded.shape[2:])), lengths.new_empty((steps,))
 
 
 @torch.library.custom_op("autopipe::packed_sequence", mutates_args=())
 def _packed_sequence(
     padded: torch.Tensor, lengths: torch.Tensor, batch_first: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stands for the packed data and batch sizes of a sequence while tracing, with real values
-    too (export may propagate them): no rows, and one batch size per step. Removed from the
-    graph once traced; nothing may read it."""
+    """Stands for the packed data and batch sizes of a sequence while tracing: their sizes (the
+    tokens of the batch, its longest sequence) are values of the lengths, so a model that reads
+    them computes on sizes from tensor values, which the converter then sees. Removed from the
+    graph once traced; a model that reads them is refused."""
     return _stand_ins(padded, lengths, batch_first)
 
 
@@ -67,20 +70,29 @@ def _packed_sequence(
 def _packed_sequence_fake(
     padded: torch.Tensor, lengths: torch.Tensor, batch_first: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _stand_ins(padded, lengths, batch_first)
+    steps, batch = (padded.size(1), padded.size(0)) if batch_first else padded.shape[:2]
+    context = torch.library.get_ctx()
+    rows = context.new_dynamic_size(min=1, max=batch * steps)
+    longest = context.new_dynamic_size(min=1, max=steps)
+    return padded.new_empty((rows, *padded.shape[2:])), lengths.new_empty((longest,))
 
 
 _STAND_IN = torch.ops.autopipe.packed_sequence.default
+#: what export compares a size with, to check its range
+_COMPARISONS = (operator.ge, operator.le, operator.gt, operator.lt, operator.eq)
 
 
 @dataclass(frozen=True)
 class _Packed:
     """A packed sequence as autopipe carries it: the padded tensor, sorted by length (longest
-    first) in the layout ``batch_first`` says, and its sorted lengths."""
+    first) in the layout ``batch_first`` says, and its sorted lengths. ``zeroed``: whether the
+    padded tensor holds zeros after each sequence's end (an RNN's output does; the batch a
+    model packs holds whatever it was padded with)."""
 
     padded: torch.Tensor
     lengths: torch.Tensor
     batch_first: bool
+    zeroed: bool = False
 
 
 class KeptModules:
@@ -97,10 +109,10 @@ class KeptModules:
 
     # -- packing ---------------------------------------------------------------------------------
     def pack(
-        self, padded: torch.Tensor, lengths: torch.Tensor, batch_first: bool
+        self, padded: torch.Tensor, lengths: torch.Tensor, batch_first: bool, zeroed: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         data, batch_sizes = _STAND_IN(padded, lengths, batch_first)
-        self._packed[id(data)] = _Packed(padded, lengths, batch_first)
+        self._packed[id(data)] = _Packed(padded, lengths, batch_first, zeroed)
         self._alive.append(data)
         return data, batch_sizes
 
@@ -125,15 +137,17 @@ class KeptModules:
             padded = padded.transpose(0, 1)
         time = 1 if batch_first else 0
         steps = padded.size(time)
-        if given and total_length > steps:
+        if not given:
+            # torch pads to the longest sequence of the batch: a size from the lengths' values
+            total_length = int(packed.lengths.max().item())  # specialised to the example, checked
+            torch._check(total_length <= steps)
+        if total_length > steps:
             padding = [0, 0] * (padded.dim() - time - 1) + [0, total_length - steps]
             padded = torch.nn.functional.pad(padded, padding)
-        elif not given:
-            # torch pads to the longest sequence of the batch: a size from the lengths' values
-            longest = int(packed.lengths.max().item())  # specialised to the example, checked
-            torch._check(longest <= steps)
-            padded = padded.narrow(time, 0, longest)
-        if padding_value != 0:
+        elif total_length < steps:
+            padded = padded.narrow(time, 0, total_length)
+        if padding_value != 0 or not packed.zeroed:
+            # what torch writes after each sequence's end
             positions = torch.arange(padded.size(time), device=padded.device)
             valid = positions.unsqueeze(0) < packed.lengths.to(padded.device).unsqueeze(1)
             if not batch_first:
@@ -150,9 +164,11 @@ class KeptModules:
         packed = self._packed.get(id(sequence.data))
         if packed is None:
             raise _refused_here(
-                f"{path} ({type(rnn).__name__}) is given a PackedSequence whose data the model "
-                "computed itself, not one pack_padded_sequence made",
-                "apply element-wise operations (dropout) to the padded batch before packing it",
+                f"{path} ({type(rnn).__name__}) is given a PackedSequence that "
+                "pack_padded_sequence did not make in the model's forward (the model received "
+                "it as an input, or computed its data itself)",
+                "give forward the padded batch and its lengths and pack them there; apply "
+                "element-wise operations (dropout) to the padded batch before packing it",
             )
         hidden = [] if hx is None else [hx] if isinstance(hx, torch.Tensor) else list(hx)
         lstm = isinstance(rnn, nn.LSTM)
@@ -165,7 +181,7 @@ class KeptModules:
         )
         indices = [] if sequence.sorted_indices is None else [sequence.sorted_indices]
         results = self._call(rnn, path, call, [packed.padded, packed.lengths, *indices, *hidden])
-        data, batch_sizes = self.pack(results[0], packed.lengths, packed.batch_first)
+        data, batch_sizes = self.pack(results[0], packed.lengths, packed.batch_first, zeroed=True)
         output = PackedSequence(
             data, batch_sizes, sequence.sorted_indices, sequence.unsorted_indices
         )
@@ -240,17 +256,28 @@ def module_spec(module: nn.Module, path: str) -> ModuleSpec:
     checked by building it on the meta device and comparing."""
     cls = type(module)
     if getattr(nn, cls.__name__, None) is not cls:
+        if isinstance(module, nn.RNNBase):
+            advice = (
+                f"an RNN over a packed sequence is kept whole as torch.nn's own class: make "
+                f"{path} an nn.{_torch_base(cls)} (or call one from a module of your own)"
+            )
+        else:
+            advice = "keep the torch.nn modules inside it whole instead, or make it traceable"
         raise TraceError(
-            f"{path} is a {cls.__module__}.{cls.__qualname__}; autopipe keeps only torch.nn's "
-            "own module classes whole (the generated code depends on torch alone): keep the "
-            "torch.nn module inside it whole instead, or make it traceable"
+            f"{path} is a {cls.__qualname__}, a class of the model's own; autopipe keeps only "
+            f"torch.nn's own module classes whole (generated code depends on torch alone): "
+            f"{advice}"
+        )
+    signature = rnn_signature(cls) or inspect.signature(cls.__init__)
+    if "device" not in signature.parameters and any(True for _ in module.parameters()):
+        raise _unbuildable(
+            path, cls, "its constructor takes no device argument (it is built on the meta device)"
         )
     if any(True for _ in module.buffers()):
         raise TraceError(
             f"{path} ({cls.__name__}) has buffers; autopipe keeps whole only modules whose "
             "state is parameters"
         )
-    signature = rnn_signature(cls) or inspect.signature(cls.__init__)
     args: list[tuple[str, Any]] = []
     for name, parameter in signature.parameters.items():
         if name in ("self", "mode", "device", "dtype") or parameter.kind in (
@@ -284,8 +311,18 @@ def module_spec(module: nn.Module, path: str) -> ModuleSpec:
         raise _unbuildable(path, cls, f"building it again fails ({exc})") from None
     state = lambda m: [(n, tuple(p.shape)) for n, p in m.named_parameters()]  # noqa: E731
     if state(rebuilt) != state(module) or rebuilt.extra_repr() != module.extra_repr():
-        raise _unbuildable(path, cls, f"it builds {rebuilt.extra_repr()!r}")
+        raise _unbuildable(
+            path,
+            cls,
+            "building it so gives other parameters or settings (some constructor arguments are "
+            "not kept as attributes of the same name)",
+        )
     return spec
+
+
+def _torch_base(cls: type) -> str:
+    """The torch.nn class a user's class derives from."""
+    return next(c.__name__ for c in cls.__mro__ if getattr(nn, c.__name__, None) is c)
 
 
 def _unbuildable(path: str, cls: type, why: str) -> TraceError:
@@ -376,7 +413,11 @@ def modules_kept_whole(model: nn.Module, named: tuple[str, ...] = ()) -> Iterato
     for cls, original in forwards.items():
         cls.forward = rnn_forward(original)  # type: ignore[method-assign]
     for module in kept.named.values():
-        module.forward = lambda *args, _m=module, **kwargs: kept.named_call(_m, args, kwargs)
+        module.forward = lambda *args, _m=module, **kwargs: (
+            kept.rnn_over_packed(_m, args[0], args[1] if len(args) > 1 else kwargs.get("hx"))
+            if args and isinstance(args[0], PackedSequence) and isinstance(_m, nn.RNNBase)
+            else kept.named_call(_m, args, kwargs)
+        )
     try:
         yield kept
     finally:
@@ -388,21 +429,45 @@ def modules_kept_whole(model: nn.Module, named: tuple[str, ...] = ()) -> Iterato
 
 
 def remove_packed_stand_ins(exported: torch.export.ExportedProgram) -> None:
-    """Take the stand-ins for packed data out of the exported graph, refusing a model that
-    reads them itself (``packed.data``, ``packed.batch_sizes``)."""
+    """Take the stand-ins for packed data out of the exported graph, with the checks export adds
+    of their sizes' ranges, refusing a model that reads them itself (``packed.data``,
+    ``packed.batch_sizes``, their sizes)."""
     graph = exported.graph_module.graph
     for node in list(graph.nodes):
         if node.target is not _STAND_IN:
             continue
         for item in list(node.users):
-            readers = list(item.users)
-            if readers:
-                where, code = at_node(readers[0])
-                raise TraceError(
-                    f"{where}: the model reads the data or batch sizes of a PackedSequence "
-                    f"itself{code}\nautopipe carries a packed sequence as its padded tensor and "
-                    "lengths: compute on the padded tensor (pad_packed_sequence) instead"
-                )
+            for reader in list(item.users):
+                checks = _range_checks(reader)
+                if checks is None:
+                    own = [u for u in reader.users if u.target not in _COMPARISONS]
+                    where, code = at_node(own[0] if own else reader)
+                    raise TraceError(
+                        f"{where}: the model reads the data or batch sizes of a PackedSequence "
+                        f"itself{code}\nautopipe carries a packed sequence as its padded tensor "
+                        "and lengths: compute on the padded tensor (pad_packed_sequence) instead"
+                    )
+                for check in checks:
+                    graph.erase_node(check)
+                graph.erase_node(reader)
             graph.erase_node(item)
         graph.erase_node(node)
     exported.graph_module.recompile()
+
+
+def _range_checks(reader: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The nodes of export's own checks of a stand-in's size range (``sym_size`` compared and
+    asserted), leaves first, if that is all ``reader`` is for; else None."""
+    if reader.target is not torch.ops.aten.sym_size.int:
+        return None
+    asserts: list[torch.fx.Node] = []
+    comparisons: list[torch.fx.Node] = []
+    for comparison in reader.users:
+        if comparison.target not in _COMPARISONS:
+            return None
+        for check in comparison.users:
+            if check.target is not torch.ops.aten._assert_scalar.default:
+                return None
+            asserts.append(check)
+        comparisons.append(comparison)
+    return asserts + comparisons
