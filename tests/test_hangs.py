@@ -357,18 +357,51 @@ def the_diagnosis(stderr: str) -> str:
     return "\n".join(block)
 
 
+def first_seen(runs: dict[str, Planted], text: str, timeout: float) -> dict[str, float]:
+    """Waits for ``text`` in the stderr of every run at once; the time it appeared in each."""
+    seen: dict[str, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(seen) < len(runs) and time.monotonic() < deadline:
+        for name, run in runs.items():
+            if name not in seen and text in run.stderr():
+                seen[name] = time.time()
+            elif name not in seen and run.process.poll() is not None:
+                raise AssertionError(f"{name}: no {text!r} in stderr:\n{run.stderr()}")
+        time.sleep(0.2)
+    missing = [name for name in runs if name not in seen]
+    assert not missing, f"no {text!r} after {timeout} s in {missing}"
+    return seen
+
+
+@pytest.fixture(scope="module")
+def hung(package, tmp_path_factory) -> dict[str, tuple[Planted, float]]:
+    """Two hung runs, started together since each mostly waits for its --timeout: rank 0 stops
+    itself with SIGSTOP ("stop"), rank 1 skips a collective ("skip"); each with the time its
+    diagnosis appeared. The stopped rank is continued once its partner lost contact, so that
+    torchrun can stop it."""
+    root = tmp_path_factory.mktemp("hung")
+    runs = {
+        plant: Planted(
+            package, root / plant, plant, rank, "--steps", "3", "--timeout", str(TIMEOUT)
+        )
+        for plant, rank in (("stop", 0), ("skip", 1))
+    }
+    stop = runs["stop"]
+    try:
+        seen = first_seen(runs, "train.py: hang diagnosis:", 90)
+        stop.wait_for("lost contact", 60)
+    finally:
+        if (stop.directory / "rank0.pid").exists():
+            os.kill(stop.pid(0), signal.SIGCONT)
+    return {plant: (run, seen[plant]) for plant, run in runs.items()}
+
+
 @pytest.mark.slow
-def test_a_rank_stopped_with_sigstop_is_named(package, tmp_path):
+def test_a_rank_stopped_with_sigstop_is_named(hung):
     """Rank 0 stops itself in step 1's forward of microbatch 0. Rank 1, waiting for it, notices
     at --timeout; rank 0 cannot answer; rank 1 prints the diagnosis naming rank 0 as stopped or
     dead, then gives up as before (lost contact, exit 3)."""
-    run = Planted(package, tmp_path / "run", "stop", 0, "--steps", "3", "--timeout", str(TIMEOUT))
-    try:
-        seen = run.wait_for("train.py: hang diagnosis:", 90)
-        run.wait_for("lost contact", 60)
-    finally:
-        if (run.directory / "rank0.pid").exists():
-            os.kill(run.pid(0), signal.SIGCONT)  # torchrun can then stop it
+    run, seen = hung["stop"]
     assert run.finish() != 0
     stderr = run.stderr()
     text = the_diagnosis(stderr)
@@ -414,11 +447,10 @@ def test_a_rank_sending_a_batch_of_another_shape_is_named(package, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_collective_skipped_by_one_rank_is_named(package, tmp_path):
+def test_a_collective_skipped_by_one_rank_is_named(hung):
     """Rank 1 leaves out the sum of tied gradients at step 1 and goes on to the gradient norm,
     while rank 0 waits in the sum: the diagnosis names rank 1 as the one that went past it."""
-    run = Planted(package, tmp_path / "run", "skip", 1, "--steps", "3", "--timeout", str(TIMEOUT))
-    seen = run.wait_for("train.py: hang diagnosis:", 90)
+    run, seen = hung["skip"]
     assert run.finish() != 0
     stderr = run.stderr()
     text = the_diagnosis(stderr)

@@ -39,7 +39,7 @@ from conftest import ROOT, compile_model, torchrun
 MODEL = "block_stack_with_target"  # 16 identical blocks: boundaries move block by block
 SLOWED = {"SLOWED_RANK": "1", "SLOWED_FACTOR": "10"}  # rank 1's forwards 10x slower
 STEPS = 4  # steps of the traced run (checkpoints after steps 2 and 4)
-MORE = 6  # steps each package adds when resuming its checkpoint
+MORE = 3  # steps each package adds when resuming its checkpoint
 #: microbatches of the runs (the old package's default is 4; the new one's, the traced run's)
 MICROBATCHES = 8
 
@@ -64,9 +64,8 @@ class Runs:
     new: Path
     printed: str  # what autopipe replan printed
     trace: Path  # the old package's traced run, which replan read
-    old_resumed: RunTrace  # each package's run resumed from that run's last checkpoint
-    new_resumed: RunTrace
-    old_losses: list[tuple[int, float]]  # (step, loss) of the resumed runs
+    #: (step, loss) of each package's run resumed from that run's last checkpoint (not slowed)
+    old_losses: list[tuple[int, float]]
     new_losses: list[tuple[int, float]]
 
 
@@ -78,8 +77,7 @@ def _losses(path: Path) -> list[tuple[int, float]]:
 @pytest.fixture(scope="module")
 def runs(package: Path, tmp_path_factory) -> Runs:
     """The slowed run of the old package (traced, checkpointed), ``autopipe replan`` from its
-    trace, and both packages resumed from copies of its checkpoint directory, slowed and
-    traced."""
+    trace, and both packages resumed from copies of its checkpoint directory."""
     root = tmp_path_factory.mktemp("runs")
     trace, checkpoints = root / "trace", root / "checkpoints"
     _slowed_run(
@@ -100,25 +98,15 @@ def runs(package: Path, tmp_path_factory) -> Runs:
     ):
         copy = root / f"checkpoints-{name}"
         shutil.copytree(checkpoints, copy)
-        _slowed_run(
-            pipeline,
+        torchrun(
+            pipeline / "train.py",
+            2,
             *options,
             *("--steps", str(STEPS + MORE), "--checkpoint-dir", str(copy), "--resume"),
-            *("--trace", str(root / f"trace-{name}"), "--trace-steps"),
-            f"{STEPS + 1}:{STEPS + MORE}",  # the first resumed step warms up
             *("--log-json", str(root / f"{name}.jsonl")),
         )
-        resumed[name] = (RunTrace.load(root / f"trace-{name}"), _losses(root / f"{name}.jsonl"))
-    return Runs(
-        package,
-        new,
-        printed.getvalue(),
-        trace,
-        resumed["old"][0],
-        resumed["new"][0],
-        resumed["old"][1],
-        resumed["new"][1],
-    )
+        resumed[name] = _losses(root / f"{name}.jsonl")
+    return Runs(package, new, printed.getvalue(), trace, resumed["old"], resumed["new"])
 
 
 def _units(part: Partition, stage: int) -> list[int]:
@@ -153,15 +141,8 @@ def test_replan_moves_work_off_the_slowed_rank_and_predicts_a_shorter_step(runs)
     assert check_files(runs.new) == []
 
 
-@pytest.mark.slow
-def test_replanned_package_measures_a_shorter_step(runs):
-    old, new = runs.old_resumed, runs.new_resumed
-    assert len(old.step_times) == len(new.step_times) == MORE - 1
-    # the median of the traced steps: a step slowed by another process on the machine is left out
-    steps = [statistics.median(run.step_times.values()) for run in (old, new)]
-    assert steps[1] < 0.85 * steps[0], (old.step_times, new.step_times)
-    # the slowed rank's stage got lighter
-    assert new.stage_times[1].forward < 0.85 * old.stage_times[1].forward
+# How much shorter the replanned package's step measures is benchmarks/replan.py's to say: a
+# timing, not a test's assertion.
 
 
 @pytest.mark.slow

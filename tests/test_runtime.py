@@ -50,6 +50,8 @@ def gpt2_reference(**options):
     )
 
 
+# The V-shaped schedules (zbv, dualpipev) train against PyTorch below, on V-shaped placements
+# with a stage that hands back no gradient (and zbv with two replicas, in bf16, sharded).
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule,stages,devices",
@@ -59,8 +61,6 @@ def gpt2_reference(**options):
         ("interleaved-1f1b", 4, 2),
         ("looped-bfs", 4, 2),
         ("interleaved-zero-bubble", 4, 2),
-        ("zbv", 4, 2),
-        ("dualpipev", 4, 2),
         ("auto", 4, 2),
     ],
 )
