@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 
+from autopipe.compiler import CompileOptions, compile_spec
 from autopipe.runtime.checkpoint import Checkpoint, CheckpointError, save_safetensors
 from autopipe.runtime.core.errors import PipelineRunError
 from autopipe.runtime.train_state import load_weights
@@ -149,22 +150,26 @@ print(status("VmHWM:") - before, size)
 """
 
 
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """The 134 MB model of BIG compiled into 4 stages once: (its directory, the package)."""
+    root = tmp_path_factory.mktemp("big")
+    (root / "big.py").write_text(BIG)
+    compile_spec(f"{root / 'big.py'}:build", root / "pipe", CompileOptions(stages=4), report=False)
+    return root, root / "pipe"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["torch", "safetensors", "sharded-safetensors"])
-def test_a_rank_reads_only_its_stage(tmp_path, kind):
+def test_a_rank_reads_only_its_stage(big, tmp_path, kind):
     """Loading a 134 MB model into one of 4 stages, then touching every tensor, raises peak memory
     by that stage (34 MB: the pages of the mapped checkpoint it holds), not by the model."""
-    (tmp_path / "big.py").write_text(BIG)
-    from autopipe.compiler import CompileOptions, compile_spec
-
-    compile_spec(f"{tmp_path / 'big.py'}:build", tmp_path / "pipe", CompileOptions(stages=4))
-    model = load_example(f"{tmp_path / 'big.py'}:build").model
+    root, pipe = big
+    model = load_example(f"{root / 'big.py'}:build").model
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     checkpoint = write_checkpoint(model.state_dict(), tmp_path, kind)
     del model
-    code = MEASURE.format(
-        parent=str(tmp_path), pipe=str(tmp_path / "pipe"), index=1, checkpoint=str(checkpoint)
-    )
+    code = MEASURE.format(parent=str(root), pipe=str(pipe), index=1, checkpoint=str(checkpoint))
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300
     )

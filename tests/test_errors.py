@@ -288,7 +288,7 @@ def test_torch_cond_compiles(tmp_path):
         "    return build(-100.0)\n"
     )
     out = tmp_path / "out"
-    compile_spec(f"{module}:build", out, CompileOptions(stages=2))
+    compile_spec(f"{module}:build", out, CompileOptions(stages=2), report=False)
     source = (out / "stage0.py").read_text() + (out / "stage1.py").read_text()
     assert "torch.cond(" in source and "# true branch of torch.cond at cond_model.py:8" in source
     taken = set()

@@ -210,7 +210,8 @@ def test_train_hint_is_shell_quoted(tmp_path, capsys):
     """An --out with a space: the printed torchrun command splits, as a shell would, into the
     train.py that was written."""
     out = tmp_path / "my pipe"
-    assert autopipe(["compile", spec("mlp"), "--stages", "2", "--out", str(out), "--quiet"]) == 0
+    args = ["compile", spec("mlp"), "--stages", "2", "--out", str(out), "--quiet", "--no-report"]
+    assert autopipe(args) == 0
     line = next(
         line for line in capsys.readouterr().out.splitlines() if line.startswith("train it: ")
     )
@@ -276,7 +277,8 @@ def test_stale_lock_is_taken_over(tmp_path, capsys, monkeypatch):
     gone.wait()
     assert not pid_alive(gone.pid)
     hold_lock(out, gone.pid)
-    assert autopipe(["compile", spec("mlp"), "--stages", "3", "--out", str(out), "--force"]) == 0
+    args = ["compile", spec("mlp"), "--stages", "3", "--out", str(out), "--force", "--no-report"]
+    assert autopipe(args) == 0
     captured = capsys.readouterr()
     assert f"took over the lock of {out} from pid {gone.pid} on " in " ".join(captured.err.split())
     assert "wrote 3-stage pipeline" in captured.out

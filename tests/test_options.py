@@ -20,6 +20,7 @@ BAD = {
     "method": "magic",
     "depth": -1,
     "basic_blocks": "GPT2Block",
+    "keep_whole": ("encoder rnn",),
     "inline_blocks": 1,
     "dynamic": "seq",
     "expected": {"seq": 1},

@@ -6,9 +6,9 @@ the RNN's own code reads sizes from it. So while tracing:
 
 - packing (``torch._VF._pack_padded_sequence``, which ``pack_padded_sequence`` calls after
   sorting the batch, whatever name the model imported it under) records the padded tensor and its
-  lengths and returns stand-ins for the packed data and batch sizes (an ``autopipe.
-  packed_sequence`` operator, removed from the graph once traced; a model that reads them itself
-  is refused at that line);
+  lengths and returns stand-ins for the packed data and batch sizes (the operator
+  ``autopipe.packed_sequence``, their sizes from the lengths' values; removed from the graph once
+  traced, and a model that reads them itself is refused at that line);
 - an RNN given such a ``PackedSequence`` becomes one ``autopipe.module`` call
   (:mod:`autopipe.ir.kept_module`) on the padded tensor, lengths, sorting permutation and
   hidden state, whose output is again a packed sequence held as its padded tensor;
@@ -371,9 +371,12 @@ def _leaves(value: Any, path: str) -> list[torch.Tensor]:
 
 
 def _rebuild(structure: Any, results: Iterator[torch.Tensor]) -> Any:
+    """``structure`` (tensors in tuples, lists, named tuples) with ``results`` in its tensors'
+    places."""
     if isinstance(structure, torch.Tensor):
         return next(results)
-    return type(structure)(_rebuild(item, results) for item in structure)
+    items = [_rebuild(item, results) for item in structure]
+    return type(structure)(*items) if hasattr(structure, "_fields") else type(structure)(items)
 
 
 @contextlib.contextmanager
