@@ -704,6 +704,37 @@ class PackedStackedRNN(nn.Module):
         return self.head(y).squeeze(-1).sum(0) + h.sum((0, 2))
 
 
+class PackedStackedRNNBatchFirst(PackedStackedRNN):
+    """PackedStackedRNN taking its inputs batch first (train.py splits microbatches along
+    dimension 0): the time-first batch and the (layers, batch, hidden) initial states are
+    transposed in forward."""
+
+    def forward(self, x, lengths, h0):
+        return super().forward(x.transpose(0, 1), lengths, h0.transpose(0, 1).contiguous())
+
+
+def packed_stacked_rnn_with_target():
+    _, (x, lengths, h0) = packed_stacked_rnn()
+    target = torch.randn(3, generator=torch.Generator().manual_seed(9))
+    return (
+        PackedStackedRNNBatchFirst(),
+        (x.transpose(0, 1), lengths, h0.transpose(0, 1)),
+        {},
+        target,
+    )
+
+
+def packed_stacked_rnn_batch(step: int, microbatches: int = 4):
+    """Microbatches of 3 sequences, each sorted by length (the model packs them sorted)."""
+    chunks = []
+    for i in range(microbatches):
+        _, (x, lengths, h0) = packed_stacked_rnn(seed=100 * step + i)
+        chunks.append((x.transpose(0, 1), lengths, h0.transpose(0, 1)))
+    args = [torch.cat(parts) for parts in zip(*chunks)]
+    g = torch.Generator().manual_seed(6000 + step)
+    return args, {}, torch.randn(3 * microbatches, generator=g)
+
+
 def packed_stacked_rnn(batch: int = 3, seed: int = 0):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1 + seed)

@@ -27,7 +27,13 @@ from autopipe.tracing import trace
 from autopipe.verify import load_pipeline, verify
 
 from conftest import compile_model, spec
-from pipelines import STEPS, assert_same_training, reference_training, run_pipeline, run_stages
+from pipelines import (
+    STEPS,
+    assert_same_training,
+    reference_training,
+    run_pipeline,
+    run_stages,
+)
 
 PACKED = ["packed_lstm_lm", "packed_gru_seq2seq", "packed_stacked_rnn", "pack_unpack"]
 
@@ -136,6 +142,22 @@ def test_a_gru_encoder_decoder_over_packed_sequences_trains_like_pytorch(tmp_pat
         0.1,
         models.sequence_cross_entropy,
     )
+    assert_same_training(pipe, ref)
+
+
+@pytest.mark.slow
+def test_a_stacked_rnn_with_initial_states_trains_like_pytorch(tmp_path):
+    """The 3-layer RNN over sorted packed sequences, from given initial states: its inputs
+    batch first (train.py splits microbatches along dimension 0; the model transposes them)."""
+    name, batches = "packed_stacked_rnn_with_target", "packed_stacked_rnn_batch"
+    pipe = run_pipeline(
+        tmp_path, name, 2, batches, "--optimizer", "sgd", "--lr", "0.001",
+        loss="tests/models.py:mse",
+    )  # fmt: skip
+    ref = reference_training(
+        load_example(spec(name)), models.packed_stacked_rnn_batch, STEPS, "sgd", 0.001, models.mse
+    )
+    assert ref[0][-1] < ref[0][0]  # it learns
     assert_same_training(pipe, ref)
 
 
