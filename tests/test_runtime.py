@@ -103,15 +103,8 @@ def test_a_stage_handing_back_no_gradient_trains_under_a_split_backward(tmp_path
     assert_same_training(pipe, gpt2_reference())
 
 
-@pytest.mark.slow
-def test_two_stages_times_two_replicas(tmp_path):
-    """--dp 2 on 4 processes: each replica runs 2 of the step's 4 microbatches; the result is
-    PyTorch's on the whole batch (gradients averaged over replicas, tied ones summed over stages).
-    """
-    pipe = run_pipeline(
-        tmp_path, "gpt2", 2, "gpt2_batch", "--dp", "2", "--microbatches", "2", nproc=4
-    )
-    assert_same_training(pipe, gpt2_reference())
+# 2 stages x --dp 2 (4 processes, gradients averaged over replicas, tied ones summed over stages)
+# trains against PyTorch in test_data_parallel.py, with accumulation and clipping besides.
 
 
 @pytest.mark.slow
