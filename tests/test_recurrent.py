@@ -5,8 +5,9 @@ sequences (pack_padded_sequence / pad_packed_sequence, enforce_sorted either way
 given or not) they are kept whole: one call of the torch module in the generated stage, which
 holds it at its original name with its parameters. Each compiles into 2 stages matching the
 model on the example and on other values and lengths; a packed sequence crosses a stage boundary
-as its tensors. ``--keep-whole`` keeps any torch.nn module so. The packed LSTM language model of
-the zoo (tests/zoo/models.py) trains through train.py like PyTorch (tests/test_zoo.py)."""
+as its tensors. ``--keep-whole`` keeps any torch.nn module so. The GRU encoder-decoder and the
+stacked RNN train through train.py like PyTorch, and so does the zoo's packed LSTM language model
+(tests/zoo/models.py, tests/test_zoo.py)."""
 
 from __future__ import annotations
 
