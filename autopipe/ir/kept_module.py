@@ -46,9 +46,10 @@ __all__ = [
     "ModuleSpec",
     "call_module",
     "constructor_arguments",
+    "constructor_signature",
+    "is_argument_value",
     "kept_modules",
     "lint_call",
-    "rnn_signature",
     "run_call",
 ]
 
@@ -81,8 +82,7 @@ class ModuleSpec:
     @property
     def takes_device(self) -> bool:
         """Whether the class's constructor takes a ``device`` argument."""
-        cls = self.module_class()
-        return "device" in (rnn_signature(cls) or inspect.signature(cls.__init__)).parameters
+        return "device" in constructor_signature(self.module_class()).parameters
 
     def to_text(self) -> str:
         return json.dumps(
@@ -97,7 +97,7 @@ class ModuleSpec:
         require(is_identifier(name), f"{where}.class", name, "the name of a torch.nn class")
         require(
             isinstance(args, dict)
-            and all(is_identifier(k) and _is_argument(v) for k, v in args.items()),
+            and all(is_identifier(k) and is_argument_value(v) for k, v in args.items()),
             f"{where}.args",
             args,
             "constructor arguments: names -> numbers, booleans, strings, null or lists of them",
@@ -192,9 +192,11 @@ def _json_object(text: Any, where: str, keys: tuple[str, ...] | None) -> dict[st
     return data
 
 
-def _is_argument(value: Any) -> bool:
+def is_argument_value(value: Any) -> bool:
+    """Whether a constructor argument can be written down: a number, boolean, string, None, or
+    a list of them."""
     if isinstance(value, list):
-        return all(_is_argument(v) for v in value)
+        return all(is_argument_value(v) for v in value)
     return isinstance(value, _SCALARS)
 
 
@@ -375,17 +377,17 @@ def _lint_modules(graph: Graph, where: str) -> None:
             )
 
 
-def rnn_signature(cls: type[nn.Module]) -> inspect.Signature | None:
-    """The constructor signature of an RNN class (``nn.LSTM`` and its kin take ``*args,
-    **kwargs`` and pass them to ``nn.RNNBase``), else None."""
-    return inspect.signature(nn.RNNBase.__init__) if issubclass(cls, nn.RNNBase) else None
+def constructor_signature(cls: type[nn.Module]) -> inspect.Signature:
+    """The constructor signature of a torch.nn class; an RNN's is ``nn.RNNBase``'s (``nn.LSTM``
+    and its kin take ``*args, **kwargs`` and pass them on)."""
+    return inspect.signature((nn.RNNBase if issubclass(cls, nn.RNNBase) else cls).__init__)
 
 
 def constructor_arguments(spec: ModuleSpec) -> tuple[list[Any], list[tuple[str, Any]]]:
     """The constructor arguments worth writing, in the signature's order: the required ones
     (positional), then the others off their defaults (by name)."""
     cls = spec.module_class()
-    signature = rnn_signature(cls) or inspect.signature(cls.__init__)
+    signature = constructor_signature(cls)
     given = dict(spec.args)
     positional: list[Any] = []
     named: list[tuple[str, Any]] = []

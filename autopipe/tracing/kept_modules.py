@@ -35,8 +35,8 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from ..errors import TraceError
-from ..ir.kept_module import CallSpec, ModuleSpec, rnn_signature
-from ..runtime.core.kept_modules import has_values
+from ..ir.kept_module import CallSpec, ModuleSpec, constructor_signature, is_argument_value
+from ..runtime.core.kept_modules import has_values, tensors_of
 from .autograd_function import outside_export
 from .user_line import at_node, on_stack
 
@@ -202,7 +202,7 @@ class KeptModules:
             structure = type(module).forward(module, *args)
         call = CallSpec(
             "call",
-            results=len(_leaves(structure, path)),
+            results=len(_result_tensors(structure, path)),
             arguments=tuple(a is not None for a in args),
         )
         tensors = [a for a in args if a is not None]
@@ -268,7 +268,7 @@ def module_spec(module: nn.Module, path: str) -> ModuleSpec:
             f"torch.nn's own module classes whole (generated code depends on torch alone): "
             f"{advice}"
         )
-    signature = rnn_signature(cls) or inspect.signature(cls.__init__)
+    signature = constructor_signature(cls)
     if "device" not in signature.parameters and any(True for _ in module.parameters()):
         raise _unbuildable(
             path, cls, "its constructor takes no device argument (it is built on the meta device)"
@@ -295,7 +295,7 @@ def module_spec(module: nn.Module, path: str) -> ModuleSpec:
                 raise _unbuildable(path, cls, f"its argument {name} is not an attribute")
             continue
         value = list(value) if isinstance(value, tuple) else value
-        if not _is_plain(value):
+        if not is_argument_value(value):
             raise _unbuildable(path, cls, f"its argument {name} is a {type(value).__name__}")
         args.append((name, value))
     if isinstance(module, nn.RNN) and module.nonlinearity != "tanh":
@@ -332,12 +332,6 @@ def _unbuildable(path: str, cls: type, why: str) -> TraceError:
     )
 
 
-def _is_plain(value: Any) -> bool:
-    if isinstance(value, list):
-        return all(_is_plain(v) for v in value)
-    return isinstance(value, (bool, int, float, str, type(None)))
-
-
 def _named_module(model: nn.Module, path: str) -> nn.Module:
     try:
         module = model.get_submodule(path)
@@ -359,15 +353,11 @@ def _described(args: tuple, kwargs: dict) -> str:
     return "(" + ", ".join(kinds) + ")"
 
 
-def _leaves(value: Any, path: str) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _leaves(item, path)]
-    raise TraceError(
-        f"--keep-whole {path}: it returns a {type(value).__name__}; a module kept whole returns "
-        "tensors or tuples of them"
-    )
+def _result_tensors(value: Any, path: str) -> tuple[torch.Tensor, ...]:
+    try:
+        return tensors_of(value)
+    except TypeError as exc:  # it names what the result holds besides tensors
+        raise TraceError(f"--keep-whole {path}: {exc}") from None
 
 
 def _rebuild(structure: Any, results: Iterator[torch.Tensor]) -> Any:
