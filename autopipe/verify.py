@@ -24,6 +24,7 @@ from .errors import ArtifactError, AutopipeError, VerificationError
 from .options import TOLERANCE
 from .runtime.core.dimensions import dimension_sizes
 from .runtime.core.errors import PipelineRunError
+from .runtime.core.fixed_inputs import check_fixed_inputs
 from .runtime.core.pipeline import Pipeline, PipelineFormatError, Stage
 from .runtime.support import stage_state
 from .spec import Example
@@ -120,6 +121,7 @@ def verify(
         )
     env = dict(zip(pipeline.signature, example.args)) | dict(example.kwargs)
     try:
+        check_fixed_inputs(pipeline.fixed_inputs, env, "the example")
         dimension_sizes(pipeline, env, 1, "the example")
     except PipelineRunError as exc:
         raise AutopipeError(str(exc)) from None

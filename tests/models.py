@@ -1042,3 +1042,40 @@ def pipe_split_batch(step: int, microbatches: int = 4):
     g = torch.Generator().manual_seed(9100 + step)
     x = torch.randn(BATCH * 2 * microbatches, 16, generator=g)
     return (x,), {}, x.sum(-1).cos()
+
+
+class ListScaled(nn.Module):
+    """Two linear layers whose outputs Python values shape: a list of scales, a flag, the name
+    of an activation and a mask left None, arguments without tensors that torch.export fixes to
+    the example's values (recorded in the pipeline contract, checked in every batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 8)
+        self.second = nn.Linear(8, 4)
+
+    def forward(self, x, scales, square=False, activation="relu", mask=None):
+        act = torch.relu if activation == "relu" else torch.tanh
+        y = self.second(act(self.first(x))) * torch.tensor(scales)
+        if square:
+            y = y * y
+        if mask is not None:
+            y = y * mask
+        return y
+
+
+LIST_SCALES = [1.0, 2.0, 3.0, 4.0]
+
+
+def list_scaled():
+    torch.manual_seed(0)
+    kwargs = {"square": True, "activation": "relu", "mask": None}
+    return ListScaled(), (torch.randn(BATCH, 4), LIST_SCALES), kwargs
+
+
+def list_scaled_batch(step: int, microbatches: int = 4):
+    """The example's values at step 0, other scales at step 1 (refused there)."""
+    g = torch.Generator().manual_seed(9200 + step)
+    scales = LIST_SCALES if step == 0 else [4.0, 3.0, 2.0, 1.0]
+    x = torch.randn(BATCH * microbatches, 4, generator=g)
+    return (x, scales), {"square": True, "activation": "relu"}

@@ -437,6 +437,10 @@ def pipeline_description(
         | (dict(graph.loss.model.input_ranges) if graph.loss is not None else {}),
         "dp_shard": part.settings.dp_shard or 1,
     }
+    if graph.model.fixed_inputs:
+        description["fixed_inputs"] = {
+            name: fixed.to_json() for name, fixed in graph.model.fixed_inputs.items()
+        }
     if part.predicted is not None:
         description["plan"] = _plan_description(part, part.predicted, graph)
     if graph.model.symbols:

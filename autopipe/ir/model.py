@@ -1,8 +1,10 @@
 """What a graph records about the model it was traced from (``Graph.model``): its class and
 spec, how it was traced (on the meta device, with which blocks and unit depth), the value ranges
 of its integer inputs, the modules that register its custom operators, its dynamic
-dimensions, where its ``pipe_split()`` markers ask stages to begin, and for a Hugging Face ``PreTrainedModel`` its configuration (and generation
-configuration), which a trained model's ``from_pretrained`` directory needs.
+dimensions, where its ``pipe_split()`` markers ask stages to begin, for a Hugging Face
+``PreTrainedModel`` its configuration (and generation configuration), which a trained model's
+``from_pretrained`` directory needs, and the example's arguments that hold no tensor, which
+torch.export fixed to their values (batches must pass the same).
 
 Graphs traced from a model record every fact; the graphs of a ``torch.cond`` branch record the
 class and source line, those of a custom autograd function the class alone. :class:`ModelFacts`
@@ -18,6 +20,8 @@ from typing import Any
 
 from ..checks import is_class_name, is_fqn, is_identifier, is_int, is_text, is_value_name, require
 from ..errors import ArtifactError
+from ..runtime.core.fields import FieldReader
+from ..runtime.core.fixed_inputs import FixedInput, fixed_inputs_from_json
 
 __all__ = ["DynamicSymbol", "ModelFacts"]
 
@@ -34,7 +38,11 @@ _KEYS = (
     "symbols",
     "huggingface",
     "split_markers",
+    "fixed_inputs",
 )
+
+#: checks of the record's JSON values that the runtime's formats share
+_READ = FieldReader(ArtifactError, "a graph's model record")
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,9 @@ class ModelFacts:
     #: the first call node after each of the model's ``pipe_split()`` markers (torch's
     #: pipelining's requested stage boundaries), in program order
     split_markers: tuple[str, ...] = ()
+    #: the example's forward arguments that hold no tensor, which torch.export fixed to their
+    #: values (runtime/core/fixed_inputs.py), by name
+    fixed_inputs: Mapping[str, FixedInput] = field(default_factory=dict)
     #: the keys the record holds (a branch's or a function's graph records fewer facts)
     keys: frozenset[str] = frozenset(_KEYS[:8])
 
@@ -146,6 +157,7 @@ class ModelFacts:
             "symbols": self.symbols,
             "huggingface": self.huggingface,
             "split_markers": self.split_markers,
+            "fixed_inputs": self.fixed_inputs,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -161,11 +173,13 @@ class ModelFacts:
             "symbols": self.symbols_json(),
             "huggingface": self.huggingface,
             "split_markers": list(self.split_markers),
+            "fixed_inputs": {name: f.to_json() for name, f in self.fixed_inputs.items()},
         }
         optional = {
             "symbols": bool(self.symbols),
             "huggingface": self.huggingface is not None,
             "split_markers": bool(self.split_markers),
+            "fixed_inputs": bool(self.fixed_inputs),
         }
         return {key: values[key] for key in _KEYS if key in self.keys or optional.get(key)}
 
@@ -243,6 +257,9 @@ class ModelFacts:
             markers,
             "a list of distinct node names (the first call after each pipe_split() marker)",
         )
+        fixed = fixed_inputs_from_json(
+            model.get("fixed_inputs", {}), f"{where}model.fixed_inputs", _READ
+        )
 
         for name, module in sorted(operators.items()):  # registers them, for the graph's lint
             try:
@@ -264,5 +281,6 @@ class ModelFacts:
             symbols=dims,
             huggingface=huggingface,
             split_markers=tuple(markers),
+            fixed_inputs=fixed,
             keys=frozenset(model),
         )

@@ -38,6 +38,7 @@ from .model_tables import (
     bound_inputs,
     buffer_table,
     check_state_known,
+    fixed_inputs,
     forward_signature,
     integer_input_ranges,
     parameter_table,
@@ -147,6 +148,7 @@ def trace(
             symbols=_symbol_table(dims),
             split_markers=converter.split_markers(nodes),
             huggingface=huggingface_configs(model),
+            fixed_inputs=fixed_inputs(bound),
         ),
         functions=functions.definitions(nodes),
     )

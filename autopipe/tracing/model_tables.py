@@ -1,5 +1,6 @@
 """Tables of the model a trace records: its parameters and buffers (with every name each has),
-and its forward's inputs (their names, the example's values by name, integer ranges)."""
+and its forward's inputs (their names, the example's values by name, integer ranges, the
+arguments holding no tensor that torch.export fixes to their values)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
 from ..ir import BufferInfo, Graph, ParamInfo
 from ..ir.codec import encode_tensor
+from ..runtime.core.fixed_inputs import FixedInput
 from ..spec import Example
 
 __all__ = [
     "bound_inputs",
     "buffer_table",
     "check_state_known",
+    "fixed_inputs",
     "forward_signature",
     "integer_input_ranges",
     "parameter_table",
@@ -137,6 +141,20 @@ def bound_inputs(example: Example) -> dict[str, Any]:
         else:
             bound[name] = value
     return bound
+
+
+def fixed_inputs(bound: dict[str, Any]) -> dict[str, FixedInput]:
+    """The example's inputs (by name, :func:`bound_inputs`) that hold no tensor: torch.export
+    fixes them to these values, which batches must then pass too (a value
+    :meth:`.FixedInput.of` cannot record is left out)."""
+    fixed = {}
+    for name, value in bound.items():
+        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value)):
+            continue
+        record = FixedInput.of(name, value)
+        if record is not None:
+            fixed[name] = record
+    return fixed
 
 
 def integer_input_ranges(bound: dict[str, Any]) -> dict[str, int]:

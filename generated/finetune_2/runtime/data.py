@@ -22,6 +22,7 @@ import torch
 
 from .core.dimensions import dimension_sizes
 from .core.errors import PipelineRunError, UserCodeError, first_line
+from .core.fixed_inputs import check_fixed_inputs
 from .core.pipeline import Pipeline, Value
 from .corpus import CORPUS_SUFFIXES, Corpus, is_corpus
 from .options import TrainConfig
@@ -169,6 +170,7 @@ class Batches:
     def _inputs(
         self, bound: dict[str, Any], step: int, target: Any
     ) -> tuple[list[torch.Tensor], Any]:
+        check_fixed_inputs(self.pipeline.fixed_inputs, bound, f"step {step}")
         inputs = []
         for value in self.pipeline.data_inputs:
             if not isinstance(bound.get(value.name), torch.Tensor):

@@ -23,6 +23,7 @@ from typing import Any, cast
 import torch
 
 from .fields import FieldReader, is_int, is_number, is_object, json_kind
+from .fixed_inputs import FixedInput, fixed_inputs_from_json
 from .schedules import PipelineCosts
 from .shapes import FormulaError, names_in, shape
 
@@ -536,6 +537,9 @@ class Pipeline:
     #: no gradients, optimizer state or reduction; empty in pipelines compiled before it
     frozen: tuple[str, ...] = ()
     huggingface: HuggingFaceModel | None = None  # a transformers model's configurations
+    #: the example's arguments that hold no tensor, by name: fixed in the graph to these values
+    #: (:mod:`.fixed_inputs`); empty in pipelines compiled before them
+    fixed_inputs: dict[str, FixedInput] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Any) -> Pipeline:
@@ -544,7 +548,8 @@ class Pipeline:
         keys: tuple[str, ...]
         keys = ("format", "version", "model", "signature", "inputs", "outputs", "stages")
         keys += ("values", "loss", "schedule", "tied", "aliases", "input_ranges", "dp_shard")
-        _read.fields(data, where, keys, ("plan", "dimensions", "identity", "huggingface", "frozen"))
+        optional = ("plan", "dimensions", "identity", "huggingface", "frozen", "fixed_inputs")
+        _read.fields(data, where, keys, optional)
         if data["format"] != FORMAT:
             raise _read.fail(f"{where}.format", data["format"], repr(FORMAT))
         if data["version"] != VERSION:
@@ -613,6 +618,9 @@ class Pipeline:
                 else None
             ),
             frozen=_read.names(data.get("frozen", []), f"{where}.frozen"),
+            fixed_inputs=fixed_inputs_from_json(
+                data.get("fixed_inputs", {}), f"{where}.fixed_inputs", _read
+            ),
         )
         pipeline._check_references()
         pipeline._check_formulas()
@@ -695,6 +703,11 @@ class Pipeline:
             | ({"identity": self.identity.to_json()} if self.identity else {})
             | ({"huggingface": self.huggingface.to_json()} if self.huggingface else {})
             | ({"frozen": list(self.frozen)} if self.frozen else {})
+            | (
+                {"fixed_inputs": {n: f.to_json() for n, f in self.fixed_inputs.items()}}
+                if self.fixed_inputs
+                else {}
+            )
         )
 
     # -- derived facts ------------------------------------------------------------------------

@@ -1,0 +1,145 @@
+"""Arguments without tensors (runtime/core/fixed_inputs.py): torch.export fixes a list of
+scales, a flag, a string or a None to the example's value, and the stages do not take them. The
+pipeline contract records each one, and ``autopipe verify`` and train.py's batches refuse
+another value, naming the input, both values and the fix, instead of computing with the
+example's silently."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import models
+from autopipe.artifacts import read_artifact
+from autopipe.compiler import load_graph
+from autopipe.errors import ArtifactError, AutopipeError
+from autopipe.ir import Graph
+from autopipe.runtime.core.errors import PipelineRunError
+from autopipe.runtime.core.fixed_inputs import FixedInput
+from autopipe.runtime.core.pipeline import Pipeline, PipelineFormatError
+from autopipe.runtime.data import Batches
+from autopipe.runtime.options import parse_config
+from autopipe.spec import Example, load_example
+from autopipe.verify import load_pipeline, verify
+
+from conftest import compile_model, spec
+
+RECORDED = {
+    "scales": {"value": [1.0, 2.0, 3.0, 4.0]},
+    "square": {"value": True},
+    "activation": {"value": "relu"},
+    "mask": {"value": None},
+}
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fixed") / "pipe"
+    compile_model("list_scaled", out, 2)
+    return out
+
+
+def _example(*args, **kwargs) -> Example:
+    """The model with the example's weights, given these inputs."""
+    model, _, _ = models.list_scaled()
+    return Example(model, args, kwargs)
+
+
+def test_the_contract_and_the_graph_record_the_fixed_values(package):
+    data = json.loads((package / "pipeline.json").read_text())
+    assert data["fixed_inputs"] == RECORDED
+    assert data["inputs"] == ["x"]  # the stages take the tensor alone
+    pipeline = Pipeline.from_json(data)
+    assert pipeline.to_json() == data
+    assert pipeline.fixed_inputs["square"] == FixedInput("square", True)
+    graph_path = package / "artifacts" / "graph.json"
+    graph = load_graph(graph_path)
+    assert graph.json_text() == graph_path.read_text()
+    assert {n: f.to_json() for n, f in graph.model.fixed_inputs.items()} == RECORDED
+
+
+def test_verify_accepts_the_example_s_values_and_refuses_others(package):
+    assert verify(package, load_example(spec("list_scaled")), rtol=0, atol=0).ok
+    x = torch.randn(2, 4)
+    same = _example(x, (1, 2.0, 3, 4), square=True, activation="relu")  # a tuple, ints: equal
+    assert verify(package, same, rtol=1e-6, atol=1e-6).ok
+    refused = [
+        (_example(x, [4.0, 3.0, 2.0, 1.0]), "input 'scales' is [4.0, 3.0, 2.0, 1.0]"),
+        (_example(x, [1.0, 2.0, 3.0, 4.0], square=1), "input 'square' is 1"),
+        (_example(x, [1.0, 2.0, 3.0, 4.0], activation="tanh"), "input 'activation' is 'tanh'"),
+        (
+            _example(x, [1.0, 2.0, 3.0, 4.0], mask=torch.ones(2, 4)),
+            "input 'mask' is a tensor of shape [2, 4]",
+        ),
+    ]
+    for example, start in refused:
+        with pytest.raises(AutopipeError) as raised:
+            verify(package, example)
+        message = str(raised.value)
+        assert message.startswith(
+            f"the example: {start}, but the pipeline was compiled with "
+        ), message
+        assert "to vary it, pass it as a tensor" in message
+
+
+def test_train_py_refuses_a_batch_with_another_value_at_its_step(package):
+    pipeline = Pipeline.from_json(load_pipeline(package).PIPELINE)
+    argv = ["--microbatches", "4", "--data", "tests/models.py:list_scaled_batch"]
+    batches = Batches(pipeline, parse_config(argv, pipeline))
+    inputs, _ = batches(0)  # the example's values: taken
+    assert [list(t.shape) for t in inputs] == [[8, 4]]
+    with pytest.raises(PipelineRunError) as raised:
+        batches(1)
+    assert str(raised.value).startswith(
+        "step 1: input 'scales' is [4.0, 3.0, 2.0, 1.0], but the pipeline was compiled with "
+        "scales=[1.0, 2.0, 3.0, 4.0]: torch.export fixes an argument that holds no tensor"
+    )
+
+
+@pytest.mark.parametrize(
+    "record,field",
+    [
+        ({"scales": [1.0]}, "pipeline.fixed_inputs.scales must be"),
+        ({"scales": {"value": 1, "repr": "1"}}, "pipeline.fixed_inputs.scales must be"),
+        ({"dtype": {"repr": 3}}, "pipeline.fixed_inputs.dtype.repr must be a string"),
+        ({"dtype": {"repr": "torch.float32"}}, None),  # read back as it was written
+        ({"not a name": {"value": 1}}, "pipeline.fixed_inputs.not a name must be named"),
+        ([], "pipeline.fixed_inputs must be an object"),
+    ],
+)
+def test_a_bad_record_in_the_contract_is_refused_naming_the_field(package, record, field):
+    data = json.loads((package / "pipeline.json").read_text())
+    data["fixed_inputs"] = record
+    if field is None:
+        assert Pipeline.from_json(data).to_json() == data
+        return
+    with pytest.raises(PipelineFormatError, match="must be") as raised:
+        Pipeline.from_json(data)
+    assert str(raised.value).startswith(field), raised.value
+
+
+def test_a_bad_record_in_the_graph_is_refused_naming_the_field(package):
+    payload = read_artifact(package / "artifacts" / "graph.json", "graph")
+    payload["model"]["fixed_inputs"]["square"] = {"value": True, "repr": "True"}
+    with pytest.raises(ArtifactError) as raised:
+        Graph.from_json(payload)
+    assert "model.fixed_inputs.square must be" in str(raised.value)
+
+
+def test_what_is_recorded_and_how_values_compare():
+    dtype = FixedInput.of("dtype", torch.bfloat16)  # torch.export refuses one; a --data may not
+    assert dtype == FixedInput("dtype", None, "torch.bfloat16")
+    assert dtype.matches(torch.bfloat16) and not dtype.matches(torch.float16)
+    nan = FixedInput.of("eps", math.nan)
+    assert nan == FixedInput("eps", None, "nan") and nan.matches(math.nan)
+    assert FixedInput.of("obj", object()) is None  # an object whose repr says nothing: left out
+    nested = FixedInput.of("config", {"sizes": (1, 2), "name": "a", "flag": False})
+    assert nested is not None and nested.value == {"sizes": [1, 2], "name": "a", "flag": False}
+    assert nested.matches({"sizes": [1.0, 2], "name": "a", "flag": False})
+    assert not nested.matches({"sizes": [1, 2], "name": "a", "flag": 0})
+    assert not nested.matches({"sizes": [1, 2], "name": "a"})
+    flag = FixedInput.of("flag", None)
+    assert flag is not None and flag.matches(None) and not flag.matches(torch.zeros(1))
