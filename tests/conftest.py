@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import black
@@ -64,11 +66,18 @@ def torchrun_command(script: Path, nproc: int, *args: str) -> list[str]:
     return [*launcher, f"--nproc-per-node={nproc}", str(script), "--device", "cpu", *args]
 
 
-def start_torchrun(script: Path, nproc: int, *args: str, stderr) -> subprocess.Popen:
-    """Start a generated train.py on ``nproc`` local gloo ranks without waiting for it."""
+def start_torchrun(
+    script: Path, nproc: int, *args: str, stderr, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """Start a generated train.py on ``nproc`` local gloo ranks without waiting for it
+    (``env``: more variables)."""
     command = torchrun_command(script, nproc, *args)
     return subprocess.Popen(
-        command, cwd=ROOT, env=torchrun_env(), stdout=subprocess.DEVNULL, stderr=stderr
+        command,
+        cwd=ROOT,
+        env={**torchrun_env(), **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
     )
 
 
@@ -89,6 +98,53 @@ def torchrun(
             f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
         )
     return result
+
+
+def torchrun_together(
+    *runs: tuple[Path, int, list[str]], timeout: int = 600, env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess]:
+    """Several independent runs of generated train.py files at once, each ``(script, nproc,
+    args)`` on its own local gloo ranks (``env``: more variables for all), each checked as
+    :func:`torchrun` checks one: their start-up (torchrun's agent, then the ranks, each
+    importing torch) overlaps, which two cores otherwise spend one process at a time."""
+    started = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for index, (script, nproc, args) in enumerate(runs):
+            out = open(Path(scratch) / f"{index}.out", "w+")
+            err = open(Path(scratch) / f"{index}.err", "w+")
+            process = subprocess.Popen(
+                torchrun_command(script, nproc, *args),
+                cwd=ROOT,
+                env={**torchrun_env(), **(env or {})},
+                stdout=out,
+                stderr=err,
+                text=True,
+            )
+            started.append((process, out, err))
+        results = []
+        deadline = time.monotonic() + timeout
+        try:
+            for process, out, err in started:
+                code = process.wait(timeout=max(deadline - time.monotonic(), 1))
+                out.seek(0)
+                err.seek(0)
+                results.append(
+                    subprocess.CompletedProcess(process.args, code, out.read(), err.read())
+                )
+        finally:
+            for process, out, err in started:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+                out.close()
+                err.close()
+    for result in results:
+        if result.returncode != 0:
+            raise AssertionError(
+                f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
+                f"{result.stderr[-8000:]}"
+            )
+    return results
 
 
 def torchrun_failing(script: Path, nproc: int, *args: str, timeout: int = 300):

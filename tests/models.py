@@ -90,6 +90,18 @@ def gpt2_batch_slowly(step: int, microbatches: int = 4):
     return gpt2_batch(step, microbatches)
 
 
+def gpt2_batch_held_at_step_2(step: int, microbatches: int = 4):
+    """gpt2_batch; step 2's batch waits until the file $HOLD_UNTIL exists: a run stays live
+    (its checkpoint directory locked) while a test does something beside it."""
+    import time
+
+    gate = os.environ["HOLD_UNTIL"]
+    deadline = time.monotonic() + 120
+    while step == 2 and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return gpt2_batch(step, microbatches)
+
+
 class TokenWindows(torch.utils.data.Dataset):
     """Windows of 16 tokens of a fixed random sequence, as dicts of the model's inputs."""
 

@@ -142,18 +142,8 @@ def test_recompute_choices_name_stages_or_blocks(gpt2_package):
             choice(bad)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "flags", [("--recompute", "blocks/2"), ("--compile", "--recompute", "blocks:1")]
-)
-def test_recompute_by_block_and_compile_train_like_pytorch(tmp_path, flags):
-    """Every other block recomputed in backward; and torch.compile'd blocks (inductor's C++
-    backend on CPU) with one stage's blocks recomputed: the same training as plain PyTorch."""
-    pipe = run_pipeline(tmp_path, "gpt2", 2, "gpt2_batch", *flags)
-    reference = reference_training(
-        load_example(spec("gpt2")), models.gpt2_batch, STEPS, "adamw", 1e-3
-    )
-    assert_same_training(pipe, reference, atol=5e-5 if "--compile" in flags else 2e-5)
+# Blocks recomputed in backward train like PyTorch below (the partitioner's choice) and, with
+# torch.compile'd stages and FSDP2, in test_data_parallel.py (test_compiled_sharded_stages).
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from autopipe.spec import load_example
 
 from autopipe.verify import load_pipeline
 
-from conftest import compile_model, spec, torchrun
+from conftest import compile_model, spec, torchrun, torchrun_together
 from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
 
 CLIPPED = (
@@ -191,19 +191,21 @@ def test_checkpoints_reshard_across_pipelines(tmp_path):
     )  # fmt: skip
     full = losses_of(log)
     assert sorted(full) == [0, 1, 2, 3]
-    for name, stages, flags in (
-        ("four", 4, ["--microbatches", "4", "--dp-shard", "1"]),
-        ("replicated", 2, ["--microbatches", "2", "--dp", "2", "--dp-shard", "1"]),
-    ):
+    resumes = {
+        "four": (4, ["--microbatches", "4", "--dp-shard", "1"]),
+        "replicated": (2, ["--microbatches", "2", "--dp", "2", "--dp-shard", "1"]),
+    }
+    runs = []
+    for name, (stages, flags) in resumes.items():
         package = tmp_path / name
         compile_model("gpt2", package, stages, dp_shard=2)
-        resumed, resumed_log = tmp_path / f"{name}-ckpt", tmp_path / f"{name}.jsonl"
-        shutil.copytree(ckpt, resumed)
-        result = torchrun(
-            package / "train.py", 4, *data, *flags, "--steps", "4",
-            "--checkpoint-dir", str(resumed), "--resume-from", "step-00000002",
-            "--log-json", str(resumed_log),
-        )  # fmt: skip
+        shutil.copytree(ckpt, tmp_path / f"{name}-ckpt")
+        runs.append((package / "train.py", 4, [
+            *data, *flags, "--steps", "4", "--checkpoint-dir", str(tmp_path / f"{name}-ckpt"),
+            "--resume-from", "step-00000002", "--log-json", str(tmp_path / f"{name}.jsonl"),
+        ]))  # fmt: skip
+    for name, result in zip(resumes, torchrun_together(*runs)):
+        resumed_log = tmp_path / f"{name}.jsonl"
         assert "resumed from" in result.stdout
         # planned for 2 shards, run on whole replicas: train.py says so
         assert "planned each device's memory for --dp-shard 2" in result.stdout
@@ -292,14 +294,17 @@ def test_partition_planned_for_sharding_fits_where_replication_cannot(tmp_path):
 @pytest.mark.slow
 def test_sharded_stages_start_from_the_same_weights(tmp_path):
     """Without --load, sharded stages are built on meta, sharded, then each rank initialises
-    only its shards: the weights equal the unsharded pipeline's initialisation."""
+    only its shards: the weights saved equal the unsharded stages' initialisation (the
+    package's ``build_stage``, which train.py's unsharded ranks run, with its seed)."""
     out = tmp_path / "pipe"
     compile_model("gpt2", out, 2)
-    for name, nproc, flags in (("whole", 2, []), ("sharded", 4, ["--dp-shard", "2"])):
-        torchrun(out / "train.py", nproc, "--steps", "0", "--save", str(tmp_path / name), *flags)
-    whole = torch.load(tmp_path / "whole", weights_only=True)
+    torchrun(out / "train.py", 4, "--steps", "0", "--save", str(tmp_path / "sharded"),
+             "--dp-shard", "2")  # fmt: skip
     sharded = torch.load(tmp_path / "sharded", weights_only=True)
-    assert set(whole) == set(sharded)
+    assert set(sharded) == set(load_example(spec("gpt2")).model.state_dict())
+    package = load_pipeline(out)
+    whole = {k: v for i in range(2) for k, v in package.build_stage(i).state_dict().items()}
+    assert set(whole) <= set(sharded)
     assert all(torch.equal(whole[k], sharded[k]) for k in whole)
 
 
@@ -325,10 +330,11 @@ def test_gather_per_block_is_refused_under_split_backward(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_compiled_sharded_stages(tmp_path):
-    """--compile with --dp-shard 2: each stage compiled whole, FSDP2's hooks on its blocks,
-    training as in PyTorch (compiled kernels round differently: atol 5e-5)."""
+    """--compile with --dp-shard 2: each stage compiled whole (inductor's C++ backend on CPU),
+    FSDP2's hooks on its blocks, stage 1's blocks recomputed in backward: training as in
+    PyTorch (compiled kernels round differently: atol 5e-5)."""
     pipe = run_pipeline(
         tmp_path, "gpt2", 2, "gpt2_batch", "--dp-shard", "2", "--microbatches", "2", "--compile",
-        nproc=4,
+        "--recompute", "blocks:1", nproc=4,
     )  # fmt: skip
     assert_same_training(pipe, gpt2_reference(), atol=5e-5)

@@ -170,30 +170,36 @@ def test_a_failed_final_save_is_written_elsewhere(tmp_path, monkeypatch):
 def test_a_checkpoint_dir_belongs_to_one_run(gpt2_pipe, tmp_path):
     """A second run on a live run's --checkpoint-dir is refused, naming the owner; the first
     finishes intact; a lock left by a dead process is taken over."""
-    ckpt = tmp_path / "ckpt"
-    slow = ["--microbatches", "4", "--data", "tests/models.py:gpt2_batch_slowly"]
+    ckpt, gate = tmp_path / "ckpt", tmp_path / "go-on"
+    held = ["--microbatches", "4", "--data", "tests/models.py:gpt2_batch_held_at_step_2"]
     with open(tmp_path / "first.err", "w") as errors:
         first = start_torchrun(
-            gpt2_pipe / "train.py", 2, *slow, "--steps", "40", "--checkpoint-dir", str(ckpt),
-            "--checkpoint-every", "10", stderr=errors,
+            gpt2_pipe / "train.py", 2, *held, "--steps", "8", "--checkpoint-dir", str(ckpt),
+            "--checkpoint-every", "2", stderr=errors, env={"HOLD_UNTIL": str(gate)},
         )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while not (ckpt / ".lock").exists():
-            assert first.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        owner = json.loads((ckpt / ".lock").read_text())
-        second = run(gpt2_pipe, *STEPS, "--steps", "2", "--checkpoint-dir", str(ckpt), "--resume")
+        try:
+            deadline = time.monotonic() + 120
+            while not (ckpt / ".lock").exists():
+                assert first.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            owner = json.loads((ckpt / ".lock").read_text())
+            second = run(
+                gpt2_pipe, *STEPS, "--steps", "2", "--checkpoint-dir", str(ckpt), "--resume"
+            )
+            assert first.poll() is None  # the first run holds at step 2 until the gate opens
+        finally:
+            gate.touch()
         message = error_of(second, gpt2_pipe)
         assert "in use by another training run" in message and f"pid {owner['pid']}" in message
         assert first.wait(timeout=300) == 0
-    assert (ckpt / "latest").read_text().strip() == "step-00000040"
+    assert (ckpt / "latest").read_text().strip() == "step-00000008"
     assert not (ckpt / ".lock").exists()
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # its pid names no live process
     dead = gone.pid
     (ckpt / ".lock").write_text(json.dumps({**owner, "pid": dead, "start": "0"}))
-    resumed = run(gpt2_pipe, *STEPS, "--steps", "41", "--checkpoint-dir", str(ckpt), "--resume")
+    resumed = run(gpt2_pipe, *STEPS, "--steps", "9", "--checkpoint-dir", str(ckpt), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "took over the stale lock" in resumed.stdout
     assert not (ckpt / ".lock").exists()

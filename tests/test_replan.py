@@ -34,7 +34,7 @@ from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.runtime.core.timeline_format import RankTimeline, Record, RunLayout
 from autopipe.verify import check_files
 
-from conftest import ROOT, compile_model, torchrun
+from conftest import ROOT, compile_model, torchrun, torchrun_together
 
 MODEL = "block_stack_with_target"  # 16 identical blocks: boundaries move block by block
 SLOWED = {"SLOWED_RANK": "1", "SLOWED_FACTOR": "10"}  # rank 1's forwards 10x slower
@@ -91,21 +91,19 @@ def runs(package: Path, tmp_path_factory) -> Runs:
     with contextlib.redirect_stdout(printed):
         code = main(["replan", str(package), "--from-trace", str(trace), "--out", str(new)])
     assert code == 0, printed.getvalue()
-    resumed = {}
+    resumes = []
     for name, pipeline, options in (
         ("old", package, ("--microbatches", str(MICROBATCHES))),
         ("new", new, ()),  # the traced run's microbatches are the new package's default
     ):
         copy = root / f"checkpoints-{name}"
         shutil.copytree(checkpoints, copy)
-        torchrun(
-            pipeline / "train.py",
-            2,
-            *options,
-            *("--steps", str(STEPS + MORE), "--checkpoint-dir", str(copy), "--resume"),
-            *("--log-json", str(root / f"{name}.jsonl")),
-        )
-        resumed[name] = _losses(root / f"{name}.jsonl")
+        resumes.append((pipeline / "train.py", 2, [
+            *options, "--steps", str(STEPS + MORE), "--checkpoint-dir", str(copy), "--resume",
+            "--log-json", str(root / f"{name}.jsonl"),
+        ]))  # fmt: skip
+    torchrun_together(*resumes)  # both resumed at once: neither is slowed
+    resumed = {name: _losses(root / f"{name}.jsonl") for name in ("old", "new")}
     return Runs(package, new, printed.getvalue(), trace, resumed["old"], resumed["new"])
 
 

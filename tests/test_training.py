@@ -11,13 +11,20 @@ import models
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline
 
-from conftest import compile_model, spec, torchrun
+from conftest import compile_model, spec, torchrun_together
 from pipelines import MICROBATCHES, STEPS, assert_same_training, reference_training, run_pipeline
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stages,schedule,optimizer", [(2, "gpipe", "adamw"), (3, "1f1b", "sgd")])
-def test_gpt2_tied_weights(tmp_path, stages, schedule, optimizer):
+@pytest.mark.parametrize(
+    "stages,schedule,optimizer,built",
+    [(2, "gpipe", "adamw", "gpt2_meta"), (3, "1f1b", "sgd", "gpt2")],
+    ids=["2-gpipe-adamw-compiled-on-meta", "3-1f1b-sgd"],
+)
+def test_gpt2_tied_weights(tmp_path, stages, schedule, optimizer, built):
+    """GPipe on 2 ranks and 1F1B on 3 train like PyTorch, the tied embedding and output layer
+    stay one tensor; the first package is compiled from the model built on the meta device
+    (no weights) and trains the real weights given with --load."""
     lr = 1e-3 if optimizer == "adamw" else 0.1
     pipe = run_pipeline(
         tmp_path,
@@ -30,6 +37,7 @@ def test_gpt2_tied_weights(tmp_path, stages, schedule, optimizer):
         optimizer,
         "--lr",
         str(lr),
+        compile_spec=built,
     )
     ref = reference_training(load_example(spec("gpt2")), models.gpt2_batch, STEPS, optimizer, lr)
     assert_same_training(pipe, ref)
@@ -38,38 +46,8 @@ def test_gpt2_tied_weights(tmp_path, stages, schedule, optimizer):
     load_example(spec("gpt2")).model.load_state_dict(pipe[1])
 
 
-@pytest.mark.slow
-def test_compiled_on_meta_trains_loaded_weights(tmp_path):
-    """Compile a model built on the meta device, then train it from real weights with --load."""
-    pipe = run_pipeline(tmp_path, "gpt2", 2, "gpt2_batch", compile_spec="gpt2_meta")
-    ref = reference_training(load_example(spec("gpt2")), models.gpt2_batch, STEPS, "adamw", 1e-3)
-    assert_same_training(pipe, ref)
-
-
-@pytest.mark.slow
-def test_cnn_batchnorm_with_user_loss(tmp_path):
-    pipe = run_pipeline(
-        tmp_path,
-        "cnn",
-        2,
-        "cnn_batch",
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.05",
-        loss="tests/models.py:cross_entropy",
-        train_spec="cnn_with_target",
-    )
-    ref = reference_training(
-        load_example(spec("cnn_with_target")),
-        models.cnn_batch,
-        STEPS,
-        "sgd",
-        0.05,
-        models.cross_entropy,
-    )
-    assert_same_training(pipe, ref)
-    assert int(pipe[1]["features.1.num_batches_tracked"]) == STEPS * MICROBATCHES
+# The BatchNorm CNN with a user loss trains against PyTorch on 2 ranks in test_runtime.py
+# (test_recomputation_keeps_results_and_batchnorm_statistics), and with SGD on 4 stages below.
 
 
 @pytest.mark.slow
@@ -78,11 +56,12 @@ def test_synthetic_data_and_defaults(tmp_path):
     deterministic for a seed."""
     out = tmp_path / "pipe"
     compile_model("bert", out, 2)
-    logs = []
-    for run in range(2):
-        log = tmp_path / f"log{run}.jsonl"
-        torchrun(out / "train.py", 2, "--steps", "3", "--microbatches", "2", "--log-json", str(log))
-        logs.append([json.loads(line)["loss"] for line in log.read_text().splitlines()])
+    runs = [tmp_path / f"log{run}.jsonl" for run in range(2)]
+    torchrun_together(
+        *((out / "train.py", 2, ["--steps", "3", "--microbatches", "2", "--log-json", str(log)])
+          for log in runs)
+    )  # fmt: skip
+    logs = [[json.loads(line)["loss"] for line in log.read_text().splitlines()] for log in runs]
     assert len(logs[0]) == 3 and all(l == l and l > 0 for l in logs[0])  # finite, positive
     assert logs[0] == logs[1]
 
@@ -136,6 +115,8 @@ def test_more_stages_than_devices(tmp_path, name, method, schedule):
         )
     assert_same_training(pipe, ref)
     assert len(load_pipeline(tmp_path / "pipe").PIPELINE["stages"]) == 4
+    if name == "cnn":  # BatchNorm's statistics counted once per microbatch, as in PyTorch
+        assert int(pipe[1]["features.1.num_batches_tracked"]) == STEPS * MICROBATCHES
 
 
 @pytest.mark.slow
