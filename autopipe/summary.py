@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from .ir import MODULE_TARGET, Graph, TensorMeta
-from .ir.kept_module import CallSpec, ModuleSpec
+from .ir import Graph, TensorMeta
+from .ir.kept_module import kept_calls
 from .ir.sizes import planned_sizes
 from .runtime.core.shapes import evaluate
 from .partitioning import Partition
@@ -58,28 +58,14 @@ def format_partition(graph: Graph, part: Partition) -> str:
 def kept_whole_lines(graph: Graph, part: Partition) -> list[str]:
     """The torch modules the stages call whole (torch.export cannot trace them), where and why."""
     kept = []
-    for path, (spec, forms, units) in kept_whole(graph).items():
-        why = "over a packed sequence" if "packed" in forms else "--keep-whole"
-        stages = sorted({part.stage_of_unit[u] for u in units})
+    for path, calls in kept_calls(graph.calls).items():
+        why = "over a packed sequence" if "packed" in calls.forms else "--keep-whole"
+        stages = sorted({part.stage_of_unit[u] for u in calls.units})
         where = f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
-        kept.append(f"{path} (nn.{spec.cls}, {why}) in {where}")
+        kept.append(f"{path} (nn.{calls.spec.cls}, {why}) in {where}")
     if not kept:
         return []
     return [f"kept whole, as one call of the torch module each: {'; '.join(kept)}"]
-
-
-def kept_whole(graph: Graph) -> dict[str, tuple[ModuleSpec, set[str], set[int]]]:
-    """Each kept module's spec, call forms and units, by path, in order of first call."""
-    found: dict[str, tuple[ModuleSpec, set[str], set[int]]] = {}
-    for node in graph.calls:
-        if node.target != MODULE_TARGET:
-            continue
-        path = node.args[0]
-        spec = ModuleSpec.from_text(node.args[1], path)
-        _, forms, units = found.setdefault(path, (spec, set(), set()))
-        forms.add(CallSpec.from_text(node.args[2], path).form)
-        units.add(node.unit)
-    return found
 
 
 def requested_lines(part: Partition) -> list[str]:

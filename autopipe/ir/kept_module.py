@@ -43,14 +43,17 @@ from .types import MODULE_TARGET, Node, Ref, TensorMeta, map_refs
 __all__ = [
     "MODULE_TARGET",
     "CallSpec",
+    "KeptCalls",
     "ModuleSpec",
     "call_module",
     "constructor_arguments",
     "constructor_signature",
     "is_argument_value",
+    "kept_calls",
     "kept_modules",
     "lint_call",
     "run_call",
+    "specs_of",
 ]
 
 #: JSON values a constructor argument may take
@@ -222,8 +225,14 @@ def _module_op_fake(
 def _traced_call(
     path: str, module: str, call: str, inputs: list[torch.Tensor]
 ) -> list[torch.Tensor]:
-    spec, call_spec = ModuleSpec.from_text(module, path), CallSpec.from_text(call, path)
-    return _fresh(call_module(spec, call_spec, inputs), inputs)
+    return _fresh(call_module(*specs_of(path, module, call), inputs), inputs)
+
+
+@lru_cache(maxsize=256)
+def specs_of(path: str, module: str, call: str) -> tuple[ModuleSpec, CallSpec]:
+    """A call's module and call specs read from their JSON texts (``where``: ``path``), once
+    per text: the interpreter and the operator's kernels meet the same texts on every run."""
+    return ModuleSpec.from_text(module, path), CallSpec.from_text(call, path)
 
 
 def _fresh(results: tuple[torch.Tensor, ...], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -277,7 +286,7 @@ def run_call(
 ) -> Any:
     """The interpreter's hook: the call under the node's grad / autocast modes."""
     path, module, call, inputs = replace_devices(map_refs(node.args, lambda r: env[r.name]), device)
-    spec, call_spec = ModuleSpec.from_text(module, path), CallSpec.from_text(call, path)
+    spec, call_spec = specs_of(path, module, call)
     if node.context:
         with node_context(node.context, device):
             return call_module(spec, call_spec, inputs)
@@ -285,13 +294,38 @@ def run_call(
 
 
 # -- invariants ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KeptCalls:
+    """The calls of one kept module: its spec, the forms they take (``"packed"``, ``"call"``)
+    and the units they are in."""
+
+    spec: ModuleSpec
+    forms: frozenset[str]
+    units: frozenset[int]
+
+
+def kept_calls(nodes: Any) -> dict[str, KeptCalls]:
+    """The kept modules ``nodes`` call and how, by path, in order of first call."""
+    specs: dict[str, ModuleSpec] = {}
+    forms: dict[str, set[str]] = {}
+    units: dict[str, set[int]] = {}
+    for node in nodes:
+        if node.target != MODULE_TARGET:
+            continue
+        path = node.args[0]
+        spec, call = specs_of(path, node.args[1], node.args[2])
+        specs.setdefault(path, spec)
+        forms.setdefault(path, set()).add(call.form)
+        units.setdefault(path, set()).add(node.unit)
+    return {
+        path: KeptCalls(spec, frozenset(forms[path]), frozenset(units[path]))
+        for path, spec in specs.items()
+    }
+
+
 def kept_modules(nodes: Any) -> dict[str, ModuleSpec]:
     """The kept modules ``nodes`` call, by path, in order of first call."""
-    found: dict[str, ModuleSpec] = {}
-    for node in nodes:
-        if node.target == MODULE_TARGET and node.args[0] not in found:
-            found[node.args[0]] = ModuleSpec.from_text(node.args[1], node.args[0])
-    return found
+    return {path: calls.spec for path, calls in kept_calls(nodes).items()}
 
 
 def lint_call(graph: Graph, node: Node, field_: str) -> None:
