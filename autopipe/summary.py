@@ -59,7 +59,12 @@ def kept_whole_lines(graph: Graph, part: Partition) -> list[str]:
     """The torch modules the stages call whole (torch.export cannot trace them), where and why."""
     kept = []
     for path, calls in kept_calls(graph.calls).items():
-        why = "over a packed sequence" if "packed" in calls.forms else "--keep-whole"
+        if "packed" in calls.forms:
+            why = "over a packed sequence"
+        elif graph.model.symbols and calls.spec.cls in ("LSTM", "GRU", "RNN"):
+            why = "over a dynamic length"  # kept whole whether named or not
+        else:
+            why = "--keep-whole"
         stages = sorted({part.stage_of_unit[u] for u in calls.units})
         where = f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
         kept.append(f"{path} (nn.{calls.spec.cls}, {why}) in {where}")

@@ -24,6 +24,7 @@ from autopipe.compiler import load_graph
 from autopipe.errors import ArtifactError, AutopipeError, TraceError
 from autopipe.ir import MODULE_TARGET, Graph
 from autopipe.spec import Example, load_example
+from autopipe.summary import kept_whole_lines
 from autopipe.tracing import trace
 from autopipe.verify import load_pipeline, verify
 
@@ -65,6 +66,34 @@ def test_recurrent_modules_over_tensors_match_the_model(tmp_path, name):
     _assert_matches(out, load_example(spec(name)))
     model, args = getattr(models, name)(seed=1)  # the same weights (fresh), other values
     _assert_matches(out, Example(model, args))
+
+
+@pytest.mark.parametrize(
+    "name,dynamic,rnn",
+    [("lstm_lm", "seq[2:64]=ids:1", "lstm"), ("stacked_rnn", "steps[2:32]=x:0", "rnn")],
+)
+def test_rnns_over_a_dynamic_length_are_kept_whole_and_match_on_other_lengths(
+    tmp_path, name, dynamic, rnn
+):
+    """torch's RNN kernels walk the sequence step by step, which fixed a dynamic length to the
+    example's (the compile was refused): an RNN given a dynamic length is kept whole, its
+    results shaped from its input, and the stages match the model on lengths other than the
+    example's (outputs and gradients)."""
+    out = tmp_path / "pipe"
+    result = compile_model(name, out, 2, dynamic=(dynamic,))
+    source = _source(out)
+    assert f'keep_whole(self,"{rnn}",nn.' in _flat(source)
+    assert "aten.lstm" not in source and "aten.rnn_relu" not in source
+    line = kept_whole_lines(result.graph, result.partition)[0]
+    assert f"{rnn} (nn.{'LSTM' if rnn == 'lstm' else 'RNN'}, over a dynamic length)" in line
+    model, args = getattr(models, name)()
+    for steps in (3, 11):
+        g = torch.Generator().manual_seed(steps)
+        if name == "lstm_lm":
+            inputs: tuple = (torch.randint(0, 40, (3, steps), generator=g),)
+        else:
+            inputs = (torch.randn(steps, 2, 8, generator=g), args[1])
+        _assert_matches(out, Example(getattr(models, name)()[0], inputs))
 
 
 @pytest.fixture(scope="module")

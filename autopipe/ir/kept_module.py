@@ -52,6 +52,7 @@ __all__ = [
     "kept_calls",
     "kept_modules",
     "lint_call",
+    "rnn_results_like",
     "run_call",
     "specs_of",
 ]
@@ -219,7 +220,36 @@ def _module_op(path: str, module: str, call: str, inputs: list[torch.Tensor]) ->
 def _module_op_fake(
     path: str, module: str, call: str, inputs: list[torch.Tensor]
 ) -> list[torch.Tensor]:
+    spec, call_spec = specs_of(path, module, call)
+    if call_spec.form == "call" and _symbolic(inputs):
+        template = _template(spec)
+        if isinstance(template, nn.RNNBase):  # its kernels would fix a dynamic length
+            results = rnn_results_like(template, inputs[0])
+            assert len(results) == call_spec.results, "an RNN returns its output and state"
+            return results
     return _traced_call(path, module, call, inputs)
+
+
+def _symbolic(tensors: list[torch.Tensor]) -> bool:
+    """Whether any size of ``tensors`` is a symbol (torch.export's dynamic dimensions)."""
+    return any(not isinstance(size, int) for t in tensors for size in t.shape)
+
+
+def rnn_results_like(rnn: nn.RNNBase, x: torch.Tensor) -> list[torch.Tensor]:
+    """Empty results of the shapes a call of ``rnn`` on the input ``x`` returns (its output,
+    then its final state's tensors), without running its kernels: torch's RNN kernels walk the
+    sequence step by step and would fix a dynamic length to the example's. The output keeps
+    the input's leading sizes, its last is ``directions x (proj_size or hidden_size)``; each
+    final state is ``(directions x layers, batch, size)`` (no batch for an unbatched input)."""
+    directions = 2 if rnn.bidirectional else 1
+    out_size = (rnn.proj_size or rnn.hidden_size) if isinstance(rnn, nn.LSTM) else rnn.hidden_size
+    batch = [] if x.dim() == 2 else [x.shape[0] if rnn.batch_first else x.shape[1]]
+    layers = directions * rnn.num_layers
+    results = [x.new_empty((*x.shape[:-1], directions * out_size))]
+    results.append(x.new_empty((layers, *batch, out_size)))
+    if isinstance(rnn, nn.LSTM):
+        results.append(x.new_empty((layers, *batch, rnn.hidden_size)))
+    return results
 
 
 def _traced_call(

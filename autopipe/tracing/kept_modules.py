@@ -16,6 +16,11 @@ the RNN's own code reads sizes from it. So while tracing:
   ``total_length`` when the model gives one, else to the batch's longest sequence, a size from
   tensor values that autopipe specialises to the example's and checks at run time.
 
+An RNN given a tensor with a dynamic size (``--dynamic``) is kept as one call too: torch's RNN
+kernels walk the sequence step by step, which would fix its length to the example's; the call's
+results get their shapes from the input's (:func:`autopipe.ir.kept_module.rnn_results_like`).
+(An LSTM given its initial state as a tuple is traced as before.)
+
 A module the user names (``--keep-whole PATH``) is kept as one call however it is called, if it is
 one of ``torch.nn``'s own classes with tensor (or None) arguments and tensor results.
 """
@@ -35,7 +40,13 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from ..errors import TraceError
-from ..ir.kept_module import CallSpec, ModuleSpec, constructor_signature, is_argument_value
+from ..ir.kept_module import (
+    CallSpec,
+    ModuleSpec,
+    constructor_signature,
+    is_argument_value,
+    rnn_results_like,
+)
 from ..runtime.core.kept_modules import has_values, tensors_of
 from .autograd_function import outside_export
 from .user_line import at_node, on_stack
@@ -197,9 +208,12 @@ class KeptModules:
                 "positional arguments"
             )
         spec = self._spec(module, path)
-        # the results' structure, from the module run on these (fake) tensors, unrecorded
-        with outside_export(), torch.no_grad():
-            structure = type(module).forward(module, *args)
+        if isinstance(module, nn.RNNBase):  # (output, state): running it would fix its length
+            out, *state = rnn_results_like(module, args[0])
+            structure = (out, tuple(state) if len(state) > 1 else state[0])
+        else:  # the results' structure, from the module run on these (fake) tensors, unrecorded
+            with outside_export(), torch.no_grad():
+                structure = type(module).forward(module, *args)
         call = CallSpec(
             "call",
             results=len(_result_tensors(structure, path)),
@@ -391,6 +405,13 @@ def modules_kept_whole(model: nn.Module, named: tuple[str, ...] = ()) -> Iterato
         def forward(self, input, hx=None):  # type: ignore[no-untyped-def]
             if isinstance(input, PackedSequence) and id(self) in kept.paths:
                 return kept.rnn_over_packed(self, input, hx)
+            if (
+                isinstance(input, torch.Tensor)
+                and (hx is None or isinstance(hx, torch.Tensor))
+                and id(self) in kept.paths
+                and any(not isinstance(size, int) for size in input.shape)
+            ):  # a dynamic length, which torch's kernels would fix: kept whole
+                return kept.named_call(self, (input,) if hx is None else (input, hx), {})
             return original(self, input, hx)
 
         return forward
