@@ -1091,3 +1091,26 @@ def list_scaled_batch(step: int, microbatches: int = 4):
     scales = LIST_SCALES if step == 0 else [4.0, 3.0, 2.0, 1.0]
     x = torch.randn(BATCH * microbatches, 4, generator=g)
     return (x, scales), {"square": True, "activation": "relu"}
+
+
+class LSTMFromState(nn.Module):
+    """An LSTM (batch first) started from a given initial state, passed as the pair (h0, c0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x, h0, c0):
+        y, (h, c) = self.lstm(x, (h0, c0))
+        return self.head(y).squeeze(-1).sum(1) + h.sum((0, 2)) - c.sum((0, 2))
+
+
+def lstm_from_state(batch: int = 2, seed: int = 0, steps: int = 6):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1 + seed)
+    return LSTMFromState(), (
+        torch.randn(batch, steps, 8, generator=g),
+        torch.randn(2, batch, 16, generator=g),
+        torch.randn(2, batch, 16, generator=g),
+    )

@@ -70,7 +70,11 @@ def test_recurrent_modules_over_tensors_match_the_model(tmp_path, name):
 
 @pytest.mark.parametrize(
     "name,dynamic,rnn",
-    [("lstm_lm", "seq[2:64]=ids:1", "lstm"), ("stacked_rnn", "steps[2:32]=x:0", "rnn")],
+    [
+        ("lstm_lm", "seq[2:64]=ids:1", "lstm"),
+        ("stacked_rnn", "steps[2:32]=x:0", "rnn"),
+        ("lstm_from_state", "steps[2:32]=x:1", "lstm"),
+    ],
 )
 def test_rnns_over_a_dynamic_length_are_kept_whole_and_match_on_other_lengths(
     tmp_path, name, dynamic, rnn
@@ -87,12 +91,16 @@ def test_rnns_over_a_dynamic_length_are_kept_whole_and_match_on_other_lengths(
     line = kept_whole_lines(result.graph, result.partition)[0]
     assert f"{rnn} (nn.{'LSTM' if rnn == 'lstm' else 'RNN'}, over a dynamic length)" in line
     model, args = getattr(models, name)()
+    if name == "lstm_from_state":  # the state passed as a pair, as the model passes it
+        assert "tensors_of(self.lstm(x,(h0,c0)))" in _flat(source)
     for steps in (3, 11):
         g = torch.Generator().manual_seed(steps)
         if name == "lstm_lm":
             inputs: tuple = (torch.randint(0, 40, (3, steps), generator=g),)
-        else:
+        elif name == "stacked_rnn":
             inputs = (torch.randn(steps, 2, 8, generator=g), args[1])
+        else:
+            inputs = models.lstm_from_state(seed=steps, steps=steps)[1]
         _assert_matches(out, Example(getattr(models, name)()[0], inputs))
 
 
@@ -224,6 +232,18 @@ def test_keep_whole_calls_the_named_torch_modules(tmp_path):
     model, _ = models.kept_whole()
     g = torch.Generator().manual_seed(7)
     _assert_matches(out, Example(model, (torch.randn(3, 5, 8, generator=g),)))
+
+
+def test_keep_whole_of_an_lstm_given_its_state_as_a_pair(tmp_path):
+    out = tmp_path / "pipe"
+    compile_model("lstm_from_state", out, 2, keep_whole=("lstm",))
+    assert "tensors_of(self.lstm(x,(h0,c0)))" in _flat(_source(out))
+    path = out / "artifacts" / "graph.json"
+    assert load_graph(path).json_text() == path.read_text()  # lint, replayed on fake tensors
+    (call,) = [json.loads(n.args[2]) for n in Graph.load(path).calls if n.target == MODULE_TARGET]
+    assert call == {"form": "rnn", "hidden": 2, "results": 3}
+    _assert_matches(out, load_example(spec("lstm_from_state")))
+    _assert_matches(out, Example(models.lstm_from_state()[0], models.lstm_from_state(seed=3)[1]))
 
 
 @pytest.mark.parametrize(

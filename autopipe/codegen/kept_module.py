@@ -3,7 +3,7 @@
 A stage holds each kept module as a real ``torch.nn`` instance at its original name, built on
 the meta device in ``__init__`` and given the parameters ``build_state`` created under that name
 (``keep_whole(self, "encoder.rnn", nn.LSTM(...))``); its forward calls it: an RNN over a packed
-sequence through ``run_over_packed``, any other module directly.
+sequence through ``run_over_packed``, an RNN over a tensor or any other module directly.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def support_names(nodes: Iterable[Node]) -> list[str]:
     names = ["keep_whole"] if forms else []
     if "packed" in forms:
         names.append("run_over_packed")
-    if "call" in forms:
+    if forms & {"call", "rnn"}:
         names.append("tensors_of")
     return names
 
@@ -59,6 +59,10 @@ def call_statement(
         hidden = "None" if not rest else rest[0] if len(rest) == 1 else f"({', '.join(rest)})"
         args = [module, padded, lengths, indices, hidden, f"batch_first={call.batch_first}"]
         return emit.assignment(target, "run_over_packed", args, indent)
+    if call.form == "rnn":  # the initial state as the RNN takes it: an LSTM's as a pair
+        x, *state = given
+        passed = [x] if not state else [x, state[0] if len(state) == 1 else f"({', '.join(state)})"]
+        return emit.assignment(target, "tensors_of", [f"{module}({', '.join(passed)})"], indent)
     supplied = iter(given)
     arguments = [next(supplied) if tensor else "None" for tensor in call.arguments]
     return emit.assignment(target, "tensors_of", [f"{module}({', '.join(arguments)})"], indent)

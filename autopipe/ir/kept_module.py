@@ -122,8 +122,10 @@ class CallSpec:
     ``form`` "packed": an RNN over a packed sequence; the call's tensors are the padded tensor
     (``batch_first`` says its layout), its lengths, the sorting permutation when
     ``sorted_indices``, and ``hidden`` tensors of the initial state (0, 1, or 2 for an LSTM's h
-    and c). ``form`` "call": positional ``arguments``, each a tensor (True) or None (False).
-    ``results`` counts the tensors it returns.
+    and c). ``form`` "rnn": an RNN over a tensor, then ``hidden`` tensors of its initial state
+    (passed as the RNN takes them: an LSTM's as a pair). ``form`` "call": positional
+    ``arguments``, each a tensor (True) or None (False). ``results`` counts the tensors it
+    returns.
     """
 
     form: str
@@ -138,6 +140,8 @@ class CallSpec:
         """How many of the node's inputs are the call's (the module's parameters follow)."""
         if self.form == "packed":
             return 2 + int(self.sorted_indices) + self.hidden
+        if self.form == "rnn":
+            return 1 + self.hidden
         return sum(self.arguments)
 
     def to_text(self) -> str:
@@ -148,6 +152,8 @@ class CallSpec:
                 "sorted_indices": self.sorted_indices,
                 "hidden": self.hidden,
             }
+        elif self.form == "rnn":
+            data = {"form": "rnn", "hidden": self.hidden}
         else:
             data = {"form": "call", "arguments": list(self.arguments)}
         return json.dumps(data | {"results": self.results}, sort_keys=True)
@@ -169,8 +175,12 @@ class CallSpec:
                 sorted_indices=data["sorted_indices"],
                 hidden=data["hidden"],
             )
+        elif form == "rnn":
+            data = _json_object(text, where, ("form", "hidden", "results"))
+            require(data["hidden"] in (0, 1, 2), f"{where}.hidden", data["hidden"], "0, 1 or 2")
+            spec = cls("rnn", data["results"], hidden=data["hidden"])
         else:
-            require(form == "call", f"{where}.form", form, '"packed" or "call"')
+            require(form == "call", f"{where}.form", form, '"packed", "rnn" or "call"')
             data = _json_object(text, where, ("arguments", "form", "results"))
             arguments = data["arguments"]
             require(
@@ -221,7 +231,7 @@ def _module_op_fake(
     path: str, module: str, call: str, inputs: list[torch.Tensor]
 ) -> list[torch.Tensor]:
     spec, call_spec = specs_of(path, module, call)
-    if call_spec.form == "call" and _symbolic(inputs):
+    if call_spec.form in ("rnn", "call") and _symbolic(inputs):
         template = _template(spec)
         if isinstance(template, nn.RNNBase):  # its kernels would fix a dynamic length
             results = rnn_results_like(template, inputs[0])
@@ -295,6 +305,8 @@ class _Call(nn.Module):
             return run_over_packed(
                 self.module, padded, lengths, sorted_indices, hidden, call.batch_first
             )
+        if call.form == "rnn":
+            return tensors_of(self.module(tensors[0], hidden_of(tensors[1:], call.hidden)))
         given = iter(tensors)
         return tensors_of(self.module(*(next(given) if a else None for a in call.arguments)))
 
@@ -382,13 +394,13 @@ def lint_call(graph: Graph, node: Node, field_: str) -> None:
         list(spec.params),
         f"the parameters torch.nn.{spec.cls} builds ({names})",
     )
-    if call_spec.form == "packed":
+    if call_spec.form in ("packed", "rnn"):
         lstm = isinstance(template, nn.LSTM)
         require(
             isinstance(template, nn.RNNBase),
             f"{field_}.args[2].form",
             call_spec.form,
-            "a call form its module takes (over a packed sequence: an RNN)",
+            f"a call form its module takes ({call_spec.form}: an RNN's)",
         )
         require(
             call_spec.hidden in ((0, 2) if lstm else (0, 1)),

@@ -19,7 +19,8 @@ the RNN's own code reads sizes from it. So while tracing:
 An RNN given a tensor with a dynamic size (``--dynamic``) is kept as one call too: torch's RNN
 kernels walk the sequence step by step, which would fix its length to the example's; the call's
 results get their shapes from the input's (:func:`autopipe.ir.kept_module.rnn_results_like`).
-(An LSTM given its initial state as a tuple is traced as before.)
+Such a call, and one of an RNN named by ``--keep-whole``, passes the initial state as the RNN
+takes it (an LSTM's as a pair).
 
 A module the user names (``--keep-whole PATH``) is kept as one call however it is called, if it is
 one of ``torch.nn``'s own classes with tensor (or None) arguments and tensor results.
@@ -45,7 +46,6 @@ from ..ir.kept_module import (
     ModuleSpec,
     constructor_signature,
     is_argument_value,
-    rnn_results_like,
 )
 from ..runtime.core.kept_modules import has_values, tensors_of
 from .autograd_function import outside_export
@@ -208,12 +208,9 @@ class KeptModules:
                 "positional arguments"
             )
         spec = self._spec(module, path)
-        if isinstance(module, nn.RNNBase):  # (output, state): running it would fix its length
-            out, *state = rnn_results_like(module, args[0])
-            structure = (out, tuple(state) if len(state) > 1 else state[0])
-        else:  # the results' structure, from the module run on these (fake) tensors, unrecorded
-            with outside_export(), torch.no_grad():
-                structure = type(module).forward(module, *args)
+        # the results' structure, from the module run on these (fake) tensors, unrecorded
+        with outside_export(), torch.no_grad():
+            structure = type(module).forward(module, *args)
         call = CallSpec(
             "call",
             results=len(_result_tensors(structure, path)),
@@ -222,6 +219,21 @@ class KeptModules:
         tensors = [a for a in args if a is not None]
         results = self._call(module, path, call, tensors, spec)
         return _rebuild(structure, iter(results))
+
+    def rnn_call(self, rnn: nn.RNNBase, input: torch.Tensor, hx: Any) -> Any:
+        """A call of an RNN over a tensor kept whole (named by --keep-whole, or given a dynamic
+        length): its input, then its initial state's tensors."""
+        path = self._path(rnn)
+        hidden = [] if hx is None else [hx] if isinstance(hx, torch.Tensor) else list(hx)
+        if not all(isinstance(h, torch.Tensor) for h in hidden):
+            raise _refused_here(
+                f"{path} ({type(rnn).__name__}) is given an initial state that is not tensors",
+                "give it a tensor (an LSTM a pair of tensors) or None",
+            )
+        lstm = isinstance(rnn, nn.LSTM)
+        call = CallSpec("rnn", results=3 if lstm else 2, hidden=len(hidden))
+        out, *state = self._call(rnn, path, call, [input, *hidden])
+        return out, (tuple(state) if lstm else state[0])
 
     def _call(
         self,
@@ -405,13 +417,14 @@ def modules_kept_whole(model: nn.Module, named: tuple[str, ...] = ()) -> Iterato
         def forward(self, input, hx=None):  # type: ignore[no-untyped-def]
             if isinstance(input, PackedSequence) and id(self) in kept.paths:
                 return kept.rnn_over_packed(self, input, hx)
+            if isinstance(input, torch.Tensor) and kept.named.get(kept.paths.get(id(self), "")):
+                return kept.rnn_call(self, input, hx)  # named by --keep-whole
             if (
                 isinstance(input, torch.Tensor)
-                and (hx is None or isinstance(hx, torch.Tensor))
                 and id(self) in kept.paths
                 and any(not isinstance(size, int) for size in input.shape)
             ):  # a dynamic length, which torch's kernels would fix: kept whole
-                return kept.named_call(self, (input,) if hx is None else (input, hx), {})
+                return kept.rnn_call(self, input, hx)
             return original(self, input, hx)
 
         return forward
@@ -427,11 +440,9 @@ def modules_kept_whole(model: nn.Module, named: tuple[str, ...] = ()) -> Iterato
     for cls, original in forwards.items():
         cls.forward = rnn_forward(original)  # type: ignore[method-assign]
     for module in kept.named.values():
-        module.forward = lambda *args, _m=module, **kwargs: (
-            kept.rnn_over_packed(_m, args[0], args[1] if len(args) > 1 else kwargs.get("hx"))
-            if args and isinstance(args[0], PackedSequence) and isinstance(_m, nn.RNNBase)
-            else kept.named_call(_m, args, kwargs)
-        )
+        if isinstance(module, nn.RNNBase):  # its own forward (patched above) keeps it whole
+            continue
+        module.forward = lambda *args, _m=module, **kwargs: kept.named_call(_m, args, kwargs)
     try:
         yield kept
     finally:
@@ -439,7 +450,8 @@ def modules_kept_whole(model: nn.Module, named: tuple[str, ...] = ()) -> Iterato
         for cls, original in forwards.items():
             cls.forward = original  # type: ignore[method-assign]
         for module in kept.named.values():
-            del module.forward
+            if not isinstance(module, nn.RNNBase):
+                del module.forward
 
 
 def remove_packed_stand_ins(exported: torch.export.ExportedProgram) -> None:
