@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from .ir import Graph, TensorMeta
+from .ir import MODULE_TARGET, Graph, TensorMeta
 from .ir.kept_module import kept_calls
 from .ir.sizes import planned_sizes
 from .runtime.core.shapes import evaluate
@@ -61,8 +61,8 @@ def kept_whole_lines(graph: Graph, part: Partition) -> list[str]:
     for path, calls in kept_calls(graph.calls).items():
         if "packed" in calls.forms:
             why = "over a packed sequence"
-        elif graph.model.symbols and calls.spec.cls in ("LSTM", "GRU", "RNN"):
-            why = "over a dynamic length"  # kept whole whether named or not
+        elif "rnn" in calls.forms and _dynamic_input(graph, path):
+            why = "over a dynamic size"  # kept whole whether named or not
         else:
             why = "--keep-whole"
         stages = sorted({part.stage_of_unit[u] for u in calls.units})
@@ -71,6 +71,16 @@ def kept_whole_lines(graph: Graph, part: Partition) -> list[str]:
     if not kept:
         return []
     return [f"kept whole, as one call of the torch module each: {'; '.join(kept)}"]
+
+
+def _dynamic_input(graph: Graph, path: str) -> bool:
+    """Whether a call of the kept module ``path`` is given a tensor of a dynamic size."""
+    for node in graph.calls:
+        if node.target == MODULE_TARGET and node.args[0] == path:
+            meta = graph[node.args[3][0].name].meta
+            if isinstance(meta, TensorMeta) and meta.sizes:
+                return True
+    return False
 
 
 def requested_lines(part: Partition) -> list[str]:

@@ -1114,3 +1114,22 @@ def lstm_from_state(batch: int = 2, seed: int = 0, steps: int = 6):
         torch.randn(2, batch, 16, generator=g),
         torch.randn(2, batch, 16, generator=g),
     )
+
+
+class AliasedGRU(nn.Module):
+    """One GRU under two names (``enc`` and ``dec``): a stage cannot hold it kept whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.GRU(4, 6, batch_first=True)
+        self.dec = self.enc
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        y, _ = self.dec(x)
+        return self.head(y)
+
+
+def aliased_gru():
+    torch.manual_seed(0)
+    return AliasedGRU(), (torch.randn(BATCH, 5, 4),)

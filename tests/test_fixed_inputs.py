@@ -18,11 +18,12 @@ from autopipe.compiler import load_graph
 from autopipe.errors import ArtifactError, AutopipeError
 from autopipe.ir import Graph
 from autopipe.runtime.core.errors import PipelineRunError
-from autopipe.runtime.core.fixed_inputs import FixedInput
+from autopipe.runtime.core.fixed_inputs import FixedInput, check_fixed_inputs
 from autopipe.runtime.core.pipeline import Pipeline, PipelineFormatError
 from autopipe.runtime.data import Batches
 from autopipe.runtime.options import parse_config
 from autopipe.spec import Example, load_example
+from autopipe.tracing.model_tables import fixed_inputs
 from autopipe.verify import load_pipeline, verify
 
 from conftest import compile_model, spec
@@ -143,3 +144,31 @@ def test_what_is_recorded_and_how_values_compare():
     assert not nested.matches({"sizes": [1, 2], "name": "a"})
     flag = FixedInput.of("flag", None)
     assert flag is not None and flag.matches(None) and not flag.matches(torch.zeros(1))
+
+
+def test_arguments_left_at_their_defaults_are_recorded_too():
+    """The example leaves ``activation`` and ``mask`` at their defaults: export fixes those
+    values as well, so a batch passing another one is refused like a passed one."""
+    model = models.ListScaled()
+    bound = {"x": torch.zeros(2, 4), "scales": [1.0, 2.0, 3.0, 4.0], "square": True}
+    fixed = fixed_inputs(model, bound)
+    assert {n: f.to_json() for n, f in fixed.items()} == {
+        "scales": {"value": [1.0, 2.0, 3.0, 4.0]},
+        "square": {"value": True},
+        "activation": {"value": "relu"},
+        "mask": {"value": None},
+    }
+    with pytest.raises(PipelineRunError, match="input 'activation' is 'tanh'"):
+        check_fixed_inputs(fixed, {"activation": "tanh"}, "step 3")
+    check_fixed_inputs(fixed, {"x": torch.zeros(2, 4)}, "step 3")  # left out: the recorded value
+
+
+def test_containers_without_a_json_form_are_recorded_by_their_repr():
+    by_position = FixedInput.of("weights", {0: 2.0, 1: 0.5})  # JSON keys are strings
+    assert by_position == FixedInput("weights", None, "{0: 2.0, 1: 0.5}")
+    assert by_position.matches({0: 2.0, 1: 0.5}) and not by_position.matches({0: 5.0, 1: 0.5})
+    assert FixedInput.of("eps", [math.nan, 1.0]) == FixedInput("eps", None, "[nan, 1.0]")
+    assert FixedInput.of("dtypes", (torch.float16,)) == FixedInput(
+        "dtypes", None, "(torch.float16,)"
+    )
+    assert FixedInput.of("objects", [object()]) is None

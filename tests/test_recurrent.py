@@ -23,6 +23,8 @@ from autopipe.artifacts import read_artifact
 from autopipe.compiler import load_graph
 from autopipe.errors import ArtifactError, AutopipeError, TraceError
 from autopipe.ir import MODULE_TARGET, Graph
+from autopipe.ir.kept_module import rnn_results_like
+from autopipe.runtime.core.kept_modules import tensors_of
 from autopipe.spec import Example, load_example
 from autopipe.summary import kept_whole_lines
 from autopipe.tracing import trace
@@ -89,7 +91,7 @@ def test_rnns_over_a_dynamic_length_are_kept_whole_and_match_on_other_lengths(
     assert f'keep_whole(self,"{rnn}",nn.' in _flat(source)
     assert "aten.lstm" not in source and "aten.rnn_relu" not in source
     line = kept_whole_lines(result.graph, result.partition)[0]
-    assert f"{rnn} (nn.{'LSTM' if rnn == 'lstm' else 'RNN'}, over a dynamic length)" in line
+    assert f"{rnn} (nn.{'LSTM' if rnn == 'lstm' else 'RNN'}, over a dynamic size)" in line
     model, args = getattr(models, name)()
     if name == "lstm_from_state":  # the state passed as a pair, as the model passes it
         assert "tensors_of(self.lstm(x,(h0,c0)))" in _flat(source)
@@ -102,6 +104,28 @@ def test_rnns_over_a_dynamic_length_are_kept_whole_and_match_on_other_lengths(
         else:
             inputs = models.lstm_from_state(seed=steps, steps=steps)[1]
         _assert_matches(out, Example(getattr(models, name)()[0], inputs))
+
+
+@pytest.mark.parametrize(
+    "rnn",
+    [
+        torch.nn.LSTM(8, 16, batch_first=True, bidirectional=True, proj_size=4),
+        torch.nn.LSTM(8, 16, num_layers=2),
+        torch.nn.GRU(8, 16, batch_first=True),
+        torch.nn.RNN(8, 16, num_layers=3, bidirectional=True),
+    ],
+    ids=["lstm-batch-first-bidirectional-proj", "lstm-time-first", "gru-batch-first", "rnn"],
+)
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+def test_results_shaped_from_the_input_are_those_of_torch_s_kernels(rnn, batched):
+    """What a kept RNN call over a dynamic length says it returns (shapes and strides: a
+    batch-first output is a transposed time-first one, which a model's ``.contiguous()`` before
+    a ``view`` relies on) is what torch's kernels return."""
+    x = torch.randn(*((3, 5) if batched else (5,)), 8)
+    real = tensors_of(rnn(x))
+    shaped = rnn_results_like(rnn, x)
+    assert [(t.shape, t.stride()) for t in shaped] == [(t.shape, t.stride()) for t in real]
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +281,12 @@ def test_keep_whole_refuses_what_it_cannot_keep(tmp_path, names, message):
     with pytest.raises(AutopipeError, match=re.escape(message)):
         compile_model("kept_whole", tmp_path / "pipe", 2, keep_whole=names)
     assert not (tmp_path / "pipe").exists()
+
+
+def test_keep_whole_refuses_a_module_held_under_two_names(tmp_path):
+    with pytest.raises(TraceError, match=r"enc \(GRU\) is kept whole, but the model holds it "
+                       r"under 2 names \(enc, dec\)"):  # fmt: skip
+        compile_model("aliased_gru", tmp_path / "pipe", 2, keep_whole=("dec",))
 
 
 def test_keep_whole_refuses_a_class_from_outside_torch(tmp_path):

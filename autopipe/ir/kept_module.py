@@ -249,13 +249,19 @@ def rnn_results_like(rnn: nn.RNNBase, x: torch.Tensor) -> list[torch.Tensor]:
     """Empty results of the shapes a call of ``rnn`` on the input ``x`` returns (its output,
     then its final state's tensors), without running its kernels: torch's RNN kernels walk the
     sequence step by step and would fix a dynamic length to the example's. The output keeps
-    the input's leading sizes, its last is ``directions x (proj_size or hidden_size)``; each
-    final state is ``(directions x layers, batch, size)`` (no batch for an unbatched input)."""
+    the input's leading sizes, its last is ``directions x (proj_size or hidden_size)`` (batch
+    first: a transposed time-first tensor, strides as torch's kernels make it, so that the
+    model's ``.contiguous()`` before a ``view`` is kept); each final state is ``(directions x
+    layers, batch, size)`` (no batch for an unbatched input)."""
     directions = 2 if rnn.bidirectional else 1
     out_size = (rnn.proj_size or rnn.hidden_size) if isinstance(rnn, nn.LSTM) else rnn.hidden_size
     batch = [] if x.dim() == 2 else [x.shape[0] if rnn.batch_first else x.shape[1]]
     layers = directions * rnn.num_layers
-    results = [x.new_empty((*x.shape[:-1], directions * out_size))]
+    if rnn.batch_first and batch:  # computed time first and transposed, as torch's kernels do
+        output = x.new_empty((x.shape[1], x.shape[0], directions * out_size)).transpose(0, 1)
+    else:
+        output = x.new_empty((*x.shape[:-1], directions * out_size))
+    results = [output]
     results.append(x.new_empty((layers, *batch, out_size)))
     if isinstance(rnn, nn.LSTM):
         results.append(x.new_empty((layers, *batch, rnn.hidden_size)))

@@ -148,7 +148,7 @@ def trace(
             symbols=_symbol_table(dims),
             split_markers=converter.split_markers(nodes),
             huggingface=huggingface_configs(model),
-            fixed_inputs=fixed_inputs(bound),
+            fixed_inputs=fixed_inputs(model, bound),
         ),
         functions=functions.definitions(nodes),
     )

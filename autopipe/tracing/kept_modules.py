@@ -111,8 +111,10 @@ class KeptModules:
 
     def __init__(self, model: nn.Module, named: tuple[str, ...]):
         self.paths: dict[int, str] = {}
+        self.names: dict[int, list[str]] = {}  # every name of each module
         for name, module in model.named_modules(remove_duplicate=False):
             self.paths.setdefault(id(module), name)
+            self.names.setdefault(id(module), []).append(name)
         self.named = {path: _named_module(model, path) for path in named}
         self._packed: dict[int, _Packed] = {}
         self._alive: list[torch.Tensor] = []  # the stand-ins, kept so that their ids stay theirs
@@ -226,9 +228,12 @@ class KeptModules:
         path = self._path(rnn)
         hidden = [] if hx is None else [hx] if isinstance(hx, torch.Tensor) else list(hx)
         if not all(isinstance(h, torch.Tensor) for h in hidden):
-            raise _refused_here(
-                f"{path} ({type(rnn).__name__}) is given an initial state that is not tensors",
-                "give it a tensor (an LSTM a pair of tensors) or None",
+            line = on_stack()
+            where, code = (line.where, line.code_block) if line else ("the model's forward", "")
+            raise TraceError(
+                f"{where}: {path} ({type(rnn).__name__}) is given an initial state that is not "
+                f"tensors{code}\nautopipe keeps it whole as one call: give it a tensor (an "
+                "LSTM a pair of tensors) or None"
             )
         lstm = isinstance(rnn, nn.LSTM)
         call = CallSpec("rnn", results=3 if lstm else 2, hidden=len(hidden))
@@ -243,6 +248,13 @@ class KeptModules:
         tensors: list[torch.Tensor],
         spec: ModuleSpec | None = None,
     ) -> list[torch.Tensor]:
+        names = self.names.get(id(module), [])
+        if len(names) > 1:
+            raise TraceError(
+                f"{path} ({type(module).__name__}) is kept whole, but the model holds it under "
+                f"{len(names)} names ({', '.join(names)}); a stage holds a kept module under "
+                "one name: call it through one attribute, or build one module per name"
+            )
         spec = spec or self._spec(module, path)
         params = [module.get_parameter(name) for name in spec.params]
         results: list[torch.Tensor] = torch.ops.autopipe.module.default(
@@ -417,8 +429,6 @@ def modules_kept_whole(model: nn.Module, named: tuple[str, ...] = ()) -> Iterato
         def forward(self, input, hx=None):  # type: ignore[no-untyped-def]
             if isinstance(input, PackedSequence) and id(self) in kept.paths:
                 return kept.rnn_over_packed(self, input, hx)
-            if isinstance(input, torch.Tensor) and kept.named.get(kept.paths.get(id(self), "")):
-                return kept.rnn_call(self, input, hx)  # named by --keep-whole
             if (
                 isinstance(input, torch.Tensor)
                 and id(self) in kept.paths
@@ -439,10 +449,15 @@ def modules_kept_whole(model: nn.Module, named: tuple[str, ...] = ()) -> Iterato
     vf._pad_packed_sequence = pad_packed
     for cls, original in forwards.items():
         cls.forward = rnn_forward(original)  # type: ignore[method-assign]
-    for module in kept.named.values():
-        if isinstance(module, nn.RNNBase):  # its own forward (patched above) keeps it whole
-            continue
-        module.forward = lambda *args, _m=module, **kwargs: kept.named_call(_m, args, kwargs)
+    for module in kept.named.values():  # on the instance: it follows the module into copies
+        if isinstance(module, nn.RNNBase):
+            module.forward = lambda input, hx=None, _m=module: (
+                kept.rnn_over_packed(_m, input, hx)
+                if isinstance(input, PackedSequence)
+                else kept.rnn_call(_m, input, hx)
+            )
+        else:
+            module.forward = lambda *args, _m=module, **kwargs: kept.named_call(_m, args, kwargs)
     try:
         yield kept
     finally:
@@ -450,8 +465,7 @@ def modules_kept_whole(model: nn.Module, named: tuple[str, ...] = ()) -> Iterato
         for cls, original in forwards.items():
             cls.forward = original  # type: ignore[method-assign]
         for module in kept.named.values():
-            if not isinstance(module, nn.RNNBase):
-                del module.forward
+            del module.forward
 
 
 def remove_packed_stand_ins(exported: torch.export.ExportedProgram) -> None:

@@ -143,12 +143,18 @@ def bound_inputs(example: Example) -> dict[str, Any]:
     return bound
 
 
-def fixed_inputs(bound: dict[str, Any]) -> dict[str, FixedInput]:
-    """The example's inputs (by name, :func:`bound_inputs`) that hold no tensor: torch.export
-    fixes them to these values, which batches must then pass too (a value
+def fixed_inputs(model: torch.nn.Module, bound: dict[str, Any]) -> dict[str, FixedInput]:
+    """The example's inputs (by name, :func:`bound_inputs`) that hold no tensor, and the
+    forward's arguments the example leaves at a default that is no tensor: torch.export fixes
+    them to these values, which a batch may leave out but not change (a value
     :meth:`.FixedInput.of` cannot record is left out)."""
+    defaults = {
+        name: parameter.default
+        for name, parameter in inspect.signature(model.forward).parameters.items()
+        if parameter.default is not inspect.Parameter.empty and name not in bound
+    }
     fixed = {}
-    for name, value in bound.items():
+    for name, value in (bound | defaults).items():
         if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value)):
             continue
         record = FixedInput.of(name, value)

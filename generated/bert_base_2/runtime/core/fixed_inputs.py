@@ -3,11 +3,12 @@
 Copied into every generated pipeline as ``runtime/core/fixed_inputs.py``; it needs only torch.
 torch.export specialises a forward argument that holds no tensor (a Python list of lengths, a
 scale, a flag, a None) to its value in the example: the graph computes with that value, and the
-generated stages do not take the argument at all. A batch passing another value would be
-trained on silently as if it passed the example's. The pipeline contract therefore records
-each such value (``pipeline.json``'s ``fixed_inputs``), and train.py (every step's batch) and
-``autopipe verify`` (the example) refuse a batch whose value differs, naming the input, both
-values and the fix.
+generated stages do not take the argument at all; so is an argument the example leaves at its
+default. A batch passing another value would be trained on silently as if it passed the
+example's. The pipeline contract therefore records each such value (``pipeline.json``'s
+``fixed_inputs``), and train.py (every step's batch) and ``autopipe verify`` (the example)
+refuse a batch whose value differs, naming the input, both values and the fix. A batch may
+leave such an argument out: the stages compute with the recorded value.
 
 A value is recorded as JSON where it has a JSON form (None, booleans, numbers, strings, and
 lists, tuples and string-keyed dicts of them: tuples read back as lists), else as its ``repr``
@@ -33,6 +34,18 @@ __all__ = ["FixedInput", "check_fixed_inputs", "fixed_inputs_from_json"]
 
 #: the kinds of values without a JSON form recorded (and compared) by their ``repr``
 _BY_REPR = (float, complex, torch.dtype, torch.device, torch.memory_format, enum.Enum)
+
+
+def _said_by_repr(value: Any) -> bool:
+    """Whether ``repr(value)`` says all of it: plain values and the kinds of
+    :data:`_BY_REPR`, and lists, tuples and dicts of them."""
+    if value is None or isinstance(value, (bool, int, str, *_BY_REPR)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(map(_said_by_repr, value))
+    if isinstance(value, dict):
+        return all(_said_by_repr(k) and _said_by_repr(v) for k, v in value.items())
+    return False
 
 
 class _NoJsonForm(Exception):
@@ -75,11 +88,12 @@ class FixedInput:
     def of(cls, name: str, value: Any) -> FixedInput | None:
         """The record of ``value``, passed as the argument ``name``: its JSON form, or the
         ``repr`` of a value whose ``repr`` says what it is (a dtype, a device, an enum, a
-        float that JSON cannot hold); None for other objects (not checked)."""
+        float that JSON cannot hold, and lists, tuples and dicts of such values and plain
+        ones); None for other objects (not checked)."""
         try:
             return cls(name, _json_form(value))
         except _NoJsonForm:
-            if isinstance(value, _BY_REPR):
+            if _said_by_repr(value):
                 return cls(name, None, repr(value))
             return None
 
@@ -140,8 +154,8 @@ def check_fixed_inputs(
     fixed: Mapping[str, FixedInput], given: Mapping[str, Any], where: str
 ) -> None:
     """Refuse inputs ``given`` (by name) whose value differs from the one the pipeline was
-    compiled with (``fixed``); an input not given is not checked (its default is the
-    forward's)."""
+    compiled with (``fixed``); an input not given is not checked (the stages compute with the
+    recorded value)."""
     for name, record in fixed.items():
         if name in given and not record.matches(given[name]):
             raise PipelineRunError(
