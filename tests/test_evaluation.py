@@ -17,7 +17,7 @@ from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.runtime.evaluation import label_tokens
 from autopipe.verify import load_pipeline
 
-from conftest import compile_model, torchrun
+from conftest import compile_model, torchrun, torchrun_together
 from models import BATCH, gpt2, gpt2_eval_batch
 
 MICROBATCHES, EVAL_BATCHES = 4, 2
@@ -102,13 +102,20 @@ def test_evaluating_every_step_leaves_training_unchanged(tmp_path, weights, two_
     script = two_stages / "train.py"
     common = ["--load", str(weights), "--steps", "3", "--microbatches", str(MICROBATCHES)]
     common += ["--data", "tests/models.py:gpt2_batch"]
-    runs = {}
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
-    for name, extra in (("plain", []), ("evaluated", [*EVAL, "--eval-every", "1", *ckpt])):
-        log, saved = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.pt"
-        torchrun(script, 2, *common, *extra, "--log-json", str(log), "--save", str(saved))
-        entries = list(map(json.loads, log.read_text().splitlines()))
-        runs[name] = (entries, torch.load(saved))
+    variants = {"plain": [], "evaluated": [*EVAL, "--eval-every", "1", *ckpt]}
+    torchrun_together(  # independent: both at once
+        *((script, 2, [*common, *extra, "--log-json", str(tmp_path / f"{name}.jsonl"),
+                       "--save", str(tmp_path / f"{name}.pt")])
+          for name, extra in variants.items())
+    )  # fmt: skip
+    runs = {
+        name: (
+            list(map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())),
+            torch.load(tmp_path / f"{name}.pt"),
+        )
+        for name in variants
+    }
     plain, evaluated = runs["plain"], runs["evaluated"]
     assert [e["loss"] for e in evaluated[0] if "loss" in e] == [e["loss"] for e in plain[0]]
     assert evaluated[1].keys() == plain[1].keys()
