@@ -48,6 +48,7 @@ __all__ = [
     "call_module",
     "constructor_arguments",
     "constructor_signature",
+    "has_symbolic_sizes",
     "is_argument_value",
     "kept_calls",
     "kept_modules",
@@ -231,16 +232,16 @@ def _module_op_fake(
     path: str, module: str, call: str, inputs: list[torch.Tensor]
 ) -> list[torch.Tensor]:
     spec, call_spec = specs_of(path, module, call)
-    if call_spec.form in ("rnn", "call") and _symbolic(inputs):
-        template = _template(spec)
-        if isinstance(template, nn.RNNBase):  # its kernels would fix a dynamic length
-            results = rnn_results_like(template, inputs[0])
-            assert len(results) == call_spec.results, "an RNN returns its output and state"
-            return results
+    if call_spec.form == "rnn" and has_symbolic_sizes(inputs):  # (lint: an RNN's call)
+        rnn = _template(spec)
+        assert isinstance(rnn, nn.RNNBase)
+        results = rnn_results_like(rnn, inputs[0])  # its kernels would fix a dynamic length
+        assert len(results) == call_spec.results, "an RNN returns its output and state"
+        return results
     return _traced_call(path, module, call, inputs)
 
 
-def _symbolic(tensors: list[torch.Tensor]) -> bool:
+def has_symbolic_sizes(tensors: list[torch.Tensor]) -> bool:
     """Whether any size of ``tensors`` is a symbol (torch.export's dynamic dimensions)."""
     return any(not isinstance(size, int) for t in tensors for size in t.shape)
 
@@ -344,8 +345,8 @@ def run_call(
 # -- invariants ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KeptCalls:
-    """The calls of one kept module: its spec, the forms they take (``"packed"``, ``"call"``)
-    and the units they are in."""
+    """The calls of one kept module: its spec, the forms they take (``"packed"``, ``"rnn"``,
+    ``"call"``) and the units they are in."""
 
     spec: ModuleSpec
     forms: frozenset[str]

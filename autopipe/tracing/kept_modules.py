@@ -45,6 +45,7 @@ from ..ir.kept_module import (
     CallSpec,
     ModuleSpec,
     constructor_signature,
+    has_symbolic_sizes,
     is_argument_value,
 )
 from ..runtime.core.kept_modules import has_values, tensors_of
@@ -228,12 +229,10 @@ class KeptModules:
         path = self._path(rnn)
         hidden = [] if hx is None else [hx] if isinstance(hx, torch.Tensor) else list(hx)
         if not all(isinstance(h, torch.Tensor) for h in hidden):
-            line = on_stack()
-            where, code = (line.where, line.code_block) if line else ("the model's forward", "")
-            raise TraceError(
-                f"{where}: {path} ({type(rnn).__name__}) is given an initial state that is not "
-                f"tensors{code}\nautopipe keeps it whole as one call: give it a tensor (an "
-                "LSTM a pair of tensors) or None"
+            raise _refused_here(
+                f"{path} ({type(rnn).__name__}) is given an initial state that is not tensors",
+                "give it a tensor (an LSTM a pair of tensors) or None",
+                because="autopipe keeps it whole as one call",
             )
         lstm = isinstance(rnn, nn.LSTM)
         call = CallSpec("rnn", results=3 if lstm else 2, hidden=len(hidden))
@@ -279,14 +278,16 @@ class KeptModules:
         return self._specs[path]
 
 
-def _refused_here(what: str, advice: str) -> TraceError:
-    """A refusal at the user's line now being traced."""
+def _refused_here(
+    what: str,
+    advice: str,
+    because: str = "autopipe carries a packed sequence as its padded tensor and lengths",
+) -> TraceError:
+    """A refusal at the user's line now being traced: ``what`` is wrong, ``because`` of how
+    autopipe keeps it, and the ``advice``."""
     line = on_stack()
     where, code = (line.where, line.code_block) if line else ("the model's forward", "")
-    return TraceError(
-        f"{where}: {what}{code}\nautopipe carries a packed sequence as its padded tensor and "
-        f"lengths: {advice}"
-    )
+    return TraceError(f"{where}: {what}{code}\n{because}: {advice}")
 
 
 def module_spec(module: nn.Module, path: str) -> ModuleSpec:
@@ -432,7 +433,7 @@ def modules_kept_whole(model: nn.Module, named: tuple[str, ...] = ()) -> Iterato
             if (
                 isinstance(input, torch.Tensor)
                 and id(self) in kept.paths
-                and any(not isinstance(size, int) for size in input.shape)
+                and has_symbolic_sizes([input])
             ):  # a dynamic length, which torch's kernels would fix: kept whole
                 return kept.rnn_call(self, input, hx)
             return original(self, input, hx)
