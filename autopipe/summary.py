@@ -6,6 +6,7 @@ import math
 from collections import Counter
 
 from .ir import MODULE_TARGET, Graph, TensorMeta
+from .ir.eval_mode import random_in_eval
 from .ir.kept_module import kept_calls
 from .ir.sizes import planned_sizes
 from .runtime.core.shapes import evaluate
@@ -52,7 +53,31 @@ def format_partition(graph: Graph, part: Partition) -> str:
     rows += recompute_lines(graph, part)
     rows += requested_lines(part)
     rows += kept_whole_lines(graph, part)
+    rows += random_in_eval_lines(graph)
     return "\n".join(rows)
+
+
+def random_in_eval_lines(graph: Graph) -> list[str]:
+    """The modules whose operators draw random numbers in eval mode too (randomness no mode
+    argument switches off: a stochastic depth written as ``if self.training:``), which the
+    stages run in eval mode as they do in training."""
+    places = Counter(
+        n.scope_label or f"{graph.model.cls.rsplit('.', 1)[-1]} (model)"
+        for n in random_in_eval(graph.calls)
+    )
+    if not places:
+        return []
+    listed = "; ".join(
+        f"{where}: {count} operator{'s' if count > 1 else ''}"
+        for where, count in sorted(places.items())
+    )
+    return [
+        "note: these draw random numbers in eval mode too, as in training: "
+        + listed
+        + ". The model decides them in Python (a stochastic depth or noise under "
+        "`if self.training:`), which the trace fixes to training; if it skips them in eval "
+        "mode, evaluate with them off in the model's config (drop_path_rate=0, ...)"
+    ]
 
 
 def kept_whole_lines(graph: Graph, part: Partition) -> list[str]:

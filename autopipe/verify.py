@@ -2,7 +2,9 @@
 
 Both start from the same weights and RNG state; the stages are chained in order (autograd flows
 through them as through the original), then forward outputs, parameter gradients (summed over the
-copies of tied parameters) and buffers after the step are compared.
+copies of tied parameters) and buffers after the step are compared; then both run forward again
+in eval mode (dropout off, batch norm on its running statistics), and their outputs and buffers
+are compared once more.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def load_pipeline(path: str | Path) -> ModuleType:
 
 @dataclass
 class Comparison:
-    kind: str  # "output" | "grad" | "buffer"
+    kind: str  # "output" | "grad" | "buffer" | "eval" (an output in eval mode)
     name: str
     max_abs: float
     ok: bool
@@ -82,11 +84,12 @@ class VerifyReport:
             ]
         else:
             lines = ["files     unchanged since generation (manifest.json)"]
-        for kind in ("output", "grad", "buffer"):
+        for kind in ("output", "grad", "buffer", "eval"):
             items = [c for c in self.comparisons if c.kind == kind]
             bad = [c for c in items if not c.ok]
+            label = "eval outs" if kind == "eval" else kind + "s"
             lines.append(
-                f"{kind + 's':<8} {len(items):5d} compared, max |diff| {self.worst(kind):.3g}, {len(bad)} mismatched"
+                f"{label:<9} {len(items):4d} compared, max |diff| {self.worst(kind):.3g}, {len(bad)} mismatched"
             )
             lines += [f"  mismatch: {c.name} (max |diff| {c.max_abs:.3g})" for c in bad[:10]]
         return "\n".join(lines)
@@ -181,14 +184,42 @@ def verify(
         want = torch.zeros_like(param) if want is None else want
         got = torch.zeros_like(param) if got is None else got
         report.comparisons.append(_compare("grad", name, got, want, rtol, atol))
+    _compare_buffers(report, model, stages, "", rtol, atol)
+    # eval mode: dropout off, batch norm on its running statistics, which stay as they are
+    model.eval()
+    for stage in stages:
+        stage.eval()
+    with torch.no_grad():
+        torch.manual_seed(seed)
+        expected = [
+            leaf
+            for leaf in pytree.tree_leaves(model(*example.args, **example.kwargs))
+            if isinstance(leaf, torch.Tensor)
+        ]
+        torch.manual_seed(seed)
+        _forward_stages(pipeline, stages, env)
+    for name, e in zip(pipeline.outputs, expected):
+        report.comparisons.append(_compare("eval", name, env[name], e, rtol, atol))
+    _compare_buffers(report, model, stages, " (after eval)", rtol, atol)
+    model.train()
+    return report
+
+
+def _compare_buffers(
+    report: VerifyReport,
+    model: torch.nn.Module,
+    stages: list,
+    suffix: str,
+    rtol: float,
+    atol: float,
+) -> None:
     reference_buffers = dict(model.named_buffers())
     for stage in stages:
         for name, buffer in stage.named_buffers():
             if name in reference_buffers:
                 report.comparisons.append(
-                    _compare("buffer", name, buffer, reference_buffers[name], rtol, atol)
+                    _compare("buffer", name + suffix, buffer, reference_buffers[name], rtol, atol)
                 )
-    return report
 
 
 def _projection_weights(outputs: list[torch.Tensor], seed: int) -> list[torch.Tensor | None]:

@@ -1133,3 +1133,72 @@ class AliasedGRU(nn.Module):
 def aliased_gru():
     torch.manual_seed(0)
     return AliasedGRU(), (torch.randn(BATCH, 5, 4),)
+
+
+class ModeNet(nn.Module):
+    """Every operator whose result depends on the module's mode (issue 41): batch norm with and
+    without running statistics, instance norm with them, RReLU, dropout and its variants,
+    attention dropout, and F.dropout given ``training=self.training``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.bn_batch_stats = nn.BatchNorm2d(8, track_running_stats=False)
+        self.instance = nn.InstanceNorm2d(8, affine=True, track_running_stats=True)
+        self.act = nn.RReLU()
+        self.drop2d = nn.Dropout2d(0.2)
+        self.alpha = nn.AlphaDropout(0.1)
+        self.feature_alpha = nn.FeatureAlphaDropout(0.1)
+        self.qkv = nn.Linear(8, 24)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = self.act(self.instance(self.bn_batch_stats(self.bn(self.conv(x)))))
+        x = self.feature_alpha(self.alpha(self.drop2d(x)))
+        tokens = x.flatten(2).transpose(1, 2)  # (batch, 64, 8)
+        q, k, v = self.qkv(tokens).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+        p = 0.1 if self.training else 0.0
+        attended = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        tokens = attended.transpose(1, 2).flatten(2) + tokens
+        tokens = F.dropout(tokens, 0.1, training=self.training)
+        return self.head(self.drop(tokens.mean(1)))
+
+
+def mode_net():
+    torch.manual_seed(0)
+    return ModeNet(), (torch.randn(BATCH, 3, 8, 8),)
+
+
+def mode_net_with_target():
+    model, args = mode_net()
+    return model, args, {}, torch.tensor([1, 3])
+
+
+def mode_net_batch(step: int, microbatches: int = 4):
+    return cnn_batch(step, microbatches)
+
+
+class PlainLoss(nn.Module):
+    """A forward that returns its loss as a plain scalar tensor (no dict, no ``loss`` key)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 8)
+        self.second = nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.second(torch.tanh(self.first(x))), y)
+
+
+def plain_loss():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return PlainLoss(), (torch.randn(BATCH, 4, generator=g), torch.randn(BATCH, 4, generator=g))
+
+
+def plain_loss_batch(step: int, microbatches: int = 4):
+    g = torch.Generator().manual_seed(3000 + step)
+    rows = BATCH * microbatches
+    return (torch.randn(rows, 4, generator=g), torch.randn(rows, 4, generator=g)), {}

@@ -48,7 +48,8 @@ def reference_training(
             mb_args = [a.chunk(MICROBATCHES)[i] for a in args]
             mb_kwargs = {k: v.chunk(MICROBATCHES)[i] for k, v in kwargs.items()}
             out = model(*mb_args, **mb_kwargs)
-            chunks.append(loss_fn(out, target[0].chunk(MICROBATCHES)[i]) if loss_fn else out.loss)
+            loss_of = out if isinstance(out, torch.Tensor) else out.loss  # a plain loss tensor
+            chunks.append(loss_fn(out, target[0].chunk(MICROBATCHES)[i]) if loss_fn else loss_of)
         loss = torch.stack(chunks).mean()
         loss.backward()
         if clip is not None:

@@ -166,3 +166,16 @@ def test_channels_last_layout_trains_like_pytorch(tmp_path):
         models.cross_entropy,
     )
     assert_same_training(pipe, ref)
+
+
+def test_a_plain_loss_tensor_is_the_loss(tmp_path):
+    """A forward that returns its loss as a plain scalar tensor (issue 41): the package takes
+    that output as the loss (it was refused, "give it labels") and trains like PyTorch."""
+    pipe = run_pipeline(tmp_path, "plain_loss", 2, "plain_loss_batch", "--lr", "1e-2")
+    assert json.loads((tmp_path / "pipe" / "pipeline.json").read_text())["loss"] == {
+        "output": "output"
+    }
+    ref = reference_training(
+        load_example(spec("plain_loss")), models.plain_loss_batch, STEPS, "adamw", 1e-2
+    )
+    assert_same_training(pipe, ref)

@@ -97,10 +97,10 @@ TRAINED = ["llama", "albert", "mixtral", "llava", "packed_lstm"]
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TRAINED)
 def test_zoo_trains_like_pytorch(tmp_path, name):
-    pipe = run_pipeline(
-        tmp_path, spec(name), 2, f"tests/zoo/models.py:{name}_batch", "--lr", "1e-3"
-    )
-    ref = reference_training(load_example(spec(name)), BATCHES[name], STEPS, "adamw", 1e-3)
+    # without dropout: the ranks draw other dropout masks than one process does
+    plain = spec(f"{name}_no_dropout")
+    pipe = run_pipeline(tmp_path, plain, 2, f"tests/zoo/models.py:{name}_batch", "--lr", "1e-3")
+    ref = reference_training(load_example(plain), BATCHES[name], STEPS, "adamw", 1e-3)
     assert_same_training(pipe, ref)
 
 
@@ -133,6 +133,6 @@ def test_zoo_compiled_on_meta_takes_the_cpu_branch(tmp_path):
         compile_spec=f"{zoo}:mixtral_meta",
     )
     ref = reference_training(
-        load_example(spec("mixtral")), BATCHES["mixtral"], STEPS, "adamw", 1e-3
+        load_example(spec("mixtral_no_dropout")), BATCHES["mixtral"], STEPS, "adamw", 1e-3
     )
     assert_same_training(pipe, ref)

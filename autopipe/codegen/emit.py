@@ -12,6 +12,7 @@ import torch
 
 from ..ir import Graph, Node, Ref, Size
 from ..ir.codec import decode_tensor
+from ..ir.eval_mode import mode_slots
 from ..ir.kinds import kind_of
 from ..ir.types import dtype_name
 
@@ -80,9 +81,25 @@ def operator_call(node: Node, ref: Callable[[Ref], str]) -> tuple[str, list[str]
         if namespace == "aten"
         else f"torch.ops.{namespace}.{name}.{overload}"
     )
-    parts = [literal(a, ref) for a in node.args]
-    parts += [f"{k}={literal(v, ref)}" for k, v in node.kwargs.items()]
+    modes = mode_slots(node)
+    parts = [
+        mode_literal(*modes[i]) if i in modes else literal(a, ref) for i, a in enumerate(node.args)
+    ]
+    parts += [
+        f"{k}={mode_literal(*modes[k]) if k in modes else literal(v, ref)}"
+        for k, v in node.kwargs.items()
+    ]
     return fn, parts
+
+
+def mode_literal(train: Any, eval_value: Any) -> str:
+    """Source of an argument that depends on the module's mode (:mod:`autopipe.ir.eval_mode`):
+    ``self.training`` for a flag that is the mode itself, else ``0.1 if self.training else 0.0``."""
+    if train is True and eval_value is False:
+        return "self.training"
+    if train is False and eval_value is True:
+        return "not self.training"
+    return f"{literal(train, str)} if self.training else {literal(eval_value, str)}"
 
 
 def assignment(target: str, fn: str, args: list[str] | None, indent: int) -> list[str]:

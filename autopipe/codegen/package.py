@@ -518,7 +518,20 @@ def _loss_description(graph: Graph) -> dict[str, Any]:
                 "requires_grad": False,
             },
         }
-    return {"output": "loss" if "loss" in graph.outputs else None}
+    return {"output": _loss_output(graph)}
+
+
+def _loss_output(graph: Graph) -> str | None:
+    """The model output that is its loss: the one named ``loss`` (a Hugging Face model given
+    labels), or the model's only output when it is a scalar that needs a gradient (a forward
+    returning its loss as a plain tensor)."""
+    if "loss" in graph.outputs:
+        return "loss"
+    if len(graph.outputs) == 1:
+        meta = graph[graph.outputs[0]].tensor_meta
+        if meta is not None and meta.shape == () and meta.requires_grad:
+            return graph.outputs[0]
+    return None
 
 
 def _canonical(graph: Graph, name: str) -> str:

@@ -153,6 +153,8 @@ class Graph:
                 record["scope"] = scopes.setdefault(node.scope, len(scopes))
             if node.context:
                 record["context"] = encode(list(node.context))
+            if node.eval_args:
+                record["eval_args"] = {k: encode(v) for k, v in node.eval_args.items()}
             if node.kind == "call":
                 record["unit"] = node.unit
             nodes.append(record)
@@ -226,6 +228,7 @@ class Graph:
                 scope=scopes[_index(r["scope"])] if "scope" in r else (),
                 context=tuple(tuple(c) for c in decode(r.get("context", []))),
                 unit=r.get("unit", -1),
+                eval_args={k: decode(v) for k, v in r.get("eval_args", {}).items()},
             )
             for r in json_list(data["nodes"], "nodes")
         ]

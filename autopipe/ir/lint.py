@@ -28,6 +28,7 @@ from ..checks import (
 from ..errors import ArtifactError
 from ..runtime.core.shapes import FormulaError, evaluate
 from .codec import decode_tensor, encode, encode_meta
+from .eval_mode import lint_eval_args
 from .kinds import kind_of, registered
 from .sizes import planned_sizes
 from .types import (
@@ -208,9 +209,10 @@ def _lint_node(graph: Graph, node: Node, seen: set[str], field: str) -> None:
         require(_is_mode(entry), f"{field}.context", entry, "a grad or autocast mode")
     if node.kind == "call":
         _lint_call(graph, node, field)
+        lint_eval_args(node, field)
         return
     require(
-        not node.args and not node.kwargs and not node.context,
+        not node.args and not node.kwargs and not node.context and not node.eval_args,
         field,
         node.args,
         "a placeholder: it has no arguments",

@@ -287,6 +287,9 @@ class Node:
     ``meta`` describes the produced value: a :class:`TensorMeta`, a tuple of them for operators
     returning several tensors, or ``None``. ``context`` lists the grad / autocast modes the node
     runs under (``("grad", False)``, ``("autocast", device_type, dtype, enabled)``).
+    ``eval_args`` names the arguments whose value is training's and differs in eval mode, by
+    their name in the operator's schema, with their eval-mode value (``{"train": False}`` of a
+    dropout; see :mod:`autopipe.ir.eval_mode`).
     """
 
     name: str
@@ -298,6 +301,7 @@ class Node:
     scope: tuple[Scope, ...] = ()
     context: tuple[Any, ...] = ()
     unit: int = -1
+    eval_args: dict[str, Any] = field(default_factory=dict)
 
     @property
     def inputs(self) -> list[str]:

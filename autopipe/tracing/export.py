@@ -44,6 +44,7 @@ from .model_tables import (
     parameter_table,
     state_tensors,
 )
+from .eval_mode import mark_eval_arguments
 from .passes import propagate_requires_grad
 from .units import group_units
 from .user_line import UserLine, at_node, every_user_frame_recorded, in_traceback, on_stack
@@ -128,6 +129,7 @@ def trace(
     converter = Converter(exported, symbols, higher_order=_HIGHER_ORDER, checks=checks)
     with symbolic_sizes(converter.size) if dims else contextlib.nullcontext():
         nodes = converter.convert()
+    mark_eval_arguments(nodes)
     graph = Graph(
         nodes,
         inputs=converter.inputs,

@@ -2,9 +2,18 @@
 
 Every model but one is a Hugging Face model built from a tiny config with its own random init
 (no downloads; the recurrent one is plain torch.nn): 2 layers (encoder-decoders: 2 + 2), hidden
-size 32, 4 heads, a vocabulary of ~100 tokens, sequences of 8-16, a microbatch of 2. Dropout is off and ``use_cache=False`` wherever the
-config has them, and every model whose class takes labels returns its training loss. Labels that
-equal the inputs (causal and masked LMs) are a clone of the input ids, never the same tensor.
+size 32, 4 heads, a vocabulary of ~100 tokens, sequences of 8-16, a microbatch of 2.
+``use_cache=False`` wherever the config has it, and every model whose class takes labels returns
+its training loss. Labels that equal the inputs (causal and masked LMs) are a clone of the input
+ids, never the same tensor.
+
+Every dropout the config has is the spec's ``dropout`` argument, ``DROPOUT`` (0.1) by default:
+the pipeline must match the model in training (the same seed draws the same masks) and in eval
+mode (dropout off; issue 41). ``NAME_no_dropout`` builds the models that train through train.py
+against one PyTorch process, whose ranks draw other masks. Layer drop, stochastic depth and
+router jitter stay off: the model decides them in Python (``if self.training``), which no traced
+argument records, so generated stages would keep them in eval mode (the compile summary names
+them).
 
 ``<name>_batch(step, microbatches=4)`` returns ``(args, kwargs)`` for a whole training step
 (batch ``2 * microbatches``), fresh random values seeded by the step, for train.py ``--data``.
@@ -20,6 +29,7 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 BATCH = 2
+DROPOUT = 0.1
 SEQ = 12  # token sequences
 VOCAB = 100
 
@@ -137,7 +147,7 @@ def _wav2vec2_inputs(batch: int, g: torch.Generator):
 # -- decoder LLMs -------------------------------------------------------------------------------
 
 
-def _decoder_config(config_cls, **extra):
+def _decoder_config(config_cls, dropout: float, **extra):
     """A tiny Llama-style config: 2 layers, hidden 32, 4 heads (2 key-value heads)."""
     defaults = dict(
         vocab_size=VOCAB,
@@ -148,7 +158,7 @@ def _decoder_config(config_cls, **extra):
         num_key_value_heads=2,
         max_position_embeddings=64,
         use_cache=False,
-        attention_dropout=0.0,
+        attention_dropout=dropout,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -161,62 +171,62 @@ def _causal_lm(model, vocab: int = VOCAB):
     return model, args, kwargs
 
 
-def llama():
+def llama(dropout: float = DROPOUT):
     """Llama: RMSNorm, rotary positions, grouped-query attention, SwiGLU."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return _causal_lm(LlamaForCausalLM(_decoder_config(LlamaConfig)))
+    return _causal_lm(LlamaForCausalLM(_decoder_config(LlamaConfig, dropout)))
 
 
-def pipe_split_llama():
+def pipe_split_llama(dropout: float = DROPOUT):
     """Llama as a torch.distributed.pipelining user brings it: a pipe_split() marker before
     its second decoder layer (a forward pre-hook, as torch's split_spec inserts one)."""
     from torch.distributed.pipelining import pipe_split
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(_decoder_config(LlamaConfig))
+    model = LlamaForCausalLM(_decoder_config(LlamaConfig, dropout))
     model.model.layers[1].register_forward_pre_hook(lambda module, args: pipe_split())
     return _causal_lm(model)
 
 
-def mistral():
+def mistral(dropout: float = DROPOUT):
     """Mistral: Llama with sliding-window attention (a window shorter than the sequence)."""
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    return _causal_lm(MistralForCausalLM(_decoder_config(MistralConfig, sliding_window=8)))
+    return _causal_lm(MistralForCausalLM(_decoder_config(MistralConfig, dropout, sliding_window=8)))
 
 
-def qwen2():
+def qwen2(dropout: float = DROPOUT):
     """Qwen2: Llama with biases on the query, key and value projections."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    return _causal_lm(Qwen2ForCausalLM(_decoder_config(Qwen2Config)))
+    return _causal_lm(Qwen2ForCausalLM(_decoder_config(Qwen2Config, dropout)))
 
 
-def gemma():
+def gemma(dropout: float = DROPOUT):
     """Gemma: tied embedding and LM head, scaled embeddings, (1 + weight) RMSNorm, GeGLU."""
     from transformers import GemmaConfig, GemmaForCausalLM
 
     torch.manual_seed(0)
-    model = GemmaForCausalLM(_decoder_config(GemmaConfig, head_dim=8))
+    model = GemmaForCausalLM(_decoder_config(GemmaConfig, dropout, head_dim=8))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     return _causal_lm(model)
 
 
-def phi3():
+def phi3(dropout: float = DROPOUT):
     """Phi-3: fused QKV and gate-up projections."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(0)
-    config = _decoder_config(Phi3Config, resid_pdrop=0.0, embd_pdrop=0.0)
+    config = _decoder_config(Phi3Config, dropout, resid_pdrop=dropout, embd_pdrop=dropout)
     return _causal_lm(Phi3ForCausalLM(config))
 
 
-def opt():
+def opt(dropout: float = DROPOUT):
     """OPT: learned positions computed from the attention mask, ReLU MLP, LayerNorm."""
     from transformers import OPTConfig, OPTForCausalLM
 
@@ -229,8 +239,8 @@ def opt():
         num_hidden_layers=2,
         num_attention_heads=4,
         max_position_embeddings=64,
-        dropout=0.0,
-        attention_dropout=0.0,
+        dropout=dropout,
+        attention_dropout=dropout,
         layerdrop=0.0,
         use_cache=False,
         pad_token_id=1,
@@ -240,7 +250,7 @@ def opt():
     return _causal_lm(OPTForCausalLM(config))
 
 
-def bloom():
+def bloom(dropout: float = DROPOUT):
     """BLOOM: ALiBi position biases, an embedding LayerNorm, tied embedding and LM head."""
     from transformers import BloomConfig, BloomForCausalLM
 
@@ -250,8 +260,8 @@ def bloom():
         hidden_size=32,
         n_layer=2,
         n_head=4,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
         use_cache=False,
         pad_token_id=0,
         bos_token_id=1,
@@ -260,7 +270,7 @@ def bloom():
     return _causal_lm(BloomForCausalLM(config))
 
 
-def falcon():
+def falcon(dropout: float = DROPOUT):
     """Falcon (7B layout): parallel attention and MLP, multi-query attention, rotary positions."""
     from transformers import FalconConfig, FalconForCausalLM
 
@@ -271,8 +281,8 @@ def falcon():
         num_hidden_layers=2,
         num_attention_heads=4,
         max_position_embeddings=64,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
         use_cache=False,
         pad_token_id=0,
         bos_token_id=1,
@@ -281,7 +291,7 @@ def falcon():
     return _causal_lm(FalconForCausalLM(config))
 
 
-def gpt_neox():
+def gpt_neox(dropout: float = DROPOUT):
     """GPT-NeoX: parallel residual, partial rotary embeddings, fused QKV."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
@@ -293,8 +303,8 @@ def gpt_neox():
         num_hidden_layers=2,
         num_attention_heads=4,
         max_position_embeddings=64,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
+        attention_dropout=dropout,
+        hidden_dropout=dropout,
         use_cache=False,
         pad_token_id=0,
         bos_token_id=1,
@@ -303,7 +313,7 @@ def gpt_neox():
     return _causal_lm(GPTNeoXForCausalLM(config))
 
 
-def gpt_j():
+def gpt_j(dropout: float = DROPOUT):
     """GPT-J: parallel attention and MLP, interleaved rotary embeddings on part of each head."""
     from transformers import GPTJConfig, GPTJForCausalLM
 
@@ -316,9 +326,9 @@ def gpt_j():
         n_head=4,
         rotary_dim=4,
         n_inner=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
         use_cache=False,
         pad_token_id=0,
         bos_token_id=1,
@@ -335,7 +345,7 @@ def _seq2seq(model):
     return model, args, kwargs
 
 
-def t5():
+def t5(dropout: float = DROPOUT):
     """T5: relative position buckets, the encoder output read by every decoder layer."""
     from transformers import T5Config, T5ForConditionalGeneration
 
@@ -348,7 +358,7 @@ def t5():
         num_layers=2,
         num_decoder_layers=2,
         num_heads=4,
-        dropout_rate=0.0,
+        dropout_rate=dropout,
         use_cache=False,
         pad_token_id=0,
         eos_token_id=1,
@@ -357,7 +367,7 @@ def t5():
     return _seq2seq(T5ForConditionalGeneration(config))
 
 
-def mt5():
+def mt5(dropout: float = DROPOUT):
     """mT5: T5 with gated-GELU feed-forward and an untied LM head."""
     from transformers import MT5Config, MT5ForConditionalGeneration
 
@@ -370,7 +380,7 @@ def mt5():
         num_layers=2,
         num_decoder_layers=2,
         num_heads=4,
-        dropout_rate=0.0,
+        dropout_rate=dropout,
         use_cache=False,
         pad_token_id=0,
         eos_token_id=1,
@@ -379,7 +389,7 @@ def mt5():
     return _seq2seq(MT5ForConditionalGeneration(config))
 
 
-def _bart_like(config_cls, **extra):
+def _bart_like(config_cls, dropout: float, **extra):
     return config_cls(
         **(
             dict(
@@ -392,9 +402,9 @@ def _bart_like(config_cls, **extra):
                 decoder_attention_heads=4,
                 encoder_ffn_dim=64,
                 decoder_ffn_dim=64,
-                dropout=0.0,
-                attention_dropout=0.0,
-                activation_dropout=0.0,
+                dropout=dropout,
+                attention_dropout=dropout,
+                activation_dropout=dropout,
                 encoder_layerdrop=0.0,
                 decoder_layerdrop=0.0,
                 use_cache=False,
@@ -404,27 +414,34 @@ def _bart_like(config_cls, **extra):
     )
 
 
-def bart():
+def bart(dropout: float = DROPOUT):
     """BART: learned positions, the shared embedding tied to both stacks and the LM head."""
     from transformers import BartConfig, BartForConditionalGeneration
 
     torch.manual_seed(0)
     config = _bart_like(
-        BartConfig, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2
+        BartConfig,
+        dropout,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
     )
     return _seq2seq(BartForConditionalGeneration(config))
 
 
-def pegasus():
+def pegasus(dropout: float = DROPOUT):
     """Pegasus: frozen sinusoidal position embeddings, pre-LayerNorm."""
     from transformers import PegasusConfig, PegasusForConditionalGeneration
 
     torch.manual_seed(0)
-    config = _bart_like(PegasusConfig, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    config = _bart_like(
+        PegasusConfig, dropout, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0
+    )
     return _seq2seq(PegasusForConditionalGeneration(config))
 
 
-def whisper():
+def whisper(dropout: float = DROPOUT):
     """Whisper: a convolutional audio encoder with frozen sinusoidal positions, a text decoder."""
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
@@ -441,9 +458,9 @@ def whisper():
         decoder_ffn_dim=64,
         max_source_positions=WHISPER_FRAMES // 2,
         max_target_positions=32,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
+        dropout=dropout,
+        attention_dropout=dropout,
+        activation_dropout=dropout,
         encoder_layerdrop=0.0,
         decoder_layerdrop=0.0,
         apply_spec_augment=False,
@@ -462,16 +479,18 @@ def whisper():
 
 # -- encoders -----------------------------------------------------------------------------------
 
-_BERT_LIKE = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    max_position_embeddings=64,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-)
+
+def _bert_like(dropout: float) -> dict:
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
 
 
 def _classifier(model):
@@ -484,49 +503,49 @@ def _masked_lm(model):
     return model, args, kwargs
 
 
-def bert():
+def bert(dropout: float = DROPOUT):
     """BERT sequence classification: a pooler (tanh) over the first token, an attention mask."""
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    config = BertConfig(**_BERT_LIKE, num_labels=3, classifier_dropout=0.0)
+    config = BertConfig(**_bert_like(dropout), num_labels=3, classifier_dropout=dropout)
     return _classifier(BertForSequenceClassification(config))
 
 
-def roberta():
+def roberta(dropout: float = DROPOUT):
     """RoBERTa masked LM: positions counted from the padding (a cumsum of the mask)."""
     from transformers import RobertaConfig, RobertaForMaskedLM
 
     torch.manual_seed(0)
-    config = RobertaConfig(**_BERT_LIKE, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    config = RobertaConfig(**_bert_like(dropout), pad_token_id=1, bos_token_id=0, eos_token_id=2)
     return _masked_lm(RobertaForMaskedLM(config))
 
 
-def deberta_v2():
+def deberta_v2(dropout: float = DROPOUT):
     """DeBERTa-v2 sequence classification: disentangled relative-position attention."""
     from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
 
     torch.manual_seed(0)
     config = DebertaV2Config(
-        **_BERT_LIKE,
+        **_bert_like(dropout),
         relative_attention=True,
         pos_att_type=["p2c", "c2p"],
         max_relative_positions=-1,
         position_biased_input=False,
-        pooler_dropout=0.0,
+        pooler_dropout=dropout,
         num_labels=3,
         pad_token_id=0,
     )
     return _classifier(DebertaV2ForSequenceClassification(config))
 
 
-def deberta_v2_mlm():
+def deberta_v2_mlm(dropout: float = DROPOUT):
     """DeBERTa-v2 masked LM: the same encoder without the classifier head's nonzero()."""
     from transformers import DebertaV2Config, DebertaV2ForMaskedLM
 
     torch.manual_seed(0)
     config = DebertaV2Config(
-        **_BERT_LIKE,
+        **_bert_like(dropout),
         relative_attention=True,
         pos_att_type=["p2c", "c2p"],
         max_relative_positions=-1,
@@ -536,17 +555,17 @@ def deberta_v2_mlm():
     return _masked_lm(DebertaV2ForMaskedLM(config))
 
 
-def albert():
+def albert(dropout: float = DROPOUT):
     """ALBERT masked LM: one layer's weights shared by both layers, factorised embeddings."""
     from transformers import AlbertConfig, AlbertForMaskedLM
 
     torch.manual_seed(0)
     config = AlbertConfig(
-        **_BERT_LIKE,
+        **_bert_like(dropout),
         embedding_size=16,
         num_hidden_groups=1,
         inner_group_num=1,
-        classifier_dropout_prob=0.0,
+        classifier_dropout_prob=dropout,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -554,7 +573,7 @@ def albert():
     return _masked_lm(AlbertForMaskedLM(config))
 
 
-def distilbert():
+def distilbert(dropout: float = DROPOUT):
     """DistilBERT sequence classification: no token types, a pre-classifier layer."""
     from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
@@ -566,9 +585,9 @@ def distilbert():
         n_heads=4,
         hidden_dim=64,
         max_position_embeddings=64,
-        dropout=0.0,
-        attention_dropout=0.0,
-        seq_classif_dropout=0.0,
+        dropout=dropout,
+        attention_dropout=dropout,
+        seq_classif_dropout=dropout,
         num_labels=3,
         pad_token_id=0,
     )
@@ -583,7 +602,7 @@ def _image_classifier(model):
     return model, args, kwargs
 
 
-def vit():
+def vit(dropout: float = DROPOUT):
     """ViT image classification: patch embedding, a class token, learned positions."""
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -596,14 +615,14 @@ def vit():
         num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
         num_labels=3,
     )
     return _image_classifier(ViTForImageClassification(config))
 
 
-def swin():
+def swin(dropout: float = DROPOUT):
     """Swin image classification: shifted windows, relative position bias tables, patch merging."""
     from transformers import SwinConfig, SwinForImageClassification
 
@@ -617,8 +636,8 @@ def swin():
         num_heads=[2, 4],
         window_size=4,
         mlp_ratio=2.0,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
         drop_path_rate=0.0,
         num_labels=3,
     )
@@ -646,7 +665,7 @@ def convnext():
 # -- multi-modal, audio -------------------------------------------------------------------------
 
 
-def clip():
+def clip(dropout: float = DROPOUT):
     """CLIP: a text and a vision tower, projections, a learned temperature, the contrastive loss."""
     from transformers import CLIPConfig, CLIPModel
 
@@ -658,7 +677,7 @@ def clip():
         num_hidden_layers=2,
         num_attention_heads=4,
         max_position_embeddings=32,
-        attention_dropout=0.0,
+        attention_dropout=dropout,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -670,7 +689,7 @@ def clip():
         num_attention_heads=4,
         image_size=32,
         patch_size=8,
-        attention_dropout=0.0,
+        attention_dropout=dropout,
     )
     config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
     model = CLIPModel(config)
@@ -678,7 +697,7 @@ def clip():
     return model, args, kwargs
 
 
-def llava():
+def llava(dropout: float = DROPOUT):
     """LLaVA: a CLIP vision tower, a projector and a Llama; the image features are scattered
     into the token embeddings after the model checks that the image tokens number the
     features (a check on tensor values, kept as a run-time check)."""
@@ -697,11 +716,11 @@ def llava():
         num_attention_heads=4,
         image_size=LLAVA_IMAGE,
         patch_size=LLAVA_PATCH,
-        attention_dropout=0.0,
+        attention_dropout=dropout,
     )
     config = LlavaConfig(
         vision_config=vision,
-        text_config=_decoder_config(LlamaConfig),
+        text_config=_decoder_config(LlamaConfig, dropout),
         image_token_id=LLAVA_IMAGE_TOKEN,
         projector_hidden_act="gelu",
         vision_feature_layer=-1,
@@ -712,7 +731,7 @@ def llava():
     return model, args, kwargs
 
 
-def wav2vec2():
+def wav2vec2(dropout: float = DROPOUT):
     """Wav2Vec2 audio classification: a convolutional feature extractor with group norm, a
     weight-normed positional convolution, mean pooling."""
     from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
@@ -729,11 +748,11 @@ def wav2vec2():
         conv_kernel=(10, 3),
         num_conv_pos_embeddings=16,
         num_conv_pos_embedding_groups=4,
-        hidden_dropout=0.0,
-        activation_dropout=0.0,
-        attention_dropout=0.0,
-        feat_proj_dropout=0.0,
-        final_dropout=0.0,
+        hidden_dropout=dropout,
+        activation_dropout=dropout,
+        attention_dropout=dropout,
+        feat_proj_dropout=dropout,
+        final_dropout=dropout,
         layerdrop=0.0,
         apply_spec_augment=False,
         classifier_proj_size=16,
@@ -747,24 +766,25 @@ def wav2vec2():
 # -- mixture of experts, state space ------------------------------------------------------------
 
 
-def mixtral():
+def mixtral(dropout: float = DROPOUT):
     """Mixtral: top-2 routing over 4 experts in every layer."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
     config = _decoder_config(
-        MixtralConfig, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0
+        MixtralConfig, dropout, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0
     )
     return _causal_lm(MixtralForCausalLM(config))
 
 
-def qwen2_moe():
+def qwen2_moe(dropout: float = DROPOUT):
     """Qwen2-MoE: top-2 routing over 4 experts plus a gated shared expert."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(0)
     config = _decoder_config(
         Qwen2MoeConfig,
+        dropout,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
@@ -806,10 +826,10 @@ class PackedLSTMLM(torch.nn.Module):
     packed by length (pack_padded_sequence), a 2-layer LSTM over the packed sequence, unpacked
     (pad_packed_sequence), an output layer tied to the embedding and the loss on real tokens."""
 
-    def __init__(self, hidden: int = 32):
+    def __init__(self, hidden: int = 32, dropout: float = DROPOUT):
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, hidden)
-        self.lstm = torch.nn.LSTM(hidden, hidden, num_layers=2, batch_first=True)
+        self.lstm = torch.nn.LSTM(hidden, hidden, num_layers=2, batch_first=True, dropout=dropout)
         self.head = torch.nn.Linear(hidden, VOCAB, bias=False)
         self.head.weight = self.embed.weight
 
@@ -826,11 +846,11 @@ class PackedLSTMLM(torch.nn.Module):
         return LMOutput(loss, logits)
 
 
-def packed_lstm():
+def packed_lstm(dropout: float = DROPOUT):
     """An LSTM language model over packed sequences (torch.nn, no Hugging Face model): the
     LSTM is kept whole, as one call of nn.LSTM in the generated stage."""
     torch.manual_seed(0)
-    model = PackedLSTMLM()
+    model = PackedLSTMLM(dropout=dropout)
     args, kwargs = _packed_lm_inputs(BATCH, _example_generator())
     return model, args, kwargs
 
@@ -972,12 +992,35 @@ def packed_lstm_batch(step: int, microbatches: int = 4):
 
 
 def mixtral_meta():
-    """Mixtral built on the meta device (no weights at compile time). Its experts take a
-    device-dependent branch (histc on floats on the CPU, on integers elsewhere)."""
+    """Mixtral built on the meta device (no weights at compile time), without dropout. Its
+    experts take a device-dependent branch (histc on floats on the CPU, on integers elsewhere)."""
     import autopipe
 
     with autopipe.empty_weights():
-        return mixtral()
+        return mixtral(dropout=0.0)
+
+
+# -- without dropout: trained through train.py against one PyTorch process ----------------------
+
+
+def llama_no_dropout():
+    return llama(dropout=0.0)
+
+
+def albert_no_dropout():
+    return albert(dropout=0.0)
+
+
+def mixtral_no_dropout():
+    return mixtral(dropout=0.0)
+
+
+def llava_no_dropout():
+    return llava(dropout=0.0)
+
+
+def packed_lstm_no_dropout():
+    return packed_lstm(dropout=0.0)
 
 
 def mixtral_batch(step: int, microbatches: int = 4):

@@ -126,6 +126,7 @@ def _run_standalone(package_dir: str, inputs: str) -> str:
         pipeline = Pipeline.from_json(package.PIPELINE)
         state, args, kwargs, expected = torch.load(inputs, weights_only=True)
         env = dict(zip(pipeline.signature, args)) | dict(kwargs)
+        torch.manual_seed(0)  # the dropout masks of save_standalone_inputs' forward
         for spec in pipeline.stages:
             stage = package.build_stage(spec.index, device="cpu", init=False)
             stage.load_state_dict(stage_state(stage, state, pipeline.aliases))
