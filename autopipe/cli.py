@@ -275,7 +275,7 @@ def _torchrun(part: Partition, package: Path) -> str:
 def cmd_merge(args: argparse.Namespace) -> None:
     # imported here, not above: train_state brings torch.distributed.pipelining, torch._dynamo and
     # torch.distributed.checkpoint, which would slow every other command's start-up
-    from .runtime.huggingface import write_pretrained
+    from .runtime.huggingface import directory_problem, write_pretrained
     from .runtime.train_state import (
         STEP_NAME,
         checked_checkpoint,
@@ -303,7 +303,17 @@ def cmd_merge(args: argparse.Namespace) -> None:
             f"{option} {out} would overwrite part of the checkpoint directory {root}; write the "
             f"merged {'model' if args.hf else 'state_dict'} outside its step-N directories"
         )
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not args.force:
+    if home.is_relative_to(target):
+        raise AutopipeError(
+            f"{option} {out} holds the checkpoint directory {root}; a model directory is written "
+            f"only where nothing else lies: write it beside the checkpoints instead, e.g. --hf "
+            f"{home.parent / (home.name + '-hf')}"
+        )
+    if args.hf:  # a model directory: only one autopipe wrote is replaced, and only its files
+        problem = directory_problem(target, "--hf", replace=args.force, file_option="-o FILE")
+        if problem:
+            raise AutopipeError(problem)
+    elif out.exists() and not args.force:
         raise AutopipeError(f"{option} {out} already exists; pass --force to replace it")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:  # the manifest first: what it refuses is refused before any tensor is read
@@ -322,7 +332,7 @@ def cmd_merge(args: argparse.Namespace) -> None:
         if args.merge_adapters:
             state, hf, aliases = merged_adapter(state, hf, aliases)
         try:
-            count = write_pretrained(state, hf, aliases, out, dtype=dtype)
+            count = write_pretrained(state, hf, aliases, out, dtype=dtype, replace=args.force)
         except (OSError, RuntimeError, PipelineRunError) as exc:
             raise AutopipeError(f"could not write {out} ({exc}); nothing was written") from None
         architecture = hf.config.get("architectures", ["AutoModel"])[0]
@@ -609,7 +619,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="convert floating-point tensors to this dtype (default: as trained)",
     )
     p.add_argument(
-        "--force", action="store_true", help="replace the output file or directory if it exists"
+        "--force",
+        action="store_true",
+        help="replace the output file, or the model directory autopipe wrote at --hf DIR (only "
+        "its own files are removed; a directory holding anything else is refused with or "
+        "without --force)",
     )
     p.set_defaults(func=cmd_merge)
 

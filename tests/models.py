@@ -1202,3 +1202,46 @@ def plain_loss_batch(step: int, microbatches: int = 4):
     g = torch.Generator().manual_seed(3000 + step)
     rows = BATCH * microbatches
     return (torch.randn(rows, 4, generator=g), torch.randn(rows, 4, generator=g)), {}
+
+
+def gpt2_dropout():
+    """The test GPT-2 (the same tensors, for --load) with dropout 0.1 in its embeddings,
+    attention and residuals: a run that draws random numbers in every training step."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=3,
+        n_embd=32,
+        n_head=4,
+        vocab_size=97,
+        n_positions=32,
+        use_cache=False,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    ids = torch.randint(0, 97, (BATCH, 16))
+    return GPT2LMHeadModel(config), (ids,), {"labels": ids.clone()}
+
+
+def gpt2_eval_batch_partly_unlabelled(index: int, microbatches: int = 4):
+    """gpt2_eval_batch, but microbatch 1's labels are all the ignore index -100 (a prompt masked
+    whole): its loss is 0 / 0, and it weighs nothing in a token-weighted mean."""
+    args, kwargs = gpt2_eval_batch(index, microbatches)
+    kwargs["labels"][BATCH : 2 * BATCH] = -100
+    return args, kwargs
+
+
+def gpt2_eval_batch_unlabelled(index: int, microbatches: int = 4):
+    """gpt2_eval_batch with every label the ignore index -100: no loss to average."""
+    args, kwargs = gpt2_eval_batch(index, microbatches)
+    kwargs["labels"] = torch.full_like(kwargs["labels"], -100)
+    return args, kwargs
+
+
+def gpt2_tiny_dataset() -> TokenWindows:
+    """A Dataset factory of 3 samples: fewer than one batch of held-out data."""
+    return TokenWindows(samples=3)

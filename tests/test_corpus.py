@@ -207,7 +207,10 @@ def test_every_form_reads_the_same_rows(static, forms):
         assert all(torch.equal(a, b) for a, b in zip(got, expected)), form
 
 
-def test_a_dataset_dict_gives_train_to_data_and_validation_to_eval_data(static, tmp_path):
+def test_a_dataset_dict_gives_train_to_data_and_validation_to_eval_data(static, tmp_path, capsys):
+    """Evaluation reads the split 'validation' (or 'test'), and says which; a DatasetDict
+    without one is refused, naming its splits and --eval-split, which chooses another (issue
+    41: it evaluated the training split without a word)."""
     train = datasets.Dataset.from_dict({"text": ["the heron went out. " * 20] * 20})
     validation = datasets.Dataset.from_dict({"text": ["sea calm. " * 20] * 20})
     datasets.DatasetDict({"train": train, "validation": validation}).save_to_disk(tmp_path / "d")
@@ -215,6 +218,35 @@ def test_a_dataset_dict_gives_train_to_data_and_validation_to_eval_data(static, 
     data = batches(static, "--data", str(tmp_path / "d"), *argv)(0)[0][0]
     held_out = batches(static, "--data", str(tmp_path / "d"), *argv, held_out=True)(0)[0][0]
     assert set(data.unique().tolist()) != set(held_out.unique().tolist())
+    assert f"--eval-data {tmp_path / 'd'} (its split 'validation'): 20 documents" in (
+        capsys.readouterr().out
+    )
+
+    datasets.DatasetDict({"train": train}).save_to_disk(tmp_path / "t")
+    argv = ["--eval-data", str(tmp_path / "t"), "--tokenizer", str(TOKENIZER)]
+    assert refused(batches(static, *argv, held_out=True)) == (
+        f"--eval-data {tmp_path / 't'}: evaluation reads the split 'validation' (or 'test') of a "
+        "DatasetDict, and this one has the splits 'train': choose the held-out one with "
+        "--eval-split SPLIT"
+    )
+    chosen = batches(static, *argv, "--eval-split", "train", held_out=True)(0)[0][0]
+    assert set(chosen.unique().tolist()) == set(data.unique().tolist())  # the training text
+    missing = batches(static, *argv, "--eval-split", "test", held_out=True)
+    assert "--eval-split test: the DatasetDict has no such split; its splits are 'train'" in (
+        refused(missing)
+    )
+
+
+def test_held_out_batches_beyond_the_data_say_so(static):
+    read = batches(static, "--eval-data", str(CORPUS), "--tokenizer", str(TOKENIZER), held_out=True)
+    read.prepare()
+    epoch = read.corpus.batches_per_epoch
+    assert read.coverage(epoch) is None
+    assert read.coverage(epoch + 2) == (
+        f"--eval-data {CORPUS}: it gives {epoch} held-out batches, and --eval-batches "
+        f"{epoch + 2} reads 2 of them again (the held-out loss counts them twice or more); give "
+        f"--eval-batches {epoch} to read each once"
+    )
 
 
 def test_documents_already_tokenized_need_no_tokenizer(static, tmp_path, tokenizer, texts):

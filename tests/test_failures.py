@@ -8,13 +8,17 @@ edited package is said to be edited."""
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import stat
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from autopipe.runtime import driver, train_state
+from autopipe.runtime import driver, failures, train_state
 from autopipe.runtime.core.errors import PipelineRunError
 from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.runtime.data import Batches
@@ -202,3 +206,26 @@ def test_an_edited_package_is_said_to_be_edited(tmp_path, capsys):
     warning = capsys.readouterr().err
     assert warning.startswith("train.py: warning: stage1.py differs from what autopipe generated")
     assert "autopipe verify" in warning
+
+
+def test_error_logs_are_new_private_files(tmp_path, monkeypatch):
+    """A traceback's log is created anew (never through a name planted beforehand: a link in
+    the temporary directory is neither followed nor written) in a directory only its user can
+    enter, readable by its owner only, under a name no one can guess."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    first, second = failures.write_error_log("one", 0), failures.write_error_log("two", 0)
+    assert first is not None and second is not None and first != second
+    assert first.parent == tmp_path / f"autopipe-{os.getuid()}"
+    assert first.read_text() == "one" and second.read_text() == "two"
+    assert stat.S_IMODE(first.stat().st_mode) == 0o600
+    assert stat.S_IMODE(first.parent.stat().st_mode) == 0o700
+    assert first.name.startswith("train-error-rank0-") and first.suffix == ".log"
+    # another's directory under that name (here: a link to a place anyone can write)
+    shutil.rmtree(first.parent)
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o777)
+    first.parent.symlink_to(victim, target_is_directory=True)
+    planted = failures.write_error_log("three", 1)
+    assert planted is not None and planted.read_text() == "three"
+    assert not any(victim.iterdir()) and planted.parent.parent == tmp_path
+    assert stat.S_IMODE(planted.parent.stat().st_mode) == 0o700

@@ -111,7 +111,8 @@ def test_all_labels_ignored_is_named_and_can_be_skipped(gpt2_pipe, tmp_path):
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     assert [r.get("skipped", False) for r in records] == [False, True, False]
-    assert math.isnan(records[1]["loss"]) and all(math.isfinite(r["loss"]) for r in records[::2])
+    assert records[1]["loss"] is None and records[1]["not_finite"] == {"loss": "nan"}
+    assert all(math.isfinite(r["loss"]) for r in records[::2])
 
 
 @pytest.mark.slow
@@ -136,6 +137,31 @@ def test_output_paths_are_checked_before_the_first_step(gpt2_pipe, tmp_path):
     assert option in message and problem in message and "Nothing was trained" in message
     assert "step 0" not in message
     assert (tmp_path / "a_file").read_text() == "mine" and not any((tmp_path / "a_dir").iterdir())
+
+
+def test_save_stays_apart_from_the_checkpoints_and_the_package(tmp_path, capsys):
+    """--save that is, lies inside or holds --checkpoint-dir or the package (links resolved)
+    is refused when the options are read, before anything runs: the trained model and the
+    run's checkpoints or the package's files would be written over each other."""
+    gallery = json.loads((ROOT / "generated" / "gpt2_4" / "pipeline.json").read_text())
+    pipeline = Pipeline.from_json(gallery)
+    package, out = tmp_path / "pipe", tmp_path / "out"
+    (tmp_path / "link").symlink_to(out, target_is_directory=True)
+    cases = [
+        (["--save", str(out), "--checkpoint-dir", str(tmp_path / "link")], "is --checkpoint-dir"),
+        (["--save", str(out), "--save-format", "hf", "--checkpoint-dir", str(out / "ckpt")],
+         "holds --checkpoint-dir"),
+        (["--save", str(out / "ckpt" / "model.pt"), "--checkpoint-dir", str(out / "ckpt")],
+         "is inside --checkpoint-dir"),
+        (["--save", str(package / "model.pt")], f"is inside this package ({package})"),
+        (["--save", str(tmp_path), "--save-format", "hf"], f"holds this package ({package})"),
+    ]  # fmt: skip
+    for argv, relation in cases:
+        with pytest.raises(SystemExit):
+            parse_config(argv, pipeline, package)
+        assert relation in capsys.readouterr().err, argv
+    apart = ["--save", str(out / "model"), "--checkpoint-dir", str(out / "checkpoints")]
+    assert parse_config(apart, pipeline, package).save == str(out / "model")
 
 
 def test_a_failed_final_save_is_written_elsewhere(tmp_path, monkeypatch):

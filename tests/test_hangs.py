@@ -12,12 +12,17 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from autopipe.runtime.activity import ACTIVITY, Action, Activity, BusyTimes, doing, rank_list
+from autopipe.runtime.core.errors import PipelineRunError
+from autopipe.runtime.driver import prepare_together
+from autopipe.runtime.guards import RankFailedError
 from autopipe.runtime.hangs import (
     ANSWER_WAIT,
     POLL_SECONDS,
@@ -157,6 +162,80 @@ def test_a_collective_waiting_for_a_missing_rank_leads_to_it():
     assert "likely cause: a dead or stopped rank: rank 0 did not answer" in text
 
 
+def test_a_rank_reading_data_is_named_as_slow_data_loading():
+    """Issue 41: the rank reading a step's batch is doing so, not in the collective the others
+    wait in: the chain ends there and the cause names data loading and --timeout, whether the
+    others wait in the sizes' all-reduce of a dynamic pipeline, for its activation, or not yet
+    (a rank alone noticed its own timeout)."""
+    reading = report(0, Action("read_batch", 0, order=1), seconds=12)
+    waiting = {
+        "collective": Action("data", 0, ranks=(0, 1), order=1),
+        "transfer": Action("recv_activation", 0, 0, 1, 0, (0,), order=2),
+    }
+    for how, action in waiting.items():
+        text = diagnosis("rank 1 waited", {0: reading, 1: report(1, action)}, {}, stops=True)
+        assert "    -> rank 0 is reading the batch (step 0) for 12.0 s at /x/stage1.py:40" in text
+        assert (
+            "likely cause: slow data loading: the wait ends at rank 0, which is reading the "
+            "batch (step 0)"
+        ) in text, how
+        assert "what to do: a step's batch must be read within --timeout SECONDS" in text, how
+    assert "rank 1 is at the step's batch, agreeing on its sizes with ranks 0, 1 (step 0)" in (
+        diagnosis("rank 1 waited", {0: reading, 1: report(1, waiting["collective"])}, {},
+                  stops=True)
+    )  # fmt: skip
+    alone = diagnosis("rank 0 waited", {0: reading}, {}, stops=True)
+    assert "likely cause: slow data loading: rank 0 is reading the batch (step 0)" in alone
+    preparing = report(0, Action("prepare_data", -1), seconds=40)
+    waits = report(1, Action("wait_data", -1, ranks=(0, 1)))
+    text = diagnosis("SIGUSR1 to rank 1", {0: preparing, 1: waits}, {}, stops=False)
+    assert (
+        "    rank 1 waits for the dataset files' preparation, with ranks 0, 1 (before the first "
+        "step) for 7.0 s; rank 0 is not in it"
+    ) in text
+    assert (
+        "likely cause: slow data loading: the wait ends at rank 0, which is preparing the "
+        "dataset files' rows (reading, tokenizing and packing them, before the first step)"
+    ) in text
+
+
+def test_ranks_wait_for_the_data_preparation_without_a_timeout():
+    """The ranks that read a dataset file prepare it before the first step while the others
+    wait through the store, polled, without a collective's timeout; a rank whose preparation
+    fails raises its error, the others stop naming it."""
+    for fails in (False, True):
+        store, finished, errors = dist.HashStore(), {}, {}
+
+        def prepare() -> None:
+            time.sleep(0.5)
+            if fails:
+                raise PipelineRunError("--data corpus.jsonl: no column 'text'")
+
+        def rank(number: int) -> None:
+            try:
+                prepare_together(prepare if number == 0 else None, number, 2, store)
+            except PipelineRunError as exc:
+                errors[number] = exc
+            finished[number] = time.monotonic()
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 0)]
+        began = time.monotonic()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert finished[1] - began >= 0.5  # it waited for rank 0's preparation
+        if not fails:
+            assert errors == {}
+            continue
+        assert str(errors[0]) == "--data corpus.jsonl: no column 'text'"
+        assert isinstance(errors[1], RankFailedError) and errors[1].failed == 0
+        assert str(errors[1]) == (
+            "it could not prepare its data: --data corpus.jsonl: no column 'text'"
+        )
+    ACTIVITY.reset()
+
+
 def test_a_send_of_another_shape_is_a_shape_mismatch():
     """What NCCL does with a transfer of another size: both sides wait; their shapes tell."""
     reports = {
@@ -220,11 +299,14 @@ def test_activity_follows_the_hooks_and_times_a_steps_compute():
 
 
 def test_a_timeout_in_one_process_is_diagnosed_once(capfd):
-    """Without torchrun's store the rank diagnoses itself: after --timeout of one action, once."""
+    """Without torchrun's store the rank diagnoses itself: after --timeout of one action, once;
+    the preparation of a dataset file before the first step has no timeout."""
     ACTIVITY.reset()
     watch = HangWatch(rank=0, world_size=1, stages=(0,), timeout=0.5)
     watch.start()
     try:
+        with doing("prepare_data"):
+            time.sleep(0.5 + 1.5 * POLL_SECONDS)
         with doing("checkpoint"):
             time.sleep(0.5 + 2.5 * POLL_SECONDS)
     finally:

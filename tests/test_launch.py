@@ -68,6 +68,26 @@ def test_the_script_asks_for_the_plans_processes(packages):
         subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
 
+def test_the_script_outside_slurm_says_how_to_run_it(packages, tmp_path):
+    """Run by hand (no SLURM_JOB_ID), the script stops with how to run it instead of bash's
+    "unbound variable"; its example keeps --resume, which torchrun's restarts need."""
+    script = packages["two_nodes"] / "launch" / "slurm.sbatch"
+    text = script.read_text()
+    assert re.search(
+        r"^#     sbatch launch/slurm.sbatch .*--checkpoint-dir \S+ --resume$", text, re.M
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run(
+        ["bash", str(script), "--steps", "2"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2 and "unbound variable" not in result.stderr
+    assert result.stderr.startswith(
+        "slurm.sbatch: not inside a SLURM job (SLURM_JOB_ID SLURM_JOB_NODELIST SLURM_NNODES not "
+        "set): submit it with sbatch launch/slurm.sbatch TRAIN_ARGS...; on one machine, run "
+        "torchrun --nproc-per-node=4 train.py --dp-shard 2 TRAIN_ARGS... instead"
+    ), result.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -1,16 +1,19 @@
 """train.py's metrics (runtime/metrics.py): MFU is against the device that runs. The plan's peak
 FLOP/s are those of the device spec it was made for; a run on another device (a CPU run of an
 H100 plan) shows no MFU and says once why, and the plan's own line keeps naming the device its
-predicted MFU is for."""
+predicted MFU is for. The JSON log is strict JSON (non-finite numbers are null, and named), and
+an evaluation alone appends to it without truncating."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
-from autopipe.runtime.metrics import Metrics, mfu_problem
+from autopipe.runtime.evaluation import EvalResult
+from autopipe.runtime.metrics import Metrics, json_line, mfu_problem
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -57,3 +60,42 @@ def test_a_step_without_mfu_says_none(tmp_path, capsys):
         log.close()
         assert ("MFU 25%" in capsys.readouterr().out) == shown
         assert ("mfu" in json.loads(path.read_text())) == shown
+
+
+def test_log_lines_are_strict_json_and_an_evaluation_alone_only_appends(tmp_path, capsys):
+    """Issue 41: a number that is not finite is null in the log, with the field named in
+    ``not_finite`` (a skipped step's NaN loss, a huge loss's infinite perplexity); a metrics
+    log opened for an evaluation alone (``--eval-only``) keeps every line, even those after the
+    step it evaluates, where a resumed training truncates them and a fresh one replaces them."""
+    path = tmp_path / "log.jsonl"
+    train = Metrics(True, 3, 4, None, str(path), 1, None)
+    for step in range(3):
+        train.record(step, math.nan if step == 1 else 1.0, 0.5, 1e-3, 1.0, [1], [1], step == 1)
+    train.close()
+    lines = path.read_text().splitlines()
+    skipped = json.loads(lines[1])
+    assert skipped["loss"] is None and skipped["not_finite"] == {"loss": "nan"}
+    assert "not_finite" not in json.loads(lines[0])
+
+    evaluation = Metrics(True, 3, 4, None, str(path), 1, None, appends=True)
+    evaluation.record_eval(1, EvalResult(800.0, 2, 0.1, empty=3))
+    evaluation.close()
+    after = path.read_text().splitlines()
+    assert after[:3] == lines  # nothing of the training's history lost
+    (entry,) = [json.loads(line, parse_constant=pytest.fail) for line in after[3:]]
+    assert entry["eval_perplexity"] is None and entry["not_finite"] == {"eval_perplexity": "inf"}
+    assert entry["eval_loss"] == 800.0 and entry["eval_microbatches_without_labels"] == 3
+    assert "3 microbatches without label tokens left out" in capsys.readouterr().out
+
+    resumed = Metrics(True, 3, 4, None, str(path), 1, resumed_at=1)  # training again from 1
+    resumed.close()
+    assert path.read_text().splitlines() == [lines[0], after[3]]  # the lines of step 0
+
+
+def test_json_lines_name_nested_values_that_are_not_finite():
+    line = json_line({"step": 2, "rank_times": [{"rank": 0, "vs_plan": math.inf}]})
+    assert json.loads(line) == {
+        "step": 2,
+        "rank_times": [{"rank": 0, "vs_plan": None}],
+        "not_finite": {"rank_times[0].vs_plan": "inf"},
+    }

@@ -91,12 +91,16 @@ def output_problems(
     tensorboard: str | None = None,
     save_directory: bool = False,
     trace: str | None = None,
+    replace: bool = False,
 ) -> list[str]:
     """What is wrong with the outputs this rank will write, before any training is done.
-    ``save_directory``: ``save`` is a Hugging Face model directory, not a file."""
+    ``save_directory``: ``save`` is a Hugging Face model directory, not a file, which may
+    replace one written before when ``replace`` (``--force``)."""
     problems = []
     if save is not None and save_directory:  # a model directory, checked as one
-        problem = directory_problem(Path(save), "--save")
+        problem = directory_problem(
+            Path(save), "--save", replace=replace, file_option="--save-format safetensors"
+        )
         parent = None if problem else _writable_dir_problem(Path(save).parent)
         if problem or parent:
             problems.append(problem or f"--save {save}: {parent}")

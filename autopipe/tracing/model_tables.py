@@ -146,11 +146,14 @@ def bound_inputs(example: Example) -> dict[str, Any]:
 def fixed_inputs(model: torch.nn.Module, bound: dict[str, Any]) -> dict[str, FixedInput]:
     """The example's inputs (by name, :func:`bound_inputs`) that hold no tensor, and the
     forward's arguments the example leaves at a default that is no tensor: torch.export fixes
-    them to these values, which a batch may leave out but not change (a value
-    :meth:`.FixedInput.of` cannot record is left out)."""
+    them to these values, which a batch may not change (a value :meth:`.FixedInput.of` cannot
+    record is left out). A batch may leave one out where the value is the forward's default;
+    the record of a value passed otherwise (another value than the default, an argument without
+    one, or one ``**kwargs`` takes) holds the default, and a batch must pass it."""
+    parameters = inspect.signature(model.forward).parameters
     defaults = {
         name: parameter.default
-        for name, parameter in inspect.signature(model.forward).parameters.items()
+        for name, parameter in parameters.items()
         if parameter.default is not inspect.Parameter.empty and name not in bound
     }
     fixed = {}
@@ -158,8 +161,14 @@ def fixed_inputs(model: torch.nn.Module, bound: dict[str, Any]) -> dict[str, Fix
         if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value)):
             continue
         record = FixedInput.of(name, value)
-        if record is not None:
-            fixed[name] = record
+        if record is None:
+            continue
+        if name not in defaults:  # passed by the example: beside the forward's default
+            parameter = parameters.get(name)
+            has_default = parameter is not None and parameter.default is not parameter.empty
+            default = parameter.default if parameter is not None and has_default else None
+            record = record.beside_default(default, has_default)
+        fixed[name] = record
     return fixed
 
 
