@@ -54,7 +54,21 @@ def format_partition(graph: Graph, part: Partition) -> str:
     rows += requested_lines(part)
     rows += kept_whole_lines(graph, part)
     rows += random_in_eval_lines(graph)
+    rows += trace_settings_lines(graph)
     return "\n".join(rows)
+
+
+def trace_settings_lines(graph: Graph) -> list[str]:
+    """What was set on a Hugging Face model's configuration for the trace, as ``transformers``
+    trains it (its saved configuration keeps the model's own values)."""
+    settings = graph.model.trace_settings
+    if not settings:
+        return []
+    listed = ", ".join(f"{name}={value!r}" for name, value in sorted(settings.items()))
+    return [
+        f"traced as transformers trains: {listed} (the model's configuration is left as it "
+        "is, and so is the config.json the package writes)"
+    ]
 
 
 def random_in_eval_lines(graph: Graph) -> list[str]:

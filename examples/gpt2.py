@@ -21,7 +21,6 @@ def build():
         n_head=4,
         vocab_size=1024,
         n_positions=SEQ,
-        use_cache=False,
         bos_token_id=0,
         eos_token_id=0,
     )

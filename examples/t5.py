@@ -24,7 +24,6 @@ def build():
         d_ff=2048,
         num_layers=6,
         num_heads=8,
-        use_cache=False,
         decoder_start_token_id=0,
         pad_token_id=0,
     )

@@ -56,7 +56,6 @@ def build():
         n_layer=4,
         n_embd=128,
         n_head=4,
-        use_cache=False,
         bos_token_id=0,
         eos_token_id=0,
     )

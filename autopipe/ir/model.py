@@ -4,7 +4,8 @@ of its integer inputs, the modules that register its custom operators, its dynam
 dimensions, where its ``pipe_split()`` markers ask stages to begin, for a Hugging Face
 ``PreTrainedModel`` its configuration (and generation configuration), which a trained model's
 ``from_pretrained`` directory needs, and the example's arguments that hold no tensor, which
-torch.export fixed to their values (batches must pass the same).
+torch.export fixed to their values (batches must pass the same), and the configuration values a
+Hugging Face model was traced with as ``transformers`` trains it (``use_cache=False``).
 
 Graphs traced from a model record every fact; the graphs of a ``torch.cond`` branch record the
 class and source line, those of a custom autograd function the class alone. :class:`ModelFacts`
@@ -39,6 +40,7 @@ _KEYS = (
     "huggingface",
     "split_markers",
     "fixed_inputs",
+    "trace_settings",
 )
 
 #: checks of the record's JSON values that the runtime's formats share
@@ -120,6 +122,9 @@ class ModelFacts:
     #: the example's forward arguments that hold no tensor, which torch.export fixed to their
     #: values (runtime/core/fixed_inputs.py), by name
     fixed_inputs: Mapping[str, FixedInput] = field(default_factory=dict)
+    #: configuration attributes of a Hugging Face model set for the trace as ``transformers``
+    #: trains (``{"use_cache": False}``), with the values traced with; the model keeps its own
+    trace_settings: Mapping[str, Any] = field(default_factory=dict)
     #: the keys the record holds (a branch's or a function's graph records fewer facts)
     keys: frozenset[str] = frozenset(_KEYS[:8])
 
@@ -158,6 +163,7 @@ class ModelFacts:
             "huggingface": self.huggingface,
             "split_markers": self.split_markers,
             "fixed_inputs": self.fixed_inputs,
+            "trace_settings": self.trace_settings,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -174,12 +180,14 @@ class ModelFacts:
             "huggingface": self.huggingface,
             "split_markers": list(self.split_markers),
             "fixed_inputs": {name: f.to_json() for name, f in self.fixed_inputs.items()},
+            "trace_settings": dict(self.trace_settings),
         }
         optional = {
             "symbols": bool(self.symbols),
             "huggingface": self.huggingface is not None,
             "split_markers": bool(self.split_markers),
             "fixed_inputs": bool(self.fixed_inputs),
+            "trace_settings": bool(self.trace_settings),
         }
         return {key: values[key] for key in _KEYS if key in self.keys or optional.get(key)}
 
@@ -260,6 +268,17 @@ class ModelFacts:
         fixed = fixed_inputs_from_json(
             model.get("fixed_inputs", {}), f"{where}model.fixed_inputs", _READ
         )
+        settings = model.get("trace_settings", {})
+        require(
+            isinstance(settings, dict)
+            and all(
+                is_identifier(k) and (v is None or isinstance(v, (bool, int, float, str)))
+                for k, v in settings.items()
+            ),
+            f"{where}model.trace_settings",
+            settings,
+            "an object of configuration values by attribute name",
+        )
 
         for name, module in sorted(operators.items()):  # registers them, for the graph's lint
             try:
@@ -282,5 +301,6 @@ class ModelFacts:
             huggingface=huggingface,
             split_markers=tuple(markers),
             fixed_inputs=fixed,
+            trace_settings=dict(settings),
             keys=frozenset(model),
         )

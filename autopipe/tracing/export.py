@@ -33,7 +33,7 @@ from .kept_modules import modules_kept_whole, remove_packed_stand_ins
 from .cond import cond_grad_mode_checked, convert_cond
 from .converter import READS_A_NUMBER, Converter, HigherOrderConverter
 from .dynamic import DynamicDim, export_shapes, resolve
-from .huggingface import huggingface_configs
+from .huggingface import huggingface_configs, traced_as_transformers_trains
 from .model_tables import (
     bound_inputs,
     buffer_table,
@@ -97,6 +97,7 @@ def trace(
             custom_functions_captured() as functions,
             modules_kept_whole(model, keep_whole),
             partial_graph_held_back(),
+            traced_as_transformers_trains(model) as settings,
         ):
             if fake is not None:
                 args, kwargs = fake((args, kwargs))
@@ -151,6 +152,7 @@ def trace(
             split_markers=converter.split_markers(nodes),
             huggingface=huggingface_configs(model),
             fixed_inputs=fixed_inputs(model, bound),
+            trace_settings=settings,
         ),
         functions=functions.definitions(nodes),
     )

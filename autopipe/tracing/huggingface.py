@@ -8,16 +8,63 @@ also its adapter's ``adapter_config.json`` and the name each adapter tensor has 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["huggingface_configs", "is_peft_model", "is_pretrained_model"]
+__all__ = [
+    "huggingface_configs",
+    "is_peft_model",
+    "is_pretrained_model",
+    "traced_as_transformers_trains",
+]
+
+#: what ``transformers`` sets for training, by configuration attribute: the value traced with
+_TRAINING_SETTINGS = {"use_cache": False}
+
+
+@contextlib.contextmanager
+def traced_as_transformers_trains(model: torch.nn.Module) -> Iterator[dict[str, Any]]:
+    """Trace a Hugging Face model as ``transformers`` trains it: the attributes of
+    ``_TRAINING_SETTINGS`` (``use_cache``: a key-value cache is generation's, and torch.export
+    cannot return its ``DynamicCache``) set on every configuration the model's modules read
+    (sub-configurations included) for the trace, and restored after it. Yields the settings
+    it changed (empty for other models and for configurations set so already)."""
+    configs: dict[int, Any] = {}
+    for module in model.modules():
+        if is_pretrained_model(module):
+            _collect_configs(getattr(module, "config", None), configs)
+    changed: list[tuple[Any, str, Any]] = []
+    for config in configs.values():
+        for name, value in _TRAINING_SETTINGS.items():
+            current = getattr(config, name, None)
+            if current is not None and current != value:
+                changed.append((config, name, current))
+    try:
+        for config, name, _ in changed:
+            setattr(config, name, _TRAINING_SETTINGS[name])
+        yield {name: _TRAINING_SETTINGS[name] for _, name, _ in changed}
+    finally:
+        for config, name, current in changed:
+            setattr(config, name, current)
+
+
+def _collect_configs(config: Any, found: dict[int, Any]) -> None:
+    """``config`` and the configurations it holds (a vision-language model's ``text_config``,
+    an encoder-decoder's ``encoder`` and ``decoder``), each once."""
+    if config is None or id(config) in found or not hasattr(config, "to_json_string"):
+        return
+    found[id(config)] = config
+    for value in vars(config).values():
+        if hasattr(value, "to_json_string") and hasattr(value, "model_type"):
+            _collect_configs(value, found)
 
 
 def is_pretrained_model(model: torch.nn.Module) -> bool:

@@ -2,9 +2,10 @@
 
 Every model but one is a Hugging Face model built from a tiny config with its own random init
 (no downloads; the recurrent one is plain torch.nn): 2 layers (encoder-decoders: 2 + 2), hidden
-size 32, 4 heads, a vocabulary of ~100 tokens, sequences of 8-16, a microbatch of 2.
-``use_cache=False`` wherever the config has it, and every model whose class takes labels returns
-its training loss. Labels that equal the inputs (causal and masked LMs) are a clone of the input
+size 32, 4 heads, a vocabulary of ~100 tokens, sequences of 8-16, a microbatch of 2. The
+configs keep transformers' defaults otherwise (caches on: autopipe traces with ``use_cache=False``
+as transformers trains, issue 42), and every model whose class takes labels returns its training
+loss. Labels that equal the inputs (causal and masked LMs) are a clone of the input
 ids, never the same tensor.
 
 Every dropout the config has is the spec's ``dropout`` argument, ``DROPOUT`` (0.1) by default:
@@ -157,7 +158,6 @@ def _decoder_config(config_cls, dropout: float, **extra):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        use_cache=False,
         attention_dropout=dropout,
         pad_token_id=0,
         bos_token_id=1,
@@ -242,7 +242,6 @@ def opt(dropout: float = DROPOUT):
         dropout=dropout,
         attention_dropout=dropout,
         layerdrop=0.0,
-        use_cache=False,
         pad_token_id=1,
         bos_token_id=2,
         eos_token_id=2,
@@ -262,7 +261,6 @@ def bloom(dropout: float = DROPOUT):
         n_head=4,
         hidden_dropout=dropout,
         attention_dropout=dropout,
-        use_cache=False,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -283,7 +281,6 @@ def falcon(dropout: float = DROPOUT):
         max_position_embeddings=64,
         hidden_dropout=dropout,
         attention_dropout=dropout,
-        use_cache=False,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -305,7 +302,6 @@ def gpt_neox(dropout: float = DROPOUT):
         max_position_embeddings=64,
         attention_dropout=dropout,
         hidden_dropout=dropout,
-        use_cache=False,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -329,7 +325,6 @@ def gpt_j(dropout: float = DROPOUT):
         resid_pdrop=dropout,
         embd_pdrop=dropout,
         attn_pdrop=dropout,
-        use_cache=False,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -359,7 +354,6 @@ def t5(dropout: float = DROPOUT):
         num_decoder_layers=2,
         num_heads=4,
         dropout_rate=dropout,
-        use_cache=False,
         pad_token_id=0,
         eos_token_id=1,
         decoder_start_token_id=0,
@@ -381,7 +375,6 @@ def mt5(dropout: float = DROPOUT):
         num_decoder_layers=2,
         num_heads=4,
         dropout_rate=dropout,
-        use_cache=False,
         pad_token_id=0,
         eos_token_id=1,
         decoder_start_token_id=0,
@@ -407,7 +400,6 @@ def _bart_like(config_cls, dropout: float, **extra):
                 activation_dropout=dropout,
                 encoder_layerdrop=0.0,
                 decoder_layerdrop=0.0,
-                use_cache=False,
             )
             | extra
         )
@@ -464,7 +456,6 @@ def whisper(dropout: float = DROPOUT):
         encoder_layerdrop=0.0,
         decoder_layerdrop=0.0,
         apply_spec_augment=False,
-        use_cache=False,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -806,7 +797,6 @@ def mamba():
         num_hidden_layers=2,
         expand=2,
         conv_kernel=4,
-        use_cache=False,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
