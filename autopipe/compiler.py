@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ from .partitioning.search import (
     state_floor,
     unsearched_note,
 )
-from .profiling import DeviceSpec, Profile, device_spec, profile, with_link
+from .profiling import DeviceSpec, Profile, profile, with_link
+from .profiling.calibrate import resolve_device_spec
 from .profiling.profile import PROFILE_KIND
 from .report import write_report
 from .spec import Example, load_example, load_function
@@ -93,8 +95,13 @@ def trace_step(
 
 
 def target_device(options: CompileOptions) -> DeviceSpec:
-    """The device spec the options name, with their link."""
-    return with_link(device_spec(options.device_spec), options.link)
+    """The device spec the options name, with their link (``cpu`` / ``cuda``: this machine's,
+    calibrated on first use)."""
+    return with_link(resolve_device_spec(options.device_spec, log=_say), options.link)
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def profile_step(graph: Graph, options: CompileOptions, example: Example | None = None) -> Profile:

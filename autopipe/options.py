@@ -409,7 +409,8 @@ class CompileOptions:
     #: the hardware model: a table name or a JSON file (checked when it is read)
     device_spec: str | None = option(
         None,
-        help="target device for the cost model (default h100); a table name or a JSON spec",
+        help="target device for the cost model (default h100): a table name, a JSON spec, or "
+        "cpu / cuda for this machine's own (calibrated on first use, then cached)",
         metavar="NAME|FILE.json",
     )
     link: str | None = option(

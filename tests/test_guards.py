@@ -10,6 +10,8 @@ import json
 import math
 import os
 import signal
+import stat
+import tempfile
 import threading
 import subprocess
 import time
@@ -177,6 +179,7 @@ def test_a_failed_final_save_is_written_elsewhere(tmp_path, monkeypatch):
         real(state, path)
 
     monkeypatch.setattr(driver, "save_weights", save)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the last fallback's place
     gallery = json.loads((ROOT / "generated" / "gpt2_4" / "pipeline.json").read_text())
     pipeline = Pipeline.from_json(gallery)
     args = parse_config(["--save", refused, "--checkpoint-dir", str(tmp_path / "ckpt")], pipeline)
@@ -190,6 +193,67 @@ def test_a_failed_final_save_is_written_elsewhere(tmp_path, monkeypatch):
     monkeypatch.setattr(driver, "save_weights", lambda *_: (_ for _ in ()).throw(OSError("bad")))
     with pytest.raises(PipelineRunError, match="anywhere .* the last checkpoint is ck/step-1"):
         driver.save_trained(state, pipeline, args, 7, Path("ck/step-1"))
+
+
+def test_trained_weights_are_never_written_through_a_planted_link(tmp_path, monkeypatch):
+    """The last fallback of a final save is a new file of a unique name in the user's private
+    directory of $TMPDIR, and every save writes a temporary created exclusively beside its
+    destination: links planted at the names used before (``$TMPDIR/trained-step-N.pt``,
+    ``.NAME.tmpPID``) are neither followed nor overwritten, the error names the file written,
+    which is complete; a failed rename removes its temporary and says so."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not yours")
+    (tmp_path / "trained-step-7.pt").symlink_to(victim)
+    state = {"w": torch.arange(1000.0), "b": torch.ones(3, dtype=torch.int64)}
+    refused = {str(tmp_path / "gone" / "model.pt"), str(tmp_path / "work" / "trained-step-7.pt")}
+    real = driver.save_weights
+
+    def save(state, path, file_format=None):
+        if str(path) in refused:  # --save and the working directory take nothing
+            raise OSError(28, "No space left on device")
+        real(state, path, file_format)
+
+    monkeypatch.setattr(driver, "save_weights", save)
+    gallery = json.loads((ROOT / "generated" / "gpt2_4" / "pipeline.json").read_text())
+    pipeline = Pipeline.from_json(gallery)
+    args = parse_config(["--save", str(tmp_path / "gone" / "model.pt")], pipeline)
+    with pytest.raises(PipelineRunError) as caught:
+        driver.save_trained(state, pipeline, args, 7, None)
+    private = tmp_path / f"autopipe-{os.getuid()}"
+    (written,) = private.glob("trained-step-7-*.pt")
+    assert f"written to {written} instead" in str(caught.value)
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    loaded = torch.load(written, weights_only=True)
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+    assert victim.read_bytes() == b"not yours" and (tmp_path / "trained-step-7.pt").is_symlink()
+
+    # the temporary's old name beside the destination, planted as a link
+    target = tmp_path / "model.safetensors"
+    (tmp_path / f".{target.name}.tmp{os.getpid()}").symlink_to(victim)
+    train_state.save_weights(state, target)
+    assert victim.read_bytes() == b"not yours"
+    assert torch.equal(Checkpoint(target)["w"], state["w"])
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~_umask()
+    assert not list(tmp_path.glob(f".{target.name}.*.tmp"))
+
+    def refuse(*_):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError, match="could not rename .*; it was removed, and .* is as it was"):
+        train_state.save_weights({"w": torch.zeros(2)}, target)
+    monkeypatch.undo()
+    assert not list(tmp_path.glob(f".{target.name}.*.tmp"))
+    assert torch.equal(Checkpoint(target)["w"], state["w"])
+
+
+def _umask() -> int:
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return umask
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from autopipe.runtime.activity import ACTIVITY, Action, Activity, BusyTimes, doing, rank_list
@@ -33,6 +34,7 @@ from autopipe.runtime.hangs import (
     diagnosis,
 )
 from autopipe.runtime.stragglers import (
+    cores_shared,
     RankTimes,
     RankTimesError,
     StageTimes,
@@ -355,6 +357,17 @@ def test_a_straggler_is_named_once_after_consecutive_lines():
     assert all(other.observe(line) is None for line in (slow, slow, even, slow, slow))
 
 
+def test_ranks_sharing_cpu_cores_are_planned_on_their_share(monkeypatch):
+    """The quick start's 4 ranks on 2 cores (issue 42): each rank computes on half a core, where
+    a plan for this CPU gives it one; the comparison with the plan says so and scales."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert cores_shared(torch.device("cpu")) == (4, 2)
+    assert cores_shared(torch.device("cuda")) is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert cores_shared(torch.device("cpu")) is None
+
+
 def test_replicas_are_the_peers_with_data_parallelism():
     stragglers = Stragglers(pp_size=2, dp_size=2, lines=1)
     assert stragglers.peers(1, 4) == [3] and stragglers.peers(2, 4) == [0]
@@ -369,10 +382,27 @@ def test_replicas_are_the_peers_with_data_parallelism():
 # -- planted on 2 gloo ranks ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> Path:
-    """The 3-layer test GPT-2 in 2 stages; its embedding and LM head are tied across them."""
-    out = tmp_path_factory.mktemp("hangs") / "pipe"
-    compile_model("gpt2", out, 2)
-    return out
+    """The 3-layer test GPT-2 in 2 stages; its embedding and LM head are tied across them.
+    Planned for a CPU (a spec of CPU-like figures, named as `--device-spec cpu` names one), so
+    that its runs compare their stages with the plan."""
+    root = tmp_path_factory.mktemp("hangs")
+    cpu = root / "cpu.json"
+    cpu.write_text(json.dumps(CPU_SPEC))
+    compile_model("gpt2", root / "pipe", 2, device_spec=str(cpu))
+    return root / "pipe"
+
+
+#: a CPU as --device-spec cpu measures one (one thread)
+CPU_SPEC = {
+    "name": "cpu (test, 1 thread)",
+    "flops": {"float32": 5e10, "default": 5e10},
+    "memory_bandwidth": 1e10,
+    "memory": 16 * 1024**3,
+    "link_bandwidth": 1.5e9,
+    "compute_efficiency": 1.0,
+    "memory_efficiency": 1.0,
+    "kernel_overhead": 5e-6,
+}
 
 
 class Planted:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from autopipe.runtime.evaluation import EvalResult
-from autopipe.runtime.metrics import Metrics, json_line, mfu_problem
+from autopipe.runtime.metrics import Metrics, json_line, plan_device_problem
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -34,18 +34,19 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 )
 def test_mfu_on_cuda_only_against_the_gpu_that_runs(monkeypatch, plan, gpu, shown):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
-    problem = mfu_problem(plan, CUDA)
+    problem = plan_device_problem(plan, CUDA)
     assert (problem is None) == shown
     if not shown:
-        assert problem.startswith("MFU is not shown: the plan's peak FLOP/s are ")
-        assert f"{plan}'s, this run is on {gpu}" in problem
+        assert problem.startswith(f"the plan was made for {plan}, this run is on {gpu}: ")
+        assert "MFU is not shown" in problem and "--device-spec cuda" in problem
 
 
 def test_mfu_on_the_cpu_only_against_a_calibrated_cpu():
-    assert mfu_problem("cpu-2-cores", CPU) is None  # as autopipe calibrate names a CPU spec
-    problem = mfu_problem("H100", CPU)
-    assert problem.startswith("MFU is not shown: the plan's peak FLOP/s are H100's")
-    assert "autopipe calibrate -o cpu.json" in problem
+    assert plan_device_problem("cpu-2-cores", CPU) is None  # as autopipe calibrate names one
+    assert plan_device_problem("cpu (AMD EPYC, 1 thread)", CPU) is None  # --device-spec cpu's
+    problem = plan_device_problem("H100", CPU)
+    assert problem.startswith("the plan was made for H100, this run is on the cpu: ")
+    assert "not compared with the plan's" in problem and "--device-spec cpu" in problem
 
 
 def test_a_step_without_mfu_says_none(tmp_path, capsys):

@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch import nn
 
+from autopipe.cli import main as autopipe_main
 from autopipe.compiler import CompileOptions, trace_step
 from autopipe.errors import AutopipeError
-from autopipe.profiling import device_spec, measured, profile
+from autopipe.profiling import calibrate, device_spec, measured, profile
 from autopipe.profiling.devices import DeviceSpec
 from autopipe.spec import Example, load_example
 
@@ -221,3 +222,34 @@ def test_analytic_times_launch_no_kernel_for_metadata_nor_the_profilers_own_work
         forward, backward = forward + unit.forward, backward + unit.backward
     assert forward == pytest.approx(5 * seconds)  # mul: 2 in, 1 out; relu: 1 in, 1 out
     assert backward == pytest.approx(6 * seconds)  # threshold_backward and grad x w: 3 each
+
+
+@pytest.mark.slow
+def test_the_local_cpu_is_calibrated_once_and_cached(tmp_path, monkeypatch, capsys):
+    """``--device-spec cpu`` (issue 42): this machine's CPU, measured with one thread on first
+    use, kept in autopipe's cache, read from it afterwards (no second measurement), and named so
+    that train.py compares a run on the CPU with its plan."""
+    monkeypatch.setenv("AUTOPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    local = calibrate.resolve_device_spec("cpu", log=print)
+    (cached,) = (tmp_path / "cache" / "devices").glob("cpu_*.json")
+    assert f"calibrating this machine's cpu (first use; the spec is kept in {cached})" in (
+        capsys.readouterr().out
+    )
+    assert local.name.startswith("cpu (") and local.name.endswith(", 1 thread)")
+    assert local.flops["float32"] > 1e8 and local.link_bandwidth > 1e6
+
+    monkeypatch.setattr(calibrate, "_CALIBRATED", {})  # a new process: the file, not memory
+    measured = []
+    monkeypatch.setattr(calibrate, "calibrate", lambda *args, **kwargs: measured.append(args))
+    assert calibrate.resolve_device_spec(" CPU ", log=print) == local and not measured
+    assert "calibrating" not in capsys.readouterr().out
+    out = tmp_path / "pipe"
+    assert autopipe_main(["compile", spec("mlp"), "--stages", "2", "--out", str(out),
+                 "--device-spec", "cpu", "--no-report"]) == 0  # fmt: skip
+    assert f"analytic profile for {local.name}" in capsys.readouterr().out and not measured
+
+
+def test_the_local_gpu_needs_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(AutopipeError, match="torch sees no CUDA device here; run `autopipe"):
+        calibrate.resolve_device_spec("cuda")

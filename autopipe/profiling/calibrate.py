@@ -4,20 +4,40 @@ Measured, not looked up: matrix-multiply FLOP/s per dtype, streaming memory band
 launching a tiny operator, the device's memory size, and the bandwidth between two pipeline stages
 (two local processes over gloo on CPU; a device-to-device copy on CUDA, or a host-device copy when
 there is a single GPU). The fractions of peak are 1: these are achieved rates already.
+
+``--device-spec cpu`` (or ``cuda``) names this machine's own device: :func:`local_spec`
+calibrates it on first use and keeps the spec in autopipe's cache (``$AUTOPIPE_CACHE_DIR``, else
+``$XDG_CACHE_HOME/autopipe`` or ``~/.cache/autopipe``), keyed by the processor or GPU, its
+threads and torch's version, so that a plan is made for the machine that runs it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import platform
+import re
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .devices import DeviceSpec
+from ..artifacts import atomic_write_text
+from ..errors import AutopipeError
+from .devices import DeviceSpec, device_spec
+
+__all__ = ["LOCAL_DEVICES", "calibrate", "local_spec", "resolve_device_spec", "spec_cache"]
+
+#: ``--device-spec`` names of this machine's devices, calibrated on first use
+LOCAL_DEVICES = ("cpu", "cuda")
+#: the specs this process calibrated, by cache file
+_CALIBRATED: dict[Path, DeviceSpec] = {}
 
 
 def _timed(fn, device: torch.device, repeats: int) -> float:
@@ -112,8 +132,11 @@ def calibrate(
     size = 4096 if on_gpu else 1024
     flops = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        # a CPU without half-precision units emulates them, 50x slower: smaller products
+        # measure the same rate in a fraction of the time
+        side = size if on_gpu or dtype == torch.float32 else size // 4
         try:
-            flops[str(dtype).removeprefix("torch.")] = matmul_flops(device, dtype, size)
+            flops[str(dtype).removeprefix("torch.")] = matmul_flops(device, dtype, side)
         except RuntimeError:  # a dtype this device cannot multiply
             continue
         log(f"matmul {dtype}: {flops[str(dtype).removeprefix('torch.')] / 1e12:.3f} TFLOP/s")
@@ -138,3 +161,85 @@ def calibrate(
         memory_efficiency=1.0,
         kernel_overhead=overhead,
     )
+
+
+def spec_cache() -> Path:
+    """The folder cached device specs are kept in."""
+    root = os.environ.get("AUTOPIPE_CACHE_DIR")
+    if root:
+        return Path(root) / "devices"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "autopipe" / "devices"
+
+
+def _processor() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _cache_key(kind: str) -> str:
+    """What the cached spec of ``kind`` holds for: the CPU model and the threads a rank runs
+    with (one: what torchrun gives each), or the GPU's name; and torch's version."""
+    if kind == "cuda":
+        what = f"{torch.cuda.get_device_name(0)}"
+    else:
+        what = f"{_processor()} {platform.machine()} 1-thread"
+    key = f"{kind} {what} torch-{torch.__version__}"
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", key).strip("_")
+
+
+@contextlib.contextmanager
+def _threads(count: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def local_spec(kind: str, log: Callable[[str], None] = lambda message: None) -> DeviceSpec:
+    """This machine's ``kind`` device (``cpu`` or ``cuda``) as a spec: read from the cache, or
+    calibrated now (on CPU with one thread, as torchrun runs each rank) and cached."""
+    if kind not in LOCAL_DEVICES:
+        raise AutopipeError(f"unknown local device {kind!r}; use one of {', '.join(LOCAL_DEVICES)}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise AutopipeError(
+            "--device-spec cuda calibrates this machine's GPU, but torch sees no CUDA device "
+            "here; run `autopipe calibrate -o gpu.json` on the GPU machine and pass "
+            "--device-spec gpu.json, or name a GPU of the table (h100, ...)"
+        )
+    path = spec_cache() / f"{_cache_key(kind)}.json"
+    if path in _CALIBRATED:  # measured in this process already (its cache may be read-only)
+        return _CALIBRATED[path]
+    if path.is_file():
+        try:
+            return DeviceSpec.from_json(json.loads(path.read_text(encoding="utf-8")), str(path))
+        except (OSError, ValueError, AutopipeError) as exc:
+            log(f"the cached device spec {path} cannot be read ({exc}); calibrating again")
+    log(f"calibrating this machine's {kind} (first use; the spec is kept in {path})")
+    device = torch.device(kind)
+    with _threads(1) if kind == "cpu" else contextlib.nullcontext():
+        name = f"cpu ({_processor()}, 1 thread)" if kind == "cpu" else None
+        spec = calibrate(device, name, log=log)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(spec.to_json(), indent=1) + "\n")
+    except OSError as exc:  # a read-only home: the spec serves this compile only
+        log(f"the device spec cannot be cached in {path} ({exc}); it is used for this run only")
+    _CALIBRATED[path] = spec
+    return spec
+
+
+def resolve_device_spec(
+    name_or_path: str | None, log: Callable[[str], None] = lambda message: None
+) -> DeviceSpec:
+    """``--device-spec``: this machine's ``cpu`` or ``cuda`` (calibrated on first use, see
+    :func:`local_spec`), a device of the table, or a JSON spec file."""
+    if name_or_path is not None and name_or_path.strip().lower() in LOCAL_DEVICES:
+        return local_spec(name_or_path.strip().lower(), log)
+    return device_spec(name_or_path)

@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
@@ -71,7 +71,7 @@ from .huggingface import write_pretrained
 from .metrics import (
     Metrics,
     gather_per_rank,
-    mfu_problem,
+    plan_device_problem,
     peak_memory,
     run_configuration,
     state_bytes,
@@ -86,7 +86,7 @@ from .parallel import (
     shard_stage,
 )
 from .sinks import open_sinks
-from .stragglers import StepTimes, Stragglers
+from .stragglers import StepTimes, Stragglers, cores_shared
 from .support import MissingOperatorError
 from .core.timeline_format import RunLayout
 from .timeline import Timeline, default_steps
@@ -484,10 +484,14 @@ def save_trained(
     failures = []
     hf = pipeline.huggingface if config.save_format == "hf" else None
     what = "Hugging Face model directory" if hf else "state_dict"
-    for path in [
-        Path(config.save),
-        *fallback_paths(config.save, config.checkpoint_dir, step, hf is not None),
-    ]:
+
+    save = config.save
+
+    def places() -> Iterator[Path]:  # the fallbacks (one made in advance) only when needed
+        yield Path(save)
+        yield from fallback_paths(save, config.checkpoint_dir, step, hf is not None)
+
+    for path in places():
         try:
             if hf is not None:
                 replace = config.force and path == Path(config.save)  # never a fallback's
@@ -822,12 +826,25 @@ class TrainingRun:
             self.eval_batches = Batches(pipeline, config, held_out=True)
         self.needs_target = self.is_last and pipeline.loss.needs_target
         assert ACTIVITY.busy is not None  # set by train()
+        plan = pipeline.plan
+        #: why the run is not compared with its plan (made for another device), if it is not
+        self.off_plan = plan_device_problem(plan.device, self.device) if plan else None
+        shared = cores_shared(self.device)
+        self.shared_cores = (
+            f"{shared[0]} ranks share {shared[1]} CPU cores here: each computes on about "
+            f"{shared[1] / shared[0]:.2g} of a core, where the plan gives it one; its stage "
+            f"times are compared with the plan's times {shared[0] / shared[1]:.2g}"
+            if shared and self.off_plan is None
+            else None
+        )
         self.step_times = StepTimes(
             pipeline,
             ACTIVITY.busy,
             self.layout.pp_size,
             config.microbatches * config.accumulate,
             self.device,
+            with_plan=self.off_plan is None,
+            plan_scale=shared[0] / shared[1] if shared else 1.0,
         )
         self.metrics = self.make_metrics()
         if config.trace:
@@ -914,8 +931,8 @@ class TrainingRun:
             if self.reporting
             else []
         )
-        # MFU against the device that runs, not another's peak: see metrics.mfu_problem
-        no_mfu = mfu_problem(plan.device, self.device) if plan and plan.peak_flops else None
+        # MFU against the device that runs, not another's peak: see metrics.plan_device_problem
+        no_mfu = self.off_plan if plan and plan.peak_flops else None
         metrics = Metrics(
             reporting=self.reporting,
             steps=config.steps,
@@ -935,8 +952,10 @@ class TrainingRun:
         )
         if plan and plan.step_time:
             metrics.note(plan_note(pipeline, config, dist.get_world_size()))
-        if no_mfu:
-            metrics.note(no_mfu)
+        if self.off_plan:
+            metrics.note(self.off_plan)
+        if self.shared_cores:
+            metrics.note(self.shared_cores)
         if self.resume is not None:
             metrics.note(f"resumed from {self.resume} at step {self.start}")
         elif config.resume:

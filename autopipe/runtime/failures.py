@@ -98,9 +98,10 @@ class FailureBoard:
 
 
 def error_log_directory() -> Path:
-    """``TMPDIR/autopipe-UID``: this user's directory of error logs, created private (0700);
-    one that is not a directory of this user's that only they can enter (planted by another,
-    a link) is not used: a new private one with a random name is made instead."""
+    """``TMPDIR/autopipe-UID``: this user's directory of error logs (and of the trained weights
+    no other place took: ``guards.fallback_paths``), created private (0700); one that is not a
+    directory of this user's that only they can enter (planted by another, a link) is not used:
+    a new private one with a random name is made instead."""
     base = Path(tempfile.gettempdir())
     directory = base / f"autopipe-{os.getuid()}"
     try:

@@ -60,28 +60,27 @@ def peak_memory(device: torch.device, tracker: LiveTensorBytes | None = None) ->
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def mfu_problem(plan_device: str, device: torch.device) -> str | None:
-    """Why this run shows no model FLOPs utilisation, or None when it does. MFU is the FLOPs
-    over the peak FLOP/s of the device spec the plan was made for (``plan_device``), so it is
-    shown only when that spec is of the device that runs: on CUDA, a GPU whose name holds the
-    spec's (``H100`` in ``NVIDIA H100 80GB HBM3``, or a spec ``autopipe calibrate`` named after
-    the GPU); on the CPU, a calibrated CPU spec (named ``cpu-...``, as ``autopipe calibrate``
-    names one)."""
+def plan_device_problem(plan_device: str, device: torch.device) -> str | None:
+    """Why this run cannot be compared with its plan, or None when it can. The plan's times and
+    peak FLOP/s are those of the device spec it was made for (``plan_device``), so the run
+    compares its stages' compute with the plan and shows its model FLOPs utilisation only on
+    that device: on CUDA, a GPU whose name holds the spec's (``H100`` in ``NVIDIA H100 80GB
+    HBM3``, or a spec ``autopipe calibrate`` named after the GPU); on the CPU, a calibrated CPU
+    spec (named ``cpu...``, as ``--device-spec cpu`` and ``autopipe calibrate`` name one)."""
     if device.type == "cuda":
         running = torch.cuda.get_device_name(device)
         if _same_device(plan_device, running):
             return None
-        return (
-            f"MFU is not shown: the plan's peak FLOP/s are {plan_device or 'unknown'}'s, this "
-            f"run is on {running} (compile with --device-spec of this GPU, e.g. from autopipe "
-            "calibrate -o gpu.json on it, to see MFU)"
-        )
-    if plan_device.lower().startswith("cpu"):
-        return None
+        how = "--device-spec cuda on this machine (it calibrates this GPU once)"
+    else:
+        if plan_device.lower().startswith("cpu"):
+            return None
+        running = f"the {device.type}"
+        how = "--device-spec cpu (it calibrates this machine once, then keeps the spec)"
     return (
-        f"MFU is not shown: the plan's peak FLOP/s are {plan_device or 'unknown'}'s, this run "
-        f"is on the {device.type} (compile with --device-spec cpu.json from autopipe calibrate "
-        "-o cpu.json on this machine to see it against the CPU)"
+        f"the plan was made for {plan_device or 'an unknown device'}, this run is on {running}: "
+        f"its stage times are not compared with the plan's and MFU is not shown; for a plan "
+        f"of this machine, compile with {how}"
     )
 
 

@@ -60,11 +60,40 @@ from .checkpoint import (
 )
 from .core.errors import PipelineRunError, first_line
 from .core.pipeline import ModelIdentity, PipelineFormatError
-from .guards import agree, describe_write_error
+from .guards import agree, describe_write_error, replace_atomically
 from .identity import identity_difference, identity_from_tensors, identity_of_manifest
 from .parallel import Layout
 from .core.pipeline import Pipeline, as_pipeline
 from .support import copy_whole, local_shard, stage_state
+
+__all__ = [
+    "CHECKPOINT_FILE",
+    "FORMAT",
+    "FrozenSource",
+    "MANIFEST",
+    "READABLE_VERSIONS",
+    "STEP_NAME",
+    "StateMetadata",
+    "TrainingCheckpoints",
+    "VERSION",
+    "checked_checkpoint",
+    "complete_checkpoints",
+    "damage",
+    "expand_aliases",
+    "fingerprint",
+    "frozen_names",
+    "gather_weights",
+    "latest_checkpoint",
+    "load_weights",
+    "materialise",
+    "merge_checkpoint",
+    "merged_state",
+    "read_manifest",
+    "save_weights",
+    "stage_training_state",
+    "trainable_only_note",
+    "training_state",
+]
 
 #: DCP's metadata of a checkpoint: what it holds, by key
 StateMetadata = dict[str, TensorStorageMetadata | BytesStorageMetadata]
@@ -202,22 +231,22 @@ def save_weights(
     state: dict[str, torch.Tensor], path: str | Path, file_format: str | None = None
 ) -> None:
     """Write a state_dict as ``.safetensors`` or with ``torch.save`` (``file_format``
-    "safetensors" or "torch"; by default by the suffix), through a temporary file and a rename:
-    an interrupted save never leaves a broken file."""
+    "safetensors" or "torch"; by default by the suffix), through a temporary file created
+    exclusively beside it and a rename (:func:`replace_atomically`): an interrupted or failed
+    save never leaves a broken file, nor a temporary, and never writes through a link planted
+    beforehand."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    try:
-        if file_format == "safetensors" or (
-            file_format is None and target.suffix == ".safetensors"
-        ):
-            save_safetensors(state, tmp)
+    safetensors = file_format == "safetensors" or (
+        file_format is None and target.suffix == ".safetensors"
+    )
+
+    def write(temporary: Path) -> None:
+        if safetensors:
+            save_safetensors(state, temporary)
         else:
-            torch.save(state, tmp)
-        _fsync(tmp)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+            torch.save(state, temporary)
+
+    replace_atomically(target, write)
 
 
 # -- training checkpoints ---------------------------------------------------------------------
