@@ -65,7 +65,7 @@ class BertLayer(Block):
         view_2 = aten.view.default(linear_2, [8, 128, -1, 64])
         transpose_2 = aten.transpose.int(view_2, 1, 2)
         scaled_dot_product_attention = aten.scaled_dot_product_attention.default(
-            transpose, transpose_1, transpose_2, expand, 0.1, scale=0.125
+            transpose, transpose_1, transpose_2, expand, 0.1 if self.training else 0.0, scale=0.125
         )
         reshape = aten.reshape.default(scaled_dot_product_attention, [8, -1, 128, 64])
         transpose_3 = aten.transpose.int(reshape, 1, 2)
@@ -76,7 +76,7 @@ class BertLayer(Block):
             reshape_1, self.attention.output.dense.weight, self.attention.output.dense.bias
         )
         # attention.output.dropout (Dropout)
-        dropout = aten.dropout.default(linear_3, 0.1, True)
+        dropout = aten.dropout.default(linear_3, 0.1, self.training)
         # attention.output (BertSelfOutput)
         add = aten.add.Tensor(dropout, x)
         # attention.output.LayerNorm (LayerNorm)
@@ -97,7 +97,7 @@ class BertLayer(Block):
         # output.dense (Linear)
         linear_5 = aten.linear.default(gelu, self.output.dense.weight, self.output.dense.bias)
         # output.dropout (Dropout)
-        dropout_1 = aten.dropout.default(linear_5, 0.1, True)
+        dropout_1 = aten.dropout.default(linear_5, 0.1, self.training)
         # output (BertOutput)
         add_1 = aten.add.Tensor(dropout_1, layer_norm)
         # output.LayerNorm (LayerNorm)

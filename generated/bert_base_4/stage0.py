@@ -95,7 +95,7 @@ class Stage0(nn.Module):
             False,
         )
         # bert.embeddings.dropout (Dropout)
-        dropout = aten.dropout.default(layer_norm, 0.1, True)
+        dropout = aten.dropout.default(layer_norm, 0.1, self.training)
         # bert (BertModel)
         to = aten.to.device(attention_mask, device, torch.bool)
         arange = aten.arange.default(8, device=device, pin_memory=False)

@@ -89,7 +89,7 @@ class Stage0(nn.Module):
         and_2 = aten.__and__.Tensor(and_1, to_3)
         transformer_expand = aten.expand.default(and_2, [batch, -1, seq, seq])
         # transformer.drop (Dropout)
-        dropout = aten.dropout.default(add_1, 0.1, True)
+        dropout = aten.dropout.default(add_1, 0.1, self.training)
         # transformer.h.0 (GPT2Block)
         transformer_h_0_out = self.transformer.h[0](dropout, transformer_expand)
         # transformer.h.1 (GPT2Block)

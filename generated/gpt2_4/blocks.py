@@ -59,7 +59,12 @@ class GPT2Block(Block):
         view_4 = aten.view.default(getitem, [2, 64, -1, 32])
         transpose_2 = aten.transpose.int(view_4, 1, 2)
         scaled_dot_product_attention = aten.scaled_dot_product_attention.default(
-            transpose_2, transpose, transpose_1, expand, 0.1, scale=0.1767766952966369
+            transpose_2,
+            transpose,
+            transpose_1,
+            expand,
+            0.1 if self.training else 0.0,
+            scale=0.1767766952966369,
         )
         reshape = aten.reshape.default(scaled_dot_product_attention, [2, -1, 64, 32])
         transpose_3 = aten.transpose.int(reshape, 1, 2)
@@ -70,7 +75,7 @@ class GPT2Block(Block):
         addmm_1 = aten.addmm.default(self.attn.c_proj.bias, view_5, self.attn.c_proj.weight)
         view_6 = aten.view.default(addmm_1, [2, 64, 128])
         # attn.resid_dropout (Dropout)
-        dropout = aten.dropout.default(view_6, 0.1, True)
+        dropout = aten.dropout.default(view_6, 0.1, self.training)
         # GPT2Block
         add = aten.add.Tensor(dropout, x)
         # ln_2 (LayerNorm)
@@ -95,7 +100,7 @@ class GPT2Block(Block):
         addmm_3 = aten.addmm.default(self.mlp.c_proj.bias, view_9, self.mlp.c_proj.weight)
         view_10 = aten.view.default(addmm_3, [2, 64, 128])
         # mlp.dropout (Dropout)
-        dropout_1 = aten.dropout.default(view_10, 0.1, True)
+        dropout_1 = aten.dropout.default(view_10, 0.1, self.training)
         # GPT2Block
         add_3 = aten.add.Tensor(add, dropout_1)
         return add_3

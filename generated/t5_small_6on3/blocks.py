@@ -98,7 +98,12 @@ class T5Block(Block):
         where_1 = aten.where.ScalarOther(expand, unsqueeze_2, -3.4028234663852886e38)
         contiguous = aten.contiguous.default(where_1)
         scaled_dot_product_attention = aten.scaled_dot_product_attention.default(
-            transpose, transpose_1, transpose_2, contiguous, 0.1, scale=1.0
+            transpose,
+            transpose_1,
+            transpose_2,
+            contiguous,
+            0.1 if self.training else 0.0,
+            scale=1.0,
         )
         reshape = aten.reshape.default(scaled_dot_product_attention, [8, -1, 128, 64])
         transpose_3 = aten.transpose.int(reshape, 1, 2)
@@ -107,7 +112,7 @@ class T5Block(Block):
         # layer.0.SelfAttention.o (Linear)
         linear_3 = aten.linear.default(reshape_1, self.layer[0].SelfAttention.o.weight)
         # layer.0.dropout (Dropout)
-        dropout = aten.dropout.default(linear_3, 0.1, True)
+        dropout = aten.dropout.default(linear_3, 0.1, self.training)
         # layer.0 (T5LayerSelfAttention)
         add_4 = aten.add.Tensor(to, dropout)
         # layer.1.layer_norm (T5LayerNorm)
@@ -123,11 +128,11 @@ class T5Block(Block):
         # layer.1.DenseReluDense.act (ReLU)
         relu = aten.relu.default(linear_4)
         # layer.1.DenseReluDense.dropout (Dropout)
-        dropout_1 = aten.dropout.default(relu, 0.1, True)
+        dropout_1 = aten.dropout.default(relu, 0.1, self.training)
         # layer.1.DenseReluDense.wo (Linear)
         linear_5 = aten.linear.default(dropout_1, self.layer[1].DenseReluDense.wo.weight)
         # layer.1.dropout (Dropout)
-        dropout_2 = aten.dropout.default(linear_5, 0.1, True)
+        dropout_2 = aten.dropout.default(linear_5, 0.1, self.training)
         # layer.1 (T5LayerFF)
         add_6 = aten.add.Tensor(to_4, dropout_2)
         return (unsqueeze_2, add_6)
@@ -180,7 +185,12 @@ class T5Block_2(Block):
         where = aten.where.ScalarOther(expand, unsqueeze, -3.4028234663852886e38)
         contiguous = aten.contiguous.default(where)
         scaled_dot_product_attention = aten.scaled_dot_product_attention.default(
-            transpose, transpose_1, transpose_2, contiguous, 0.1, scale=1.0
+            transpose,
+            transpose_1,
+            transpose_2,
+            contiguous,
+            0.1 if self.training else 0.0,
+            scale=1.0,
         )
         reshape = aten.reshape.default(scaled_dot_product_attention, [8, -1, 128, 64])
         transpose_3 = aten.transpose.int(reshape, 1, 2)
@@ -189,7 +199,7 @@ class T5Block_2(Block):
         # layer.0.SelfAttention.o (Linear)
         linear_3 = aten.linear.default(reshape_1, self.layer[0].SelfAttention.o.weight)
         # layer.0.dropout (Dropout)
-        dropout = aten.dropout.default(linear_3, 0.1, True)
+        dropout = aten.dropout.default(linear_3, 0.1, self.training)
         # layer.0 (T5LayerSelfAttention)
         add_1 = aten.add.Tensor(to, dropout)
         # layer.1.layer_norm (T5LayerNorm)
@@ -205,11 +215,11 @@ class T5Block_2(Block):
         # layer.1.DenseReluDense.act (ReLU)
         relu = aten.relu.default(linear_4)
         # layer.1.DenseReluDense.dropout (Dropout)
-        dropout_1 = aten.dropout.default(relu, 0.1, True)
+        dropout_1 = aten.dropout.default(relu, 0.1, self.training)
         # layer.1.DenseReluDense.wo (Linear)
         linear_5 = aten.linear.default(dropout_1, self.layer[1].DenseReluDense.wo.weight)
         # layer.1.dropout (Dropout)
-        dropout_2 = aten.dropout.default(linear_5, 0.1, True)
+        dropout_2 = aten.dropout.default(linear_5, 0.1, self.training)
         # layer.1 (T5LayerFF)
         add_3 = aten.add.Tensor(to_1, dropout_2)
         return add_3
@@ -302,7 +312,12 @@ class T5Block_3(Block):
         where_1 = aten.where.ScalarOther(expand, unsqueeze_2, -3.4028234663852886e38)
         contiguous = aten.contiguous.default(where_1)
         scaled_dot_product_attention = aten.scaled_dot_product_attention.default(
-            transpose, transpose_1, transpose_2, contiguous, 0.1, scale=1.0
+            transpose,
+            transpose_1,
+            transpose_2,
+            contiguous,
+            0.1 if self.training else 0.0,
+            scale=1.0,
         )
         reshape = aten.reshape.default(scaled_dot_product_attention, [8, -1, 32, 64])
         transpose_3 = aten.transpose.int(reshape, 1, 2)
@@ -311,7 +326,7 @@ class T5Block_3(Block):
         # layer.0.SelfAttention.o (Linear)
         linear_3 = aten.linear.default(reshape_1, self.layer[0].SelfAttention.o.weight)
         # layer.0.dropout (Dropout)
-        dropout = aten.dropout.default(linear_3, 0.1, True)
+        dropout = aten.dropout.default(linear_3, 0.1, self.training)
         # layer.0 (T5LayerSelfAttention)
         add_4 = aten.add.Tensor(to, dropout)
         # layer.1.layer_norm (T5LayerNorm)
@@ -346,7 +361,7 @@ class T5Block_3(Block):
         )
         where_2 = aten.where.ScalarOther(expand_1, zeros, -3.4028234663852886e38)
         scaled_dot_product_attention_1 = aten.scaled_dot_product_attention.default(
-            transpose_4, transpose_5, transpose_6, where_2, 0.1, scale=1.0
+            transpose_4, transpose_5, transpose_6, where_2, 0.1 if self.training else 0.0, scale=1.0
         )
         reshape_2 = aten.reshape.default(scaled_dot_product_attention_1, [8, -1, 32, 64])
         transpose_7 = aten.transpose.int(reshape_2, 1, 2)
@@ -355,7 +370,7 @@ class T5Block_3(Block):
         # layer.1.EncDecAttention.o (Linear)
         linear_7 = aten.linear.default(reshape_3, self.layer[1].EncDecAttention.o.weight)
         # layer.1.dropout (Dropout)
-        dropout_1 = aten.dropout.default(linear_7, 0.1, True)
+        dropout_1 = aten.dropout.default(linear_7, 0.1, self.training)
         # layer.1 (T5LayerCrossAttention)
         add_6 = aten.add.Tensor(to_3, dropout_1)
         # layer.2.layer_norm (T5LayerNorm)
@@ -371,11 +386,11 @@ class T5Block_3(Block):
         # layer.2.DenseReluDense.act (ReLU)
         relu = aten.relu.default(linear_8)
         # layer.2.DenseReluDense.dropout (Dropout)
-        dropout_2 = aten.dropout.default(relu, 0.1, True)
+        dropout_2 = aten.dropout.default(relu, 0.1, self.training)
         # layer.2.DenseReluDense.wo (Linear)
         linear_9 = aten.linear.default(dropout_2, self.layer[2].DenseReluDense.wo.weight)
         # layer.2.dropout (Dropout)
-        dropout_3 = aten.dropout.default(linear_9, 0.1, True)
+        dropout_3 = aten.dropout.default(linear_9, 0.1, self.training)
         # layer.2 (T5LayerFF)
         add_8 = aten.add.Tensor(to_4, dropout_3)
         return (unsqueeze_2, zeros, add_8)
@@ -433,7 +448,12 @@ class T5Block_4(Block):
         where = aten.where.ScalarOther(expand, unsqueeze, -3.4028234663852886e38)
         contiguous = aten.contiguous.default(where)
         scaled_dot_product_attention = aten.scaled_dot_product_attention.default(
-            transpose, transpose_1, transpose_2, contiguous, 0.1, scale=1.0
+            transpose,
+            transpose_1,
+            transpose_2,
+            contiguous,
+            0.1 if self.training else 0.0,
+            scale=1.0,
         )
         reshape = aten.reshape.default(scaled_dot_product_attention, [8, -1, 32, 64])
         transpose_3 = aten.transpose.int(reshape, 1, 2)
@@ -442,7 +462,7 @@ class T5Block_4(Block):
         # layer.0.SelfAttention.o (Linear)
         linear_3 = aten.linear.default(reshape_1, self.layer[0].SelfAttention.o.weight)
         # layer.0.dropout (Dropout)
-        dropout = aten.dropout.default(linear_3, 0.1, True)
+        dropout = aten.dropout.default(linear_3, 0.1, self.training)
         # layer.0 (T5LayerSelfAttention)
         add_1 = aten.add.Tensor(to, dropout)
         # layer.1.layer_norm (T5LayerNorm)
@@ -474,7 +494,7 @@ class T5Block_4(Block):
         transpose_6 = aten.transpose.int(view_5, 1, 2)
         where_1 = aten.where.ScalarOther(expand_1, zeros, -3.4028234663852886e38)
         scaled_dot_product_attention_1 = aten.scaled_dot_product_attention.default(
-            transpose_4, transpose_5, transpose_6, where_1, 0.1, scale=1.0
+            transpose_4, transpose_5, transpose_6, where_1, 0.1 if self.training else 0.0, scale=1.0
         )
         reshape_2 = aten.reshape.default(scaled_dot_product_attention_1, [8, -1, 32, 64])
         transpose_7 = aten.transpose.int(reshape_2, 1, 2)
@@ -483,7 +503,7 @@ class T5Block_4(Block):
         # layer.1.EncDecAttention.o (Linear)
         linear_7 = aten.linear.default(reshape_3, self.layer[1].EncDecAttention.o.weight)
         # layer.1.dropout (Dropout)
-        dropout_1 = aten.dropout.default(linear_7, 0.1, True)
+        dropout_1 = aten.dropout.default(linear_7, 0.1, self.training)
         # layer.1 (T5LayerCrossAttention)
         add_3 = aten.add.Tensor(to_1, dropout_1)
         # layer.2.layer_norm (T5LayerNorm)
@@ -499,11 +519,11 @@ class T5Block_4(Block):
         # layer.2.DenseReluDense.act (ReLU)
         relu = aten.relu.default(linear_8)
         # layer.2.DenseReluDense.dropout (Dropout)
-        dropout_2 = aten.dropout.default(relu, 0.1, True)
+        dropout_2 = aten.dropout.default(relu, 0.1, self.training)
         # layer.2.DenseReluDense.wo (Linear)
         linear_9 = aten.linear.default(dropout_2, self.layer[2].DenseReluDense.wo.weight)
         # layer.2.dropout (Dropout)
-        dropout_3 = aten.dropout.default(linear_9, 0.1, True)
+        dropout_3 = aten.dropout.default(linear_9, 0.1, self.training)
         # layer.2 (T5LayerFF)
         add_5 = aten.add.Tensor(to_2, dropout_3)
         return add_5

@@ -55,7 +55,7 @@ class Stage0(nn.Module):
         ge = aten.ge.Scalar(unsqueeze_8, 0)
         encoder_expand = aten.expand.default(ge, [8, -1, 128, 128])
         # encoder.dropout (Dropout)
-        dropout = aten.dropout.default(embedding, 0.1, True)
+        dropout = aten.dropout.default(embedding, 0.1, self.training)
         # encoder.block.0 (T5Block)
         encoder_block_0_out_0, encoder_block_0_out_1 = self.encoder.block[0](
             dropout, encoder_expand

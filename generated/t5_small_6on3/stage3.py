@@ -83,7 +83,7 @@ class Stage3(nn.Module):
         mul_26 = aten.mul.Tensor(to_15, rsqrt_12)
         mul_27 = aten.mul.Tensor(self.encoder.final_layer_norm.weight, mul_26)
         # encoder.dropout (Dropout)
-        encoder_last_hidden_state = aten.dropout.default(mul_27, 0.1, True)
+        encoder_last_hidden_state = aten.dropout.default(mul_27, 0.1, self.training)
         # T5ForConditionalGeneration (model)
         new_zeros = aten.new_zeros.default(labels, [8, 32], pin_memory=False)
         slice_1 = aten.slice.Tensor(labels, 1, 0, -1)
@@ -98,7 +98,7 @@ class Stage3(nn.Module):
         # decoder.embed_tokens (Embedding)
         embedding_2 = aten.embedding.default(self.decoder.embed_tokens.weight, masked_fill_)
         # decoder.dropout (Dropout)
-        dropout_20 = aten.dropout.default(embedding_2, 0.1, True)
+        dropout_20 = aten.dropout.default(embedding_2, 0.1, self.training)
         # decoder.block.0 (T5Block)
         decoder_block_0_out_0, decoder_block_0_out_1, decoder_block_0_out_2 = self.decoder.block[0](
             dropout_20, decoder_expand, encoder_last_hidden_state, decoder_expand_1

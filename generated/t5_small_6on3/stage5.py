@@ -100,7 +100,7 @@ class Stage5(nn.Module):
         mul_65 = aten.mul.Tensor(to_36, rsqrt_31)
         mul_66 = aten.mul.Tensor(self.decoder.final_layer_norm.weight, mul_65)
         # decoder.dropout (Dropout)
-        dropout_45 = aten.dropout.default(mul_66, 0.1, True)
+        dropout_45 = aten.dropout.default(mul_66, 0.1, self.training)
         # T5ForConditionalGeneration (model)
         mul_67 = aten.mul.Tensor(dropout_45, 0.04419417382415922)
         # lm_head (Linear)

@@ -12,7 +12,9 @@ import math
 import os
 import shutil
 import socket
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,21 @@ import torch.distributed as dist
 
 from .core.errors import PipelineRunError, first_line
 from .core.manifest import changed_files
+from .failures import error_log_directory
 from .huggingface import directory_problem
+
+__all__ = [
+    "RankFailedError",
+    "RunLock",
+    "agree",
+    "describe_write_error",
+    "edited_files",
+    "fallback_paths",
+    "nonfinite_problem",
+    "output_problems",
+    "replace_atomically",
+    "write_atomically",
+]
 
 
 class RankFailedError(PipelineRunError):
@@ -91,12 +107,16 @@ def output_problems(
     tensorboard: str | None = None,
     save_directory: bool = False,
     trace: str | None = None,
+    replace: bool = False,
 ) -> list[str]:
     """What is wrong with the outputs this rank will write, before any training is done.
-    ``save_directory``: ``save`` is a Hugging Face model directory, not a file."""
+    ``save_directory``: ``save`` is a Hugging Face model directory, not a file, which may
+    replace one written before when ``replace`` (``--force``)."""
     problems = []
     if save is not None and save_directory:  # a model directory, checked as one
-        problem = directory_problem(Path(save), "--save")
+        problem = directory_problem(
+            Path(save), "--save", replace=replace, file_option="--save-format safetensors"
+        )
         parent = None if problem else _writable_dir_problem(Path(save).parent)
         if problem or parent:
             problems.append(problem or f"--save {save}: {parent}")
@@ -131,25 +151,94 @@ def output_problems(
 
 def write_atomically(path: Path, text: str) -> None:
     """``text`` into ``path`` through a temporary file beside it and a rename: readers never
-    see half of it, and a failed write leaves ``path`` as it was."""
+    see half of it, and a failed write leaves ``path`` as it was (:func:`replace_atomically`)."""
+    replace_atomically(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
+
+
+def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """``path`` written by ``write(temporary)``, then renamed into place: the temporary is
+    created beside ``path`` exclusively under a random name (``.NAME.*.tmp``, mode 0600 while
+    it is written, so that no name planted there beforehand is followed or overwritten), given
+    the mode a new file gets (the umask's), synced to disk and renamed over ``path`` (a link
+    there is replaced, not followed). Readers never see half of it; when anything fails the
+    temporary is removed and ``path`` is as it was, and a failed rename says so."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    temporary = Path(name)
     try:
-        temporary.write_text(text, encoding="utf-8")
+        write(temporary)
+        os.chmod(temporary, _new_file_mode())  # mkstemp makes it private; the output is not
+        fd = os.open(temporary, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        _discard(temporary)
+        raise
+    try:
         os.replace(temporary, path)
-    finally:
+    except OSError as exc:
+        left = (
+            "it was removed"
+            if _discard(temporary)
+            else f"it could not be removed: delete {temporary}"
+        )
+        raise OSError(
+            exc.errno,
+            f"could not rename the written temporary {temporary.name} to {path} "
+            f"({exc.strerror or exc}); {left}, and {path} is as it was",
+        ) from None
+
+
+def _discard(temporary: Path) -> bool:
+    """Remove ``temporary``; False if it could not be."""
+    try:
         temporary.unlink(missing_ok=True)
+    except OSError:
+        return False
+    return True
+
+
+def _new_file_mode() -> int:
+    """The mode a file created now gets: 0666 less the umask (read from /proc where it can be,
+    which leaves the umask alone; else set for an instant to 077, never looser)."""
+    try:
+        for line in Path("/proc/self/status").read_text(encoding="utf-8").splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def fallback_paths(
     save: str, checkpoint_dir: str | None, step: int, directory: bool = False
 ) -> list[Path]:
     """Where the trained state goes when ``--save`` cannot be written, in order of preference
-    (``directory``: it is written as a directory)."""
-    name = f"trained-step-{step}" + ("-hf" if directory else Path(save).suffix or ".pt")
+    (``directory``: it is written as a directory): ``trained-step-N`` in the checkpoint
+    directory and in the working directory, then a new file (directory) of a unique name in this
+    user's private directory of the temporary directory (:func:`error_log_directory`), created
+    here, exclusively, so that nothing planted there beforehand is followed or overwritten and
+    no other run takes the name (left out when it cannot be created)."""
+    stem = f"trained-step-{step}"
+    suffix = "-hf" if directory else Path(save).suffix or ".pt"
     places = [Path(checkpoint_dir)] if checkpoint_dir else []
-    places += [Path.cwd(), Path(os.environ.get("TMPDIR", "/tmp"))]
-    return [place / name for place in places]
+    paths = [place / f"{stem}{suffix}" for place in [*places, Path.cwd()]]
+    try:
+        private = error_log_directory()
+        if directory:
+            paths.append(Path(tempfile.mkdtemp(prefix=f"{stem}-", suffix=suffix, dir=private)))
+        else:
+            fd, name = tempfile.mkstemp(prefix=f"{stem}-", suffix=suffix, dir=private)
+            os.close(fd)
+            paths.append(Path(name))
+    except OSError:
+        pass
+    return paths
 
 
 # -- one run per checkpoint directory ---------------------------------------------------------

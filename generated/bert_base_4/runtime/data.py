@@ -102,7 +102,20 @@ class Batches:
             )
         if spec and is_corpus(spec):
             self.corpus = Corpus(
-                pipeline, spec, config.tokenizer, self.samples, self.seed, held_out, self.option
+                pipeline,
+                spec,
+                config.tokenizer,
+                self.samples,
+                self.seed,
+                held_out,
+                self.option,
+                config.eval_split if held_out else None,
+            )
+        elif held_out and config.eval_split is not None:
+            raise PipelineRunError(
+                f"--eval-split {config.eval_split} chooses a split of a dataset saved with "
+                f"save_to_disk, and --eval-data {spec} is a function: leave --eval-split out",
+                every_rank=True,
             )
         elif spec:
             fn = load_function(spec, self.option)
@@ -118,6 +131,51 @@ class Batches:
                     )
             else:
                 self.fn = fn
+
+    @property
+    def prepares(self) -> bool:
+        """Whether the batches come from a dataset file, read and tokenized by :meth:`prepare`."""
+        return self.corpus is not None
+
+    def prepare(self) -> None:
+        """Read, tokenize and arrange a dataset file's rows, before the first batch asks for
+        them (nothing for other batches)."""
+        if self.corpus is not None:
+            self.corpus.prepare()
+
+    def coverage(self, count: int) -> str | None:
+        """What ``count`` batches (an evaluation's, by index 0 ... count - 1) read of a
+        dataset whose size is known, in words, where they read some of its samples more than
+        once; None where they read each at most once (or the size is not known: a function's
+        batches). For a dataset file, once prepared."""
+        if self.dataset is not None:
+            size, samples = len(self.dataset), self.samples
+            read = count * samples
+            if size == 0 or read <= size:
+                return None
+            fits = size // samples
+            fix = (
+                f"give --eval-batches {fits} to read each sample once"
+                if fits
+                else f"give a held-out dataset of at least {samples} samples (a batch's)"
+            )
+            return (
+                f"{self.option} {self.spec}: its dataset holds {size} samples, and "
+                f"{count} held-out batch{'es' if count > 1 else ''} of {samples} samples read "
+                f"{read}: the held-out loss counts each sample about {read / size:.3g} times; "
+                f"{fix}"
+            )
+        if self.corpus is not None and self.corpus.documents is not None:
+            epoch = self.corpus.batches_per_epoch
+            if count <= epoch:
+                return None
+            return (
+                f"{self.corpus.where}: it gives {epoch} held-out batch{'es' if epoch > 1 else ''}, "
+                f"and --eval-batches {count} reads {count - epoch} of them again (the "
+                f"held-out loss counts them twice or more); give --eval-batches {epoch} to read "
+                "each once"
+            )
+        return None
 
     @property
     def rows(self) -> int:
@@ -170,7 +228,16 @@ class Batches:
     def _inputs(
         self, bound: dict[str, Any], step: int, target: Any
     ) -> tuple[list[torch.Tensor], Any]:
-        check_fixed_inputs(self.pipeline.fixed_inputs, bound, f"step {step}")
+        try:
+            check_fixed_inputs(self.pipeline.fixed_inputs, bound, f"step {step}")
+        except PipelineRunError as exc:
+            if self.corpus is None:
+                raise
+            raise PipelineRunError(
+                f"{exc} ({self.option} {self.spec}: a dataset file's batches pass its token "
+                f"inputs alone; give {self.option} FILE.py:FN, a function whose batches pass the "
+                "others)"
+            ) from None
         inputs = []
         for value in self.pipeline.data_inputs:
             if not isinstance(bound.get(value.name), torch.Tensor):

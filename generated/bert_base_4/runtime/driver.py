@@ -20,10 +20,9 @@ import shlex
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
@@ -47,8 +46,16 @@ from .core.pipeline import Pipeline, PipelineFormatError
 from .core.schedules import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, greedy_orders
 from .data import Batches
 from .dry_run import run_dry
-from .evaluation import EvalResult, LossSums, label_tokens, weighs_by_tokens
-from .failures import FailureBoard
+from .evaluation import (
+    EVAL_SEED,
+    EvalResult,
+    LossSums,
+    label_tokens,
+    no_label_tokens,
+    random_states_kept,
+    weighs_by_tokens,
+)
+from .failures import FailureBoard, agent_store, attempt_prefix, write_error_log
 from .guards import (
     RankFailedError,
     RunLock,
@@ -64,7 +71,7 @@ from .huggingface import write_pretrained
 from .metrics import (
     Metrics,
     gather_per_rank,
-    mfu_problem,
+    plan_device_problem,
     peak_memory,
     run_configuration,
     state_bytes,
@@ -79,7 +86,7 @@ from .parallel import (
     shard_stage,
 )
 from .sinks import open_sinks
-from .stragglers import StepTimes, Stragglers
+from .stragglers import StepTimes, Stragglers, cores_shared
 from .support import MissingOperatorError
 from .core.timeline_format import RunLayout
 from .timeline import Timeline, default_steps
@@ -87,6 +94,7 @@ from .train_state import (
     FrozenSource,
     TrainingCheckpoints,
     gather_weights,
+    latest_checkpoint,
     load_weights,
     materialise,
     read_manifest,
@@ -106,6 +114,8 @@ _FORWARD_ACTIONS = frozenset(
 )
 #: microbatches x stages from which building the schedule takes long enough to say so
 LARGE_SCHEDULE = 4096
+#: seconds between a waiting rank's looks at whether the dataset files are prepared
+PREPARED_POLL = 0.2
 #: this rank's pipeline stages and a schedule over them, for some sizes of dynamic dimensions
 Shaped = tuple[list[DataParallelStage], _PipelineSchedule]
 
@@ -358,6 +368,7 @@ def check_outputs(config: TrainConfig, reporting: bool) -> None:
         tensorboard=config.tensorboard if reporting else None,
         save_directory=config.save_format == "hf",
         trace=config.trace,  # every rank writes its timeline there
+        replace=config.force,
     )
     problem = agree("; ".join(problems) or None)
     if problem:
@@ -404,6 +415,62 @@ def resume_point(checkpoints: TrainingCheckpoints | None, config: TrainConfig) -
     return latest
 
 
+def evaluated_checkpoint_problem(config: TrainConfig) -> str | None:
+    """Why ``--eval-only --checkpoint-dir DIR`` has no checkpoint to evaluate (no such
+    directory, or none in it), or None: an evaluation never falls back to the initial
+    weights when it was given a checkpoint directory."""
+    if not (config.eval_only and config.checkpoint_dir):
+        return None
+    root = Path(config.checkpoint_dir)
+    fix = (
+        "give the --checkpoint-dir a training run wrote its checkpoints (step-N) into, or leave "
+        "it out and --load a model's weights"
+    )
+    if not root.is_dir():
+        return f"--eval-only --checkpoint-dir {root}: there is no such directory; {fix}"
+    if config.resume_from is None and latest_checkpoint(root) is None:
+        return (
+            f"--eval-only --checkpoint-dir {root}: no checkpoint found there (no 'latest' "
+            f"pointing at a step-N checkpoint), so there are no trained weights to evaluate; {fix}"
+        )
+    return None
+
+
+def prepare_together(
+    prepare: Callable[[], None] | None, rank: int, world: int, store: dist.Store | None
+) -> None:
+    """``prepare()`` (the dataset files' first reading and tokenizing) on the ranks that read
+    data (``prepare`` None elsewhere); then rank ``rank`` of ``world`` waits until every rank
+    is done, through ``store`` (torchrun's agent's): polled, that wait has no timeout, as a
+    collective's would, so that preparing takes as long as it takes (without a store, a barrier
+    waits, within the process group's timeout). A rank whose preparation fails raises its
+    error; the others stop, naming it."""
+    problem: Exception | None = None
+    if prepare is not None:
+        with doing("prepare_data"):
+            try:
+                prepare()
+            except Exception as exc:  # noqa: BLE001 - posted for the others, then raised
+                problem = exc
+    if store is None:
+        if problem is not None:
+            raise problem
+        if world > 1:
+            dist.barrier()
+        return
+    keys = [f"{attempt_prefix()}prepared/{r}" for r in range(world)]
+    store.set(keys[rank], "" if problem is None else first_line(problem) or "failed")
+    if problem is not None:
+        raise problem
+    with doing("wait_data", ranks=tuple(range(world))):
+        while not store.check(keys):
+            time.sleep(PREPARED_POLL)
+    for other, key in enumerate(keys):
+        failure = store.get(key).decode("utf-8", "replace")
+        if failure:
+            raise RankFailedError(other, f"it could not prepare its data: {failure}")
+
+
 def save_trained(
     state: dict[str, torch.Tensor],
     pipeline: Pipeline,
@@ -417,13 +484,18 @@ def save_trained(
     failures = []
     hf = pipeline.huggingface if config.save_format == "hf" else None
     what = "Hugging Face model directory" if hf else "state_dict"
-    for path in [
-        Path(config.save),
-        *fallback_paths(config.save, config.checkpoint_dir, step, hf is not None),
-    ]:
+
+    save = config.save
+
+    def places() -> Iterator[Path]:  # the fallbacks (one made in advance) only when needed
+        yield Path(save)
+        yield from fallback_paths(save, config.checkpoint_dir, step, hf is not None)
+
+    for path in places():
         try:
             if hf is not None:
-                write_pretrained(state, hf, pipeline.aliases, path)
+                replace = config.force and path == Path(config.save)  # never a fallback's
+                write_pretrained(state, hf, pipeline.aliases, path, replace=replace)
             else:
                 save_weights(state, path, config.save_format)
         except (OSError, RuntimeError, PipelineRunError) as exc:
@@ -603,6 +675,9 @@ def run_training(
     """:func:`train`'s work, once the process group runs."""
     torch.manual_seed(config.seed * 1_000_003 + layout.rank)  # dropout streams differ per rank
     reporting = layout.pp_rank == pipeline.last_rank and layout.dp_rank == 0
+    problem = evaluated_checkpoint_problem(config)
+    if problem:
+        raise PipelineRunError(problem, every_rank=True)
     if config.dp_shard != pipeline.dp_shard:
         say(
             f"warning: the partition planned each device's memory for --dp-shard "
@@ -691,6 +766,7 @@ class TrainingRun:
             self.setup()
             config = self.config
             try:
+                self.prepare_data()
                 if config.eval_only:
                     self.evaluate(self.start)
                     return
@@ -750,16 +826,52 @@ class TrainingRun:
             self.eval_batches = Batches(pipeline, config, held_out=True)
         self.needs_target = self.is_last and pipeline.loss.needs_target
         assert ACTIVITY.busy is not None  # set by train()
+        plan = pipeline.plan
+        #: why the run is not compared with its plan (made for another device), if it is not
+        self.off_plan = plan_device_problem(plan.device, self.device) if plan else None
+        shared = cores_shared(self.device)
+        self.shared_cores = (
+            f"{shared[0]} ranks share {shared[1]} CPU cores here: each computes on about "
+            f"{shared[1] / shared[0]:.2g} of a core, where the plan gives it one; its stage "
+            f"times are compared with the plan's times {shared[0] / shared[1]:.2g}"
+            if shared and self.off_plan is None
+            else None
+        )
         self.step_times = StepTimes(
             pipeline,
             ACTIVITY.busy,
             self.layout.pp_size,
             config.microbatches * config.accumulate,
             self.device,
+            with_plan=self.off_plan is None,
+            plan_scale=shared[0] / shared[1] if shared else 1.0,
         )
         self.metrics = self.make_metrics()
         if config.trace:
             self.timeline = self.make_timeline(config.trace)
+
+    def prepare_data(self) -> None:
+        """The dataset files' rows, read and tokenized before the first step by the ranks that
+        read batches, without a timeout (:func:`prepare_together`; the held-out ones alone
+        with ``--eval-only``); then what the evaluations' batches read of their data, where
+        they read some of it more than once."""
+        config = self.config
+        used = [self.eval_batches] if config.eval_only else [self.batches, self.eval_batches]
+        preparing = [batches for batches in used if batches is not None and batches.prepares]
+        if preparing:
+            reads = self.is_first or self.needs_target or self.reads_every_batch
+
+            def prepare() -> None:
+                for batches in preparing:
+                    batches.prepare()
+
+            world = dist.get_world_size()
+            store = agent_store(world)  # None in a run of one process
+            prepare_together(prepare if reads else None, dist.get_rank(), world, store)
+        if self.eval_batches is not None:
+            note = self.eval_batches.coverage(config.eval_batches)
+            if note:
+                say(f"note: {note}")  # rank 0 reads batches: it knows
 
     def make_timeline(self, directory: str) -> Timeline:
         """The recorder of ``--trace``, its clock aligned with the other ranks' (collective),
@@ -802,20 +914,25 @@ class TrainingRun:
         config, pipeline, plan = self.config, self.pipeline, self.pipeline.plan
         samples, tokens = self.batches.samples, pipeline.tokens_per_sample
         per_step = config.microbatches * config.accumulate * self.layout.dp_size  # example ones
-        resumed_at = self.start if self.resume is not None else None
+        # an evaluation alone trains no step again: it truncates and purges nothing
+        resumed = self.resume is not None and not config.eval_only
+        resumed_at = self.start if resumed else None
+        run_name = f"{pipeline.model_class} in {pipeline.num_stages} stages"
+        if config.eval_only:
+            run_name += f" (evaluation after {self.start} steps)"
         sinks = (
             open_sinks(
                 tensorboard=config.tensorboard,
                 wandb=config.wandb,
-                run_name=f"{pipeline.model_class} in {pipeline.num_stages} stages",
+                run_name=run_name,
                 configuration=run_configuration(pipeline, config, dist.get_world_size()),
                 resumed_at=resumed_at,
             )
             if self.reporting
             else []
         )
-        # MFU against the device that runs, not another's peak: see metrics.mfu_problem
-        no_mfu = mfu_problem(plan.device, self.device) if plan and plan.peak_flops else None
+        # MFU against the device that runs, not another's peak: see metrics.plan_device_problem
+        no_mfu = self.off_plan if plan and plan.peak_flops else None
         metrics = Metrics(
             reporting=self.reporting,
             steps=config.steps,
@@ -831,11 +948,14 @@ class TrainingRun:
             ),
             sinks=sinks,
             stragglers=Stragglers(self.layout.pp_size, self.layout.dp_size),
+            appends=config.eval_only,
         )
         if plan and plan.step_time:
             metrics.note(plan_note(pipeline, config, dist.get_world_size()))
-        if no_mfu:
-            metrics.note(no_mfu)
+        if self.off_plan:
+            metrics.note(self.off_plan)
+        if self.shared_cores:
+            metrics.note(self.shared_cores)
         if self.resume is not None:
             metrics.note(f"resumed from {self.resume} at step {self.start}")
         elif config.resume:
@@ -963,7 +1083,10 @@ class TrainingRun:
         batches = batches or self.batches
         reads = self.is_first or self.needs_target or self.reads_every_batch
         if not pipeline.dimensions:
-            return batches(step) if reads else None, None
+            if not reads:
+                return None, None
+            with doing("read_batch"):
+                return batches(step), None
         batch, sizes = agree_dimensions(batches, step, reads, self.layout)
         if held_out:
             return batch, sizes
@@ -1018,7 +1141,9 @@ class TrainingRun:
     def evaluate(self, done: int) -> None:
         """After ``done`` steps: the mean loss over ``--eval-batches`` held-out batches, each
         through forward-only pipeline runs without gradients, dropout off and nothing
-        recomputed; recorded by the reporting rank (collective)."""
+        recomputed; recorded by the reporting rank (collective). Every random number generator
+        is as it was before (``evaluation.random_states_kept``): training with evaluations is
+        training without. Held-out batches without any label token are refused."""
         assert self.eval_batches is not None  # called only with --eval-data
         config, layout, batches = self.config, self.layout, self.eval_batches
         began = time.perf_counter()
@@ -1028,8 +1153,9 @@ class TrainingRun:
         for index, runner in self.runners.items():
             runner.recompute = False
             runner.train(False)
+        seed = config.seed * 1_000_003 + layout.rank + EVAL_SEED  # as training's, apart
         try:
-            with torch.no_grad(), doing("evaluation"):
+            with torch.no_grad(), doing("evaluation"), random_states_kept(self.device, seed):
                 for number in range(config.eval_batches):
                     try:
                         batch, sizes = self.read_batch(number, batches)
@@ -1045,8 +1171,12 @@ class TrainingRun:
             for index, runner in self.runners.items():
                 runner.recompute = recompute[index]
                 runner.train(True)
-        loss = sums.mean(layout.dp_group if self.is_last else None, self.device)
-        result = EvalResult(loss, config.eval_batches, time.perf_counter() - began)
+        sums.reduce(dist.group.WORLD, self.device)  # the last stages' sums, on every rank
+        if sums.weight == 0:
+            problem = no_label_tokens(self.pipeline, config.eval_batches, batches.spec, done)
+            raise PipelineRunError(problem, every_rank=True)
+        seconds = time.perf_counter() - began
+        result = EvalResult(sums.mean, config.eval_batches, seconds, sums.empty)
         self.metrics.record_eval(done, result)
 
     def evaluate_run(
@@ -1129,7 +1259,8 @@ def agree_dimensions(
     batch, problem, found = None, None, [0] * len(names)
     if reads:
         try:
-            batch = batches(step)
+            with doing("read_batch"):
+                batch = batches(step)
             sizes = batches.dimensions(batch[0], step) if batch[0] else {}
             assert sizes is not None  # the pipeline has dynamic dimensions
             found = [sizes.get(name, 0) for name in names]
@@ -1237,7 +1368,7 @@ def _main(package: ModuleType, argv: list[str]) -> int:
     except PipelineFormatError as exc:
         print(f"train.py: error: pipeline.json breaks the contract: {exc}", file=sys.stderr)
         return 2
-    config = parse_config(argv, pipeline)
+    config = parse_config(argv, pipeline, Path(package.__file__ or ".").resolve().parent)
     if config.dry_run:
         warn_if_edited(package)
         try:
@@ -1348,12 +1479,7 @@ def _where(pipeline: Pipeline, rank: int) -> str:
 def _write_traceback(exc: BaseException, rank: int) -> Path | None:
     """The full traceback of user code's failure, in a log file of its own; its path (None
     if it cannot be written)."""
-    path = Path(tempfile.gettempdir()) / f"autopipe-train-error-rank{rank}-{os.getpid()}.log"
-    try:
-        path.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
-    except OSError:
-        return None
-    return path
+    return write_error_log("".join(traceback.format_exception(exc)), rank)
 
 
 def warn_if_edited(package: ModuleType) -> None:

@@ -14,6 +14,7 @@ as a straggler (:class:`Stragglers`).
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ __all__ = [
     "StageTimes",
     "StepTimes",
     "Stragglers",
+    "cores_shared",
     "slowest",
 ]
 
@@ -164,6 +166,18 @@ def _slowness(times: Sequence[RankTimes]) -> Any:
     return lambda t: t.busy
 
 
+def cores_shared(device: torch.device) -> tuple[int, int] | None:
+    """On the CPU, when this machine's ranks outnumber the cores they may run on: (ranks, cores).
+    A plan made for the CPU gives each rank a core of its own (one thread, as torchrun runs
+    it); ranks sharing cores compute ranks / cores times slower. None on a GPU or with a core
+    for every rank."""
+    if device.type != "cpu":
+        return None
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (ranks, cores) if cores and ranks > cores else None
+
+
 class StepTimes:
     """This rank's step times and its stages' compute between ``--log-every`` steps;
     :meth:`gather` (collective) hands every rank's to each rank."""
@@ -175,16 +189,24 @@ class StepTimes:
         pp_size: int,
         microbatches_per_step: int,
         device: torch.device,
+        with_plan: bool = True,
+        plan_scale: float = 1.0,
     ) -> None:
         """``busy``: this rank's compute, fed by the hooks; ``microbatches_per_step``: the
-        microbatches each rank runs per step (--microbatches x --accumulate)."""
+        microbatches each rank runs per step (--microbatches x --accumulate); ``with_plan``
+        False: the plan is another device's, ranks are compared by their compute alone;
+        ``plan_scale``: how much slower than planned the device runs each rank (ranks sharing
+        CPU cores, :func:`cores_shared`)."""
         self.pipeline = pipeline
         self.busy = busy
         self.pp_size = pp_size
         self.microbatches_per_step = microbatches_per_step
         self.device = device
         costs = pipeline.schedule.costs
-        self.planned = [f + b for f, b in zip(costs.forward, costs.backward)]  # per microbatch
+        # per microbatch; none when the plan is another device's
+        self.planned = [
+            (f + b) * with_plan * plan_scale for f, b in zip(costs.forward, costs.backward)
+        ]
         self.steps = 0
         self.seconds = 0.0
         self.scale = 0.0  # the steps' FLOPs relative to the plan's, added up

@@ -32,6 +32,9 @@ __all__ = [
     "ACTION_KINDS",
     "COLLECTIVES",
     "ORDER",
+    "READING",
+    "UNTIMED",
+    "WITHIN",
     "Action",
     "Activity",
     "BusyTimes",
@@ -68,6 +71,15 @@ ORDER = {
 COLLECTIVES = frozenset(
     {"dp_reduce", "tied_sum", "norm", "loss_mean", "finite_check", "metrics", "data"}
 )
+#: driver actions that take the place in the step of the phase they run inside (reading a
+#: batch, within the step's "data" phase or an evaluation), or run before the first step (the
+#: first preparation of a dataset file, and the other ranks' wait for it)
+WITHIN = frozenset({"read_batch", "prepare_data", "wait_data"})
+#: actions that read data: a rank that waits for one waits for its data
+READING = frozenset({"read_batch", "prepare_data"})
+#: actions no --timeout limits (the preparation of a dataset file before the first step takes
+#: as long as the file takes to read and tokenize; no rank waits for it in a collective)
+UNTIMED = frozenset({"prepare_data", "wait_data"})
 
 
 class Action(NamedTuple):
@@ -180,7 +192,13 @@ _WORDS = {
         "stage {stage}'s data-parallel gradient reduction with {ranks}",
     ),
     "step": ("is in {what}", "the step"),
-    "data": ("is {what}", "reading the batch"),
+    "data": ("is at {what}", "the step's batch"),
+    "read_batch": ("is {what}", "reading the batch"),
+    "prepare_data": (
+        "is {what}",
+        "preparing the dataset files' rows (reading, tokenizing and packing them)",
+    ),
+    "wait_data": ("waits for {what}", "the dataset files' preparation, with {ranks}"),
     "pipeline": ("is in {what}", "the pipeline schedule"),
     "reduce": ("is in {what}", "the gradient reduction"),
     "tied_sum": ("waits in {what}", "the sum of tied gradients with {ranks}"),
@@ -386,9 +404,10 @@ def recorded(
 
 
 def doing(kind: str, stage: int | None = None, ranks: tuple[int, ...] = ()) -> _Recorded:
-    """The hook of a driver phase the timeline does not record (:data:`ORDER`): the ``with``
-    block is this rank's current action; ``ranks``: those it waits with in a collective."""
-    assert kind in ORDER, kind
+    """The hook of a driver phase the timeline does not record (:data:`ORDER`, or an action
+    within one, :data:`WITHIN`): the ``with`` block is this rank's current action; ``ranks``:
+    those it waits with in a collective, or for."""
+    assert kind in ORDER or kind in WITHIN, kind
     return _Recorded(None, kind, stage, None, ranks)
 
 

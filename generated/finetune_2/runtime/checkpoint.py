@@ -1,4 +1,6 @@
-"""Read original-model checkpoints one tensor at a time, without loading the whole file.
+"""Read checkpoints without running code: original-model checkpoints one tensor at a time,
+without loading the whole file, and the metadata of training checkpoints (DCP) through an
+unpickler that builds only the classes DCP's metadata holds.
 
 Copied into every generated pipeline as ``runtime/checkpoint.py``; it needs only torch. Formats:
 
@@ -8,18 +10,48 @@ Copied into every generated pipeline as ``runtime/checkpoint.py``; it needs only
 - a Hugging Face style directory: ``*.index.json`` (a ``weight_map`` from names to shard files) with
   ``.safetensors`` or ``torch.save`` shards, or a single ``model.safetensors`` /
   ``pytorch_model.bin``. Shards are opened only when one of their tensors is read.
+
+A training checkpoint written with ``torch.distributed.checkpoint`` keeps its metadata
+(``.metadata``) as a pickle, which DCP's own reader unpickles as it is: a crafted file would run
+code. :class:`SafeFileSystemReader` reads it with :func:`read_dcp_metadata` instead, which builds
+only DCP's metadata classes, torch sizes, dtypes and layouts, and refuses anything else naming the
+file and the class; :class:`SafeLoadPlanner` reads a checkpoint's non-tensor entries (none in
+autopipe's own, but a crafted file may declare some) with ``torch.load(weights_only=True)``,
+where DCP's planner unpickles them unrestricted. Tensors are read with ``weights_only=True``
+everywhere.
 """
 
 from __future__ import annotations
 
 import ctypes
+import io
 import json
 import mmap
+import pickle
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO, Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+
+from .core.errors import first_line
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "METADATA_CLASSES",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "SafetensorsFile",
+    "TorchFile",
+    "read_dcp_metadata",
+    "save_safetensors",
+]
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -211,3 +243,121 @@ def save_safetensors(
             flat = tensor.detach().cpu().contiguous()
             if flat.numel():
                 f.write(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))
+
+
+# -- DCP's metadata, read without running code ------------------------------------------------
+#: what DCP's ``.metadata`` pickle may name, by module: its metadata classes (torch 2.13 pickles
+#: exactly these), ``torch.Size``, the layout and memory format as DCP encodes them, the paths it
+#: records, and the builtin collections; ``torch``'s dtypes, layouts and memory formats by name too
+METADATA_CLASSES: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "torch": frozenset({"Size"}),
+    "pathlib": frozenset({"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
+    "builtins": frozenset({"set", "frozenset"}),
+    "collections": frozenset({"OrderedDict"}),
+}
+
+
+def _allowed(module: str, name: str) -> bool:
+    if name in METADATA_CLASSES.get(module, frozenset()):
+        return True
+    return module == "torch" and isinstance(
+        getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+    )
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only what :data:`METADATA_CLASSES` allows; refuses any other global, naming the
+    file and the class, before it is imported or called."""
+
+    def __init__(self, file: IO[bytes], path: Path) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if not _allowed(module, name):
+            raise CheckpointError(
+                f"{self.path} names {module}.{name}, which the metadata of a checkpoint never "
+                "holds; it was not loaded (unpickling it would run code). The file was not "
+                "written by torch.distributed.checkpoint, or was altered: use a checkpoint "
+                "you trust, or write it again"
+            )
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(path: str | Path) -> Metadata:
+    """DCP's metadata of a training checkpoint (its ``.metadata`` file), read without running
+    code: CheckpointError naming the file (and the class) for anything but DCP's metadata."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, path).load()
+    except CheckpointError:
+        raise
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except Exception as exc:  # noqa: BLE001 - unpickling a damaged file raises anything
+        raise CheckpointError(
+            f"{path} is not the metadata of a checkpoint ({type(exc).__name__}: "
+            f"{str(exc)[:160]}); it is damaged"
+        ) from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointError(
+            f"{path} holds a {type(metadata).__name__}, not the metadata of a checkpoint"
+        )
+    for info in (metadata.storage_data or {}).values():
+        where = getattr(info, "relative_path", None)
+        if not isinstance(where, str) or Path(where).name != where:
+            raise CheckpointError(
+                f"{path} places a tensor in {where!r}, which is not a file beside it; the "
+                "metadata is damaged or altered"
+            )
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's reader of a checkpoint directory, its metadata read by :func:`read_dcp_metadata`
+    (DCP's own unpickles it unrestricted)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        metadata = read_dcp_metadata(Path(self.path) / name)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None  # set just above
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading a checkpoint's non-tensor entries with
+    ``torch.load(weights_only=True)`` (DCP's unpickles them unrestricted)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - the weights-only unpickler refuses anything
+            lines = [line.strip() for line in str(exc).splitlines()]
+            why = next((line for line in lines if "Unsupported global" in line), first_line(exc))
+            raise CheckpointError(
+                f"the checkpoint's entry {read_item.dest_index.fqn} holds more than plain values "
+                f"({why[:200]}); it was not loaded (unpickling it would run code)"
+            ) from None
+        plain = io.BytesIO()
+        torch.save(loaded, plain)  # what DCP reads back holds only what was checked
+        plain.seek(0)
+        super().load_bytes(read_item, plain)

@@ -13,7 +13,9 @@ every watcher polls every :data:`POLL_SECONDS`; the rank that asked waits up to
 :data:`ANSWER_WAIT` for the answers, then prints one diagnosis (:func:`diagnosis`, on stderr):
 the wait-for chain, the ranks that did not answer, the likely cause (a dead or stopped rank, a
 collective or transfer issued by some ranks only, a data-dependent shape mismatch, ranks
-waiting for each other, slow work) and what to do, then the stacks. A timeout is diagnosed by
+waiting for each other, slow data loading, slow work) and what to do, then the stacks. The
+first preparation of a dataset file (``activity.UNTIMED``) is not limited by ``--timeout``: no
+rank waits for it in a collective. A timeout is diagnosed by
 the first rank to notice it (one diagnosis per step); the process group gives up
 :data:`DIAGNOSIS_MARGIN` seconds after ``--timeout``, so the diagnosis comes out first and the
 run then stops as it always did. SIGUSR1 is diagnosed by the rank it reached; the run goes on.
@@ -40,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .activity import ACTIVITY, Action, Activity, rank_list
+from .activity import ACTIVITY, READING, UNTIMED, Action, Activity, rank_list
 from .core.fields import FieldReader, is_object
 from .core.timeline_format import TRANSFERS  # a transfer's creation: its peers wait
 from .failures import agent_store, attempt_prefix
@@ -370,13 +372,31 @@ def _cause(
         if end in reports and not waits.get(end) and reports[end].action is not None:
             report = reports[end]
             at = f" at {report.where}" if report.where else ""
+            if report.action is not None and report.action.kind in READING:
+                return _slow_data(report, f"the wait ends at rank {end}, which")
             return (
                 f"slow or stuck work, not communication: the wait ends at rank {end}, which "
                 f"{report.doing()}{at} and waits for no one",
                 "look at what that code does (its stack is below): a loop that depends on the "
                 "data, a slow --data function, input or output, a lock",
             )
+    reading = [r for r in reports.values() if r.action is not None and r.action.kind in READING]
+    if reading:  # no one waits for it yet: the rank reading data noticed its own timeout
+        return _slow_data(reading[0], f"rank {reading[0].rank}")
     return "none: no rank waits for another", "nothing"
+
+
+def _slow_data(report: RankReport, who: str) -> tuple[str, str]:
+    """The likely cause where data loading holds the run up: ``who`` (the words before the
+    rank's doing) reads data."""
+    at = f" at {report.where}" if report.where else ""
+    return (
+        f"slow data loading: {who} {report.doing()}{at}",
+        "a step's batch must be read within --timeout SECONDS, which this one was not (a "
+        "dataset file's first reading and tokenizing, before the first step, has no limit): "
+        "raise --timeout, or make the --data function (or its dataset's items) faster; for a "
+        "dataset file, tokenize it ahead of time (an input_ids column)",
+    )
 
 
 def _chains(
@@ -578,7 +598,7 @@ class HangWatch:
         """The current action and its age, the first time the rank has been in it longer
         than --timeout."""
         now = self.activity.now
-        if now is None or now is self._noticed:
+        if now is None or now is self._noticed or now[0].kind in UNTIMED:
             return None
         action, since, _after = now
         age = (time.monotonic_ns() - since) / 1e9

@@ -17,11 +17,18 @@ step over the steps since the previous such line (``stragglers.RankTimes``)::
 ``planned`` what the plan predicts for it, ``vs_plan`` their ratio or null without a prediction),
 and ``slowest_rank``, the rank slowest against its plan. An evaluation's line is described at
 :meth:`Metrics.record_eval`.
+
+Every line is valid JSON: a number that is not finite (the NaN loss of a skipped step, the
+infinite perplexity of a huge loss) is written as null, and the line's ``not_finite`` names each
+such field with the value it had (``{"loss": null, ..., "not_finite": {"loss": "nan"}}``). A run
+that trains truncates or continues its log (see :class:`Metrics`); an evaluation alone
+(``--eval-only``) only ever appends to it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import resource
 import sys
@@ -53,28 +60,27 @@ def peak_memory(device: torch.device, tracker: LiveTensorBytes | None = None) ->
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def mfu_problem(plan_device: str, device: torch.device) -> str | None:
-    """Why this run shows no model FLOPs utilisation, or None when it does. MFU is the FLOPs
-    over the peak FLOP/s of the device spec the plan was made for (``plan_device``), so it is
-    shown only when that spec is of the device that runs: on CUDA, a GPU whose name holds the
-    spec's (``H100`` in ``NVIDIA H100 80GB HBM3``, or a spec ``autopipe calibrate`` named after
-    the GPU); on the CPU, a calibrated CPU spec (named ``cpu-...``, as ``autopipe calibrate``
-    names one)."""
+def plan_device_problem(plan_device: str, device: torch.device) -> str | None:
+    """Why this run cannot be compared with its plan, or None when it can. The plan's times and
+    peak FLOP/s are those of the device spec it was made for (``plan_device``), so the run
+    compares its stages' compute with the plan and shows its model FLOPs utilisation only on
+    that device: on CUDA, a GPU whose name holds the spec's (``H100`` in ``NVIDIA H100 80GB
+    HBM3``, or a spec ``autopipe calibrate`` named after the GPU); on the CPU, a calibrated CPU
+    spec (named ``cpu...``, as ``--device-spec cpu`` and ``autopipe calibrate`` name one)."""
     if device.type == "cuda":
         running = torch.cuda.get_device_name(device)
         if _same_device(plan_device, running):
             return None
-        return (
-            f"MFU is not shown: the plan's peak FLOP/s are {plan_device or 'unknown'}'s, this "
-            f"run is on {running} (compile with --device-spec of this GPU, e.g. from autopipe "
-            "calibrate -o gpu.json on it, to see MFU)"
-        )
-    if plan_device.lower().startswith("cpu"):
-        return None
+        how = "--device-spec cuda on this machine (it calibrates this GPU once)"
+    else:
+        if plan_device.lower().startswith("cpu"):
+            return None
+        running = f"the {device.type}"
+        how = "--device-spec cpu (it calibrates this machine once, then keeps the spec)"
     return (
-        f"MFU is not shown: the plan's peak FLOP/s are {plan_device or 'unknown'}'s, this run "
-        f"is on the {device.type} (compile with --device-spec cpu.json from autopipe calibrate "
-        "-o cpu.json on this machine to see it against the CPU)"
+        f"the plan was made for {plan_device or 'an unknown device'}, this run is on {running}: "
+        f"its stage times are not compared with the plan's and MFU is not shown; for a plan "
+        f"of this machine, compile with {how}"
     )
 
 
@@ -125,9 +131,12 @@ class Metrics:
         utilisation: Callable[[float], float | None] = lambda seconds: None,
         sinks: Iterable[Sink] = (),
         stragglers: Stragglers | None = None,
+        appends: bool = False,
     ):
         """``resumed_at``: the step a resumed run starts at; the log keeps the steps before it
-        (its later lines were written after the checkpoint, and are trained again).
+        (its later lines were written after the checkpoint, and are trained again); a run that
+        starts afresh replaces the log. ``appends``: the run adds to the log and changes none of
+        its lines (an evaluation alone, ``--eval-only``: it trains no step again).
         ``utilisation(seconds)``: the model FLOPs utilisation of a step that long, or None.
         ``sinks``: where the scalars also go (the reporting rank's; closed by :meth:`close`).
         ``stragglers``: names a rank consistently slower than its peers, from the ranks' times."""
@@ -142,9 +151,10 @@ class Metrics:
         self.bar = reporting and sys.stdout.isatty()
         self.log: IO[str] | None = None
         if reporting and log_json:
-            if resumed_at is not None:
+            if resumed_at is not None and not appends:
                 _truncate_log(Path(log_json), resumed_at)
-            self.log = open(log_json, "a" if resumed_at is not None else "w", encoding="utf-8")
+            mode = "a" if resumed_at is not None or appends else "w"
+            self.log = open(log_json, mode, encoding="utf-8")
 
     def record(
         self,
@@ -236,16 +246,19 @@ class Metrics:
     def record_eval(self, done: int, result: EvalResult) -> None:
         """An evaluation after ``done`` optimizer steps: a JSON line ``{"step": done - 1,
         "eval_loss", "eval_perplexity", "eval_batches", "eval_time"}`` (after the training line
-        of the same step) and a console line."""
+        of the same step), with ``eval_microbatches_without_labels`` where microbatches
+        without label tokens were left out, and a console line."""
         if not self.reporting:
             return
-        entry = {
+        entry: dict[str, object] = {
             "step": done - 1,
             "eval_loss": result.loss,
             "eval_perplexity": result.perplexity,
             "eval_batches": result.batches,
             "eval_time": result.seconds,
         }
+        if result.empty:
+            entry["eval_microbatches_without_labels"] = result.empty
         self._to_log(entry)
         scalars = {
             "eval/loss": result.loss,
@@ -254,10 +267,16 @@ class Metrics:
         }
         self._to_sinks(max(done - 1, 0), scalars)  # the sinks' steps start at 0
         when = f"after step {done - 1}" if done else "before training"  # steps count from 0
+        left_out = (
+            f", {result.empty} microbatch{'es' if result.empty > 1 else ''} without label "
+            "tokens left out"
+            if result.empty
+            else ""
+        )
         self.note(
             f"eval {when}: loss {result.loss:.6f}, perplexity {result.perplexity:.4g} "
             f"({result.batches} held-out batch{'es' if result.batches > 1 else ''}, "
-            f"{result.seconds:.3f} s)"
+            f"{result.seconds:.3f} s{left_out})"
         )
 
     def progress(self, phase: str, done: int, total: int) -> None:
@@ -289,9 +308,10 @@ class Metrics:
             sinks[-1].close()
 
     def _to_log(self, entry: Mapping[str, object]) -> None:
-        """A line of ``--log-json``, flushed at once (a crash keeps every line before it)."""
+        """A line of ``--log-json`` (:func:`json_line`), flushed at once (a crash keeps every
+        line before it)."""
         if self.log:
-            self.log.write(json.dumps(entry) + "\n")
+            self.log.write(json_line(entry) + "\n")
             self.log.flush()
 
     def _to_sinks(self, step: int, scalars: dict[str, float]) -> None:
@@ -325,6 +345,29 @@ def run_configuration(
             value = ":".join(str(v) for v in value)
         settings[f"option/{name}"] = "" if value is None else value
     return settings
+
+
+def json_line(entry: Mapping[str, object]) -> str:
+    """``entry`` as one line of strict JSON: each number that is not finite, at any depth, is
+    null, and ``not_finite`` maps its field (``rank_times[1].vs_plan`` where nested) to the
+    value it had (``"nan"``, ``"inf"``, ``"-inf"``)."""
+    problems: dict[str, str] = {}
+
+    def finite(value: object, where: str) -> object:
+        if isinstance(value, float) and not math.isfinite(value):
+            problems[where] = str(value)
+            return None
+        if isinstance(value, Mapping):
+            return {k: finite(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return value
+
+    clean = finite(entry, "")
+    assert isinstance(clean, dict)  # a mapping stays one
+    if problems:
+        clean["not_finite"] = problems
+    return json.dumps(clean, allow_nan=False)
 
 
 def _bar(done: int, total: int) -> str:

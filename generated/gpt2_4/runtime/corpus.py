@@ -4,7 +4,11 @@ directory that ``datasets``' ``save_to_disk`` wrote.
 
 Copied into every generated pipeline as ``runtime/corpus.py``. Its module level needs only torch:
 Hugging Face ``datasets`` (to read the file) and ``transformers`` (to load ``--tokenizer DIR``) are
-imported when a run reads a dataset file, on the ranks that read batches, at their first batch.
+imported when a run reads a dataset file, on the ranks that read batches, when they prepare it
+(:meth:`Corpus.prepare`: the driver does so before the first step, without a timeout, while the
+other ranks wait). Of a ``save_to_disk`` directory of a DatasetDict, training reads ``train`` (or
+its only split), evaluation ``validation`` or ``test`` (or ``--eval-split``'s), never the
+training split unasked; the line that describes the rows names the split.
 
 The documents (a ``text`` column tokenized with ``--tokenizer``, or an ``input_ids`` column
 already tokenized), in the dataset's order, each followed by the tokenizer's end-of-sequence
@@ -330,9 +334,11 @@ def _library(name: str, why: str) -> ModuleType:
         ) from None
 
 
-def _read_dataset(source: str, option: str, held_out: bool) -> Any:
-    """The ``datasets.Dataset`` at ``source``: a file read with its builder, an Arrow file
-    mapped, or a ``save_to_disk`` directory (of a DatasetDict: the split a run takes)."""
+def _read_dataset(source: str, option: str, held_out: bool, split: str | None) -> tuple[Any, str]:
+    """The ``datasets.Dataset`` at ``source`` (a file read with its builder, an Arrow file
+    mapped, or a ``save_to_disk`` directory; of a DatasetDict, the split a run takes: ``split``
+    where given, see :func:`_split`), and where it is in words: ``OPTION SOURCE`` and the split
+    read."""
     where = f"{option} {source}"
     datasets = _library("datasets", f"{where} (a dataset file)")
     datasets.disable_progress_bars()
@@ -361,19 +367,42 @@ def _read_dataset(source: str, option: str, held_out: bool) -> Any:
             f"{where}: datasets could not read it ({type(exc).__name__}: {first_line(exc)})"
         ) from None
     if isinstance(loaded, datasets.DatasetDict):
-        return loaded[_split(list(loaded), where, held_out)]
-    return loaded
+        chosen = _split(list(loaded), where, held_out, split)
+        return loaded[chosen], f"{where} (its split {chosen!r})"
+    if split is not None:
+        raise PipelineRunError(
+            f"{where}: --eval-split {split} chooses a split of a DatasetDict (a save_to_disk "
+            "directory of several), and this is a single dataset: leave --eval-split out"
+        )
+    return loaded, where
 
 
-def _split(splits: list[str], where: str, held_out: bool) -> str:
-    """The split of a saved DatasetDict a run reads: its only one, else ``train`` (training)
-    or ``validation`` / ``test`` (held out)."""
-    wanted = ("validation", "test") if held_out else ("train",)
-    chosen = splits if len(splits) == 1 else [s for s in wanted if s in splits]
+def _split(splits: list[str], where: str, held_out: bool, split: str | None) -> str:
+    """The split of a saved DatasetDict a run reads: ``split`` (``--eval-split``), else for
+    training its only one or ``train``, held out ``validation`` or ``test`` (never the
+    training split: a DatasetDict without a held-out split is refused, naming its splits)."""
+    splits_named = ", ".join(repr(s) for s in splits)
+    if split is not None:
+        if split not in splits:
+            raise PipelineRunError(
+                f"{where}: --eval-split {split}: the DatasetDict has no such split; its splits "
+                f"are {splits_named}"
+            )
+        return split
+    if held_out:
+        held = [s for s in ("validation", "test") if s in splits]
+        if not held:
+            raise PipelineRunError(
+                f"{where}: evaluation reads the split 'validation' (or 'test') of a DatasetDict, "
+                f"and this one has the splits {splits_named}: choose the held-out one with "
+                "--eval-split SPLIT"
+            )
+        return held[0]
+    chosen = splits if len(splits) == 1 else [s for s in splits if s == "train"]
     if not chosen:
         raise PipelineRunError(
-            f"{where}: a DatasetDict of the splits {', '.join(splits)}, none of them "
-            f"{' or '.join(wanted)}: save the split to read alone (dataset[SPLIT].save_to_disk)"
+            f"{where}: a DatasetDict of the splits {splits_named}, none of them 'train': save "
+            "the split to train on alone (dataset[SPLIT].save_to_disk)"
         )
     return chosen[0]
 
@@ -428,7 +457,7 @@ def _tokenized(texts: Iterable[Any], tokenizer: Any, where: str) -> Iterator[lis
 class Corpus:
     """The batches of ``--data PATH`` (or ``--eval-data PATH``): what the pipeline takes is
     checked when built (on every rank, before training); the dataset is read, tokenized and
-    packed (or batched by length) at the first batch, on the ranks that read batches only."""
+    packed (or batched by length) by :meth:`prepare`, on the ranks that read batches only."""
 
     def __init__(
         self,
@@ -439,10 +468,14 @@ class Corpus:
         seed: int,
         held_out: bool,
         option: str,
+        split: str | None = None,
     ) -> None:
-        """``samples``: rows of a step's batch; ``held_out``: read in order, not shuffled."""
+        """``samples``: rows of a step's batch; ``held_out``: read in order, not shuffled;
+        ``split``: the split of a DatasetDict to read (``--eval-split``; None: see
+        :func:`_split`)."""
         self.source, self.tokenizer, self.option = source, tokenizer, option
         self.samples, self.seed, self.held_out = samples, seed, held_out
+        self.split = split
         self.where = f"{option} {source}"
         if not Path(source).exists():
             raise PipelineRunError(f"{self.where}: no such file or directory", every_rank=True)
@@ -462,10 +495,7 @@ class Corpus:
 
     def __call__(self, step: int) -> dict[str, torch.Tensor]:
         """The whole batch of step ``step`` (or held-out batch ``step``), by input name."""
-        if self.documents is None:
-            documents = self.read()
-            self.arrange(documents)
-            self.documents = documents
+        self.prepare()
         if self.format.by_length:
             batch = self.batch_by_length(step)
         else:
@@ -473,9 +503,26 @@ class Corpus:
         return {name: batch[name].to(dtype) for name, dtype in self.format.inputs}
 
     # -- the first batch: reading, tokenizing, packing ---------------------------------------
+    def prepare(self) -> None:
+        """Read, tokenize and arrange the dataset, once (the driver does it before the first
+        step, else the first batch does)."""
+        if self.documents is None:
+            documents = self.read()
+            self.arrange(documents)
+            self.documents = documents
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Whole batches in one pass over the rows (once prepared)."""
+        if self.format.by_length:
+            assert self.pieces is not None  # prepared
+            return len(self.pieces.lengths) // self.samples
+        assert self.rows is not None  # prepared
+        return len(self.rows.tokens) // self.samples
+
     def read(self) -> Documents:
         """The dataset's documents, tokenized, each followed by the end-of-sequence token."""
-        dataset = _read_dataset(self.source, self.option, self.held_out)
+        dataset, self.where = _read_dataset(self.source, self.option, self.held_out, self.split)
         columns = list(dataset.column_names)
         tokenizer = _load_tokenizer(self.tokenizer) if self.tokenizer is not None else None
         eos = _end_token(tokenizer, str(self.tokenizer)) if tokenizer is not None else None

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .core.pipeline import Pipeline
 from .core.schedules import SCHEDULES, SPLIT_BACKWARD, schedule_problem_for
 from .hangs import DIAGNOSIS_MARGIN
+from .huggingface import file_name_problem
 from .sinks import SINK_PACKAGES, missing_package
 from .timeline import parse_steps
 
@@ -61,6 +64,7 @@ class TrainConfig:
     load_partial: bool  # --load may hold tensors this model has not: they are left out
     save: str | None
     save_format: str | None  # torch, safetensors or hf; None: by --save's suffix
+    force: bool  # --save may replace a model directory autopipe wrote before
     # checkpoints
     checkpoint_dir: str | None
     checkpoint_every: int
@@ -73,6 +77,7 @@ class TrainConfig:
     eval_every: int  # evaluate after every N optimizer steps (0: at the end only)
     eval_batches: int  # held-out batches per evaluation
     eval_only: bool  # evaluate the loaded or resumed weights, train nothing
+    eval_split: str | None  # the split of a --eval-data DatasetDict evaluated (None: validation)
     # metrics
     log_json: str | None
     tensorboard: str | None  # TensorBoard event files' directory
@@ -99,10 +104,10 @@ class TrainConfig:
         return self.dp * self.dp_shard
 
 
-def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
+def parse_config(argv: list[str], pipeline: Pipeline, package: Path | None = None) -> TrainConfig:
     """train.py's command line: the options of every concern's group (:data:`OPTION_GROUPS`),
     parsed and then checked once by :func:`validate` (a bad option exits with argparse's usage
-    and message)."""
+    and message). ``package``: the package's directory, which no output may overwrite."""
     parser = argparse.ArgumentParser(
         prog="train.py",
         description=f"Train {pipeline.model_class} as a {pipeline.num_stages}-stage pipeline "
@@ -112,7 +117,7 @@ def parse_config(argv: list[str], pipeline: Pipeline) -> TrainConfig:
     for add_options in OPTION_GROUPS:
         add_options(parser, pipeline)
     args = parser.parse_args(argv)
-    validate(parser, args, pipeline)
+    validate(parser, args, pipeline, package)
     return TrainConfig(**vars(args))
 
 
@@ -315,6 +320,13 @@ def data_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
         "at compile time, safetensors shards with an index, tied weights once); hf needs a "
         "transformers model (default: by --save's suffix)",
     )
+    group.add_argument(
+        "--force",
+        action="store_true",
+        help="with --save-format hf: replace the model directory autopipe wrote at --save before "
+        "(only its own files are removed; a directory holding anything else, a tokenizer or a "
+        "README, is refused with or without --force)",
+    )
 
 
 def checkpoint_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
@@ -391,6 +403,18 @@ def evaluation_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> N
         action="store_true",
         help="evaluate the weights --load or --resume gives (or the initial ones) and stop, "
         "training nothing",
+    )
+
+
+def eval_split_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
+    """Which split of a held-out DatasetDict an evaluation reads."""
+    group = parser.add_argument_group("evaluation split")
+    group.add_argument(
+        "--eval-split",
+        metavar="SPLIT",
+        help="the split of a --eval-data directory that datasets' save_to_disk wrote of a "
+        "DatasetDict to evaluate on (default: validation, else test; a DatasetDict without "
+        "either is refused, naming its splits)",
     )
 
 
@@ -490,17 +514,24 @@ OPTION_GROUPS: tuple[Callable[[argparse.ArgumentParser, Pipeline], None], ...] =
     data_options,
     checkpoint_options,
     evaluation_options,
+    eval_split_options,
     metrics_options,
     observability_options,
     dry_run_options,
 )
 
 
-def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, pipeline: Pipeline) -> None:
+def validate(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    pipeline: Pipeline,
+    package: Path | None = None,
+) -> None:
     """Check the parsed options against each other and the pipeline, exiting through
     ``parser.error`` at the first problem, and resolve what they leave to the pipeline
     (``--resume-from`` implies ``--resume``; ``--recompute`` becomes stage and block sets,
-    ``--gather auto`` block or step)."""
+    ``--gather auto`` block or step). ``package``: the package's directory, which ``--save``
+    must stay out of."""
     for name in ("steps", "checkpoint_every", "warmup_steps", "keep_checkpoints", "eval_every"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0")
@@ -523,6 +554,16 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, pipeline
     if (args.eval_every or args.eval_only) and not args.eval_data:
         flag = "--eval-only" if args.eval_only else "--eval-every"
         parser.error(f"{flag} evaluates --eval-data FILE.py:FN; give the held-out batches")
+    if args.eval_split is not None and not args.eval_data:
+        parser.error(
+            f"--eval-split {args.eval_split} chooses the split --eval-data DIR reads; give it"
+        )
+    if args.eval_only and args.save:
+        parser.error(
+            f"--eval-only trains nothing, so --save {args.save} would hold the weights it "
+            "evaluates unchanged (those of --load or the checkpoint): leave --save out, or "
+            "train with --steps N to save trained weights"
+        )
     for option in SINK_PACKAGES:
         if getattr(args, option[2:]) and missing_package(option):
             parser.error(f"{missing_package(option)} (or leave {option} out)")
@@ -534,6 +575,15 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, pipeline
             "was not compiled from a transformers PreTrainedModel (no config.json was recorded); "
             "use --save-format safetensors or torch"
         )
+    if args.force and args.save_format != "hf":
+        parser.error(
+            "--force lets --save DIR --save-format hf replace a model directory written before; "
+            "give those, or leave --force out"
+        )
+    if args.save:
+        problem = save_path_problem(args.save, args.save_format, args.checkpoint_dir, package)
+        if problem:
+            parser.error(problem)
     if args.load_partial and not args.load:
         parser.error("--load-partial says how to read --load PATH; give --load too")
     if (
@@ -584,6 +634,49 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, pipeline
             f"--gather block does not work with --schedule {args.schedule}: its weight passes "
             "need each stage's parameters gathered from the input backward on; use --gather step"
         )
+
+
+def save_path_problem(
+    save: str, save_format: str | None, checkpoint_dir: str | None, package: Path | None
+) -> str | None:
+    """Why ``--save`` cannot be written where it points, known from the paths alone: a model
+    directory named like a file, or a path that is, lies inside or holds ``--checkpoint-dir``
+    or the package (the trained model and the run's checkpoints or the package's files would
+    be written over each other, or removed together); None if it can."""
+    if save_format == "hf":
+        problem = file_name_problem(Path(save), "--save", "--save-format safetensors")
+        if problem:
+            return problem
+    if checkpoint_dir:
+        relation = _relation(save, checkpoint_dir)
+        if relation:
+            return (
+                f"--save {save} {relation} --checkpoint-dir {checkpoint_dir}: the trained model "
+                "and the run's checkpoints would be written over each other; give them paths "
+                "apart, e.g. --save out/model --checkpoint-dir out/checkpoints"
+            )
+    if package is not None:
+        relation = _relation(save, package)
+        if relation:
+            return (
+                f"--save {save} {relation} this package ({package}): a package holds only the "
+                "files autopipe generated (compiling it again replaces them, and refuses a "
+                "package holding others); write the trained model outside the package"
+            )
+    return None
+
+
+def _relation(path: str | Path, other: str | Path) -> str | None:
+    """How ``path`` lies against ``other``, both made absolute and their links resolved: "is",
+    "is inside" or "holds"; None when neither holds the other."""
+    mine, theirs = Path(os.path.realpath(path)), Path(os.path.realpath(other))
+    if mine == theirs:
+        return "is"
+    if mine.is_relative_to(theirs):
+        return "is inside"
+    if theirs.is_relative_to(mine):
+        return "holds"
+    return None
 
 
 def dry_run_problem(

@@ -38,7 +38,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -51,14 +51,49 @@ from torch.distributed.checkpoint.state_dict import (
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import Checkpoint, CheckpointError, save_safetensors
+from .checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    save_safetensors,
+)
 from .core.errors import PipelineRunError, first_line
 from .core.pipeline import ModelIdentity, PipelineFormatError
-from .guards import agree, describe_write_error
+from .guards import agree, describe_write_error, replace_atomically
 from .identity import identity_difference, identity_from_tensors, identity_of_manifest
 from .parallel import Layout
 from .core.pipeline import Pipeline, as_pipeline
 from .support import copy_whole, local_shard, stage_state
+
+__all__ = [
+    "CHECKPOINT_FILE",
+    "FORMAT",
+    "FrozenSource",
+    "MANIFEST",
+    "READABLE_VERSIONS",
+    "STEP_NAME",
+    "StateMetadata",
+    "TrainingCheckpoints",
+    "VERSION",
+    "checked_checkpoint",
+    "complete_checkpoints",
+    "damage",
+    "expand_aliases",
+    "fingerprint",
+    "frozen_names",
+    "gather_weights",
+    "latest_checkpoint",
+    "load_weights",
+    "materialise",
+    "merge_checkpoint",
+    "merged_state",
+    "read_manifest",
+    "save_weights",
+    "stage_training_state",
+    "trainable_only_note",
+    "training_state",
+]
 
 #: DCP's metadata of a checkpoint: what it holds, by key
 StateMetadata = dict[str, TensorStorageMetadata | BytesStorageMetadata]
@@ -196,22 +231,22 @@ def save_weights(
     state: dict[str, torch.Tensor], path: str | Path, file_format: str | None = None
 ) -> None:
     """Write a state_dict as ``.safetensors`` or with ``torch.save`` (``file_format``
-    "safetensors" or "torch"; by default by the suffix), through a temporary file and a rename:
-    an interrupted save never leaves a broken file."""
+    "safetensors" or "torch"; by default by the suffix), through a temporary file created
+    exclusively beside it and a rename (:func:`replace_atomically`): an interrupted or failed
+    save never leaves a broken file, nor a temporary, and never writes through a link planted
+    beforehand."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    try:
-        if file_format == "safetensors" or (
-            file_format is None and target.suffix == ".safetensors"
-        ):
-            save_safetensors(state, tmp)
+    safetensors = file_format == "safetensors" or (
+        file_format is None and target.suffix == ".safetensors"
+    )
+
+    def write(temporary: Path) -> None:
+        if safetensors:
+            save_safetensors(state, temporary)
         else:
-            torch.save(state, tmp)
-        _fsync(tmp)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+            torch.save(state, temporary)
+
+    replace_atomically(target, write)
 
 
 # -- training checkpoints ---------------------------------------------------------------------
@@ -502,7 +537,7 @@ class TrainingCheckpoints:
         checkpoint written with ``--save-trainable-only`` fills the trainable parameters only:
         the frozen ones keep what the stages hold (``--load``, or the initialisation)."""
         manifest = read_manifest(path)
-        reader = FileSystemReader(path)
+        reader = SafeFileSystemReader(path)  # runs no code a checkpoint could hold
         saved = _saved_metadata(path, reader, every_rank=True)
         partial = FrozenSource.of_manifest(manifest, path) is not None
         left_out = frozenset(manifest["trainable_only"]["frozen"]) if partial else frozenset()
@@ -521,7 +556,7 @@ class TrainingCheckpoints:
         if problem:
             raise PipelineRunError(problem, every_rank=True)
         try:
-            dcp.load(request, storage_reader=reader)
+            dcp.load(request, storage_reader=reader, planner=SafeLoadPlanner())
         except CheckpointException as exc:
             raise PipelineRunError(
                 f"checkpoint {path} cannot be read ({first_line(_cause(exc))}); it is damaged",
@@ -826,12 +861,12 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 def _saved_metadata(
-    path: Path, reader: FileSystemReader | None = None, every_rank: bool = False
+    path: Path, reader: SafeFileSystemReader | None = None, every_rank: bool = False
 ) -> StateMetadata:
-    """What DCP's metadata of checkpoint ``path`` lists, by key; PipelineRunError if it cannot
-    be read."""
+    """What DCP's metadata of checkpoint ``path`` lists, by key (read without running code);
+    PipelineRunError if it cannot be read."""
     try:
-        return (reader or FileSystemReader(path)).read_metadata().state_dict_metadata
+        return (reader or SafeFileSystemReader(path)).read_metadata().state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - DCP's reader raises what its storage does
         raise PipelineRunError(
             f"checkpoint {path} cannot be read ({first_line(exc)})", every_rank=every_rank
@@ -876,7 +911,7 @@ def checked_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:
 def merged_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The original-model state_dict of the checkpoint :func:`checked_checkpoint` gave (with
     its ``manifest``), tied names included, read in this one process."""
-    reader = FileSystemReader(path)
+    reader = SafeFileSystemReader(path)  # runs no code a checkpoint could hold
     try:
         saved = reader.read_metadata().state_dict_metadata
         state = {
@@ -890,10 +925,12 @@ def merged_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor
         }
         with warnings.catch_warnings():  # reading in one process is what merge is for
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load({"model": state}, storage_reader=reader, no_dist=True)
-    except Exception as exc:  # noqa: BLE001 - DCP's reader raises what its storage does
-        raise PipelineRunError(
-            f"checkpoint {path} cannot be read ({first_line(exc)}); it is damaged"
+            dcp.load(
+                {"model": state}, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True
+            )
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's reader raises what
+        raise PipelineRunError(  # its storage does, wrapped in a (Base)CheckpointException
+            f"checkpoint {path} cannot be read ({first_line(_cause(exc))}); it is damaged"
         ) from None
     expand_aliases(state, manifest["aliases"])
     return state

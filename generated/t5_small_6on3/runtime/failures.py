@@ -7,17 +7,29 @@ ranks torchrun then stops, or that lose contact with the failed one, read the bo
 that they stopped because of that rank, instead of a "lost contact" that hides the cause. Keys
 are per restart attempt (``TORCHELASTIC_RESTART_COUNT``), so an elastic restart starts clean.
 The hang diagnosis (``hangs.py``) exchanges its reports through the same store
-(:func:`agent_store`, under :func:`attempt_prefix`).
+(:func:`agent_store`, under :func:`attempt_prefix`). A failure's full traceback goes to a log
+file of its own (:func:`write_error_log`), created anew (``O_EXCL``, a random name, readable by
+its owner only) in a directory only its user can enter: a name planted in ``/tmp`` beforehand is
+never followed or overwritten.
 """
 
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
-__all__ = ["FailureBoard", "agent_store", "attempt_prefix"]
+__all__ = [
+    "FailureBoard",
+    "agent_store",
+    "attempt_prefix",
+    "error_log_directory",
+    "write_error_log",
+]
 
 #: how long a rank waits for the store before it does without the board
 _STORE_TIMEOUT = timedelta(seconds=5)
@@ -83,3 +95,45 @@ class FailureBoard:
             except (RuntimeError, OSError):
                 return None
         return None
+
+
+def error_log_directory() -> Path:
+    """``TMPDIR/autopipe-UID``: this user's directory of error logs (and of the trained weights
+    no other place took: ``guards.fallback_paths``), created private (0700); one that is not a
+    directory of this user's that only they can enter (planted by another, a link) is not used:
+    a new private one with a random name is made instead."""
+    base = Path(tempfile.gettempdir())
+    directory = base / f"autopipe-{os.getuid()}"
+    try:
+        directory.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="autopipe-", dir=base))
+    try:
+        info = os.lstat(directory)
+    except OSError:
+        info = None
+    if (
+        info is None
+        or not stat.S_ISDIR(info.st_mode)
+        or info.st_uid != os.getuid()
+        or info.st_mode & 0o077
+    ):
+        return Path(tempfile.mkdtemp(prefix="autopipe-", dir=base))
+    return directory
+
+
+def write_error_log(text: str, rank: int) -> Path | None:
+    """``text`` (a failure's traceback) in a new file of :func:`error_log_directory`, named
+    ``train-error-rankR-*.log`` and created exclusively; its path, or None if it cannot be
+    written."""
+    try:
+        fd, name = tempfile.mkstemp(
+            prefix=f"train-error-rank{rank}-", suffix=".log", dir=error_log_directory()
+        )
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError:
+        return None
+    return Path(name)

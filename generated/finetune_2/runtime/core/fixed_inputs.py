@@ -8,7 +8,13 @@ default. A batch passing another value would be trained on silently as if it pas
 example's. The pipeline contract therefore records each such value (``pipeline.json``'s
 ``fixed_inputs``), and train.py (every step's batch) and ``autopipe verify`` (the example)
 refuse a batch whose value differs, naming the input, both values and the fix. A batch may
-leave such an argument out: the stages compute with the recorded value.
+leave such an argument out where the recorded value is what the forward's default gives it (the
+stages compute with the recorded value, the model with its default: the same); where the
+example passed another value than the default, or the forward has no default for it, the
+record also holds the default (``"default"``: its ``repr``, or null where there is none), and a
+batch that leaves the argument out is refused: the model would compute with its default, the
+pipeline with the example's value. Records without ``"default"`` (pipelines compiled before
+defaults were recorded) let a batch leave the argument out, as they did.
 
 A value is recorded as JSON where it has a JSON form (None, booleans, numbers, strings, and
 lists, tuples and string-keyed dicts of them: tuples read back as lists), else as its ``repr``
@@ -78,11 +84,15 @@ def _described(value: Any) -> str:
 @dataclass(frozen=True)
 class FixedInput:
     """A forward argument the example passed without tensors: its JSON ``value``, or where it
-    has no JSON form its ``text`` (``repr``) and ``value`` None."""
+    has no JSON form its ``text`` (``repr``) and ``value`` None. ``required``: a batch must pass
+    it, as the forward's default (``default``, its ``repr``; None where the forward has none)
+    is not the recorded value."""
 
     name: str
     value: Any = None
     text: str | None = None
+    required: bool = False
+    default: str | None = None
 
     @classmethod
     def of(cls, name: str, value: Any) -> FixedInput | None:
@@ -96,6 +106,15 @@ class FixedInput:
             if _said_by_repr(value):
                 return cls(name, None, repr(value))
             return None
+
+    def beside_default(self, default: Any, has_default: bool = True) -> FixedInput:
+        """This record, told the forward's ``default`` for the argument (``has_default``
+        False: the forward has none): a default that computes as the recorded value changes
+        nothing, another makes the argument ``required``."""
+        if has_default and self.matches(default):
+            return self
+        shown = _described(default) if has_default else None
+        return FixedInput(self.name, self.value, self.text, True, shown)
 
     def matches(self, value: Any) -> bool:
         """Whether a batch passing ``value`` computes what the pipeline computes."""
@@ -113,12 +132,23 @@ class FixedInput:
         return self.text if self.text is not None else repr(self.value)
 
     def to_json(self) -> dict[str, Any]:
-        return {"repr": self.text} if self.text is not None else {"value": self.value}
+        record: dict[str, Any] = (
+            {"repr": self.text} if self.text is not None else {"value": self.value}
+        )
+        if self.required:
+            record["default"] = self.default
+        return record
+
+
+#: the keys a record may hold: the value's (one of them), and the forward's default where it
+#: differs from the value
+_RECORD_KEYS = (["value"], ["repr"], ["default", "value"], ["default", "repr"])
 
 
 def fixed_inputs_from_json(data: Any, where: str, read: FieldReader) -> dict[str, FixedInput]:
-    """A ``fixed_inputs`` record (``{name: {"value": JSON} | {"repr": text}}``), checked by
-    ``read`` (the reader of the format holding it)."""
+    """A ``fixed_inputs`` record (``{name: {"value": JSON} | {"repr": text}}``, each with
+    ``"default"``, the forward's default as its ``repr`` or null, where a batch must pass the
+    argument), checked by ``read`` (the reader of the format holding it)."""
     read.check(data, where, is_object, "an object")
     fixed = {}
     for name, record in data.items():
@@ -127,13 +157,18 @@ def fixed_inputs_from_json(data: Any, where: str, read: FieldReader) -> dict[str
         read.check(
             record,
             at,
-            lambda v: is_object(v) and list(v) in (["value"], ["repr"]),
-            '{"value": the example\'s value} or {"repr": its repr}',
+            lambda v: is_object(v) and sorted(v) in _RECORD_KEYS,
+            '{"value": the example\'s value} or {"repr": its repr}, with "default" or without',
         )
+        required = "default" in record
+        default = record.get("default")
+        if default is not None:
+            read.text(default, f"{at}.default")
         if "repr" in record:
-            fixed[name] = FixedInput(name, None, read.text(record["repr"], f"{at}.repr"))
+            text = read.text(record["repr"], f"{at}.repr")
+            fixed[name] = FixedInput(name, None, text, required, default)
         else:
-            fixed[name] = FixedInput(name, record["value"])
+            fixed[name] = FixedInput(name, record["value"], None, required, default)
     return fixed
 
 
@@ -154,9 +189,28 @@ def check_fixed_inputs(
     fixed: Mapping[str, FixedInput], given: Mapping[str, Any], where: str
 ) -> None:
     """Refuse inputs ``given`` (by name) whose value differs from the one the pipeline was
-    compiled with (``fixed``); an input not given is not checked (the stages compute with the
-    recorded value)."""
+    compiled with (``fixed``), and the absence of one that must be passed (the forward's default
+    differs from that value); another input not given is not checked (the stages compute with
+    the recorded value, which is the forward's default)."""
     for name, record in fixed.items():
+        if name not in given and record.required:
+            compiled = f"{name}={record.shown}"
+            if record.default is not None:
+                why = (
+                    f"the forward's default is {name}={record.default}: the model would compute "
+                    f"with {name}={record.default}, the pipeline computes with {compiled}. Pass "
+                    f"{compiled} in every batch, or compile again with an example that leaves "
+                    f"{name} at its default"
+                )
+            else:
+                why = (
+                    "the forward has no default for it (the model cannot be called without "
+                    f"it). Pass {compiled} in every batch"
+                )
+            raise PipelineRunError(
+                f"{where}: input {name!r} is left out, but the pipeline was compiled with "
+                f"{compiled} (the example's value) and {why}"
+            )
         if name in given and not record.matches(given[name]):
             raise PipelineRunError(
                 f"{where}: input {name!r} is {_described(given[name])}, but the pipeline was "
