@@ -45,7 +45,7 @@ from .verify import VerifyReport, check_files, verify
 ArgumentContainer = argparse.ArgumentParser | argparse._ArgumentGroup
 
 #: the compile options of each argument group, in the order --help lists them
-TRACING = ("depth", "basic_blocks", "keep_whole", "inline_blocks", "dynamic")
+TRACING = ("depth", "basic_blocks", "keep_whole", "inline_blocks", "dynamic", "batch_dims")
 PROFILING = ("profile", "expected", "device_spec", "link")
 PARTITIONING = (
     "stages",

@@ -38,6 +38,7 @@ from .spec import Example, load_example, load_function
 from .tracing import trace
 from .tracing.loss import trace_loss
 from .ir.analysis import check_replay
+from .ir.batch_dims import batch_dims_of
 from .options import CompileOptions
 
 ARTIFACTS = "artifacts"
@@ -88,6 +89,9 @@ def trace_step(
         dynamic=options.dynamic,
         keep_whole=tuple(options.keep_whole),
     )
+    batch_dims = batch_dims_of(graph, options.batch_dims or {})
+    if batch_dims:  # recorded where an input's batch is not along dimension 0
+        graph.model = graph.model.updated(batch_dims=batch_dims)
     if loss is not None:
         loss_fn = load_function(loss, "loss spec") if isinstance(loss, str) else loss
         graph.loss = trace_loss(example, loss_fn)

@@ -30,6 +30,7 @@ __all__ = [
     "COUNT",
     "OPTIONS",
     "TOLERANCE",
+    "BatchDims",
     "Choice",
     "ClassNames",
     "CompileOptions",
@@ -279,6 +280,38 @@ class Sizes(Rule):
 
 
 @dataclass(frozen=True)
+class BatchDims(Rule):
+    """The dimension holding the batch of some model inputs, by name (``--batch-dims h0=1,x=1``):
+    each a dimension index of at least 0; the names are checked against the model's inputs when
+    it is traced (:func:`autopipe.ir.batch_dims.batch_dims_of`)."""
+
+    rule = "must give input dimensions by name, as in h0=1,x=1"
+
+    def check(self, value: Any, flag: str) -> Any:
+        dims = value or {}
+        if not (
+            isinstance(dims, dict)
+            and all(is_text(k) and k.isidentifier() and is_int(v, 0) for k, v in dims.items())
+        ):
+            raise AutopipeError(f'{flag} {self.rule} ({{"h0": 1, "x": 1}}); got {value!r}')
+        return dims
+
+    def parse(self, text: str) -> dict[str, int]:
+        dims: dict[str, int] = {}
+        for item in text.split(","):
+            name, _, dim = (part.strip() for part in item.partition("="))
+            if not name.isidentifier() or not dim.isdigit():
+                raise argparse.ArgumentTypeError(
+                    f"{item!r} must be NAME=DIM (an input's name and the index of the dimension "
+                    "that holds its batch), e.g. h0=1"
+                )
+            if name in dims:
+                raise argparse.ArgumentTypeError(f"input {name!r} is given twice")
+            dims[name] = int(dim)
+        return dims
+
+
+@dataclass(frozen=True)
 class Link(Rule):
     """The stage-to-stage link: a known link name or a bandwidth in GB/s greater than 0."""
 
@@ -397,6 +430,17 @@ class CompileOptions:
         rule=DynamicDims(),
         metavar="NAME[MIN:MAX]=INPUT:DIM,...",
         action="append",
+    )
+    #: the dimension holding the batch of inputs that do not hold it along dimension 0, by name
+    #: (default: dimension 0, or what the trace shows: an RNN's time-first input or its state)
+    batch_dims: dict[str, int] | None = option(
+        None,
+        help="the dimension that holds the batch of an input whose batch is not the first "
+        "dimension, e.g. h0=1,x=1 for a time-first RNN and its initial state (default 0, or "
+        "what the trace shows: an input going straight into a torch RNN); the package "
+        "records them, train.py splits batches along them",
+        rule=BatchDims(),
+        metavar="NAME=DIM[,NAME=DIM]",
     )
     #: sizes of dynamic dimensions to predict time at ({"seq": 512}; default: the planned sizes)
     expected: dict[str, int] | None = option(
@@ -531,7 +575,8 @@ class CompileOptions:
             )
         self._check("microbatches", "dp_shard", "depth", "gpus_per_node")
         self._check("profile", "method", "schedule", "optimizer")
-        self._check("basic_blocks", "keep_whole", "dynamic", "expected", "inline_blocks", "link")
+        self._check("basic_blocks", "keep_whole", "dynamic", "batch_dims", "expected")
+        self._check("inline_blocks", "link")
 
     def _check(self, *names: str) -> None:
         """Check options ``names`` by their rules (None passes where it is the default), keeping

@@ -590,6 +590,48 @@ def stacked_rnn(batch: int = 2, seed: int = 0):
     )
 
 
+class TimeFirstLSTM(nn.Module):
+    """A 2-layer LSTM over time-first sequences (time, batch, features), started from given
+    initial states (layers, batch, hidden): every input holds its batch along dimension 1; its
+    output (batch,) along dimension 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, num_layers=2)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x, h0, c0):
+        y, (h, c) = self.lstm(x, (h0, c0))
+        return self.head(y).squeeze(-1).mean(0) + (h - c).mean((0, 2))
+
+
+def _time_first(batch: int, seed: int):
+    g = torch.Generator().manual_seed(1 + seed)
+    x = torch.randn(5, batch, 8, generator=g)
+    h0, c0 = torch.randn(2, batch, 16, generator=g), torch.randn(2, batch, 16, generator=g)
+    return (x, h0, c0), torch.randn(batch, generator=g)
+
+
+def time_first_lstm(batch: int = 2, seed: int = 0):
+    """TimeFirstLSTM, its example microbatch of ``batch`` sequences and their target."""
+    torch.manual_seed(0)
+    args, target = _time_first(batch, seed)
+    return TimeFirstLSTM(), args, {}, target
+
+
+def time_first_lstm_batch(step: int, microbatches: int = 4):
+    """A step's batch of ``microbatches`` example microbatches, time first: x (5, 2m, 8), h0
+    and c0 (2, 2m, 16), the target (2m,)."""
+    args, target = _time_first(2 * microbatches, 1000 + step)
+    return list(args), {}, target
+
+
+def time_first_lstm_short_state_batch(step: int, microbatches: int = 4):
+    """time_first_lstm_batch with initial states of 6 sequences (dimension 1) instead of 8."""
+    (x, h0, c0), kwargs, target = time_first_lstm_batch(step, microbatches)
+    return [x, h0[:, :6], c0[:, :6]], kwargs, target
+
+
 class LSTMLanguageModel(nn.Module):
     """A 2-layer LSTM language model over padded tensors, its output layer tied to its
     embedding."""

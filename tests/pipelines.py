@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 
@@ -17,9 +18,19 @@ STEPS, MICROBATCHES = 4, 4
 
 
 def reference_training(
-    example, data, steps, optimizer, lr, loss_fn=None, clip=None, warmup=0, cosine=False
+    example,
+    data,
+    steps,
+    optimizer,
+    lr,
+    loss_fn=None,
+    clip=None,
+    warmup=0,
+    cosine=False,
+    batch_dims=None,
 ):
-    """Plain PyTorch on one process: each step's batch split into microbatches, the mean of
+    """Plain PyTorch on one process: each step's batch split into microbatches (each input
+    along its dimension in ``batch_dims``, by name, else 0; the target along 0), the mean of
     their losses back-propagated (gradient accumulation), gradients clipped to the norm ``clip``,
     one optimizer step at a learning rate warmed up linearly over ``warmup`` steps, then
     (``cosine``) decayed to 0 at ``steps``."""
@@ -39,14 +50,16 @@ def reference_training(
             return lr
         return lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
 
+    dims = batch_dims or {}
+    names = list(inspect.signature(model.forward).parameters)
     losses = []
     for step in range(steps):
         args, kwargs, *target = data(step)
         opt.zero_grad()
         chunks = []
         for i in range(MICROBATCHES):
-            mb_args = [a.chunk(MICROBATCHES)[i] for a in args]
-            mb_kwargs = {k: v.chunk(MICROBATCHES)[i] for k, v in kwargs.items()}
+            mb_args = [a.chunk(MICROBATCHES, dims.get(n, 0))[i] for n, a in zip(names, args)]
+            mb_kwargs = {k: v.chunk(MICROBATCHES, dims.get(k, 0))[i] for k, v in kwargs.items()}
             out = model(*mb_args, **mb_kwargs)
             loss_of = out if isinstance(out, torch.Tensor) else out.loss  # a plain loss tensor
             chunks.append(loss_fn(out, target[0].chunk(MICROBATCHES)[i]) if loss_fn else loss_of)

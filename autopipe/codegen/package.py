@@ -451,6 +451,8 @@ def pipeline_description(
         description["frozen"] = frozen
     if graph.model.huggingface is not None:
         description["huggingface"] = dict(graph.model.huggingface)
+    if graph.model.batch_dims:  # inputs whose batch is not along dimension 0
+        description["batch_dims"] = dict(graph.model.batch_dims)
     return Pipeline.from_json(description).to_json()  # the runtime's contract, checked here
 
 

@@ -5,7 +5,9 @@ dimensions, where its ``pipe_split()`` markers ask stages to begin, for a Huggin
 ``PreTrainedModel`` its configuration (and generation configuration), which a trained model's
 ``from_pretrained`` directory needs, and the example's arguments that hold no tensor, which
 torch.export fixed to their values (batches must pass the same), and the configuration values a
-Hugging Face model was traced with as ``transformers`` trains it (``use_cache=False``).
+Hugging Face model was traced with as ``transformers`` trains it (``use_cache=False``), and the
+dimension that holds the batch of each input whose batch is not along dimension 0
+(:mod:`autopipe.ir.batch_dims`).
 
 Graphs traced from a model record every fact; the graphs of a ``torch.cond`` branch record the
 class and source line, those of a custom autograd function the class alone. :class:`ModelFacts`
@@ -41,6 +43,7 @@ _KEYS = (
     "split_markers",
     "fixed_inputs",
     "trace_settings",
+    "batch_dims",
 )
 
 #: checks of the record's JSON values that the runtime's formats share
@@ -125,6 +128,9 @@ class ModelFacts:
     #: configuration attributes of a Hugging Face model set for the trace as ``transformers``
     #: trains (``{"use_cache": False}``), with the values traced with; the model keeps its own
     trace_settings: Mapping[str, Any] = field(default_factory=dict)
+    #: the dimension holding the batch of each input that does not hold it along dimension 0
+    #: (found by the trace or given by ``--batch-dims``), by name
+    batch_dims: Mapping[str, int] = field(default_factory=dict)
     #: the keys the record holds (a branch's or a function's graph records fewer facts)
     keys: frozenset[str] = frozenset(_KEYS[:8])
 
@@ -164,6 +170,7 @@ class ModelFacts:
             "split_markers": self.split_markers,
             "fixed_inputs": self.fixed_inputs,
             "trace_settings": self.trace_settings,
+            "batch_dims": self.batch_dims,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -181,6 +188,7 @@ class ModelFacts:
             "split_markers": list(self.split_markers),
             "fixed_inputs": {name: f.to_json() for name, f in self.fixed_inputs.items()},
             "trace_settings": dict(self.trace_settings),
+            "batch_dims": dict(self.batch_dims),
         }
         optional = {
             "symbols": bool(self.symbols),
@@ -188,6 +196,7 @@ class ModelFacts:
             "split_markers": bool(self.split_markers),
             "fixed_inputs": bool(self.fixed_inputs),
             "trace_settings": bool(self.trace_settings),
+            "batch_dims": bool(self.batch_dims),
         }
         return {key: values[key] for key in _KEYS if key in self.keys or optional.get(key)}
 
@@ -279,6 +288,14 @@ class ModelFacts:
             settings,
             "an object of configuration values by attribute name",
         )
+        batch_dims = model.get("batch_dims", {})
+        require(
+            isinstance(batch_dims, dict)
+            and all(is_identifier(k) and is_int(v, 1) for k, v in batch_dims.items()),
+            f"{where}model.batch_dims",
+            batch_dims,
+            "an object of dimensions (1 or more) by input name",
+        )
 
         for name, module in sorted(operators.items()):  # registers them, for the graph's lint
             try:
@@ -302,5 +319,6 @@ class ModelFacts:
             split_markers=tuple(markers),
             fixed_inputs=fixed,
             trace_settings=dict(settings),
+            batch_dims=dict(batch_dims),
             keys=frozenset(model),
         )

@@ -8,6 +8,7 @@ package from the package on, else relative to the working directory, else by its
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import re
@@ -51,7 +52,13 @@ def is_user_file(filename: str) -> bool:
     packages within the standard library's folder)."""
     if filename.startswith("<"):
         return False
-    path = os.path.abspath(filename)
+    # asked for every frame of every traced node's stack: once per file
+    return _is_user_path(filename if os.path.isabs(filename) else os.path.abspath(filename))
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_user_path(absolute: str) -> bool:
+    path = os.path.normpath(absolute)
     if path.startswith(_LIBRARY_DIRS):
         return False
     installed = f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
