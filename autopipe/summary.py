@@ -50,12 +50,25 @@ def format_partition(graph: Graph, part: Partition) -> str:
     rows.append(throughput_line(graph, part))
     if graph.model.symbols:
         rows.append(f"dynamic dimensions: {dimensions_text(graph, part)}")
+    rows += batch_dims_lines(graph)
     rows += recompute_lines(graph, part)
     rows += requested_lines(part)
     rows += kept_whole_lines(graph, part)
     rows += random_in_eval_lines(graph)
     rows += trace_settings_lines(graph)
     return "\n".join(rows)
+
+
+def batch_dims_lines(graph: Graph) -> list[str]:
+    """The inputs whose batch is not along dimension 0, as the package records them."""
+    dims = graph.model.batch_dims
+    if not dims:
+        return []
+    listed = ", ".join(f"{name} {dim}" for name, dim in dims.items())
+    return [
+        f"batch dimensions: {listed} (train.py splits batches along them, other inputs along "
+        "0; --batch-dims NAME=DIM changes them)"
+    ]
 
 
 def trace_settings_lines(graph: Graph) -> list[str]:

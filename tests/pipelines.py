@@ -114,6 +114,7 @@ def run_pipeline(
         *extra,
     )
     records = [json.loads(line) for line in log.read_text().splitlines()]
+    records = [r for r in records if "loss" in r]  # the steps' (not evaluations')
     assert [r["step"] for r in records] == list(range(STEPS))
     return [r["loss"] for r in records], torch.load(saved, weights_only=True)
 

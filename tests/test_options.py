@@ -24,6 +24,7 @@ BAD = {
     "inline_blocks": 1,
     "dynamic": "seq",
     "expected": {"seq": 1},
+    "batch_dims": {"h0": -1},
     "link": "warp",
     "schedule": "magic",
     "microbatches": 0,
