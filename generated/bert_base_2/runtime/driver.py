@@ -30,6 +30,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from torch.distributed.pipelining.schedules import (
     _Action,
     _ComputationType,
@@ -266,6 +267,16 @@ def make_loss_fn(package: ModuleType, pipeline: Pipeline, device: torch.device) 
     return output_loss
 
 
+def chunk_spec(pipeline: Pipeline) -> tuple[TensorChunkSpec, ...] | None:
+    """How torch's schedules split a pipeline run's first-stage inputs into microbatches: each
+    along its batch dimension; None (torch's default, dimension 0 for all) where every input
+    holds its batch along dimension 0. A loss's target is split along dimension 0."""
+    dims = [pipeline.batch_dim(value.name) for value in pipeline.data_inputs]
+    if not any(dims):
+        return None
+    return tuple(TensorChunkSpec(dim) for dim in dims)  # type: ignore[no-untyped-call]  # torch
+
+
 def build_schedule(
     name: str,
     stages: list[DataParallelStage],
@@ -277,22 +288,24 @@ def build_schedule(
     """A torch.distributed.pipelining schedule over this rank's stages. Gradients are left
     unscaled (sums over microbatches): the driver scales them once per optimizer step.
     ``forward_only``: a schedule that only ever runs ``eval`` (``auto``'s orders, which torch
-    runs as given, then hold the forwards alone; torch's own schedules skip the backwards)."""
+    runs as given, then hold the forwards alone; torch's own schedules skip the backwards).
+    Microbatches are split along each input's batch dimension (:func:`chunk_spec`)."""
+    split: dict[str, Any] = {"args_chunk_spec": chunk_spec(pipeline), "scale_grads": False}
     if name in SINGLE_STAGE:
         # torch leaves get_schedule_class's return unannotated
         return get_schedule_class(SINGLE_STAGE[name])(  # type: ignore[no-any-return]
-            stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
+            stages[0], n_microbatches=microbatches, loss_fn=loss_fn, **split
         )
     if name in MULTI_STAGE:
         try:
             return get_schedule_class(MULTI_STAGE[name])(  # type: ignore[no-any-return]  # torch
-                stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
+                stages, n_microbatches=microbatches, loss_fn=loss_fn, **split
             )
         except (ValueError, AssertionError) as exc:
             raise PipelineRunError(f"--schedule {name} does not fit: {exc}") from None
     orders = greedy_orders(pipeline.pipeline_costs(), microbatches)
     schedule = _PipelineScheduleRuntime(  # type: ignore[no-untyped-call]  # torch: unannotated
-        stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
+        stages, n_microbatches=microbatches, loss_fn=loss_fn, **split
     )
     actions: dict[int, list[_Action | None]] = {
         rank: [_Action(a.stage, _KINDS[a.kind], a.microbatch) for a in order]

@@ -269,7 +269,8 @@ def data_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
         "--data",
         metavar="FILE.py:FN|DATASET",
         help="FN(step) returns (args, kwargs) or (args, kwargs, target), the step's whole batch "
-        "(batch dimension 0); or FN() returns a torch.utils.data.Dataset of dicts of tensors "
+        "(each input's batch along its batch dimension: 0, or as pipeline.json's batch_dims "
+        "records it); or FN() returns a torch.utils.data.Dataset of dicts of tensors "
         "(input names, and 'target' for a --loss), read in a seeded order; or a dataset on "
         "disk (.jsonl, .json, .parquet, .arrow or a datasets save_to_disk directory; needs pip "
         "install datasets) whose 'text' column --tokenizer tokenizes (or whose 'input_ids' are "

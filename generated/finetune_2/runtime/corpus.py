@@ -283,6 +283,13 @@ def row_format(pipeline: Pipeline, source: str, option: str) -> RowFormat:
                 f"pipeline's {value.name!r} has shape {list(value.shape)}: {fix}",
                 every_rank=True,
             )
+        if pipeline.batch_dim(value.name):
+            raise PipelineRunError(
+                f"{where}: a dataset file gives inputs of shape [samples, sequence]; this "
+                f"pipeline's {value.name!r} holds its batch along dimension "
+                f"{pipeline.batch_dim(value.name)} (pipeline.json's batch_dims): {fix}",
+                every_rank=True,
+            )
     dimension = _sequence_dimension(pipeline, values, where, fix)
     inputs = tuple((value.name, value.torch_dtype) for value in values)
     embedding = _embedding(pipeline)

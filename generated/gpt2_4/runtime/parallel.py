@@ -196,6 +196,9 @@ class DataParallelStage(PipelineStage):
         kwargs: dict[str, Any] | None = None,
         save_forward_output: bool = True,
     ) -> Any:
+        # a microbatch split along a batch dimension other than 0 is a strided view: given
+        # contiguous, as the model's own batch is (cuDNN's RNNs refuse a strided state)
+        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
         with recorded(self.timeline, "forward", self.stage_index, fwd_chunk_id):
             output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         if self.planned_outputs is not None:

@@ -2,8 +2,9 @@
 pipeline run of each data-parallel replica takes.
 
 Copied into every generated pipeline as ``runtime/data.py``; it needs only torch. A step's batch
-holds ``accumulate x dp x microbatches`` example microbatches along dimension 0, in that order:
-accumulation round, replica, microbatch. The batch of a step depends only on the step number (and
+holds ``accumulate x dp x microbatches`` example microbatches along each input's batch dimension
+(dimension 0 unless the pipeline records another, :meth:`Pipeline.batch_dim`; a loss's target: 0),
+in that order: accumulation round, replica, microbatch. The batch of a step depends only on the step number (and
 the seed), so a resumed run reads exactly what an uninterrupted one would. Batches come from a
 ``--data`` function, a Dataset factory, a dataset on disk (``corpus.py``: read, tokenized and
 packed on the ranks that read batches), or are synthetic.
@@ -213,11 +214,9 @@ class Batches:
     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Pipeline run ``index`` (accumulation round x dp + replica) of a step's batch."""
         inputs, target = batch
-
-        def chunk(t: torch.Tensor) -> torch.Tensor:
-            return t.chunk(self.parts)[index]
-
-        return [chunk(t) for t in inputs], (chunk(target) if target is not None else None)
+        dims = [self.pipeline.batch_dim(value.name) for value in self.pipeline.data_inputs]
+        parts = [t.chunk(self.parts, dim)[index] for t, dim in zip(inputs, dims)]
+        return parts, (target.chunk(self.parts)[index] if target is not None else None)
 
     def dimensions(self, inputs: list[torch.Tensor], step: int) -> dict[str, int] | None:
         """The sizes of the pipeline's dynamic dimensions in a step's first-stage ``inputs``
@@ -248,7 +247,10 @@ class Batches:
         if self.pad_to_multiple > 1:
             inputs = self._padded(inputs)
         sizes = self.dimensions(inputs, step)
-        inputs = [self._check(t, v, sizes, step) for t, v in zip(inputs, self.pipeline.data_inputs)]
+        inputs = [
+            self._check(t, v, self.pipeline.batch_dim(v.name), sizes, step)
+            for t, v in zip(inputs, self.pipeline.data_inputs)
+        ]
         loss = self.pipeline.loss
         if loss.needs_target:
             if not isinstance(target, torch.Tensor):
@@ -257,7 +259,7 @@ class Batches:
                     "(args, kwargs, target), or the dataset's items a 'target' entry"
                 )
             assert loss.target is not None  # a loss that needs a target describes it
-            target = self._check(target, loss.target, sizes, step)
+            target = self._check(target, loss.target, 0, sizes, step)
         return inputs, target
 
     def _padded(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -270,7 +272,9 @@ class Batches:
             sources = [
                 (names.index(name), index)
                 for name, index in dimension.sources
-                if index > 0 and name in names and inputs[names.index(name)].dim() > index
+                if index != self.pipeline.batch_dim(name)
+                and name in names
+                and inputs[names.index(name)].dim() > index
             ]
             if not sources:
                 continue
@@ -303,12 +307,18 @@ class Batches:
         return bound
 
     def _check(
-        self, tensor: torch.Tensor, value: Value, sizes: dict[str, int] | None, step: int
+        self,
+        tensor: torch.Tensor,
+        value: Value,
+        batch: int,
+        sizes: dict[str, int] | None,
+        step: int,
     ) -> torch.Tensor:
-        """``tensor``, checked to be what the pipeline takes as ``value`` in a step's batch; the
-        error names the step, the input, and the fix that matches what differs."""
+        """``tensor``, checked to be what the pipeline takes as ``value`` (whose batch is
+        along dimension ``batch``) in a step's batch; the error names the step, the input, and
+        the fix that matches what differs."""
         micro = list(value.shape_for(sizes))
-        expected = [micro[0] * self.rows, *micro[1:]] if micro else []
+        expected = self._step_shape(micro, batch)
         got = list(tensor.shape)
         where = f"step {step}: input {value.name!r}"
         if tensor.dtype != value.torch_dtype:
@@ -324,8 +334,9 @@ class Batches:
                 f"{where} has shape {got}, this pipeline takes {len(expected)} dimensions, "
                 f"{expected} per step: give the {self.option} function's batch that shape"
             )
-        if got[1:] != expected[1:]:
-            dim = next(d for d in range(1, len(got)) if got[d] != expected[d])
+        others = [d for d in range(len(got)) if d != batch]
+        if any(got[d] != expected[d] for d in others):
+            dim = next(d for d in others if got[d] != expected[d])
             if sizes is not None and value.sizes is not None:
                 formulas = ", ".join(map(str, value.sizes))
                 raise PipelineRunError(
@@ -339,17 +350,32 @@ class Batches:
                 f"train on other lengths compile with --dynamic; or pad (or cut) the batch to "
                 f"{expected[dim]} in the {self.option} function"
             )
-        per_run = micro[0] * self.parts  # rows of one microbatch in every pipeline run
+        per_run = micro[batch] * self.parts  # rows of one microbatch in every pipeline run
         fix = (
-            f"run with --microbatches {got[0] // per_run}"
-            if got[0] % per_run == 0
-            else f"give the {self.option} function batches of {expected[0]} rows"
+            f"run with --microbatches {got[batch] // per_run}"
+            if got[batch] % per_run == 0
+            else f"give the {self.option} function batches of {expected[batch]} rows"
+        )
+        layout = (
+            f" (its batch dimension: the package records {batch} for {value.name!r}; "
+            "compile with --batch-dims to change it)"
+            if batch
+            else ""
         )
         raise PipelineRunError(
-            f"{where} has {got[0]} rows (dimension 0), this pipeline takes {expected[0]} per "
-            f"step: {self.rows} microbatches of {micro[0]} (--microbatches {self.microbatches} x "
-            f"--accumulate x --dp x --dp-shard = {self.rows}). To take its batches, {fix}"
+            f"{where} has {got[batch]} rows (dimension {batch}), this pipeline takes "
+            f"{expected[batch]} per step: {self.rows} microbatches of {micro[batch]} "
+            f"(--microbatches {self.microbatches} x --accumulate x --dp x --dp-shard = "
+            f"{self.rows}){layout}. To take its batches, {fix}"
         )
+
+    def _step_shape(self, micro: list[int] | tuple[int, ...], batch: int) -> list[int]:
+        """The shape of a step's batch of a value of microbatch shape ``micro`` whose batch is
+        along dimension ``batch``."""
+        shape = list(micro)
+        if shape:
+            shape[batch] *= self.rows
+        return shape
 
     def _from_dataset(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Samples ``step * B ... (step + 1) * B - 1`` of an endless stream of seeded epoch
@@ -380,7 +406,10 @@ class Batches:
                 "names"
             )
         try:
-            batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+            batch = {
+                key: torch.stack([item[key] for item in items], self.pipeline.batch_dim(key))
+                for key in items[0]
+            }
         except RuntimeError as exc:
             raise PipelineRunError(
                 f"{self.option}: the dataset's items of step {step} do not stack into one batch "
@@ -392,17 +421,19 @@ class Batches:
 
     def _synthetic(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        inputs = [self._random(value, generator) for value in self.pipeline.data_inputs]
+        inputs = [
+            self._random(value, self.pipeline.batch_dim(value.name), generator)
+            for value in self.pipeline.data_inputs
+        ]
         loss = self.pipeline.loss
         target = None
         if loss.needs_target:
             assert loss.target is not None  # a loss that needs a target describes it
-            target = self._random(loss.target, generator)
+            target = self._random(loss.target, 0, generator)
         return inputs, target
 
-    def _random(self, value: Value, generator: torch.Generator) -> torch.Tensor:
-        micro = value.shape
-        shape = [micro[0] * self.rows, *micro[1:]]
+    def _random(self, value: Value, batch: int, generator: torch.Generator) -> torch.Tensor:
+        shape = self._step_shape(value.shape, batch)
         dtype = value.torch_dtype
         if dtype.is_floating_point:
             return torch.randn(shape, generator=generator).to(dtype)

@@ -60,13 +60,16 @@ def weighs_by_tokens(pipeline: Pipeline) -> bool:
 
 def label_tokens(pipeline: Pipeline, inputs: list[torch.Tensor], microbatches: int) -> torch.Tensor:
     """The label tokens of each microbatch of one pipeline run's first-stage ``inputs`` (of a
-    pipeline that :func:`weighs_by_tokens`): what its loss is a mean over."""
+    pipeline that :func:`weighs_by_tokens`), split along the labels' batch dimension as the
+    schedule splits them: what its loss is a mean over."""
     names = [value.name for value in pipeline.data_inputs]
     labels = inputs[names.index("labels")]
+    batch = pipeline.batch_dim("labels")
     if pipeline.model_class.endswith(CAUSAL_SUFFIXES) and labels.dim() > 1:
-        labels = labels[:, 1:]
+        sequence = 1 if batch == 0 else 0  # shifted by one along the sequence
+        labels = labels.narrow(sequence, 1, labels.shape[sequence] - 1)
     return torch.stack(
-        [(part != IGNORE_INDEX).sum() for part in labels.tensor_split(microbatches)]
+        [(part != IGNORE_INDEX).sum() for part in labels.tensor_split(microbatches, batch)]
     ).to(torch.float64)
 
 

@@ -18,7 +18,7 @@ def dimension_sizes(
     pipeline: Pipeline, given: dict[str, torch.Tensor], rows: int, where: str
 ) -> dict[str, int] | None:
     """The sizes of ``pipeline``'s dynamic dimensions in the inputs ``given`` (by name), which
-    hold ``rows`` microbatches along dimension 0, checked to agree and to lie within their
+    hold ``rows`` microbatches along their batch dimensions, checked to agree and to lie within their
     bounds; None for a static pipeline."""
     if not pipeline.dimensions:
         return None
@@ -30,10 +30,11 @@ def dimension_sizes(
             if tensor is None or tensor.dim() <= index:
                 continue  # an input the pipeline does not read; or checked with its shape
             size = tensor.shape[index]
-            if index == 0:
+            if index == pipeline.batch_dim(name):
                 if size % rows:
                     raise PipelineRunError(
-                        f"{where}: input {name!r} has {size} samples, which do not split into "
+                        f"{where}: input {name!r} has {size} samples (dimension {index}), which "
+                        f"do not split into "
                         f"{rows} equal microbatches (--microbatches x --accumulate x --dp x "
                         "--dp-shard); give a multiple of that many samples"
                     )

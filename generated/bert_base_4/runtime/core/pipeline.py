@@ -540,6 +540,10 @@ class Pipeline:
     #: the example's arguments that hold no tensor, by name: fixed in the graph to these values
     #: (:mod:`.fixed_inputs`); empty in pipelines compiled before them
     fixed_inputs: dict[str, FixedInput] = field(default_factory=dict)
+    #: the dimension that holds the batch of each input whose batch is not along dimension 0
+    #: (a time-first sequence, an RNN's initial state), by name; every other input, and a
+    #: loss's target, holds it along dimension 0. Empty in pipelines compiled before it
+    batch_dims: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Any) -> Pipeline:
@@ -548,7 +552,9 @@ class Pipeline:
         keys: tuple[str, ...]
         keys = ("format", "version", "model", "signature", "inputs", "outputs", "stages")
         keys += ("values", "loss", "schedule", "tied", "aliases", "input_ranges", "dp_shard")
+        optional: tuple[str, ...]
         optional = ("plan", "dimensions", "identity", "huggingface", "frozen", "fixed_inputs")
+        optional += ("batch_dims",)
         _read.fields(data, where, keys, optional)
         if data["format"] != FORMAT:
             raise _read.fail(f"{where}.format", data["format"], repr(FORMAT))
@@ -621,8 +627,15 @@ class Pipeline:
             fixed_inputs=fixed_inputs_from_json(
                 data.get("fixed_inputs", {}), f"{where}.fixed_inputs", _read
             ),
+            batch_dims=_read.check(
+                data.get("batch_dims", {}),
+                f"{where}.batch_dims",
+                lambda v: isinstance(v, dict) and all(is_int(d) and d >= 1 for d in v.values()),
+                "an object of dimensions (1 or more) by input name",
+            ),
         )
         pipeline._check_references()
+        pipeline._check_batch_dims()
         pipeline._check_formulas()
         return pipeline
 
@@ -645,6 +658,18 @@ class Pipeline:
             raise _read.fail(
                 "pipeline.stages[*].device", ranks, "ranks numbered from 0 without gaps"
             )
+
+    def _check_batch_dims(self) -> None:
+        """Each recorded batch dimension is an input's, within its rank."""
+        where = "pipeline.batch_dims"
+        for name, dim in self.batch_dims.items():
+            if name not in self.inputs:
+                raise _read.error(f"{where}: {name!r} is not a pipeline input")
+            shape = list(self.values[name].shape)
+            if dim >= len(shape):
+                raise _read.fail(
+                    f"{where}.{name}", dim, f"a dimension of the input's shape {shape} (1 or more)"
+                )
 
     def _check_formulas(self) -> None:
         """Every value's formulas read known dimensions and give its shape at their planned
@@ -708,6 +733,7 @@ class Pipeline:
                 if self.fixed_inputs
                 else {}
             )
+            | ({"batch_dims": dict(self.batch_dims)} if self.batch_dims else {})
         )
 
     # -- derived facts ------------------------------------------------------------------------
@@ -778,15 +804,22 @@ class Pipeline:
         nothing reads are left out)."""
         return self.received(self.stages[0])
 
+    def batch_dim(self, name: str) -> int:
+        """The dimension of input ``name`` that holds the batch (a loss's ``target``: 0): the
+        one a step's batch is split along into pipeline runs and microbatches."""
+        return self.batch_dims.get(name, 0)
+
     @property
     def samples_per_microbatch(self) -> int:
-        """Samples in the example microbatch: dimension 0 of the first model input."""
+        """Samples in the example microbatch: the batch dimension of the first model input."""
         return self.samples_in_microbatch()
 
     def samples_in_microbatch(self, dimensions: dict[str, int] | None = None) -> int:
         """Samples in a microbatch (for the dynamic dimensions' sizes ``dimensions``)."""
-        shape = self.values[self.inputs[0]].shape_for(dimensions) if self.inputs else ()
-        return shape[0] if shape else 1
+        if not self.inputs:
+            return 1
+        shape = self.values[self.inputs[0]].shape_for(dimensions)
+        return shape[self.batch_dim(self.inputs[0])] if shape else 1
 
     @property
     def tokens_per_sample(self) -> int | None:
@@ -799,7 +832,7 @@ class Pipeline:
         for name in self.inputs:
             value = self.values[name]
             if len(value.shape) == 2 and value.dtype in ("int64", "int32"):
-                return value.shape_for(dimensions)[1]
+                return value.shape_for(dimensions)[1 - self.batch_dim(name)]
         return None
 
     def flops_scale(self, dimensions: dict[str, int] | None) -> float:
