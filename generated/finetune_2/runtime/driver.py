@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import math
 import os
 import shlex
@@ -290,7 +291,20 @@ def build_schedule(
     ``forward_only``: a schedule that only ever runs ``eval`` (``auto``'s orders, which torch
     runs as given, then hold the forwards alone; torch's own schedules skip the backwards).
     Microbatches are split along each input's batch dimension (:func:`chunk_spec`)."""
-    split: dict[str, Any] = {"args_chunk_spec": chunk_spec(pipeline), "scale_grads": False}
+    split: dict[str, Any] = {"scale_grads": False}
+    spec = chunk_spec(pipeline)
+    if spec is not None:  # not every schedule class takes one (torch 2.13's looped BFS)
+        split["args_chunk_spec"] = spec
+        if (
+            name in MULTI_STAGE
+            and "args_chunk_spec"
+            not in inspect.signature(get_schedule_class(MULTI_STAGE[name]).__init__).parameters
+        ):
+            raise PipelineRunError(
+                f"--schedule {name}: torch's {MULTI_STAGE[name]} cannot split microbatches "
+                "along a batch dimension other than 0, which this pipeline's inputs have "
+                "(pipeline.json batch_dims); use another schedule (interleaved-1f1b, ...)"
+            )
     if name in SINGLE_STAGE:
         # torch leaves get_schedule_class's return unannotated
         return get_schedule_class(SINGLE_STAGE[name])(  # type: ignore[no-any-return]
