@@ -7,10 +7,10 @@ writes a standalone package (stage modules, pipeline description, ``train.py``) 
 ``torchrun --nproc-per-node=4 generated/gpt2_4/train.py``.
 """
 
-from .version import __version__  # noqa: E402
+from .artifacts import AUTOPIPE_VERSION as __version__  # noqa: E402
 from .compiler import CompileOptions, compile_example, compile_spec, pipe_model  # noqa: E402
 from .errors import AutopipeError  # noqa: E402
-from .meta import empty_weights  # noqa: E402
+from .tracing.meta import empty_weights  # noqa: E402
 from .verify import load_pipeline, verify  # noqa: E402
 
 __all__ = [

@@ -19,6 +19,8 @@ from .errors import ArtifactError, OutputExistsError, WriteError
 
 #: Bumped whenever the layout of an artefact changes incompatibly.
 ARTIFACT_VERSION = 1
+#: the version of autopipe itself, which every package, report and ``--version`` states
+AUTOPIPE_VERSION = "0.1.0"
 
 
 def dumps(data: Any) -> str:

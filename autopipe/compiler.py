@@ -12,9 +12,9 @@ from collections.abc import Callable
 from torch import nn
 
 from .artifacts import artifact_text
-from .byte_units import format_bytes
+from .partitioning.byte_units import format_bytes
 from .errors import ArtifactError, AutopipeError, PartitionError
-from .progress import QUIET, Phases
+from .report.progress import QUIET, Phases
 from .codegen import check_output_dir, package_files, with_manifest, write_package
 from .codegen.output_lock import output_lock
 from .ir import Graph

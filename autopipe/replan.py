@@ -41,9 +41,9 @@ from .partitioning.cost import block_costs, iteration_time
 from .partitioning.partition import PredictedStep
 from .profiling.profile import TRACED, Profile
 from .report import ReportData, write_report
-from .run_trace import MeasuredStage, RunTrace
+from .report.run_trace import MeasuredStage, RunTrace
 from .runtime.core.timeline_format import RunLayout
-from .summary import stage_span
+from .report.summary import stage_span
 
 __all__ = [
     "MIN_GAIN",

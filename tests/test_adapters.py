@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 from torch.distributed.checkpoint import FileSystemReader
 
-from autopipe.adapters import merged_adapter
+from autopipe.cli.adapters import merged_adapter
 from autopipe.cli import main as autopipe_main
 from autopipe.partitioning import CostModel
 from autopipe.runtime.core.errors import PipelineRunError

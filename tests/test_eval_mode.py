@@ -19,7 +19,7 @@ from autopipe.ir.eval_mode import random_in_eval
 from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.runtime.support import stage_state
 from autopipe.spec import Example, load_example
-from autopipe.summary import random_in_eval_lines
+from autopipe.report.summary import random_in_eval_lines
 from autopipe.tracing.export import trace
 from autopipe.verify import load_pipeline, verify
 

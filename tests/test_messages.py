@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from autopipe.byte_units import format_bytes, format_bytes_each
+from autopipe.partitioning.byte_units import format_bytes, format_bytes_each
 from autopipe.cli import main as autopipe
 from autopipe.codegen import write_package
 from autopipe.codegen.output_lock import lock_path, pid_alive

@@ -7,7 +7,7 @@ import pytest
 
 import models
 from autopipe.compiler import CompileOptions, compile_spec
-from autopipe.progress import NORMAL, Phases
+from autopipe.report.progress import NORMAL, Phases
 from autopipe.spec import load_example
 from autopipe.verify import verify
 

@@ -17,7 +17,7 @@ from autopipe import partitioning
 from autopipe.partitioning import CostModel, Partition, partition
 from autopipe.partitioning.dp import ContiguousSplits, recompute_seconds, solve_contiguous
 from autopipe.profiling import Profile, UnitCost, device_spec, profile, with_link
-from autopipe.summary import format_partition
+from autopipe.report.summary import format_partition
 from autopipe.profiling.profile import graph_digest
 from autopipe.spec import load_example
 

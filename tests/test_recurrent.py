@@ -26,7 +26,7 @@ from autopipe.ir import MODULE_TARGET, Graph
 from autopipe.ir.kept_module import rnn_results_like
 from autopipe.runtime.core.kept_modules import tensors_of
 from autopipe.spec import Example, load_example
-from autopipe.summary import kept_whole_lines
+from autopipe.report.summary import kept_whole_lines
 from autopipe.tracing import trace
 from autopipe.verify import load_pipeline, verify
 

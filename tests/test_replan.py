@@ -29,7 +29,7 @@ from autopipe.errors import ArtifactError, OutputExistsError
 from autopipe.partitioning import Partition
 from autopipe.profiling import Profile
 from autopipe.replan import NoGainError, replan, replan_text, traced_profile, write_replan
-from autopipe.run_trace import RunTrace
+from autopipe.report.run_trace import RunTrace
 from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.runtime.core.timeline_format import RankTimeline, Record, RunLayout
 from autopipe.verify import check_files

@@ -27,7 +27,7 @@ from autopipe.errors import ArtifactError
 from autopipe.report import ReportData, RunComparison, run_report, write_report
 from autopipe.report.figures import run_timeline_figure, save_figure
 from autopipe.report.run import DEVIATIONS, FAR, StageComparison
-from autopipe.run_trace import RunTrace
+from autopipe.report.run_trace import RunTrace
 from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.runtime.core.timeline_format import RankTimeline, Record
 

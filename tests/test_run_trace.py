@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopipe.run_trace import RunTrace
+from autopipe.report.run_trace import RunTrace
 from autopipe.runtime.core.timeline_format import RankTimeline, Record, RunLayout
 
 MS = 1_000_000  # nanoseconds

@@ -19,7 +19,7 @@ from autopipe.ir import Graph
 from autopipe.partitioning.partition import Partition
 from autopipe.partitioning.split_points import SplitPoints, requested_split, split_spec_text
 from autopipe.spec import Example, load_example
-from autopipe.summary import format_partition
+from autopipe.report.summary import format_partition
 from autopipe.tracing.operators import operator_provider
 from autopipe.verify import verify
 

@@ -10,7 +10,7 @@ import json
 
 from autopipe.ir import Graph
 from autopipe.spec import load_example
-from autopipe.summary import trace_settings_lines
+from autopipe.report.summary import trace_settings_lines
 from autopipe.tracing.export import trace
 from autopipe.tracing.huggingface import huggingface_configs, traced_as_transformers_trains
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from collections.abc import Callable
 
-from ..byte_units import format_bytes, format_bytes_each
+from .byte_units import format_bytes, format_bytes_each
 from ..checks import is_int
 from ..errors import DeviceMemoryError, PartitionError
 from ..ir import Graph

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..byte_units import format_bytes, format_bytes_each
+from .byte_units import format_bytes, format_bytes_each
 from ..errors import DeviceMemoryError, PartitionError
 from ..runtime.core.pipeline import default_microbatches
 from .cost import CostModel, in_flight

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..byte_units import format_bytes, format_bytes_each
+from .byte_units import format_bytes, format_bytes_each
 from ..errors import DeviceMemoryError
 from .cost import CostModel, Prediction
 

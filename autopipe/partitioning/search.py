@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..byte_units import format_bytes
+from .byte_units import format_bytes
 from ..errors import DeviceMemoryError, PartitionError
 from ..ir import Graph
 from ..profiling.profile import Profile

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import jinja2
 
-from ..version import __version__
-from ..summary import MEMORY_PARTS, dimensions_text, requested_lines, throughput_line
+from ..artifacts import AUTOPIPE_VERSION
+from .summary import MEMORY_PARTS, dimensions_text, requested_lines, throughput_line
 from ..artifacts import atomic_write_bytes
 from .data import ReportData, format_bytes, format_count
 from .figures import (
@@ -220,7 +220,7 @@ def render_html(
         run=run,
         run_figures=run_figure_files or [],
         far=FAR,
-        version=__version__,
+        version=AUTOPIPE_VERSION,
     )
 
 

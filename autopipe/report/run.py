@@ -24,7 +24,7 @@ from functools import cached_property
 
 from ..errors import ArtifactError, PartitionError
 from ..partitioning.simulator import Simulation, schedule_orders, simulate
-from ..run_trace import PipelineRun, RunTrace
+from .run_trace import PipelineRun, RunTrace
 from ..runtime.core.schedules import Action
 from ..runtime.core.timeline_format import COMPUTE, KINDS
 from .data import KIND_NAMES, ReportData

@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 from ..errors import TraceError
 from ..ir import DynamicSymbol, Graph, ModelFacts
 from ..ir.sizes import symbolic_sizes
-from ..meta import state_as_fake
+from .meta import state_as_fake
 from ..runtime.core.errors import first_line
 from ..spec import Example
 from .autograd_function import custom_functions_captured, refuse_lost_backwards

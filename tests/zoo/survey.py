@@ -176,7 +176,7 @@ def survey_one(name: str, stages: int, log_dir: Path) -> dict:
     import torch
 
     from autopipe.compiler import CompileOptions, compile_spec
-    from autopipe.progress import QUIET, Phases
+    from autopipe.report.progress import QUIET, Phases
     from autopipe.spec import load_example
     from autopipe.verify import verify
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from .errors import ArtifactError
-from .runtime.core.pipeline import Pipeline
-from .runtime.core.timeline_format import (
+from ..errors import ArtifactError
+from ..runtime.core.pipeline import Pipeline
+from ..runtime.core.timeline_format import (
     COMPUTE,
     UNITS,
     RankTimeline,

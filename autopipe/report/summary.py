@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from .ir import MODULE_TARGET, Graph, TensorMeta
-from .ir.eval_mode import random_in_eval
-from .ir.kept_module import kept_calls
-from .ir.sizes import planned_sizes
-from .runtime.core.shapes import evaluate
-from .partitioning import Partition
-from .partitioning.cost import Throughput, block_costs
-from .partitioning.search import plan_table
+from ..ir import MODULE_TARGET, Graph, TensorMeta
+from ..ir.eval_mode import random_in_eval
+from ..ir.kept_module import kept_calls
+from ..ir.sizes import planned_sizes
+from ..runtime.core.shapes import evaluate
+from ..partitioning import Partition
+from ..partitioning.cost import Throughput, block_costs
+from ..partitioning.search import plan_table
 
 
 def stage_span(graph: Graph, stage_of_unit: list[int], stage: int) -> tuple[str, str]:

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .errors import AutopipeError
-from .runtime.core.pipeline import HuggingFaceModel
+from ..errors import AutopipeError
+from ..runtime.core.pipeline import HuggingFaceModel
 
 __all__ = ["BASE_PREFIX", "merged_adapter"]
 

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from .adapters import merged_adapter
-from .artifacts import atomic_write_text
-from .version import __version__
-from .codegen import check_output_dir
-from .compiler import (
+from ..artifacts import atomic_write_text
+from ..artifacts import AUTOPIPE_VERSION as __version__
+from ..codegen import check_output_dir
+from ..compiler import (
     CompileOptions,
     compile_spec,
     generate_step,
@@ -26,20 +26,20 @@ from .compiler import (
     profile_step,
     trace_step,
 )
-from .errors import AutopipeError
-from .options import COUNT, OPTIONS, TOLERANCE, Fraction, flag_of
-from .partitioning import Partition
-from .partitioning.search import plan_table, state_floor, unsearched_note
-from .progress import NORMAL, QUIET, VERBOSE, Phases
-from .profiling import Profile
-from .profiling.calibrate import calibrate
-from .replan import MIN_GAIN, replan, replan_text, write_replan
-from .report import run_report, show_table, write_report
-from .runtime.core.errors import PipelineRunError
-from .runtime.core.pipeline import HuggingFaceModel, PipelineFormatError
-from .spec import load_example
-from .summary import format_partition, format_plans
-from .verify import VerifyReport, check_files, verify
+from ..errors import AutopipeError
+from ..options import COUNT, OPTIONS, TOLERANCE, Fraction, flag_of
+from ..partitioning import Partition
+from ..partitioning.search import plan_table, state_floor, unsearched_note
+from ..report.progress import NORMAL, QUIET, VERBOSE, Phases
+from ..profiling import Profile
+from ..profiling.calibrate import calibrate
+from ..replan import MIN_GAIN, replan, replan_text, write_replan
+from ..report import run_report, show_table, write_report
+from ..runtime.core.errors import PipelineRunError
+from ..runtime.core.pipeline import HuggingFaceModel, PipelineFormatError
+from ..spec import load_example
+from ..report.summary import format_partition, format_plans
+from ..verify import VerifyReport, check_files, verify
 
 #: where ``add_argument`` adds an argument: a parser or one of its argument groups
 ArgumentContainer = argparse.ArgumentParser | argparse._ArgumentGroup
@@ -275,8 +275,8 @@ def _torchrun(part: Partition, package: Path) -> str:
 def cmd_merge(args: argparse.Namespace) -> None:
     # imported here, not above: train_state brings torch.distributed.pipelining, torch._dynamo and
     # torch.distributed.checkpoint, which would slow every other command's start-up
-    from .runtime.huggingface import directory_problem, write_pretrained
-    from .runtime.train_state import (
+    from ..runtime.huggingface import directory_problem, write_pretrained
+    from ..runtime.train_state import (
         STEP_NAME,
         checked_checkpoint,
         merged_state,
