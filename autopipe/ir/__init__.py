@@ -1,12 +1,13 @@
 """The graph IR shared by every step of the compiler: its types (:mod:`.types`), container
-(:mod:`.graph`), JSON codec (:mod:`.codec`), invariants (:mod:`.lint`), model facts
-(:mod:`.model`), dynamic sizes (:mod:`.sizes`), interpreter and in-place ordering, and the
-higher-order node kinds (:mod:`.kinds`: ``torch.cond`` in :mod:`.cond`, custom autograd functions
-in :mod:`.autograd_function`, torch modules kept whole in :mod:`.kept_module`), which register
-themselves when the package is imported.
+(:mod:`.graph`, over the node store of :mod:`.node_graph`), JSON codec (:mod:`.codec`),
+invariants (:mod:`.lint`), model facts (:mod:`.model`), dynamic sizes (:mod:`.sizes`),
+interpreter and in-place ordering, and the higher-order node kinds (:mod:`.kinds`: ``torch.cond``
+in :mod:`.cond`, custom autograd functions in :mod:`.autograd_function`, torch modules kept whole
+in :mod:`.kept_module`), which register themselves when the package is imported.
 
-Layers, lowest first: types; codec, sizes, model, kinds; lint; graph; interpreter; the kinds'
-modules; analysis and ordering. A module imports only modules below it.
+Layers, lowest first: types; codec, model; node_graph; eval_mode, sizes, kinds; lint; graph;
+interpreter; the kinds' modules; analysis, batch_dims and ordering. A module imports only modules
+below it: what checks and sizes a graph takes the node store, which the graph extends.
 """
 
 from __future__ import annotations

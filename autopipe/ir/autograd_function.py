@@ -32,6 +32,7 @@ from .codec import decode_tensor
 from .graph import Graph
 from .interpreter import node_context, replace_devices, run_nodes
 from .kinds import HigherOrderKind, register
+from .node_graph import NodeGraph
 from .types import (
     FUNCTION_TARGET,
     Node,
@@ -166,7 +167,7 @@ def read_functions(records: Any, where: str) -> dict[str, FunctionDef]:
 
 
 # -- invariants (Graph.lint) ------------------------------------------------------------------
-def lint_functions(graph: Graph, where: str) -> None:
+def lint_functions(graph: NodeGraph, where: str) -> None:
     """Check ``graph.functions`` (if it has any): each definition on its own, and its name
     against the graph's value names (a stage's forward must not shadow the class it calls)."""
     if not graph.functions:
@@ -274,7 +275,7 @@ def _lint_amp(amp: Any, field_: str) -> None:
     require(is_identifier(backward), f"{field_}.backward", backward, "a device type")
 
 
-def lint_call(graph: Graph, node: Node, field_: str) -> None:
+def lint_call(graph: NodeGraph, node: Node, field_: str) -> None:
     """Check a call of a custom function: ``[NAME, [input, ...]]`` with the inputs and results
     the function's forward graph has."""
     args = list(node.args)

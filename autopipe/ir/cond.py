@@ -27,6 +27,7 @@ from .codec import decode_tensor
 from .graph import Graph
 from .interpreter import node_context, run_node
 from .kinds import HigherOrderKind, register
+from .node_graph import NodeGraph
 from .types import COND, Node, Ref, TensorMeta
 
 __all__ = [
@@ -79,7 +80,7 @@ def has_cond(nodes: Iterable[Node]) -> bool:
 
 
 # -- invariants -------------------------------------------------------------------------------
-def lint_cond(graph: Graph, node: Node, field: str) -> None:
+def lint_cond(graph: NodeGraph, node: Node, field: str) -> None:
     """Check a cond node of ``graph`` (its branches were checked as graphs when decoded): the
     arguments of ``higher_order.cond``, branches that take the operands and return the node's
     outputs (shapes and dtypes), no state of their own, and no cond inside a branch."""

@@ -1,6 +1,9 @@
 """The graph IR's container: a :class:`Graph` is the model's forward pass as a list of nodes
 (:mod:`autopipe.ir.types`) in program order, held in a ``networkx.DiGraph`` whose edges are data
-dependencies, with the model state the nodes read and the units a partitioner moves.
+dependencies, with the model state the nodes read and the units a partitioner moves. The node
+store and its read access live one layer down, in :class:`~autopipe.ir.node_graph.NodeGraph`,
+which the modules the graph uses (:mod:`.lint`, :mod:`.sizes`, :mod:`.kinds`) take; this module
+adds what needs them.
 
 The graph round-trips through JSON (``autopipe.ir.graph`` artefact, values through
 :mod:`autopipe.ir.codec`), checked by :mod:`autopipe.ir.lint` when read, so every later step can
@@ -9,11 +12,8 @@ start from the file ``autopipe trace`` wrote.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
-
-import networkx as nx
 
 from ..artifacts import artifact_text, atomic_write_text, check_replaceable, read_artifact
 from ..checks import is_int, require
@@ -22,6 +22,7 @@ from .codec import ValueCodec, decode, decode_meta, encode, encode_meta, registe
 from .kinds import HigherOrderKind, kind_of
 from .lint import lint_graph
 from .model import ModelFacts
+from .node_graph import NodeGraph
 from .sizes import planned_sizes, rebound_nodes
 from .types import (
     FUNCTION_TARGET,
@@ -29,7 +30,6 @@ from .types import (
     Node,
     ParamInfo,
     Scope,
-    TensorMeta,
     Unit,
     dtype_from_name,
     dtype_name,
@@ -41,92 +41,12 @@ __all__ = ["GRAPH_KIND", "Graph"]
 GRAPH_KIND = "graph"
 
 
-class Graph:
-    """The traced model: nodes in program order inside a ``networkx.DiGraph``."""
+class Graph(NodeGraph):
+    """The traced model: nodes in program order inside a ``networkx.DiGraph``
+    (:class:`~autopipe.ir.node_graph.NodeGraph`), checked, saved and read as an artefact."""
 
-    def __init__(
-        self,
-        nodes: Iterable[Node],
-        *,
-        inputs: list[str],
-        outputs: list[str],
-        signature: list[str],
-        params: dict[str, ParamInfo],
-        buffers: dict[str, BufferInfo],
-        constants: dict[str, Any],
-        model: ModelFacts,
-        units: list[Unit] | None = None,
-        loss: Graph | None = None,
-        functions: dict[str, Any] | None = None,
-    ):
-        self.dag = nx.DiGraph()
-        for node in nodes:
-            if node.name in self.dag:
-                raise ArtifactError(f"two nodes are named {node.name!r}")
-            self.dag.add_node(node.name, node=node)
-        for node in self.nodes:
-            for src in node.inputs:
-                if src not in self.dag:
-                    raise ArtifactError(f"node {node.name!r} reads unknown node {src!r}")
-                self.dag.add_edge(src, node.name)
-        self.inputs = inputs
-        self.outputs = outputs
-        self.signature = signature
-        self.params = params
-        self.buffers = buffers
-        self.constants = constants
-        self.model = model
-        self.units = units or []
-        #: the traced user loss function (output leaves and target -> scalar), if one was given
-        self.loss = loss
-        #: custom autograd functions the graph calls, by name (:class:`autopipe.ir.autograd_function.FunctionDef`)
-        self.functions = functions if functions is not None else {}
-        self._json_text: str | None = None
-
-    # -- access -------------------------------------------------------------------------------
-    @property
-    def nodes(self) -> Iterator[Node]:
-        for name in self.dag.nodes:
-            node: Node = self.dag.nodes[name]["node"]
-            yield node
-
-    def __getitem__(self, name: str) -> Node:
-        node: Node = self.dag.nodes[name]["node"]
-        return node
-
-    def __len__(self) -> int:
-        count: int = self.dag.number_of_nodes()
-        return count
-
-    @property
-    def calls(self) -> list[Node]:
-        return [n for n in self.nodes if n.kind == "call"]
-
-    def users(self, name: str) -> list[str]:
-        return list(self.dag.successors(name))
-
-    def param_of(self, name: str) -> ParamInfo:
-        """The parameter a name (any of its tied aliases) refers to."""
-        for info in self.params.values():
-            if name in info.names:
-                return info
-        raise KeyError(name)
-
-    def unit_nodes(self, unit: int) -> list[Node]:
-        return [self[n] for n in self.units[unit].nodes]
-
-    def value_bytes(self, name: str) -> int:
-        meta = self[name].meta
-        return meta.nbytes if isinstance(meta, TensorMeta) else 0
-
-    @property
-    def unused_inputs(self) -> list[str]:
-        """Model inputs no operator reads (an optional mask the model ignores)."""
-        return [
-            name
-            for name in self.inputs
-            if self.dag.out_degree(name) == 0 and name not in self.outputs
-        ]
+    #: the artefact's text, once computed (:meth:`json_text`)
+    _json_text: str | None = None
 
     # -- invariants ---------------------------------------------------------------------------
     def lint(self, where: str = "") -> None:

@@ -35,9 +35,9 @@ from torch import nn
 from ..checks import is_fqn, is_identifier, is_int, require
 from ..errors import ArtifactError
 from ..runtime.core.kept_modules import hidden_of, run_over_packed, tensors_of
-from .graph import Graph
 from .interpreter import node_context, replace_devices
 from .kinds import HigherOrderKind, register
+from .node_graph import NodeGraph
 from .types import MODULE_TARGET, Node, Ref, TensorMeta, map_refs
 
 __all__ = [
@@ -377,7 +377,7 @@ def kept_modules(nodes: Any) -> dict[str, ModuleSpec]:
     return {path: calls.spec for path, calls in kept_calls(nodes).items()}
 
 
-def lint_call(graph: Graph, node: Node, field_: str) -> None:
+def lint_call(graph: NodeGraph, node: Node, field_: str) -> None:
     """Check a call of a kept module: its path, module and call, and inputs whose parameters are
     the graph's parameters of those names."""
     args = list(node.args)
@@ -446,7 +446,7 @@ def lint_call(graph: Graph, node: Node, field_: str) -> None:
     )
 
 
-def _lint_modules(graph: Graph, where: str) -> None:
+def _lint_modules(graph: NodeGraph, where: str) -> None:
     """Every call of one path builds the same module."""
     seen: dict[str, str] = {}
     for node in graph.nodes:

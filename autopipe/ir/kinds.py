@@ -8,26 +8,25 @@ called by the interpreter) and described to analyses (:attr:`~HigherOrderKind.op
 ``_schema`` says what the node writes and aliases). Code generation keeps its own table of
 emitters, by the same targets (``autopipe/codegen/emit.py``). The graph, the interpreter and code
 generation look a node's target up here instead of branching on it, so a new kind is one new
-module. This module sits below the graph: it imports no module of the IR but :mod:`.types`.
+module. This module sits below the graph: it imports no module of the IR but :mod:`.types` and
+:mod:`.node_graph` (the hooks take the node store the graph extends).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from .node_graph import NodeGraph
 from .types import Node
-
-if TYPE_CHECKING:
-    from .graph import Graph
 
 __all__ = ["HigherOrderKind", "kind_of", "register", "registered"]
 
 #: checks one node of the kind in its graph: ``lint(graph, node, field)``
-LintHook = Callable[["Graph", Node, str], None]
+LintHook = Callable[[NodeGraph, Node, str], None]
 #: runs one node of the kind: ``run(node, env, device, functions)`` -> its value
 RunHook = Callable[[Node, Mapping[str, Any], torch.device, Mapping[str, Any] | None], Any]
 
@@ -43,7 +42,7 @@ class HigherOrderKind:
     lint: LintHook
     run: RunHook
     #: checks what the kind adds to a whole graph (``Graph.functions``), before its nodes
-    lint_graph: Callable[[Graph, str], None] | None = None
+    lint_graph: Callable[[NodeGraph, str], None] | None = None
     #: reads the definitions the kind keeps beside a graph's nodes (a graph artefact's
     #: ``functions``): ``read_definitions(records, where)`` -> definitions by name
     read_definitions: Callable[[Any, str], dict[str, Any]] | None = None

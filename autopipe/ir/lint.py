@@ -11,7 +11,7 @@ autograd function) is checked by the hook its kind registers (:mod:`autopipe.ir.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -30,6 +30,7 @@ from ..runtime.core.shapes import FormulaError, evaluate
 from .codec import decode_tensor, encode, encode_meta
 from .eval_mode import lint_eval_args
 from .kinds import kind_of, registered
+from .node_graph import NodeGraph
 from .sizes import planned_sizes
 from .types import (
     NODE_KINDS,
@@ -43,16 +44,13 @@ from .types import (
     sizes_in,
 )
 
-if TYPE_CHECKING:
-    from .graph import Graph
-
 __all__ = ["lint_graph", "lint_tensor"]
 
 _IDENTIFIER = "a Python identifier autopipe could have made (not a keyword or a reserved name)"
 _SIZES = "a list of sizes (integers of at least 0)"
 
 
-def lint_graph(graph: Graph, where: str = "") -> None:
+def lint_graph(graph: NodeGraph, where: str = "") -> None:
     """Check the invariants the later steps rely on, in one pass, as ``torch.fx``'s
     ``Graph.lint`` does; raise :class:`ArtifactError` naming the first field that breaks one.
 
@@ -121,7 +119,7 @@ def lint_graph(graph: Graph, where: str = "") -> None:
         )
 
 
-def _lint_symbol_sources(graph: Graph, where: str) -> None:
+def _lint_symbol_sources(graph: NodeGraph, where: str) -> None:
     """Each dynamic dimension sizes model inputs, whose metadata names it there."""
     for name, symbol in graph.model.symbols.items():
         for source, dim in symbol.sources:
@@ -134,7 +132,7 @@ def _lint_symbol_sources(graph: Graph, where: str) -> None:
             )
 
 
-def _lint_split_markers(graph: Graph, where: str) -> None:
+def _lint_split_markers(graph: NodeGraph, where: str) -> None:
     """Each ``pipe_split()`` marker names a call node, the markers in program order."""
     calls = {node.name: index for index, node in enumerate(graph.calls)}
     markers = graph.model.split_markers
@@ -192,7 +190,7 @@ def lint_tensor(data: Any, field: str) -> torch.Tensor:
         raise ArtifactError(f"{field} is not a tensor literal ({exc})") from None
 
 
-def _lint_node(graph: Graph, node: Node, seen: set[str], field: str) -> None:
+def _lint_node(graph: NodeGraph, node: Node, seen: set[str], field: str) -> None:
     require(is_value_name(node.name), f"{field}.name", node.name, _IDENTIFIER)
     require(node.kind in NODE_KINDS, f"{field}.kind", node.kind, f"one of {NODE_KINDS}")
     for ref in iter_refs((node.args, node.kwargs)):
@@ -240,7 +238,7 @@ def _lint_node(graph: Graph, node: Node, seen: set[str], field: str) -> None:
         )
 
 
-def _lint_call(graph: Graph, node: Node, field: str) -> None:
+def _lint_call(graph: NodeGraph, node: Node, field: str) -> None:
     require(
         is_int(node.unit, 0) and node.unit < len(graph.units),
         f"{field}.unit",
@@ -395,7 +393,7 @@ def _lint_sizes(node: Node, planned: dict[str, int], field: str) -> None:
         )
 
 
-def _lint_units(graph: Graph, where: str) -> None:
+def _lint_units(graph: NodeGraph, where: str) -> None:
     listed: set[str] = set()
     for unit in graph.units:
         field = f"{where}units[{unit.index}]"

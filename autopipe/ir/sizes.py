@@ -11,13 +11,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..runtime.core.shapes import evaluate
+from .node_graph import NodeGraph
 from .types import SYMBOLIC_SIZE, Node, Size, TensorMeta, map_sizes
-
-if TYPE_CHECKING:
-    from .graph import Graph
 
 __all__ = ["planned_sizes", "rebound_nodes", "same_layout", "symbolic_sizes"]
 
@@ -32,7 +30,7 @@ def symbolic_sizes(reader: Callable[[Any], int]) -> Iterator[None]:
         SYMBOLIC_SIZE.reset(token)
 
 
-def planned_sizes(graph: Graph) -> dict[str, int]:
+def planned_sizes(graph: NodeGraph) -> dict[str, int]:
     """The size of each dynamic dimension that the graph's metadata and sizes are for: its
     upper bound, or the example's size when it has none."""
     return graph.model.planned_sizes()
