@@ -140,10 +140,19 @@ class _UserFrames(set):
     beside the ``forward`` methods' (what torch registers in it meanwhile included): every
     frame of user code as well."""
 
+    def __init__(self, frames: set[object]) -> None:
+        super().__init__(frames)
+        #: whether each frame asked about is user code: torch asks for every frame of every node
+        self.answers: dict[object, bool] = {}
+
     def __contains__(self, frame: object) -> bool:
-        return super().__contains__(frame) or (
-            isinstance(frame, tuple) and bool(frame) and is_user_file(str(frame[0]))
-        )
+        if super().__contains__(frame):
+            return True
+        answer = self.answers.get(frame)
+        if answer is None:
+            answer = isinstance(frame, tuple) and bool(frame) and is_user_file(str(frame[0]))
+            self.answers[frame] = answer
+        return answer
 
 
 @contextlib.contextmanager
