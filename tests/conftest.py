@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from autopipe.codegen.package import BLACK_MODE
-from autopipe.compiler import CompileOptions, compile_spec
+from autopipe.compiler import CompileOptions, CompileResult, compile_spec
 from autopipe.runtime.parallel import Layout
 
 from zoo.packages import Packages
@@ -35,14 +38,55 @@ def spec(name: str) -> str:
     return name if ":" in name else f"{MODELS}:{name}"
 
 
-def compile_model(name: str, out: Path, stages: int, **options):
+#: packages compiled with ``share=True``, by what they were compiled from: the folder holding a
+#: copy and the compile's result (each test gets its own copy of the package)
+_SHARED: dict[tuple, tuple[Path, CompileResult]] = {}
+
+
+def compile_model(name: str, out: Path, stages: int, *, share: bool = True, **options):
+    """Compile a model of tests/models.py (or any spec) into ``out``. With ``share`` (the
+    default), a package compiled from the same spec file and options earlier in the session is
+    copied instead (compiling is deterministic: tests/test_determinism.py compiles twice with
+    ``share=False``), unless ``out`` exists already: a compile over a package is a real one."""
     loss = options.pop("loss", None)
     force = options.pop("force", False)
     report = options.pop("report", False)  # tests/test_report.py covers reports
-    options = CompileOptions(stages=stages, **options)
-    result = compile_spec(spec(name), out, options, loss=loss, force=force, report=report)
+    key = None
+    if share and not Path(out).exists():
+        key = (spec(name), _file_stamp(spec(name)), stages, repr(sorted(options.items())))
+        key += (repr(loss), report)
+        if key in _SHARED:
+            folder, result = _SHARED[key]
+            shutil.copytree(folder, out)
+            return dataclasses.replace(result, out=Path(out))
+    compiled = CompileOptions(stages=stages, **options)
+    result = compile_spec(spec(name), out, compiled, loss=loss, force=force, report=report)
     assert_black_formatted(out)
+    if key is not None:
+        folder = Path(tempfile.mkdtemp(prefix="shared-package-", dir=_shared_root()))
+        shutil.copytree(out, folder, dirs_exist_ok=True)
+        _SHARED[key] = (folder, result)
     return result
+
+
+def _file_stamp(model_spec: str) -> tuple[int, int] | None:
+    """The modification time and size of a ``FILE.py:FN`` spec's file (None for a module)."""
+    path = Path(model_spec.rpartition(":")[0])
+    if path.suffix != ".py" or not path.exists():
+        return None
+    stat = path.stat()
+    return stat.st_mtime_ns, stat.st_size
+
+
+#: where shared packages are kept (named on import: tests move the temporary directory)
+_SHARED_ROOT = Path(tempfile.gettempdir()) / f"autopipe-tests-{os.getpid()}"
+
+
+def _shared_root() -> Path:
+    if not _SHARED_ROOT.exists():
+        _SHARED_ROOT.mkdir()
+        atexit.register(shutil.rmtree, _SHARED_ROOT, ignore_errors=True)
+    return _SHARED_ROOT
 
 
 def assert_black_formatted(package: Path) -> None:

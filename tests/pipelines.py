@@ -91,7 +91,12 @@ def run_pipeline(
     out = package or tmp_path / "pipe"
     if package is None:
         compile_model(
-            compile_spec or train_spec or name, out, stages, loss=loss, devices=devices, **options
+            compile_spec or train_spec or name,
+            out,
+            stages,
+            loss=loss,
+            devices=devices,
+            **options,
         )
     example = load_example(spec(train_spec or name))
     torch.save(example.model.state_dict(), tmp_path / "init.pt")
