@@ -4,7 +4,8 @@
     python benchmarks/compile_speed.py --quick    # GPT2-XL and the 25- and 50-layer ones
 
 Every measurement is a fresh Python process, timed from its start to its exit (imports included),
-with its peak resident memory from the kernel (``os.wait4``). autopipe runs ``autopipe compile
+with its CPU time and peak resident memory from the kernel (``os.wait4``; on a busy machine compare
+the CPU seconds). autopipe runs ``autopipe compile
 SPEC --stages 8 --no-report`` (analytic profile, Mixed-Pipe, full code generation) on a model built without
 weights; PiPPy runs ``torch.distributed.pipelining.pipeline()`` on the same model on the meta
 device with 8 hand-given split points (no profiling, no balancing, no code). Phase times come
@@ -80,8 +81,9 @@ CASES = [
 ]
 
 
-def run(command: list[str], cwd: Path) -> tuple[float, int, str]:
-    """Wall seconds, peak RSS bytes and output of a fresh process."""
+def run(command: list[str], cwd: Path) -> tuple[float, float, int, str]:
+    """Wall seconds, CPU seconds (user + system: what a busy machine does not inflate), peak RSS
+    bytes and output of a fresh process."""
     start = time.perf_counter()
     process = subprocess.Popen(
         command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -91,7 +93,7 @@ def run(command: list[str], cwd: Path) -> tuple[float, int, str]:
     seconds = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{output[-3000:]}")
-    return seconds, usage.ru_maxrss * 1024, output
+    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, output
 
 
 def main() -> None:
@@ -113,7 +115,7 @@ def main() -> None:
         folder = Path(tmp)
         (folder / "models.py").write_text(MODELS)
         for label, function, layers in cases:
-            seconds, rss, log = run(
+            seconds, cpu, rss, log = run(
                 [
                     autopipe,
                     "compile",
@@ -136,23 +138,28 @@ def main() -> None:
             graph = (folder / "out" / "artifacts" / "graph.json").read_text()
             nodes = graph.count('"kind":')
             code = PIPPY.format(folder=str(folder), function=function, layers=layers)
-            pippy_seconds, pippy_rss, _ = run([sys.executable, "-c", code], folder)
-            rows.append((label, nodes, seconds, rss, phases, pippy_seconds, pippy_rss))
+            pippy_seconds, pippy_cpu, pippy_rss, _ = run([sys.executable, "-c", code], folder)
+            rows.append(
+                (label, nodes, seconds, cpu, rss, phases, pippy_seconds, pippy_cpu, pippy_rss)
+            )
             print(
-                f"# {label}: autopipe {seconds:.1f} s, PiPPy {pippy_seconds:.1f} s", file=sys.stderr
+                f"# {label}: autopipe {seconds:.1f} s ({cpu:.1f} s CPU), "
+                f"PiPPy {pippy_seconds:.1f} s ({pippy_cpu:.1f} s CPU)",
+                file=sys.stderr,
             )
     print("Whole process, from start to exit; 8 stages")
     print(
-        "| model | graph nodes | autopipe s | autopipe peak RSS MB | trace | profile | partition | generate | PiPPy pipeline() s | PiPPy peak RSS MB |"
+        "| model | graph nodes | autopipe s | CPU s | autopipe peak RSS MB | trace | profile | partition | generate | PiPPy pipeline() s | CPU s | PiPPy peak RSS MB | autopipe / PiPPy (CPU) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for label, nodes, seconds, rss, phases, pippy_seconds, pippy_rss in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, nodes, seconds, cpu, rss, phases, pippy_seconds, pippy_cpu, pippy_rss in rows:
         cells = " | ".join(
             f"{phases.get(p, float('nan')):.2f}"
             for p in ("trace", "profile", "partition", "generate")
         )
         print(
-            f"| {label} | {nodes} | {seconds:.1f} | {rss / 2**20:.0f} | {cells} | {pippy_seconds:.1f} | {pippy_rss / 2**20:.0f} |"
+            f"| {label} | {nodes} | {seconds:.1f} | {cpu:.1f} | {rss / 2**20:.0f} | {cells} "
+            f"| {pippy_seconds:.1f} | {pippy_cpu:.1f} | {pippy_rss / 2**20:.0f} | {cpu / pippy_cpu:.2f}x |"
         )
     print()
     print(
@@ -160,7 +167,7 @@ def main() -> None:
     )
     print("| model | graph nodes | trace | profile | partition | generate | PiPPy |")
     print("|---|---|---|---|---|---|---|")
-    for label, nodes, _seconds, _rss, phases, pippy_seconds, _ in rows:
+    for label, nodes, _seconds, _cpu, _rss, phases, pippy_seconds, _pippy_cpu, _ in rows:
         if "transformer" in label:
             per = " | ".join(
                 f"{phases.get(p, float('nan')) / nodes * 1000:.2f}"
