@@ -231,3 +231,16 @@ def zoo_packages(tmp_path_factory):
     """The architecture zoo (tests/zoo/models.py), each compiled into 2 stages once per session
     when first asked for (test_device_consistency, test_zoo)."""
     return Packages(tmp_path_factory.mktemp("zoo"))
+
+
+#: test files that share a session fixture too costly to build twice (the zoo's packages)
+_TOGETHER = {"test_zoo": "zoo", "test_device_consistency": "zoo"}
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (``-n N --dist loadgroup``, the README's test command), each file's
+    tests run in one worker, as its module fixtures are built once, and the files that share
+    the zoo's packages in the same one."""
+    for item in items:
+        module = item.module.__name__ if item.module is not None else item.nodeid
+        item.add_marker(pytest.mark.xdist_group(_TOGETHER.get(module, module)))

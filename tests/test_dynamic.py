@@ -251,8 +251,12 @@ def gpt2_package(tmp_path_factory):
 def test_generated_stages_read_sizes_from_their_inputs(gpt2_package):
     stage0 = (gpt2_package / "stage0.py").read_text()
     blocks = (gpt2_package / "blocks.py").read_text()
-    assert "batch = input_ids.size(0)\n" in stage0 and "seq = input_ids.size(1)\n" in stage0
-    assert "seq = x.size(1)" in blocks and "aten.view.default(addmm, [batch, seq, 96])" in blocks
+    assert "seq = input_ids.size(1)\n" in stage0  # the batch size only the blocks read
+    assert (
+        "batch = x.size(0)" in blocks
+        and "seq = x.size(1)" in blocks
+        and "aten.view.default(addmm, [batch, seq, 96])" in blocks
+    )
     description = json.loads((gpt2_package / "pipeline.json").read_text())
     assert description["dimensions"]["seq"] == {
         "min": 4,

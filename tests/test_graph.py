@@ -31,10 +31,11 @@ def test_nodes_carry_scopes_shapes_and_autograd_flags():
     sdpa = next(n for n in graph.calls if n.target == "aten.scaled_dot_product_attention.default")
     assert isinstance(sdpa.meta, TensorMeta) and sdpa.meta.dtype == torch.float32
     assert sdpa.meta.requires_grad
-    mask = next(
-        n for n in graph.calls if isinstance(n.meta, TensorMeta) and n.meta.dtype == torch.bool
+    assert sdpa.args[3] is None and sdpa.args[5] is True  # its causal mask recognised
+    positions = next(
+        n for n in graph.calls if isinstance(n.meta, TensorMeta) and n.meta.dtype == torch.int64
     )
-    assert not mask.meta.requires_grad
+    assert not positions.meta.requires_grad
     assert graph["loss"].meta.shape == ()
     assert graph.param_of("lm_head.weight").names == ("transformer.wte.weight", "lm_head.weight")
     # a networkx DiGraph of data dependencies

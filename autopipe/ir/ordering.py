@@ -2,7 +2,9 @@
 
 ``torch.export`` training graphs keep in-place operators (``relu_``, ``add_``, ``copy_``, ...).
 Readers of a tensor must stay on the same side of a write to it as in the original program, even
-when no data edge says so; partitioners that reorder units honour these *order edges*.
+when no data edge says so, and operators that draw random numbers (dropout) keep their program
+order, so that each draws what it drew from the generator in the original model; partitioners
+that reorder units honour these *order edges*.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def written_values(node: Node) -> list[str]:
 
 def order_edges(graph: Graph) -> list[tuple[str, str]]:
     """``(before, after)`` pairs of call nodes: every read of a tensor written in place stays
-    on its side of the write. All pairs point forward in program order."""
+    on its side of the write, and each operator that draws random numbers after the one before
+    it. All pairs point forward in program order."""
     base_of: dict[str, str] = {}
 
     def base(name: str) -> str:
@@ -87,7 +90,22 @@ def order_edges(graph: Graph) -> list[tuple[str, str]]:
                 )
                 if not graph.dag.has_edge(*pair):
                     edges.add(pair)
+    drawn: str | None = None  # the last operator that drew random numbers
+    for node in graph.calls:
+        if _draws_random_numbers(node):
+            if drawn is not None and not graph.dag.has_edge(drawn, node.name):
+                edges.add((drawn, node.name))
+            drawn = node.name
     return sorted(edges, key=lambda e: (position[e[0]], position[e[1]]))
+
+
+def _draws_random_numbers(node: Node) -> bool:
+    """Whether an operator call draws from the random number generator (torch tags such
+    operators ``nondeterministic_seeded``: dropout, ``rand``, ``bernoulli``, ...)."""
+    if node.target == "getitem":
+        return False
+    tags = getattr(resolve_target(node.target), "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
 
 
 def _returns_alias(target: str) -> bool:

@@ -13,6 +13,7 @@ from ..runtime.core.shapes import evaluate
 from ..partitioning import Partition
 from ..partitioning.cost import Throughput, block_costs
 from ..partitioning.search import plan_table
+from ..tracing.causal_mask import attention_masking
 
 
 def stage_span(graph: Graph, stage_of_unit: list[int], stage: int) -> tuple[str, str]:
@@ -51,6 +52,7 @@ def format_partition(graph: Graph, part: Partition) -> str:
     if graph.model.symbols:
         rows.append(f"dynamic dimensions: {dimensions_text(graph, part)}")
     rows += batch_dims_lines(graph)
+    rows += attention_lines(graph)
     rows += recompute_lines(graph, part)
     rows += requested_lines(part)
     rows += kept_whole_lines(graph, part)
@@ -69,6 +71,26 @@ def batch_dims_lines(graph: Graph) -> list[str]:
         f"batch dimensions: {listed} (train.py splits batches along them, other inputs along "
         "0; --batch-dims NAME=DIM changes them)"
     ]
+
+
+def attention_lines(graph: Graph) -> list[str]:
+    """How the attention calls mask: causal ones (``is_causal=True``: no mask is built, nor sent
+    between stages; autopipe/tracing/causal_mask.py recognises the masks models build), those
+    with an explicit mask (it reads input values or is not causal), those with neither."""
+    kinds = Counter(attention_masking(n) for n in graph.calls)
+    if not kinds.keys() - {None}:
+        return []
+
+    def calls(count: int) -> str:
+        return f"{count} call{'s' if count != 1 else ''}"
+
+    parts = [
+        f"{calls(kinds['causal'])} causal (no mask built or sent between stages)",
+        f"{kinds['mask']} with an explicit mask",
+    ]
+    if kinds["none"]:
+        parts.append(f"{kinds['none']} without a mask")
+    return ["attention: " + ", ".join(parts)]
 
 
 def trace_settings_lines(graph: Graph) -> list[str]:

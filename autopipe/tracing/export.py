@@ -44,6 +44,7 @@ from .model_tables import (
     parameter_table,
     state_tensors,
 )
+from .causal_mask import recognise_causal_masks
 from .eval_mode import mark_eval_arguments
 from .passes import propagate_requires_grad
 from .units import group_units
@@ -75,7 +76,9 @@ def trace(
     ``dynamic`` dimensions of the inputs are traced as such: sizes computed from them become
     formulas, and metadata is for their planned sizes: the upper bounds, else the example's
     (autopipe/tracing/dynamic.py). The submodules ``keep_whole`` names, and RNNs over packed
-    sequences, are kept as one call each (autopipe/tracing/kept_modules.py).
+    sequences, are kept as one call each (autopipe/tracing/kept_modules.py). An attention mask
+    built from sizes and constants alone that is causal becomes ``is_causal=True``, as eager
+    calls attention (autopipe/tracing/causal_mask.py).
     """
     model = example.model
     on_meta = any(t.is_meta for t in state_tensors(model))
@@ -131,6 +134,7 @@ def trace(
     with symbolic_sizes(converter.size) if dims else contextlib.nullcontext():
         nodes = converter.convert()
     mark_eval_arguments(nodes)
+    recognise_causal_masks(nodes, converter.constants, converter.outputs, dims)
     graph = Graph(
         nodes,
         inputs=converter.inputs,

@@ -38,7 +38,7 @@ class GPT2Block(Block):
     #: Buffers: name within the block -> (shape, dtype, persistent, initialisation or value).
     BUFFERS = {}
 
-    def forward(self, x, expand):
+    def forward(self, x):
         # ln_1 (LayerNorm)
         layer_norm = aten.layer_norm.default(
             x, [128], self.ln_1.weight, self.ln_1.bias, 1e-05, False
@@ -62,8 +62,9 @@ class GPT2Block(Block):
             transpose_2,
             transpose,
             transpose_1,
-            expand,
+            None,
             0.1 if self.training else 0.0,
+            True,
             scale=0.1767766952966369,
         )
         reshape = aten.reshape.default(scaled_dot_product_attention, [2, -1, 64, 32])

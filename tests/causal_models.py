@@ -1,0 +1,165 @@
+"""Models for tests/test_causal_mask.py: attention masks a pass recognises as causal (Llama's and
+GPT-2's, built from sizes under tracing; hand-written ones) and masks that must stay explicit
+(padding, sliding windows shorter than the sequence, a mask that is not causal)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+BATCH, SEQ, VOCAB = 2, 12, 100
+DROPOUT = 0.1
+
+
+def _ids(seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(1))
+
+
+def _decoder(config_cls, model_cls, **extra):
+    torch.manual_seed(0)
+    config = config_cls(
+        **(
+            dict(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+                attention_dropout=DROPOUT,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
+            | extra
+        )
+    )
+    return model_cls(config)
+
+
+def llama():
+    """Llama without an attention mask: its causal mask is built from sizes only."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = _ids()
+    return _decoder(LlamaConfig, LlamaForCausalLM), (ids,), {"labels": ids.clone()}
+
+
+def llama_padded():
+    """The same Llama given an attention mask with padding (the last sequence's last 3)."""
+    model, (ids,), kwargs = llama()
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[-1, SEQ - 3 :] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    return model, (ids,), {"attention_mask": mask, "labels": labels}
+
+
+def mistral_window():
+    """Mistral with a sliding window (4) shorter than the sequence (12)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    ids = _ids()
+    model = _decoder(MistralConfig, MistralForCausalLM, sliding_window=4)
+    return model, (ids,), {"labels": ids.clone()}
+
+
+def qwen2_window():
+    """Qwen2 with sliding-window attention in every layer (window 4, sequence 12)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    ids = _ids()
+    model = _decoder(
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=0,
+    )
+    assert set(model.config.layer_types) == {"sliding_attention"}
+    return model, (ids,), {"labels": ids.clone()}
+
+
+def gpt2():
+    """GPT-2 with dropout everywhere (attention's too)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=32,
+        resid_pdrop=DROPOUT,
+        embd_pdrop=DROPOUT,
+        attn_pdrop=DROPOUT,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    ids = _ids()
+    return GPT2LMHeadModel(config), (ids,), {"labels": ids.clone()}
+
+
+class HandMasked(nn.Module):
+    """Self-attention with a mask it builds from the sequence length: ``kind`` "causal" (bool
+    ``tril``), "float" (0 / -inf, ``triu(1)``), "full" (all True: masks nothing), "future"
+    (``triu``: not causal), "window" (a causal band of 3: not causal either)."""
+
+    def __init__(self, kind: str, width: int = 16, heads: int = 2):
+        super().__init__()
+        self.kind, self.heads = kind, heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def mask(self, seq: int, device: torch.device) -> torch.Tensor:
+        ones = torch.ones(seq, seq, dtype=torch.bool, device=device)
+        if self.kind == "causal":
+            return ones.tril()
+        if self.kind == "float":
+            return torch.full((seq, seq), float("-inf"), device=device).triu(1)
+        if self.kind == "full":
+            return ones
+        if self.kind == "future":
+            return ones.triu()
+        assert self.kind == "window"
+        return ones.tril() & ~ones.tril(-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = (
+            t.reshape(batch, seq, self.heads, -1).transpose(1, 2)
+            for t in self.qkv(x).chunk(3, dim=-1)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask(seq, x.device), dropout_p=DROPOUT if self.training else 0.0
+        )
+        return self.out(y.transpose(1, 2).reshape(batch, seq, width)).sum()
+
+
+def _hand(kind: str):
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, SEQ, 16, generator=torch.Generator().manual_seed(1))
+    return HandMasked(kind), (x,), {}
+
+
+def hand_causal():
+    return _hand("causal")
+
+
+def hand_float():
+    return _hand("float")
+
+
+def hand_full():
+    return _hand("full")
+
+
+def hand_future():
+    return _hand("future")
+
+
+def hand_window():
+    return _hand("window")
