@@ -26,7 +26,7 @@ import torch
 
 from ..checks import op_overload, require
 from .codec import UnsupportedValue, encode
-from .types import Node, Ref
+from .types import Node, Ref, argument_slot
 
 __all__ = [
     "ATTENTION",
@@ -81,24 +81,12 @@ def mode_argument(target: str) -> str | None:
     return MODE_FLAGS.get(target) or STATISTICS_FLAGS.get(target)
 
 
-def _schema_slot(node: Node, name: str) -> int | str | None:
-    """Where ``node`` passes its schema argument ``name``: a position, a keyword, or None
-    (not passed: the schema's default)."""
-    op = op_overload(node.target)
-    if op is None:
-        return None
-    positional = [a.name for a in op._schema.arguments if not a.kwarg_only]
-    if name in positional and positional.index(name) < len(node.args):
-        return positional.index(name)
-    return name if name in node.kwargs else None
-
-
 def mode_slots(node: Node) -> dict[int | str, tuple[Any, Any]]:
     """The arguments of ``node`` that depend on the mode: position (or keyword) -> (value in
     training, value in eval mode)."""
     slots: dict[int | str, tuple[Any, Any]] = {}
     for name, eval_value in node.eval_args.items():
-        slot = _schema_slot(node, name)
+        slot = argument_slot(node, name)
         assert slot is not None  # lint_eval_args: the node passes the argument
         train = node.args[slot] if isinstance(slot, int) else node.kwargs[slot]
         slots[slot] = (train, eval_value)
@@ -110,7 +98,7 @@ def eval_value_of(node: Node, name: str) -> Any:
     argument where eval mode keeps it; None where it passes none)."""
     if name in node.eval_args:
         return node.eval_args[name]
-    slot = _schema_slot(node, name)
+    slot = argument_slot(node, name)
     if slot is None:
         return None
     return node.args[slot] if isinstance(slot, int) else node.kwargs[slot]
@@ -131,7 +119,7 @@ def lint_eval_args(node: Node, field: str) -> None:
             f"the argument of {node.target} that depends on the mode "
             f"({mode_argument(node.target) or 'it has none'})",
         )
-        slot = _schema_slot(node, name)
+        slot = argument_slot(node, name)
         require(
             slot is not None,
             f"{field}.eval_args",

@@ -17,11 +17,13 @@ from typing import Any, cast
 
 import torch
 
-from ..checks import require
+from ..checks import op_overload, require
 from ..errors import ArtifactError
 
 __all__ = [
     "COND",
+    "argument_slot",
+    "argument_value",
     "FUNCTION_TARGET",
     "MODULE_TARGET",
     "NODE_KINDS",
@@ -363,3 +365,24 @@ class BufferInfo:
     persistent: bool
     owner: str
     value: Any = None  # encoded tensor literal for non-persistent buffers, when known
+
+
+def argument_slot(node: Node, name: str) -> int | str | None:
+    """Where ``node`` passes its operator's schema argument ``name``: a position, a keyword, or
+    None (not passed: the schema's default)."""
+    op = op_overload(node.target)
+    if op is None:
+        return None
+    positional = [a.name for a in op._schema.arguments if not a.kwarg_only]
+    if name in positional and positional.index(name) < len(node.args):
+        return positional.index(name)
+    return name if name in node.kwargs else None
+
+
+def argument_value(node: Node, name: str) -> Any:
+    """The value ``node`` passes as its operator's schema argument ``name`` (None where it
+    passes none)."""
+    slot = argument_slot(node, name)
+    if slot is None:
+        return None
+    return node.args[slot] if isinstance(slot, int) else node.kwargs[slot]

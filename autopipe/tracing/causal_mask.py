@@ -50,7 +50,7 @@ from ..ir.eval_mode import ATTENTION
 from ..ir.interpreter import run_node
 from ..ir.kinds import kind_of
 from ..ir.sizes import rebound_nodes
-from ..ir.types import iter_refs, sizes_in
+from ..ir.types import argument_value, iter_refs, sizes_in
 from ..runtime.core.shapes import evaluate, names_in
 from .dynamic import DynamicDim
 from .passes import drop_dead
@@ -109,8 +109,8 @@ def recognise_causal_masks(
         if slots is None:
             continue
         mask_slot, causal_slot = slots
-        mask = _argument(node, mask_slot)
-        if not isinstance(mask, Ref) or _argument(node, causal_slot) is True:
+        mask = argument_value(node, mask_slot[1])
+        if not isinstance(mask, Ref) or argument_value(node, causal_slot[1]) is True:
             continue
         refs = (node.args + (None, None))[:2]
         if not all(isinstance(r, Ref) for r in refs):
@@ -138,9 +138,9 @@ def attention_masking(node: Node) -> str | None:
     if slots is None:
         return None
     mask_slot, causal_slot = slots
-    if _argument(node, causal_slot) is True:
+    if argument_value(node, causal_slot[1]) is True:
         return "causal"
-    return "mask" if _argument(node, mask_slot) is not None else "none"
+    return "mask" if argument_value(node, mask_slot[1]) is not None else "none"
 
 
 # -- the operators' arguments -----------------------------------------------------------------
@@ -160,14 +160,6 @@ def _attention_slots(node: Node) -> tuple[Slot, Slot] | None:
     mask = next((slots[name] for name in _MASK_ARGUMENTS if name in slots), None)
     causal = slots.get("is_causal")
     return None if mask is None or causal is None else (mask, causal)
-
-
-def _argument(node: Node, slot: Slot) -> Any:
-    """The value ``node`` passes for an argument (None where it passes none)."""
-    index, name = slot
-    if index is not None and index < len(node.args):
-        return node.args[index]
-    return node.kwargs.get(name)
 
 
 def _rewrite(node: Node, mask: Slot, causal: Slot | None) -> None:
