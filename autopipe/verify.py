@@ -244,7 +244,7 @@ def _forward_stages(
     records = []
     for spec, stage in zip(pipeline.stages, stages):
         inputs = []
-        for value in pipeline.received(spec):
+        for value in pipeline.taken(spec):
             tensor = env[value.name].detach()
             inputs.append(tensor.requires_grad_(value.requires_grad and tensor.is_floating_point()))
         outputs = stage(*inputs)

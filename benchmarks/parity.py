@@ -428,7 +428,7 @@ def stages_worker(config: dict[str, Any]) -> dict[str, Any]:
         records = []
         for described, stage in zip(pipeline.stages, stages):
             inputs = []
-            for value in pipeline.received(described):
+            for value in pipeline.taken(described):
                 tensor = env[value.name].detach()
                 grad = value.requires_grad and tensor.is_floating_point()
                 inputs.append(tensor.requires_grad_(grad))

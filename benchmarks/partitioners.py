@@ -317,7 +317,7 @@ def _time_stages(pipeline: Pipeline, stages: list, example: Example) -> list[flo
     times = []
     for spec, stage in zip(pipeline.stages, stages):
         inputs = [
-            env[v.name].detach().requires_grad_(v.requires_grad) for v in pipeline.received(spec)
+            env[v.name].detach().requires_grad_(v.requires_grad) for v in pipeline.taken(spec)
         ]
         begin = time.perf_counter()
         outputs = stage(*inputs)

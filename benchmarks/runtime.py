@@ -317,7 +317,7 @@ stage = package.build_stage(index)
 if compiled:
     compile_stage(stage, pipeline.stages[index].blocks, frozenset())
 inputs = []
-for value in pipeline.received(pipeline.stages[index]):
+for value in pipeline.taken(pipeline.stages[index]):
     tensor = value.meta_tensor()
     if tensor.dtype.is_floating_point:
         inputs.append(torch.randn(tensor.shape, dtype=tensor.dtype, requires_grad=True))

@@ -1,6 +1,7 @@
-"""Models for tests/test_causal_mask.py: attention masks a pass recognises as causal (Llama's and
+"""Models for tests/test_causal_mask.py and tests/test_grouped_query.py: attention masks a pass recognises as causal (Llama's and
 GPT-2's, built from sizes under tracing; hand-written ones) and masks that must stay explicit
-(padding, sliding windows shorter than the sequence, a mask that is not causal)."""
+(padding, sliding windows shorter than the sequence, a mask that is not causal); keys and values
+repeated for grouped-query attention, as Hugging Face repeats them and otherwise."""
 
 from __future__ import annotations
 
@@ -163,3 +164,80 @@ def hand_future():
 
 def hand_window():
     return _hand("window")
+
+
+class HandGrouped(nn.Module):
+    """Causal grouped-query attention, 4 query heads over 2 key/value heads, the keys and values
+    repeated per query head by ``repeat``: "expand" (Hugging Face's ``repeat_kv``: query head h
+    reads key/value head h // 2), "tiled" (expanded before the heads: query head h reads key/value
+    head h % 2, which ``enable_gqa`` does not compute), "interleave" (``repeat_interleave``, the
+    same heads as "expand")."""
+
+    def __init__(self, repeat: str, width: int = 16, heads: int = 4, groups: int = 2):
+        super().__init__()
+        self.repeat, self.heads, self.groups = repeat, heads, groups
+        self.head = width // heads
+        self.q = nn.Linear(width, width)
+        self.kv = nn.Linear(width, 2 * groups * self.head)
+        self.out = nn.Linear(width, width)
+
+    def repeated(self, x: torch.Tensor) -> torch.Tensor:
+        batch, groups, seq, head = x.shape
+        n = self.heads // groups
+        if self.repeat == "expand":
+            return x[:, :, None].expand(batch, groups, n, seq, head).reshape(batch, -1, seq, head)
+        if self.repeat == "tiled":
+            return x[:, None].expand(batch, n, groups, seq, head).reshape(batch, -1, seq, head)
+        assert self.repeat == "interleave"
+        return x.repeat_interleave(n, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q = self.q(x).reshape(batch, seq, self.heads, self.head).transpose(1, 2)
+        k, v = (
+            t.reshape(batch, seq, self.groups, self.head).transpose(1, 2)
+            for t in self.kv(x).chunk(2, dim=-1)
+        )
+        y = F.scaled_dot_product_attention(
+            q,
+            self.repeated(k),
+            self.repeated(v),
+            dropout_p=DROPOUT if self.training else 0.0,
+            is_causal=True,
+        )
+        return self.out(y.transpose(1, 2).reshape(batch, seq, width)).sum()
+
+
+def _grouped(repeat: str):
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, SEQ, 16, generator=torch.Generator().manual_seed(1))
+    return HandGrouped(repeat), (x,), {}
+
+
+def grouped_expand():
+    return _grouped("expand")
+
+
+def grouped_tiled():
+    return _grouped("tiled")
+
+
+def grouped_interleave():
+    return _grouped("interleave")
+
+
+def llama_plain():
+    """Llama of 4 layers without dropout, its causal mask built from sizes
+    (tests/test_data_inputs.py trains it through torchrun against PyTorch)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = _ids()
+    model = _decoder(LlamaConfig, LlamaForCausalLM, attention_dropout=0.0, num_hidden_layers=4)
+    return model, (ids,), {"labels": ids.clone()}
+
+
+def llama_plain_batch(step: int, microbatches: int = 4):
+    """A step's batch of ``microbatches`` example microbatches, labels the ids."""
+    generator = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(3, VOCAB, (BATCH * microbatches, SEQ), generator=generator)
+    return (ids,), {"labels": ids.clone()}

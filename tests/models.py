@@ -1287,3 +1287,35 @@ def gpt2_eval_batch_unlabelled(index: int, microbatches: int = 4):
 def gpt2_tiny_dataset() -> TokenWindows:
     """A Dataset factory of 3 samples: fewer than one batch of held-out data."""
     return TokenWindows(samples=3)
+
+
+class FusedOperators(nn.Module):
+    """A block calling torch's fused operators: layer norm, RMS norm, attention (causal, with
+    dropout) and cross entropy (tests/test_fused_operators.py: none is decomposed)."""
+
+    def __init__(self, width: int = 16, heads: int = 2, classes: int = 7):
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(width)
+        self.rms = nn.RMSNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = (
+            t.reshape(batch, seq, self.heads, -1).transpose(1, 2)
+            for t in self.qkv(self.norm(x)).chunk(3, dim=-1)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=0.1 if self.training else 0.0, is_causal=True
+        )
+        h = self.rms(x + y.transpose(1, 2).reshape(batch, seq, width))
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def fused_operators():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 6, 16, generator=generator)
+    return FusedOperators(), (x, torch.randint(0, 7, (4, 6), generator=generator))

@@ -1,7 +1,9 @@
-"""Train a generated pipeline with torchrun and the same model with plain PyTorch, to compare."""
+"""Train a generated pipeline with torchrun and the same model with plain PyTorch, to compare;
+play its ranks in the dry run (``train.py --dry-run``) in this process."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import math
@@ -188,3 +190,29 @@ def run_stages(package, state: dict, values: dict) -> dict:
         outputs = stage(*[values[n] for n in stage.inputs])
         values.update(zip(stage.outputs, outputs))
     return values
+
+
+def play(package, *argv: str) -> tuple[list, list[str]]:
+    """``train.py --dry-run ARGV`` of ``package`` (imported) in this process: what each played
+    rank did (the package runtime's RankResult), and the lines it said."""
+    runtime = f"{package.__name__}.runtime"
+    driver = importlib.import_module(f"{runtime}.driver")
+    dry_run = importlib.import_module(f"{runtime}.dry_run")
+    options = importlib.import_module(f"{runtime}.options")
+    pipeline = importlib.import_module(f"{runtime}.core.pipeline").Pipeline.from_json(
+        package.PIPELINE
+    )
+    config = options.parse_config(["--dry-run", *argv], pipeline)
+    lines: list[str] = []
+    results = dry_run.play_ranks(
+        package,
+        pipeline,
+        config,
+        lambda played, layout: driver.rehearse(package, pipeline, played, layout),
+        say=lines.append,
+    )
+    return results, lines
+
+
+def problems(results) -> list[str]:
+    return [f"rank {r.rank}: {r.error} in {r.action} at {r.line}" for r in results if not r.ok]

@@ -92,9 +92,10 @@ def test_a_causal_mask_built_from_sizes_becomes_is_causal(tmp_path, name, calls)
     assert not sent_masks(result.out)
     for mask_op in ("aten.le.Tensor", "aten.__and__.Tensor", "aten.new_ones", "aten.cumsum"):
         assert mask_op not in source, mask_op
+    grouped = f", {calls} with enable_gqa (keys and values not repeated per query head)"
     assert attention_lines(graph) == [
         f"attention: {calls} calls causal (no mask built or sent between stages), "
-        "0 with an explicit mask"
+        "0 with an explicit mask" + (grouped if name == "llama" else "")
     ]
     assert_verifies(result.out, name)
 

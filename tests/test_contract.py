@@ -56,9 +56,13 @@ def test_pipeline_description(compiled):
         assert isinstance(stage["device"], int)
         available |= set(stage["outputs"])
     assert pipeline["stages"][-1]["outputs"] == pipeline["outputs"]
-    # relaying: stage i receives only what stage i - 1 returns
+    # relaying: stage i receives only what stage i - 1 returns; a model input it reads (labels)
+    # comes from the batch on its own rank (its data_inputs), not through the stages between
     for before, after in zip(pipeline["stages"], pipeline["stages"][1:]):
-        assert after["inputs"] == before["outputs"]
+        read = after.get("data_inputs", [])
+        assert set(read) <= set(pipeline["inputs"])
+        assert [n for n in after["inputs"] if n not in read] == before["outputs"]
+        assert not set(read) & set(before["outputs"])
 
 
 def test_build_stage_state_names(compiled):

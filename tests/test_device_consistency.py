@@ -46,7 +46,7 @@ def fake_passes(package_dir: Path, bf16: bool) -> dict[int, str]:
                 with FakeTensorMode(allow_non_fake_inputs=True), mode:
                     module = package.build_stage(stage.index, device=DEVICE)
                     inputs = []
-                    for value in pipeline.received(stage):
+                    for value in pipeline.taken(stage):
                         meta = value.meta_tensor()
                         tensor = torch.zeros(meta.shape, dtype=meta.dtype, device=DEVICE)
                         inputs.append(tensor.requires_grad_(meta.requires_grad))

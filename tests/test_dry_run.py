@@ -27,6 +27,7 @@ import torch
 from autopipe.verify import load_pipeline
 
 from conftest import ROOT, compile_model
+from pipelines import play, problems
 
 GALLERY = ROOT / "generated"
 #: a CPU spec as `autopipe calibrate` measured this machine (README, "Big models on a small
@@ -42,32 +43,6 @@ CPU_SPEC = {
     "memory_efficiency": 1.0,
     "kernel_overhead": 2.9e-6,
 }
-
-
-def play(package, *argv: str) -> tuple[list, list[str]]:
-    """``train.py --dry-run ARGV`` of ``package`` in this process: what each played rank did
-    (the package runtime's RankResult), and the lines it said."""
-    runtime = f"{package.__name__}.runtime"
-    driver = importlib.import_module(f"{runtime}.driver")
-    dry_run = importlib.import_module(f"{runtime}.dry_run")
-    options = importlib.import_module(f"{runtime}.options")
-    pipeline = importlib.import_module(f"{runtime}.core.pipeline").Pipeline.from_json(
-        package.PIPELINE
-    )
-    config = options.parse_config(["--dry-run", *argv], pipeline)
-    lines: list[str] = []
-    results = dry_run.play_ranks(
-        package,
-        pipeline,
-        config,
-        lambda played, layout: driver.rehearse(package, pipeline, played, layout),
-        say=lines.append,
-    )
-    return results, lines
-
-
-def problems(results) -> list[str]:
-    return [f"rank {r.rank}: {r.error} in {r.action} at {r.line}" for r in results if not r.ok]
 
 
 @pytest.fixture(scope="module")

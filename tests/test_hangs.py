@@ -544,8 +544,8 @@ def test_a_rank_sending_a_batch_of_another_shape_is_named(package, tmp_path):
     assert len(errors) == 1, stderr[-4000:]
     assert errors[0].startswith(
         "train.py: error: step 1: a data-dependent shape mismatch: stage 0's forward of "
-        "microbatch 0 returned output 0 ('labels') as [3, 16] int64, but the next stage "
-        "receives it into a buffer of [2, 16] int64"
+        "microbatch 0 returned output 0 ('transformer_h_1_out') as [3, 16, 32] float32, but "
+        "the next stage receives it into a buffer of [2, 16, 32] float32"
     ), errors[0]
     assert errors[0].endswith("(rank 0, stage 0)")
     # rank 1, stopped by torchrun, names rank 0 if it gets to say anything: a heavily loaded

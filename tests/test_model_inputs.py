@@ -22,8 +22,9 @@ def test_one_tensor_for_two_inputs_trains_with_other_labels(tmp_path):
     pipe = run_pipeline(
         tmp_path, "gpt2", 2, "gpt2_batch_other_labels", compile_spec="gpt2_labels_are_ids"
     )
-    package = (tmp_path / "pipe" / "stage0.py").read_text()
-    assert "def forward(self, input_ids, labels):" in package
+    # two inputs of the package: the ids in the first stage, the labels read by the last
+    assert "def forward(self, input_ids):" in (tmp_path / "pipe" / "stage0.py").read_text()
+    assert "def forward(self, labels, " in (tmp_path / "pipe" / "stage1.py").read_text()
     ref = reference_training(
         load_example(spec("gpt2")), models.gpt2_batch_other_labels, STEPS, "adamw", 1e-3
     )

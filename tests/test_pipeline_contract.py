@@ -88,11 +88,25 @@ def _broken(edit) -> dict:
             lambda d: d["stages"][0].update(recompute=1),
             "pipeline.stages[0].recompute must be a bool",
         ),
-        (lambda d: d["stages"][0]["inputs"].append(3), "pipeline.stages[0].inputs[2] must be"),
+        (lambda d: d["stages"][0]["inputs"].append(3), "pipeline.stages[0].inputs[1] must be"),
         (
             lambda d: d["stages"][0]["inputs"].append("nope"),
-            "pipeline.stages[0].inputs[2] = 'nope'",
+            "pipeline.stages[0].inputs[1] = 'nope'",
         ),
+        (
+            lambda d: d["stages"][0].update(data_inputs=["input_ids"]),
+            "pipeline.stages[0].data_inputs must be names among the stage's inputs (none for the "
+            "first stage)",
+        ),
+        (
+            lambda d: d["stages"][5].update(data_inputs=["input_ids"]),
+            "pipeline.stages[5].data_inputs must be names among the stage's inputs",
+        ),
+        (
+            lambda d: d["stages"][5].update(inputs=["labels"], data_inputs=["labels"]),
+            "pipeline.stages[5]: receives nothing",
+        ),
+        (lambda d: d["stages"][1].update(recomputes=[3]), "pipeline.stages[1].recomputes[0]"),
         (lambda d: d.update(stages=[]), "pipeline.stages must be a list of stages"),
         (lambda d: d["values"]["labels"].update(dtype="int65"), "pipeline.values.labels.dtype"),
         (lambda d: d["values"]["labels"].update(shape=[8, -1]), "pipeline.values.labels.shape[1]"),
@@ -155,7 +169,15 @@ def test_derived_facts_of_several_stages_per_rank():
     stage = pipeline.stages[1]
     assert [v.name for v in pipeline.received(stage)] == list(stage.inputs)
     assert [v.name for v in pipeline.returned(stage)] == list(stage.outputs)
-    assert pipeline.received(pipeline.stages[0]) == pipeline.data_inputs
+    # the first stage takes the ids from the batch; the decoder's stages read the labels there
+    assert [v.name for v in pipeline.first_inputs] == ["input_ids"]
+    assert pipeline.received(pipeline.stages[0]) == pipeline.first_inputs
+    assert [v.name for v in pipeline.data_inputs] == ["input_ids", "labels"]
+    readers = [s.index for s in pipeline.stages if s.data_inputs]
+    assert readers and all(pipeline.stages[i].data_inputs == ("labels",) for i in readers)
+    for i in readers:
+        received = [v.name for v in pipeline.received(pipeline.stages[i])]
+        assert "labels" not in received and "labels" in pipeline.stages[i].inputs
     costs = pipeline.pipeline_costs()
     assert costs.device_of_stage == pipeline.rank_of_stage and costs.num_devices == 3
     assert tuple(costs.forward) == pipeline.schedule.costs.forward

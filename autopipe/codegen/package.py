@@ -98,7 +98,7 @@ def black_format(sources: dict[str, str]) -> dict[str, str]:
 def package_files(graph: Graph, part: Partition, gpus_per_node: int = 8) -> dict[str, str]:
     """The files of a generated pipeline package, by relative path; its SLURM script asks for
     nodes of ``gpus_per_node`` GPUs."""
-    plans = plan_stages(graph, part.stage_of_unit, part.device_of_stage)
+    plans = plan_stages(graph, part.stage_of_unit, part.device_of_stage, part.recomputed_values)
     device_of_stage = part.device_of_stage
     model_class = graph.model.cls.rsplit(".", 1)[-1]
     package = PackageContext(
@@ -426,6 +426,8 @@ def pipeline_description(
                     b for b in blocks_of_stage[p.index] if b in part.recompute_blocks
                 ],
             }
+            | ({"data_inputs": [names.get(n, n) for n in p.data_inputs]} if p.data_inputs else {})
+            | ({"recomputes": [names.get(n, n) for n in p.recomputed]} if p.recomputed else {})
             for p in plans
         ],
         "values": values,

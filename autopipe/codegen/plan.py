@@ -3,15 +3,26 @@
 Values are *relayed*: a value produced in stage ``p`` and read in stage ``c > p + 1`` passes through
 every stage between, so stage ``i`` receives only from stage ``i - 1``. That is the shape every
 ``torch.distributed.pipelining`` schedule accepts. The last stage returns the model's outputs.
+
+Values computed from sizes and constants alone that the partition chose to recompute (a
+Llama's rotary tables: autopipe/partitioning/recomputed_values.py) are not either: every stage
+reading one computes it again from its operators, which it holds beside its own.
+
+Model inputs are not relayed either: a later stage reading one (``labels`` in the last stage, a padding mask in
+every layer) reads it from the step's batch on its own rank (its *data inputs*), and the stages
+between carry nothing for it. Only where a stage would then receive nothing from the stage before
+(a model of independent parts) are model inputs relayed like other values.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import PartitionError
 from ..ir import Graph, Node, TensorMeta
 from ..ir.ordering import alias_chain, written_values
+from ..partitioning.recomputed_values import closure
 
 
 @dataclass
@@ -30,6 +41,10 @@ class StagePlan:
     extra_buffers: list[str] = field(default_factory=list)
     #: stage inputs that the stage mutates in place, cloned on entry
     cloned_inputs: list[str] = field(default_factory=list)
+    #: of its inputs, the model inputs it reads from the batch, not from the stage before
+    data_inputs: list[str] = field(default_factory=list)
+    #: values of earlier stages it computes again instead of receiving them
+    recomputed: list[str] = field(default_factory=list)
 
     @property
     def held_names(self) -> list[str]:
@@ -39,43 +54,34 @@ class StagePlan:
 
 
 def plan_stages(
-    graph: Graph, stage_of_unit: list[int], device_of_stage: list[int]
+    graph: Graph,
+    stage_of_unit: list[int],
+    device_of_stage: list[int],
+    recomputed: Sequence[str] = (),
 ) -> list[StagePlan]:
-    """Split ``graph`` into stages; ``stage_of_unit[u]`` must never decrease along data edges."""
+    """Split ``graph`` into stages; ``stage_of_unit[u]`` must never decrease along data edges.
+    Each stage reading a value of ``recomputed`` computes it again instead of receiving it."""
     num_stages = len(device_of_stage)
     stage_of: dict[str, int] = {}
     for node in graph.calls:
         stage_of[node.name] = stage_of_unit[node.unit]
     for name in graph.inputs:
         stage_of[name] = -1
-    last_use: dict[str, int] = {}
-    for node in graph.calls:
-        for src in node.inputs:
-            if graph[src].kind == "call" and stage_of[src] > stage_of[node.name]:
-                raise PartitionError(
-                    f"node {node.name} (stage {stage_of[node.name]}) reads {src} from the later "
-                    f"stage {stage_of[src]}: the stage order is not topological"
-                )
-            last_use[src] = max(last_use.get(src, -1), stage_of[node.name])
-    for name in graph.outputs:
-        if graph[name].kind not in ("call", "input"):
-            raise PartitionError(
-                f"model output {name} is a {graph[name].kind}, not a computed value"
-            )
-        last_use[name] = num_stages  # returned by the last stage
     order = {name: i for i, name in enumerate(graph.dag.nodes)}
-    boundary: list[list[str]] = [[] for _ in range(num_stages)]  # boundary[s]: values entering s
-    for name, last in last_use.items():
-        if name not in stage_of:
-            continue  # parameters, buffers, constants: held, not communicated
-        for s in range(stage_of[name] + 1, min(last, num_stages - 1) + 1):
-            boundary[s].append(name)
+    held = _held(graph, stage_of, recomputed)
+    boundary, data = _crossings(graph, stage_of, held, num_stages, relay_inputs=False)
+    if recomputed and _starved(boundary):  # a stage would compute only what others recompute
+        recomputed = ()
+        held = _held(graph, stage_of, recomputed)
+        boundary, data = _crossings(graph, stage_of, held, num_stages, relay_inputs=False)
+    if _starved(boundary):  # a model of independent parts: relay its inputs too
+        boundary, data = _crossings(graph, stage_of, held, num_stages, relay_inputs=True)
     plans = []
     for s in range(num_stages):
-        nodes = [n for n in graph.calls if stage_of[n.name] == s]
+        nodes = [n for n in graph.calls if s in held[n.name]]
         if not nodes:
             raise PartitionError(f"stage {s} is empty")
-        inputs = sorted(boundary[s], key=order.__getitem__)
+        inputs = sorted(boundary[s] + data[s], key=order.__getitem__)
         outputs = (
             list(graph.outputs)
             if s == num_stages - 1
@@ -87,6 +93,10 @@ def plan_stages(
                 "at least one input. Use fewer stages."
             )
         plans.append(StagePlan(s, device_of_stage[s], nodes, inputs, outputs))
+        plans[-1].data_inputs = sorted(data[s], key=order.__getitem__)
+        plans[-1].recomputed = [
+            name for name in recomputed if s in held[name] and stage_of[name] != s
+        ]
     for name in (n for p in plans for n in p.inputs + p.outputs):
         if not isinstance(graph[name].meta, TensorMeta):
             raise PartitionError(f"value {name} crosses a stage boundary but is not a tensor")
@@ -94,6 +104,102 @@ def plan_stages(
     for plan in plans:
         plan.cloned_inputs = _mutated_inputs(graph, plan)
     return plans
+
+
+def _held(graph: Graph, stage_of: dict[str, int], recomputed: Sequence[str]) -> dict[str, set[int]]:
+    """The stages computing each call node: its own, and every later stage that recomputes a
+    value of ``recomputed`` it helps compute (one its stage reads)."""
+    held = {node.name: {stage_of[node.name]} for node in graph.calls}
+    for name in recomputed:
+        nodes = closure(graph, name)
+        if nodes is None:
+            raise PartitionError(
+                f"the partition recomputes {name}, which is not computed from sizes and "
+                "constants alone in this graph; run `autopipe partition` on this graph again"
+            )
+        for user in graph.users(name):
+            stage = stage_of.get(user)
+            if stage is not None and stage != stage_of[name]:
+                for node in nodes:
+                    held[node].add(stage)
+    return held
+
+
+def _crossings(
+    graph: Graph,
+    stage_of: dict[str, int],
+    held: dict[str, set[int]],
+    num_stages: int,
+    relay_inputs: bool,
+) -> tuple[list[list[str]], list[list[str]]]:
+    """The values entering each stage from the stage before, and the model inputs each later
+    stage reads from the batch (none with ``relay_inputs``: they are relayed like values).
+    ``held``: the stages computing each call node (:func:`_held`)."""
+    last_use: dict[str, int] = {}
+    readers: dict[str, set[int]] = {}  # model input -> the stages reading it
+    for node in graph.calls:
+        for stage in sorted(held[node.name]):
+            for src in node.inputs:
+                if stage != stage_of.get(src) and stage in held.get(src, ()):
+                    continue  # recomputed by this stage
+                if graph[src].kind == "call" and stage_of[src] > stage:
+                    raise PartitionError(
+                        f"node {node.name} (stage {stage}) reads {src} from the later "
+                        f"stage {stage_of[src]}: the stage order is not topological"
+                    )
+                last_use[src] = max(last_use.get(src, -1), stage)
+                if stage_of.get(src) == -1 and not relay_inputs:
+                    readers.setdefault(src, set()).add(stage)
+    outputs = set(graph.outputs)
+    for name in graph.outputs:
+        if graph[name].kind not in ("call", "input"):
+            raise PartitionError(
+                f"model output {name} is a {graph[name].kind}, not a computed value"
+            )
+        last_use[name] = num_stages  # returned by the last stage
+    boundary = _boundaries(stage_of, last_use, readers, num_stages, outputs)
+    return boundary, _data_inputs(readers, num_stages, outputs)
+
+
+def _starved(boundary: list[list[str]]) -> bool:
+    """Whether a stage after the first would receive nothing from the stage before."""
+    return any(not entering for entering in boundary[1:])
+
+
+def _boundaries(
+    stage_of: dict[str, int],
+    last_use: dict[str, int],
+    read_from_batch: dict[str, set[int]],
+    num_stages: int,
+    outputs: set[str],
+) -> list[list[str]]:
+    """The values entering each stage from the stage before: each from the stage after its
+    producer's to its last reader (a model input: from the first stage's, unless later stages
+    read it from the batch: ``read_from_batch`` names those; the model's outputs are relayed)."""
+    boundary: list[list[str]] = [[] for _ in range(num_stages)]
+    for name, last in last_use.items():
+        if name not in stage_of:
+            continue  # parameters, buffers, constants: held, not communicated
+        if name in read_from_batch and name not in outputs:
+            if 0 in read_from_batch[name]:
+                boundary[0].append(name)
+            continue
+        for s in range(stage_of[name] + 1, min(last, num_stages - 1) + 1):
+            boundary[s].append(name)
+    return boundary
+
+
+def _data_inputs(
+    readers: dict[str, set[int]], num_stages: int, outputs: set[str]
+) -> list[list[str]]:
+    """The model inputs each later stage reads from the batch (none for the first stage, which
+    takes its inputs from the batch anyway; a model output is relayed instead)."""
+    data: list[list[str]] = [[] for _ in range(num_stages)]
+    for name, stages in readers.items():
+        if name not in outputs:
+            for s in stages - {0}:
+                data[s].append(name)
+    return data
 
 
 def _assign_state(graph: Graph, plans: list[StagePlan]) -> None:

@@ -13,9 +13,11 @@ from typing import Protocol, cast
 
 import torch
 
+from ..checks import op_overload
 from .graph import Graph
-from .types import Node
 from .interpreter import resolve_target
+from .kinds import kind_of
+from .types import Node
 
 
 class _Operator(Protocol):
@@ -97,6 +99,24 @@ def order_edges(graph: Graph) -> list[tuple[str, str]]:
                 edges.add((drawn, node.name))
             drawn = node.name
     return sorted(edges, key=lambda e: (position[e[0]], position[e[1]]))
+
+
+def computes_from_arguments(node: Node) -> bool:
+    """Whether a call's value follows from its arguments alone: a deterministic torch operator
+    (or an output of one) that writes nothing in place and returns initialised memory (a
+    higher-order kind's call does not count)."""
+    if node.target == "getitem":
+        return True
+    if kind_of(node.target) is not None:
+        return False
+    op = op_overload(node.target)
+    return (
+        op is not None
+        and torch.Tag.nondeterministic_seeded not in op.tags
+        and not op._schema.is_mutable
+        and not written_values(node)
+        and "empty" not in op._schema.name  # uninitialised memory
+    )
 
 
 def _draws_random_numbers(node: Node) -> bool:

@@ -220,6 +220,7 @@ def _partition(
         graph_digest=profile.graph_digest,
         recompute=sorted(plan.stages),
         recompute_blocks=sorted(plan.blocks),
+        recomputed_values=list(model.recomputed_values),
         settings=PartitionSettings(
             schedule=schedule,
             microbatches=microbatches or default_microbatches(num_stages),

@@ -38,6 +38,7 @@ from ..runtime.core.schedules import SPLIT_BACKWARD, MemoryPeak, PipelineCosts
 from .partition import PartitionSettings, PredictedStage, PredictedStep
 from .simulator import Simulation, schedule_memory, simulate_schedule
 from .stage_sums import StageSums
+from .recomputed_values import recomputed_values
 
 #: Bytes of state per parameter byte: weight + gradient (+ two Adam moments). A frozen parameter
 #: (``requires_grad=False``) holds its weight alone: 1.
@@ -291,13 +292,17 @@ def _parameter_bytes(graph: Graph) -> tuple[list[dict[str, int]], list[int], lis
 
 
 def _exchanges(graph: Graph) -> list[Exchange]:
-    """The values units pass to later units (or out of the model)."""
+    """The values units pass to later units (or out of the model). A model input is none:
+    each stage reading it reads it from the batch (autopipe/codegen/plan.py), unless the model
+    returns it."""
     num_units = len(graph.units)
     unit_of = {n.name: n.unit for n in graph.calls}
     outputs = set(graph.outputs)
     exchanges = []
     for node in graph.nodes:
         if node.kind not in ("call", "input") or not isinstance(node.meta, TensorMeta):
+            continue
+        if node.kind == "input" and node.name not in outputs:
             continue
         producer = unit_of.get(node.name, -1)
         readers = {
@@ -383,7 +388,11 @@ class CostModel:
         ]
         self.blocks = facts.blocks
         self.block_call_units = facts.block_call_units
-        self.exchanges = facts.exchanges
+        #: values each stage reading them recomputes instead of receiving (cheaper on this
+        #: device than sending them): they cross no boundary
+        self.recomputed_values = recomputed_values(graph, self.device)
+        recomputed = set(self.recomputed_values)
+        self.exchanges = [e for e in facts.exchanges if e.name not in recomputed]
         #: each block's parameter and gradient bytes
         self.block_state = {
             block.fqn: sum(self.param_bytes[u] + self.trainable_bytes[u] for u in block.units)

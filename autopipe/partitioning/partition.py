@@ -419,6 +419,9 @@ class Partition:
     #: the stages the model's pipe_split() markers ask for, predicted alike (None: it has none,
     #: or they are the partition's stages)
     requested: RequestedSplit | None = None
+    #: values each stage reading them recomputes instead of receiving (computed from sizes and
+    #: constants, cheaper than a transfer: autopipe/partitioning/recomputed_values.py)
+    recomputed_values: list[str] = field(default_factory=list)
 
     @property
     def profile_source(self) -> str:
@@ -447,6 +450,12 @@ class Partition:
             raise ArtifactError(
                 "the partition was made for a different graph; run `autopipe partition` on this graph again"
             )
+        for name in self.recomputed_values:
+            if name not in graph.dag or graph[name].kind != "call":
+                raise ArtifactError(
+                    f"the partition recomputes {name!r}, which this graph does not compute; "
+                    "run `autopipe partition` on this graph again"
+                )
         edges = [
             (src, n.name) for n in graph.calls for src in n.inputs if graph[src].kind == "call"
         ]
@@ -484,6 +493,7 @@ class Partition:
         } | (
             ({} if self.compared is None else {"compared": self.compared.to_json()})
             | ({} if self.requested is None else {"requested": self.requested.to_json()})
+            | ({"recomputed_values": self.recomputed_values} if self.recomputed_values else {})
         )
 
     @classmethod
@@ -557,6 +567,15 @@ def _parse(data: dict[str, Any]) -> Partition:
         recompute_blocks,
         "a list of distinct block names",
     )
+    recomputed_values = data.get("recomputed_values", [])
+    require(
+        isinstance(recomputed_values, list)
+        and all(is_text(v) for v in recomputed_values)
+        and len(set(recomputed_values)) == len(recomputed_values),
+        "recomputed_values",
+        recomputed_values,
+        "a list of distinct value names",
+    )
     settings = PartitionSettings.from_json(data.get("settings", {}), "settings")
     _check_placement(settings.schedule, device_of_stage)
     costs = costs_from_json(data.get("costs", {}), stages, "costs")
@@ -574,6 +593,7 @@ def _parse(data: dict[str, Any]) -> Partition:
         costs=costs,
         recompute=recompute,
         recompute_blocks=recompute_blocks,
+        recomputed_values=recomputed_values,
     )
 
 

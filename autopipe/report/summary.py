@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from ..codegen.plan import plan_stages
 from ..ir import MODULE_TARGET, Graph, TensorMeta
 from ..ir.eval_mode import random_in_eval
 from ..ir.kept_module import kept_calls
@@ -12,8 +13,10 @@ from ..ir.sizes import planned_sizes
 from ..runtime.core.shapes import evaluate
 from ..partitioning import Partition
 from ..partitioning.cost import Throughput, block_costs
+from ..partitioning.recomputed_values import closure
 from ..partitioning.search import plan_table
 from ..tracing.causal_mask import attention_masking
+from ..tracing.grouped_query import grouped_query
 
 
 def stage_span(graph: Graph, stage_of_unit: list[int], stage: int) -> tuple[str, str]:
@@ -53,12 +56,53 @@ def format_partition(graph: Graph, part: Partition) -> str:
         rows.append(f"dynamic dimensions: {dimensions_text(graph, part)}")
     rows += batch_dims_lines(graph)
     rows += attention_lines(graph)
+    rows += batch_input_lines(graph, part)
     rows += recompute_lines(graph, part)
     rows += requested_lines(part)
     rows += kept_whole_lines(graph, part)
     rows += random_in_eval_lines(graph)
     rows += trace_settings_lines(graph)
     return "\n".join(rows)
+
+
+def batch_input_lines(graph: Graph, part: Partition) -> list[str]:
+    """The model inputs later stages read from the batch on their own ranks (``labels`` in the
+    last stage), and the values they recompute from sizes and constants (a Llama's rotary
+    tables), where the stages between would otherwise carry them (autopipe/codegen/plan.py)."""
+    readers: dict[str, list[int]] = {}
+    recomputers: dict[str, list[int]] = {}
+    plans = plan_stages(graph, part.stage_of_unit, part.device_of_stage, part.recomputed_values)
+    for plan in plans:
+        for name in plan.data_inputs:
+            readers.setdefault(name, []).append(plan.index)
+        for name in plan.recomputed:
+            recomputers.setdefault(name, []).append(plan.index)
+
+    def listed(where: dict[str, list[int]]) -> str:
+        def scope(name: str) -> str:
+            label = graph[name].scope_label if graph[name].kind == "call" else ""
+            return f" of {label}" if label else ""
+
+        return ", ".join(
+            f"{name}{scope(name)} (stage{'s' if len(stages) > 1 else ''} "
+            f"{', '.join(map(str, stages))})"
+            for name, stages in where.items()
+        )
+
+    lines = []
+    if readers:
+        lines.append(
+            "read from the batch by the stages that use them, not sent between stages: "
+            + listed(readers)
+        )
+    if recomputers:
+        operators = {n for name in recomputers for n in closure(graph, name) or ()}
+        lines.append(
+            "recomputed by the stages that use them, not sent between stages (computed from "
+            f"sizes and constants by {len(operators)} operators, cheaper than a transfer on "
+            f"{part.settings.link or 'the link'}): {listed(recomputers)}"
+        )
+    return lines
 
 
 def batch_dims_lines(graph: Graph) -> list[str]:
@@ -76,8 +120,11 @@ def batch_dims_lines(graph: Graph) -> list[str]:
 def attention_lines(graph: Graph) -> list[str]:
     """How the attention calls mask: causal ones (``is_causal=True``: no mask is built, nor sent
     between stages; autopipe/tracing/causal_mask.py recognises the masks models build), those
-    with an explicit mask (it reads input values or is not causal), those with neither."""
+    with an explicit mask (it reads input values or is not causal), those with neither; and
+    those taking grouped-query keys and values unrepeated (``enable_gqa=True``,
+    autopipe/tracing/grouped_query.py)."""
     kinds = Counter(attention_masking(n) for n in graph.calls)
+    grouped = sum(grouped_query(n) for n in graph.calls)
     if not kinds.keys() - {None}:
         return []
 
@@ -90,6 +137,8 @@ def attention_lines(graph: Graph) -> list[str]:
     ]
     if kinds["none"]:
         parts.append(f"{kinds['none']} without a mask")
+    if grouped:
+        parts.append(f"{grouped} with enable_gqa (keys and values not repeated per query head)")
     return ["attention: " + ", ".join(parts)]
 
 

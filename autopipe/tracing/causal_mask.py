@@ -48,7 +48,7 @@ from ..ir import Node, Ref, TensorMeta
 from ..ir.codec import decode_tensor
 from ..ir.eval_mode import ATTENTION
 from ..ir.interpreter import run_node
-from ..ir.kinds import kind_of
+from ..ir.ordering import computes_from_arguments
 from ..ir.sizes import rebound_nodes
 from ..ir.types import argument_value, iter_refs, sizes_in
 from ..runtime.core.shapes import evaluate, names_in
@@ -252,7 +252,7 @@ def _builders(
         if node.kind == "constant":
             builders.add(name)
             continue
-        if node.kind != "call" or not _computes_from_arguments(node):
+        if node.kind != "call" or not computes_from_arguments(node):
             return None  # a model input, a parameter or buffer; a random or in-place operator
         builders.add(name)
         reads = list(iter_refs((node.args, node.kwargs)))
@@ -261,21 +261,6 @@ def _builders(
             reads = list(iter_refs((node.args[1:], node.kwargs)))
         stack += [r.name for r in reads]
     return builders, stand_ins - builders
-
-
-def _computes_from_arguments(node: Node) -> bool:
-    """A deterministic torch operator (or an output of one) that changes nothing."""
-    if node.target == "getitem":
-        return True
-    if kind_of(node.target) is not None:
-        return False
-    op = op_overload(node.target)
-    return (
-        op is not None
-        and torch.Tag.nondeterministic_seeded not in op.tags
-        and not _mutates(node.target)
-        and "empty" not in op._schema.name  # uninitialised memory
-    )
 
 
 # -- what the mask lets through ----------------------------------------------------------------

@@ -132,7 +132,7 @@ def _run_standalone(package_dir: str, inputs: str) -> str:
             stage.load_state_dict(stage_state(stage, state, pipeline.aliases))
             stage.train()
             values = [env[n].detach() for n in spec.inputs]
-            for meta, value in zip(pipeline.received(spec), values):
+            for meta, value in zip(pipeline.taken(spec), values):
                 value.requires_grad_(meta.requires_grad and value.is_floating_point())
             env.update(zip(spec.outputs, stage(*values)))
         actual = [env[n] for n in pipeline.outputs]

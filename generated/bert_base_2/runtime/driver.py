@@ -31,7 +31,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining.microbatch import TensorChunkSpec
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import (
     _Action,
     _ComputationType,
@@ -188,7 +188,10 @@ _NESTED_REGIONS: set[type] = set()
 class StageRunner(nn.Module):
     """One stage as the schedule runs it: under bf16 autocast, with its activations recomputed
     in backward, and returning fresh tensors of the pipeline's dtypes (split-backward schedules
-    detach stage outputs in place, which must not reach tensors the stage saved)."""
+    detach stage outputs in place, which must not reach tensors the stage saved). A stage that
+    reads inputs from the batch (``data_slots``: their positions among its inputs) takes them
+    from ``batch_inputs``, the run's microbatches of them, at the microbatch :meth:`select`
+    chose; the schedule gives it the others."""
 
     #: the stage's path in its runner
     STAGE = "stage"
@@ -208,8 +211,20 @@ class StageRunner(nn.Module):
         self.autocast = autocast
         self.recompute = recompute
         self.fresh_outputs = fresh_outputs
+        self.data_slots: tuple[int, ...] = ()
+        #: per microbatch of the current pipeline run, the inputs at ``data_slots``
+        self.batch_inputs: list[tuple[torch.Tensor, ...]] = []
+        self.microbatch = 0
 
-    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def select(self, microbatch: int) -> None:
+        """The microbatch whose batch inputs the next forward takes."""
+        self.microbatch = microbatch
+
+    def forward(self, *received: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        inputs = list(received)
+        if self.data_slots:
+            for slot, tensor in zip(self.data_slots, self.batch_inputs[self.microbatch]):
+                inputs.insert(slot, tensor)
         precision = (
             torch.autocast(self.autocast, dtype=torch.bfloat16)
             if self.autocast
@@ -272,7 +287,7 @@ def chunk_spec(pipeline: Pipeline) -> tuple[TensorChunkSpec, ...] | None:
     """How torch's schedules split a pipeline run's first-stage inputs into microbatches: each
     along its batch dimension; None (torch's default, dimension 0 for all) where every input
     holds its batch along dimension 0. A loss's target is split along dimension 0."""
-    dims = [pipeline.batch_dim(value.name) for value in pipeline.data_inputs]
+    dims = [pipeline.batch_dim(value.name) for value in pipeline.first_inputs]
     if not any(dims):
         return None
     return tuple(TensorChunkSpec(dim) for dim in dims)  # type: ignore[no-untyped-call]  # torch
@@ -585,6 +600,10 @@ def build_stages(
         )
         for s in local
     }
+    for s in local:  # the inputs it reads from the batch, by their positions among its inputs
+        runners[s.index].data_slots = tuple(
+            i for i, name in enumerate(s.inputs) if name in s.data_inputs
+        )
     if layout.sharded:
         for s in local:
             blocks = [modules[s.index].get_submodule(fqn) for fqn in s.blocks]
@@ -877,6 +896,14 @@ class TrainingRun:
         if config.trace:
             self.timeline = self.make_timeline(config.trace)
 
+    @property
+    def reads_batches(self) -> bool:
+        """Whether this rank reads each step's batch: for the first stage's inputs, the loss's
+        target, the inputs a later stage reads from the batch, or (a dynamic pipeline's dry
+        run) every batch."""
+        reads_inputs = any(runner.data_slots for runner in self.runners.values())
+        return self.is_first or self.needs_target or reads_inputs or self.reads_every_batch
+
     def prepare_data(self) -> None:
         """The dataset files' rows, read and tokenized before the first step by the ranks that
         read batches, without a timeout (:func:`prepare_together`; the held-out ones alone
@@ -886,7 +913,7 @@ class TrainingRun:
         used = [self.eval_batches] if config.eval_only else [self.batches, self.eval_batches]
         preparing = [batches for batches in used if batches is not None and batches.prepares]
         if preparing:
-            reads = self.is_first or self.needs_target or self.reads_every_batch
+            reads = self.reads_batches
 
             def prepare() -> None:
                 for batches in preparing:
@@ -1014,6 +1041,9 @@ class TrainingRun:
             stage.whole_backward_in_input = not any(
                 value.requires_grad for value in pipeline.received(s)
             )
+            runner = self.runners[s.index]
+            if runner.data_slots:
+                stage.feed = runner.select
             if s.index != pipeline.num_stages - 1:  # its outputs are sent on: checked first
                 stage.planned_outputs = tuple(
                     (value.name, value.shape_for(sizes), value.torch_dtype)
@@ -1108,12 +1138,17 @@ class TrainingRun:
         pipeline, metrics = self.pipeline, self.metrics
         held_out = batches is not None
         batches = batches or self.batches
-        reads = self.is_first or self.needs_target or self.reads_every_batch
+        reads = self.reads_batches
         if not pipeline.dimensions:
             if not reads:
                 return None, None
-            with doing("read_batch"):
-                return batches(step), None
+            try:
+                with doing("read_batch"):
+                    return batches(step), None
+            except PipelineRunError as exc:  # the first stage's rank refuses the batch too
+                if not self.is_first and self.layout.pp_size > 1:
+                    exc.also_on = group_ranks(self.layout.pp_group)[0]
+                raise
         batch, sizes = agree_dimensions(batches, step, reads, self.layout)
         if held_out:
             return batch, sizes
@@ -1161,8 +1196,28 @@ class TrainingRun:
             if target is None:  # the loss is a model output
                 target = torch.zeros(self.config.microbatches)
             kwargs = {"target": target.to(self.device), "losses": losses, "return_outputs": False}
-        call(*[t.to(self.device) for t in inputs] if self.is_first else [], **kwargs)
+        given = {value.name: t for value, t in zip(self.pipeline.data_inputs, inputs)}
+        for index, runner in self.runners.items():
+            if runner.data_slots:
+                runner.batch_inputs = self.batch_microbatches(index, given)
+        first = self.pipeline.first_inputs if self.is_first else []
+        call(*[given[value.name].to(self.device) for value in first], **kwargs)
         return losses
+
+    def batch_microbatches(
+        self, stage: int, given: dict[str, torch.Tensor]
+    ) -> list[tuple[torch.Tensor, ...]]:
+        """The inputs stage ``stage`` reads from the batch, split into the run's microbatches
+        as the schedule splits the first stage's (torch's ``split_args_kwargs_into_chunks``,
+        each along its batch dimension)."""
+        names = self.pipeline.stages[stage].data_inputs
+        tensors = tuple(given[name].to(self.device) for name in names)
+        spec = tuple(
+            TensorChunkSpec(self.pipeline.batch_dim(name))  # type: ignore[no-untyped-call]
+            for name in names
+        )
+        chunks, _ = split_args_kwargs_into_chunks(tensors, None, self.config.microbatches, spec)
+        return [tuple(chunk) for chunk in chunks]
 
     # -- evaluate ------------------------------------------------------------------------------
     def evaluate(self, done: int) -> None:
@@ -1293,13 +1348,15 @@ def agree_dimensions(
             found = [sizes.get(name, 0) for name in names]
         except Exception as exc:  # noqa: BLE001 - every rank must reach the all-reduce
             problem = exc
-    refused_by = layout.rank + 1 if problem is not None else 0  # the highest refusing rank
+    # the lowest refusing rank says why (every rank reading the batch refuses the same one)
+    past = dist.get_world_size() + 1
+    refused_by = past - layout.rank if problem is not None else 0
     agreed = torch.tensor([refused_by, *found], device=layout.device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=layout.pp_group)
-    if problem is not None:  # printed by this rank
+    if problem is not None and past - int(agreed[0]) == layout.rank:  # printed by this rank
         raise problem
     if agreed[0]:
-        raise RankFailedError(int(agreed[0]) - 1, f"it refused the batch of step {step}")
+        raise RankFailedError(past - int(agreed[0]), f"it refused the batch of step {step}")
     sizes = dict(zip(names, (int(v) for v in agreed[1:])))
     missing = [name for name, size in sizes.items() if size == 0]
     if missing:
@@ -1429,6 +1486,12 @@ def _main(package: ModuleType, argv: list[str]) -> int:
         return 2
     except PipelineRunError as exc:
         _ending()
+        if exc.also_on is not None and board.posted(exc.also_on, wait=5.0):
+            _error(
+                f"train.py: rank {rank} stopped because rank {exc.also_on} failed: it refused "
+                "the same batch (its error is printed above)"
+            )
+            return 2
         if exc.every_rank:  # found by every rank alike: rank 0 says it
             if rank == 0:
                 _error(f"train.py: error: {exc}")

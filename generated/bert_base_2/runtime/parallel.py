@@ -16,7 +16,7 @@ gradient norm, and their stages' optimizers do not hold them.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -187,6 +187,9 @@ class DataParallelStage(PipelineStage):
     #: misses them when no input needs a gradient (it runs the whole backward in the weight pass
     #: for stage 0 alone, whose inputs are data)
     whole_backward_in_input: bool = False
+    #: called with each microbatch's number before its forward: hands the stage the inputs it
+    #: reads from the batch for that microbatch (None: it reads none)
+    feed: Callable[[int], None] | None = None
 
     # -- the actions: each one this rank's current action, recorded when traced ----------------
     def forward_one_chunk(
@@ -199,6 +202,8 @@ class DataParallelStage(PipelineStage):
         # a microbatch split along a batch dimension other than 0 is a strided view: given
         # contiguous, as the model's own batch is (cuDNN's RNNs refuse a strided state)
         args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+        if self.feed is not None:
+            self.feed(fwd_chunk_id)
         with recorded(self.timeline, "forward", self.stage_index, fwd_chunk_id):
             output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         if self.planned_outputs is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -80,6 +81,22 @@ class FailureBoard:
             store.set(f"{self.prefix}{self.rank}", what.splitlines()[0][:400] if what else "")
         except (RuntimeError, OSError):
             pass
+
+    def posted(self, rank: int, wait: float) -> bool:
+        """Whether ``rank`` posted a failure, waiting up to ``wait`` seconds for it."""
+        store = self._connect()
+        if store is None:
+            return False
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                if store.check([f"{self.prefix}{rank}"]):
+                    return True
+            except (RuntimeError, OSError):
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
     def first_failed(self) -> int | None:
         """The lowest other rank that posted a failure, or None."""

@@ -38,6 +38,8 @@ class PipelineRunError(RuntimeError):
     def __init__(self, message: str, every_rank: bool = False):
         super().__init__(message)
         self.every_rank = every_rank
+        #: a lower rank that meets the same problem (it reads the same batch) and says it
+        self.also_on: int | None = None
 
 
 def first_line(exc: BaseException) -> str:
@@ -71,11 +73,11 @@ class UserCodeError(PipelineRunError):
 
     def at_step(self, step: int) -> UserCodeError:
         """This error, saying which step it was raised at."""
-        return (
-            self
-            if self.step is not None
-            else UserCodeError(self.option, self.spec, self.original, step)
-        )
+        if self.step is not None:
+            return self
+        stepped = UserCodeError(self.option, self.spec, self.original, step)
+        stepped.also_on = self.also_on
+        return stepped
 
 
 def user_line(exc: BaseException) -> str | None:

@@ -162,7 +162,10 @@ class Value:
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage: the values it takes and returns (by name, in call order), and its rank."""
+    """One stage: the values it takes and returns (by name, in call order), and its rank.
+    Of its inputs, a later stage reads ``data_inputs`` (model inputs: ``labels`` in the last
+    stage, a padding mask in every stage) from the step's batch on its own rank, not from the
+    stage before; it receives the others. The first stage takes every input from the batch."""
 
     index: int
     inputs: tuple[str, ...]
@@ -172,12 +175,26 @@ class Stage:
     recompute: bool  # activations recomputed in backward by default (the partitioner's choice)
     blocks: tuple[str, ...] = ()  # original names of the blocks it holds as submodules, in order
     recompute_blocks: tuple[str, ...] = ()  # of those, the partitioner's choice to recompute
+    #: the inputs it reads from the batch (empty for the first stage, which reads them all, and
+    #: in pipelines compiled before: they relayed every model input through the stages between)
+    data_inputs: tuple[str, ...] = ()
+    #: values of earlier stages it computes again from sizes and constants instead of
+    #: receiving them (a Llama's rotary tables), as the generated code names them
+    recomputes: tuple[str, ...] = ()
 
     @classmethod
     def from_json(cls, data: Any, index: int, where: str) -> Stage:
         keys = ("inputs", "outputs", "device", "module", "recompute", "blocks", "recompute_blocks")
-        _read.fields(data, where, keys)
+        _read.fields(data, where, keys, ("data_inputs", "recomputes"))
+        data_inputs = _read.check(
+            _read.names(data.get("data_inputs", []), f"{where}.data_inputs"),
+            f"{where}.data_inputs",
+            lambda names: set(names) <= set(data["inputs"]) and not (index == 0 and names),
+            "names among the stage's inputs (none for the first stage)",
+        )
         return cls(
+            data_inputs=data_inputs,
+            recomputes=_read.names(data.get("recomputes", []), f"{where}.recomputes"),
             index=index,
             inputs=_read.names(data["inputs"], f"{where}.inputs"),
             outputs=_read.names(data["outputs"], f"{where}.outputs"),
@@ -206,7 +223,10 @@ class Stage:
             "recompute": self.recompute,
             "blocks": list(self.blocks),
             "recompute_blocks": list(self.recompute_blocks),
-        }
+        } | (
+            ({"data_inputs": list(self.data_inputs)} if self.data_inputs else {})
+            | ({"recomputes": list(self.recomputes)} if self.recomputes else {})
+        )
 
 
 @dataclass(frozen=True)
@@ -647,6 +667,12 @@ class Pipeline:
             where = f"pipeline.stages[{stage.index}]"
             _read.known(stage.inputs, f"{where}.inputs", self.values, "in pipeline.values")
             _read.known(stage.outputs, f"{where}.outputs", self.values, "in pipeline.values")
+            _read.known(stage.data_inputs, f"{where}.data_inputs", self.inputs, "a model input")
+            if not self.received(stage):
+                raise _read.error(
+                    f"{where}: receives nothing (every input it takes is read from the batch); "
+                    "a pipeline stage receives at least one value from the stage before"
+                )
         if self.loss.output is not None and self.loss.output not in self.outputs:
             raise _read.fail("pipeline.loss.output", self.loss.output, "one of pipeline.outputs")
         if self.identity is not None:
@@ -790,9 +816,15 @@ class Pipeline:
         """The blocks the partitioner chose to recompute one by one (--recompute auto)."""
         return frozenset(b for stage in self.stages for b in stage.recompute_blocks)
 
-    def received(self, stage: Stage) -> list[Value]:
-        """The values ``stage`` receives, in its call order."""
+    def taken(self, stage: Stage) -> list[Value]:
+        """Every value ``stage``'s forward takes, in its call order: those it receives and
+        those it reads from the batch."""
         return [self.values[name] for name in stage.inputs]
+
+    def received(self, stage: Stage) -> list[Value]:
+        """The values ``stage`` receives (from the stage before; the first stage, from the
+        schedule), in its call order: its inputs less those it reads from the batch."""
+        return [self.values[name] for name in stage.inputs if name not in stage.data_inputs]
 
     def returned(self, stage: Stage) -> list[Value]:
         """The values ``stage`` returns, in order."""
@@ -800,8 +832,18 @@ class Pipeline:
 
     @property
     def data_inputs(self) -> list[Value]:
-        """What a batch must hold: the inputs the first stage takes, in its order (model inputs
-        nothing reads are left out)."""
+        """What a batch must hold: the inputs the first stage takes, in its order, then those
+        later stages read from the batch, in stage order (model inputs nothing reads are left
+        out)."""
+        names = list(self.stages[0].inputs)
+        for stage in self.stages[1:]:
+            names += [name for name in stage.data_inputs if name not in names]
+        return [self.values[name] for name in names]
+
+    @property
+    def first_inputs(self) -> list[Value]:
+        """The inputs the first stage takes from the batch (the schedule splits them into its
+        microbatches), in its order: the first of :attr:`data_inputs`."""
         return self.received(self.stages[0])
 
     def batch_dim(self, name: str) -> int:
