@@ -1,10 +1,10 @@
 """The one-GPU kit: autopipe's CUDA path checked and measured on one GPU, in a few minutes.
 
-    python benchmarks/gpu.py            # about 8 minutes on one H100
+    python benchmarks/gpu.py            # about 8 minutes on one H100, and the parity ladder
     python benchmarks/gpu.py --quick    # smaller speed model, fewer steps and cases
     python benchmarks/gpu.py --json results.json --work DIR
 
-Three parts, each case in fresh processes (a failure is reported in its row and the kit goes on):
+Four parts, each case in fresh processes (a failure is reported in its row and the kit goes on):
 
 (a) **Exactness on CUDA.** GPT-2 and a Llama (tiny configs, fp32, dropout off) compiled into 2
     and 4 stages on one device (``--devices 1``: every stage on the one GPU, torch's looped
@@ -27,6 +27,12 @@ Three parts, each case in fresh processes (a failure is reported in its row and 
     median step and ``torch.cuda.max_memory_allocated``; the step is also predicted again from
     the measured profile.
 
+(d) **Parity.** The parity ladder (benchmarks/parity.py) on this device: the original model
+    against the generated stages without the runtime and ``train.py`` with one and two stages,
+    each rung's tokens/s over the original's against issue 43's targets (``--quick``: the Llama
+    alone, its short sequence, no profiled step; otherwise GPT-2 and the Llama with the
+    ladder's profiler diffs in its own JSON, ``parity.json`` in ``--work``).
+
 It prints one table and writes every figure to ``--json``. Without a CUDA device it exits with a
 message; ``--device cpu`` rehearses every step on this machine's CPU (gloo, the smallest speed
 model) to check the kit itself, and its figures mean nothing.
@@ -38,10 +44,8 @@ import argparse
 import importlib.util
 import json
 import math
-import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,9 +56,10 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-HERE = REPO / "benchmarks"
-sys.path.insert(0, str(REPO))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from kit_processes import REPO, Failed, run  # noqa: E402  (benchmarks/, the script's folder)
 
 from autopipe.compiler import CompileOptions, compile_spec, load_graph  # noqa: E402
 from autopipe.partitioning import Partition  # noqa: E402
@@ -113,34 +118,6 @@ class Kit:
 
 
 # -- running things ----------------------------------------------------------------------------
-class Failed(Exception):
-    """A subprocess of the kit failed; the message holds the end of its output."""
-
-
-def environment() -> dict[str, str]:
-    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, PYTHONPATH=python_path, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-
-
-def run(command: list[str], timeout: float) -> str:
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(
-            command,
-            cwd=REPO,
-            env=environment(),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise Failed(f"timed out after {timeout:.0f} s: {' '.join(command[:6])} ...") from exc
-    if done.returncode != 0:
-        tail = (done.stdout[-1500:] + "\n" + done.stderr[-3000:]).strip()
-        raise Failed(f"exit {done.returncode} after {time.perf_counter() - started:.0f} s:\n{tail}")
-    return done.stdout
-
-
 def train(kit: Kit, package: Path, log: Path, *options: str, timeout: float = 600) -> list[dict]:
     """train.py of ``package`` on one rank of this machine; its --log-json records."""
     command = [
@@ -500,6 +477,33 @@ def prediction(kit: Kit, package: Path) -> None:
             )
 
 
+def parity(kit: Kit) -> None:
+    """The parity ladder on this device, one kit row per rung (its ratio to the original)."""
+    output = kit.work / "parity.json"
+    command = [sys.executable, str(HERE / "parity.py"), "--device", kit.device]
+    command += ["--json", str(output), "--work", str(kit.work / "parity")]
+    if kit.quick:
+        command += ["--quick", "--model", "llama", "--no-profile"]
+    try:
+        run(command, timeout=1800)
+    except Failed:
+        if not output.is_file():
+            raise
+        # a rung that failed: the ladder wrote every row, that one with its error
+    for row in json.loads(output.read_text())["rows"]:
+        case = f"{row['model']} {row['rung']}: {row['what']}"
+        if row.get("error"):
+            kit.add(Row("parity", case, row["error"].splitlines()[0][:120], verdict="error"))
+            continue
+        ratio = row.get("ratio")
+        measured = f"{row['tokens_per_s']:,.0f} tokens/s" + (
+            f", {ratio:.3f}x the original" if ratio is not None else ""
+        )
+        target = row.get("target", "")
+        verdict = "FAIL" if "MISSED" in target else ("ok" if target.startswith(">=") else "")
+        kit.add(Row("parity", case, measured, target, verdict, data=row))
+
+
 def _log_ratio(pair: list[float]) -> float:
     a, m = pair
     return math.log(max(m, 1e-12) / max(a, 1e-12))
@@ -560,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", help="a directory for packages and logs (default: temporary)")
     parser.add_argument(
         "--parts",
-        default="exactness,paths,speed,prediction",
+        default="exactness,paths,speed,prediction,parity",
         help="which parts to run, comma-separated (prediction needs speed's package)",
     )
     parser.add_argument(
@@ -581,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = set(parts) - {"exactness", "paths", "speed", "prediction"}
+    unknown = set(parts) - {"exactness", "paths", "speed", "prediction", "parity"}
     if unknown:
         parser.error(f"--parts: unknown {', '.join(sorted(unknown))}")
     started = time.perf_counter()
@@ -600,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         package = speed(kit) if "speed" in parts or "prediction" in parts else None
         if "prediction" in parts and package is not None:
             attempt(kit, "prediction", "measured profile", lambda: prediction(kit, package))
+        if "parity" in parts:
+            attempt(kit, "parity", "the ladder", lambda: parity(kit))
         facts["seconds"] = round(time.perf_counter() - started, 1)
         kit.write()
     print()

@@ -104,7 +104,6 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -117,7 +116,8 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from kit_processes import REPO, Failed, run  # noqa: E402  (benchmarks/, the script's folder)
+
 HERE = REPO / "benchmarks"
 
 LR = 1e-3  # train.py's default --lr (AdamW, no weight decay)
@@ -529,10 +529,6 @@ def worker_main(kind: str, config_path: str) -> int:
 
 
 # -- the ladder ---------------------------------------------------------------------------------
-class Failed(Exception):
-    """A subprocess of the ladder failed; the message holds the end of its output."""
-
-
 @dataclass
 class Row:
     """One line of the table: a rung of one model, its throughput against the baseline."""
@@ -592,33 +588,6 @@ class Ladder:
             "diffs": self.diffs,
         }
         Path(self.args.json).write_text(json.dumps(results, indent=1, default=str))
-
-
-def environment() -> dict[str, str]:
-    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, PYTHONPATH=python_path, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-
-
-def run(command: list[str], timeout: float) -> str:
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(
-            command,
-            cwd=REPO,
-            env=environment(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise Failed(f"timed out after {timeout:.0f} s: {' '.join(command[:8])} ...") from exc
-    if done.returncode != 0:
-        raise Failed(
-            f"exit {done.returncode} after {time.perf_counter() - started:.0f} s: "
-            f"{' '.join(command[:8])} ...\n{done.stdout[-4000:]}"
-        )
-    return done.stdout
 
 
 def spec_file(ladder: Ladder, model: str) -> Path:

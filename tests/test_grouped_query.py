@@ -1,7 +1,8 @@
 """Grouped-query attention is called as eager calls it (issue 43, item 2): an attention call
 without a mask over keys and values repeated per query head (Hugging Face's ``repeat_kv``) takes
-them unrepeated with ``enable_gqa=True``, and the copies are gone; a call with a mask, and
-repeats that are not ``enable_gqa``'s heads, keep them. Every rewrite verifies against the
+them unrepeated with ``enable_gqa=True`` (repeated by ``expand`` + ``reshape`` or by
+``repeat_interleave``), and the copies are gone; a call with a mask, and repeats that are not
+``enable_gqa``'s heads, keep them. Every rewrite verifies against the
 model. Mirrors ``autopipe/tracing/grouped_query.py``; models in tests/causal_models.py."""
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ def assert_verifies(package, name: str) -> None:
     assert report.ok, report.summary()
 
 
-@pytest.mark.parametrize("name,calls", [("llama", 2), ("grouped_expand", 1)])
+@pytest.mark.parametrize(
+    "name,calls", [("llama", 2), ("grouped_expand", 1), ("grouped_interleave", 1)]
+)
 def test_repeated_keys_and_values_become_enable_gqa(tmp_path, name, calls):
     result = compile_model(spec(name), tmp_path / name, 2)
     graph = result.graph
@@ -50,7 +53,8 @@ def test_repeated_keys_and_values_become_enable_gqa(tmp_path, name, calls):
     assert grouped(graph) == [True] * calls
     assert not repeats(graph)  # the copies are gone, not only unread
     source = "".join(p.read_text() for p in sorted(result.out.glob("*.py")))
-    assert source.count("enable_gqa=True") >= 1 and "aten.expand" not in source
+    assert source.count("enable_gqa=True") >= 1
+    assert "aten.expand" not in source and "repeat_interleave" not in source
     assert attention_lines(graph) == [
         f"attention: {calls} call{'s' if calls > 1 else ''} causal (no mask built or sent "
         f"between stages), 0 with an explicit mask, {calls} with enable_gqa (keys and values "
@@ -59,10 +63,9 @@ def test_repeated_keys_and_values_become_enable_gqa(tmp_path, name, calls):
     assert_verifies(result.out, name)
 
 
-@pytest.mark.parametrize("name", ["grouped_tiled", "grouped_interleave"])
-def test_repeats_other_than_a_grouped_query_expand_stay(tmp_path, name):
-    """ "tiled" gives query head h the key/value head h % 2, which enable_gqa does not compute;
-    repeat_interleave computes what enable_gqa does but is not the pattern the pass knows."""
+def test_heads_tiled_instead_of_repeated_stay(tmp_path):
+    """ "tiled" gives query head h the key/value head h % 2, which enable_gqa does not compute."""
+    name = "grouped_tiled"
     result = compile_model(spec(name), tmp_path / name, 2)
     assert grouped(result.graph) == [False]
     assert repeats(result.graph)

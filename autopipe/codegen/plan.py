@@ -4,14 +4,14 @@ Values are *relayed*: a value produced in stage ``p`` and read in stage ``c > p 
 every stage between, so stage ``i`` receives only from stage ``i - 1``. That is the shape every
 ``torch.distributed.pipelining`` schedule accepts. The last stage returns the model's outputs.
 
-Values computed from sizes and constants alone that the partition chose to recompute (a
-Llama's rotary tables: autopipe/partitioning/recomputed_values.py) are not either: every stage
-reading one computes it again from its operators, which it holds beside its own.
-
-Model inputs are not relayed either: a later stage reading one (``labels`` in the last stage, a padding mask in
-every layer) reads it from the step's batch on its own rank (its *data inputs*), and the stages
-between carry nothing for it. Only where a stage would then receive nothing from the stage before
-(a model of independent parts) are model inputs relayed like other values.
+Two kinds of values are not relayed. Values computed from sizes and constants alone that the
+partition chose to recompute (a Llama's rotary tables: autopipe/partitioning/recomputed_values.py)
+are computed again by every stage reading them, which holds their operators beside its own. A
+model input a later stage reads (``labels`` in the last stage, a padding mask in every layer) is
+read from the step's batch on that stage's rank (its *data inputs*), and the stages between carry
+nothing for it. Only where a stage would then receive nothing from the stage before does the plan
+fall back: to sending the values, then to relaying the model inputs too (a model of independent
+parts).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch._functorch.config as fconfig
+import torch._subclasses.meta_utils as meta_utils
 from torch import fx
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
@@ -205,20 +206,8 @@ def _export(
     level = shapes_log.level
     shapes_log.setLevel(logging.ERROR)  # it warns of every value it reads from real tensors
     try:
-        with fconfig.patch(fake_tensor_propagate_real_tensors=True):
-            try:
-                exported = export()
-            except Exception as exc:  # noqa: BLE001 - once more, then the first failure
-                # torch's real-tensor propagation is best effort: a value it did not carry
-                # (seen once in a test process that had exported many models) fails the
-                # export on a value the example has; a second export carries it
-                if not _is_data_dependent(exc):
-                    raise
-                torch.set_rng_state(rng)
-                with torch.no_grad():
-                    for buffer, value in buffers:
-                        buffer.copy_(value)
-                exported = export()
+        with fconfig.patch(fake_tensor_propagate_real_tensors=True), parameters_given_values():
+            exported = export()
     except Exception as again:
         if failure is not None:
             failure.add_note(  # shown with the traceback the TraceError chains
@@ -308,6 +297,32 @@ def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return tensor
 
     return pytree.tree_map_only(torch.Tensor, own, (tuple(args), dict(kwargs)))
+
+
+@contextlib.contextmanager
+def parameters_given_values() -> Iterator[None]:
+    """While the block runs, the real tensors that torch's fake tensors of a module's
+    parameters carry (``fake_tensor_propagate_real_tensors``) hold the parameters' values.
+    torch 2.13 copies a tensor's values into the real tensor beside its fake one only when the
+    tensor is exactly a ``torch.Tensor`` (``meta_utils._safe_copy`` / ``_safe_clone``), which an
+    ``nn.Parameter`` is not: the real weights were uninitialised memory (often the values freed
+    there by the export before, so that the model's checks passed or failed by chance, and
+    ``fill_uninitialized_memory`` made them fail every time). A parameter is given as its plain
+    tensor (``detach()``: the same storage). Without those functions, nothing changes."""
+    copy, clone = (getattr(meta_utils, name, None) for name in ("_safe_copy", "_safe_clone"))
+    if copy is None or clone is None:
+        yield
+        return
+
+    def plain(src: Any) -> Any:
+        return src.detach() if isinstance(src, torch.nn.Parameter) else src
+
+    meta_utils._safe_copy = lambda dst, src: copy(dst, plain(src))
+    meta_utils._safe_clone = lambda src: clone(plain(src))
+    try:
+        yield
+    finally:
+        meta_utils._safe_copy, meta_utils._safe_clone = copy, clone
 
 
 # -- export errors ----------------------------------------------------------------------------

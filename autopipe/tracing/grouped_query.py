@@ -11,10 +11,11 @@ attention call without a mask whose key and value are both repeated so (the same
 head ``h`` reading key/value head ``h // n``, which is what ``enable_gqa`` computes) takes the
 unrepeated key and value and ``enable_gqa=True``; the copies nobody else reads are removed.
 
-A call with an explicit mask keeps its repeated keys and values, as eager does: a GPU's
+``x.repeat_interleave(n, dim=1)`` repeats the heads the same way and is rewritten alike. A call
+with an explicit mask keeps its repeated keys and values, as eager does: a GPU's
 memory-efficient kernel, the one that takes a mask, has no grouped-query form. So does one
-whose repeat is not exactly that (another dimension, ``repeat`` instead of ``expand``, sizes
-that differ).
+whose repeat is not exactly that (another dimension, heads tiled rather than repeated in a row,
+``repeat`` instead of ``expand``, sizes that differ).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ GQA_ATTENTION = "aten.scaled_dot_product_attention.default"
 _MASK, _CAUSAL = 3, 5
 #: operators merging the repeated dimension into the heads
 _MERGES = {"aten.reshape.default", "aten.view.default", "aten._unsafe_view.default"}
+#: ``x.repeat_interleave(n, dim=1)``: each key/value head n times in a row, as enable_gqa reads
+_INTERLEAVE = "aten.repeat_interleave.self_int"
 
 
 def use_enable_gqa(nodes: list[Node], outputs: Sequence[str]) -> list[str]:
@@ -74,6 +77,8 @@ def _unrepeated(merged: Node, by_name: Mapping[str, Node]) -> tuple[Node, int] |
     """The tensor ``merged`` repeats for grouped-query attention and the factor (``x[:, :,
     None].expand(b, kv, n, s, d).reshape(b, kv * n, s, d)`` gives ``(x, n)``); None if it is
     not that."""
+    if merged.kind == "call" and merged.target == _INTERLEAVE:
+        return _interleaved(merged, by_name)
     if merged.kind != "call" or merged.target not in _MERGES or not merged.args:
         return None
     expanded = _source(merged, by_name)
@@ -107,6 +112,22 @@ def _unrepeated(merged: Node, by_name: Mapping[str, Node]) -> tuple[Node, int] |
     ):
         return None  # the merge is not of the key/value heads with their repeats
     return original, factor
+
+
+def _interleaved(repeated: Node, by_name: Mapping[str, Node]) -> tuple[Node, int] | None:
+    """``x.repeat_interleave(n, dim=1)`` of a 4-D ``x``: ``(x, n)`` (the same heads as
+    enable_gqa's); None for another dimension, a tensor of repeats or a dynamic size."""
+    original = _source(repeated, by_name)
+    factor = argument_value(repeated, "repeats")
+    dim = argument_value(repeated, "dim")
+    if original is None or not isinstance(factor, int) or isinstance(factor, bool):
+        return None
+    x, r = original.tensor_meta, repeated.tensor_meta
+    if x is None or r is None or len(x.shape) != 4 or dim not in (1, -3) or factor < 1:
+        return None
+    if r.formulas[:1] != x.formulas[:1] or r.formulas[2:] != x.formulas[2:]:
+        return None
+    return (original, factor) if r.shape[1] == x.shape[1] * factor else None
 
 
 def _source(node: Node, by_name: Mapping[str, Node]) -> Node | None:
