@@ -241,3 +241,20 @@ def llama_plain_batch(step: int, microbatches: int = 4):
     generator = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(3, VOCAB, (BATCH * microbatches, SEQ), generator=generator)
     return (ids,), {"labels": ids.clone()}
+
+
+def llama_unseeded_batch(step: int, microbatches: int = 4):
+    """llama_plain_batch drawn from torch's global generator (as many users' functions do)."""
+    ids = torch.randint(3, VOCAB, (BATCH * microbatches, SEQ))
+    return (ids,), {"labels": ids.clone()}
+
+
+def llama_seeded_batches(seed: int):
+    """The batches train.py's data path gives llama_unseeded_batch at ``--seed seed``."""
+
+    def batches(step: int, microbatches: int = 4):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 1_000_003 + step + 7_777_777)
+            return llama_unseeded_batch(step, microbatches)
+
+    return batches

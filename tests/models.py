@@ -1319,3 +1319,42 @@ def fused_operators():
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(4, 6, 16, generator=generator)
     return FusedOperators(), (x, torch.randint(0, 7, (4, 6), generator=generator))
+
+
+class _Tail(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        time, batch, features = y.shape
+        z = self.linear(y.view(time * batch, features)).view(time, batch, features)
+        return (z.sum(0) * h).sum(-1)
+
+
+class TimeFirstTail(nn.Module):
+    """``x`` (batch, 8) read by the head, ``y`` time first (5, batch, 8) read only by the tail,
+    which views it whole (tests/test_data_inputs.py: a later stage reading an input whose batch
+    is not along dimension 0 gets its microbatches contiguous, as the first stage does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 8)
+        self.tail = _Tail()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.tail(torch.relu(self.head(x)), y)
+
+
+def time_first_tail():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 8, generator=generator), torch.randn(5, 2, 8, generator=generator)
+    return TimeFirstTail(), (x, y), {}, torch.randn(2, generator=generator)
+
+
+def time_first_tail_batch(step: int, microbatches: int = 4):
+    generator = torch.Generator().manual_seed(300 + step)
+    rows = 2 * microbatches
+    x, y = torch.randn(rows, 8, generator=generator), torch.randn(5, rows, 8, generator=generator)
+    return (x, y), {}, torch.randn(rows, generator=generator)

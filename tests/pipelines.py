@@ -60,8 +60,13 @@ def reference_training(
         opt.zero_grad()
         chunks = []
         for i in range(MICROBATCHES):
-            mb_args = [a.chunk(MICROBATCHES, dims.get(n, 0))[i] for n, a in zip(names, args)]
-            mb_kwargs = {k: v.chunk(MICROBATCHES, dims.get(k, 0))[i] for k, v in kwargs.items()}
+            # contiguous, as a model's own batch is (train.py gives its stages the same)
+            mb_args = [
+                a.chunk(MICROBATCHES, dims.get(n, 0))[i].contiguous() for n, a in zip(names, args)
+            ]
+            mb_kwargs = {
+                k: v.chunk(MICROBATCHES, dims.get(k, 0))[i].contiguous() for k, v in kwargs.items()
+            }
             out = model(*mb_args, **mb_kwargs)
             loss_of = out if isinstance(out, torch.Tensor) else out.loss  # a plain loss tensor
             chunks.append(loss_fn(out, target[0].chunk(MICROBATCHES)[i]) if loss_fn else loss_of)

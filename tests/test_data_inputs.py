@@ -102,3 +102,55 @@ def test_every_rank_of_the_fake_cuda_dry_run(llama):
     assert not problems(results), problems(results)
     assert [r.stages for r in results] == [(0,), (1,), (2,)]
     assert lines[-1].startswith("dry run: 3 of 3 ranks ok")
+
+
+def test_an_input_split_along_another_dimension_reaches_a_later_stage_whole(tmp_path):
+    """``y`` (time first, its batch along dimension 1) is read only by the second stage, which
+    views it whole: its microbatches arrive contiguous, and training equals PyTorch's."""
+    name = "tests/models.py:time_first_tail"
+    result = compile_model(
+        name,
+        tmp_path / "pipe",
+        2,
+        loss="tests/models.py:mse",
+        split_points="tail",
+        batch_dims={"y": 1},
+    )
+    assert stages_of(result.out)[1]["data_inputs"] == ["y"]
+    pipe = run_pipeline(
+        tmp_path, name, 2, "time_first_tail_batch", "--optimizer", "sgd", "--lr", "0.1",
+        package=result.out,
+    )  # fmt: skip
+    models = importlib.import_module("models")
+    ref = reference_training(
+        load_example(name), models.time_first_tail_batch, STEPS, "sgd", 0.1, models.mse,
+        batch_dims={"y": 1},
+    )  # fmt: skip
+    assert_same_training(pipe, ref)
+
+
+def test_every_reading_rank_reads_the_same_batch(tmp_path):
+    """A --data function drawing from torch's global generator gives every rank that reads the
+    batch the same one (the first stage's ids, the last's labels): each step's batch depends on
+    the step and the seed alone, so training equals PyTorch on those batches."""
+    package = tmp_path / "pipe"
+    compile_model(LLAMA, package, 2)
+    pipe = run_pipeline(
+        tmp_path, LLAMA, 2, "tests/causal_models.py:llama_unseeded_batch", package=package
+    )
+    causal_models = importlib.import_module("causal_models")
+    batches = causal_models.llama_seeded_batches(seed=0)
+    ref = reference_training(load_example(LLAMA), batches, STEPS, "adamw", 1e-3)
+    assert_same_training(pipe, ref)
+
+
+def test_a_first_stage_left_with_sizes_alone_takes_the_inputs_again(tmp_path):
+    """Under --dynamic the partition may give the first stage only the positions (arange over
+    the sequence's size): it reads no input value, so recomputation is dropped and the inputs
+    relayed again rather than leaving a stage that receives nothing."""
+    dynamic = ["seq[4:24]=input_ids:1,labels:1"]
+    result = compile_model(LLAMA, tmp_path / "pipe", 3, link=SLOW_LINK, dynamic=dynamic)
+    for stage in stages_of(result.out):
+        assert stage["inputs"], stage
+    report = verify(result.out, load_example(LLAMA))
+    assert report.ok, report.summary()

@@ -162,8 +162,9 @@ def _crossings(
 
 
 def _starved(boundary: list[list[str]]) -> bool:
-    """Whether a stage after the first would receive nothing from the stage before."""
-    return any(not entering for entering in boundary[1:])
+    """Whether a stage would receive nothing: from the stage before, or (the first) from the
+    batch (its operators read only sizes and constants)."""
+    return any(not entering for entering in boundary)
 
 
 def _boundaries(

@@ -1212,12 +1212,20 @@ class TrainingRun:
         each along its batch dimension)."""
         names = self.pipeline.stages[stage].data_inputs
         tensors = tuple(given[name].to(self.device) for name in names)
+        dtypes = [self.pipeline.values[name].torch_dtype for name in names]
+        if self.config.bf16 and self.layout.sharded:  # FSDP2 casts a stage's float arguments
+            dtypes = [torch.bfloat16 if d.is_floating_point else d for d in dtypes]
         spec = tuple(
             TensorChunkSpec(self.pipeline.batch_dim(name))  # type: ignore[no-untyped-call]
             for name in names
         )
         chunks, _ = split_args_kwargs_into_chunks(tensors, None, self.config.microbatches, spec)
-        return [tuple(chunk) for chunk in chunks]
+        # contiguous, as the schedule gives the first stage's (a split along a dimension other
+        # than 0 is a strided view, which cuDNN's RNNs and aten.view refuse), in the dtypes the
+        # stage's received arguments have (FSDP2's bf16 cast of them does not reach these)
+        return [
+            tuple(t.to(dtype).contiguous() for t, dtype in zip(chunk, dtypes)) for chunk in chunks
+        ]
 
     # -- evaluate ------------------------------------------------------------------------------
     def evaluate(self, done: int) -> None:

@@ -28,6 +28,9 @@ from .core.pipeline import Pipeline, Value
 from .corpus import CORPUS_SUFFIXES, Corpus, is_corpus
 from .options import TrainConfig
 
+#: apart from the seeds of the ranks' own random numbers (driver.py)
+_DATA_SEED = 7_777_777
+
 
 class MapDataset(Protocol):
     """What a ``--data`` Dataset factory's dataset must offer: its size and its items by index."""
@@ -197,7 +200,12 @@ class Batches:
         if self.fn is None:
             return self._synthetic(step)
         try:
-            result = self.fn(step)
+            # every rank that reads the step's batch gets the same one, and a resumed run the
+            # one it had, also from a function drawing from torch's global generator (whose
+            # state differs between ranks and with the training's random numbers)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed * 1_000_003 + step + _DATA_SEED)
+                result = self.fn(step)
         except Exception as exc:  # noqa: BLE001 - named as the user's code failing
             raise UserCodeError(self.option, self.spec, exc, step) from exc
         if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
