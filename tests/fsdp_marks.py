@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -48,3 +50,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # what the test reads is written and the process group is gone: leave without the
+    # interpreter's teardown, where torch's FSDP2 over gloo aborts about one run in six
+    # ("terminate called without an active exception", after the profiler has stopped)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
