@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from ..errors import PartitionError
 from ..ir import Graph, Node, TensorMeta
 from ..ir.ordering import alias_chain, written_values
-from ..partitioning.recomputed_values import closure
+from ..partitioning.recomputed_values import closures
 
 
 @dataclass
@@ -110,8 +110,7 @@ def _held(graph: Graph, stage_of: dict[str, int], recomputed: Sequence[str]) -> 
     """The stages computing each call node: its own, and every later stage that recomputes a
     value of ``recomputed`` it helps compute (one its stage reads)."""
     held = {node.name: {stage_of[node.name]} for node in graph.calls}
-    for name in recomputed:
-        nodes = closure(graph, name)
+    for name, nodes in closures(graph, recomputed).items():
         if nodes is None:
             raise PartitionError(
                 f"the partition recomputes {name}, which is not computed from sizes and "
@@ -150,15 +149,14 @@ def _crossings(
                 last_use[src] = max(last_use.get(src, -1), stage)
                 if stage_of.get(src) == -1 and not relay_inputs:
                     readers.setdefault(src, set()).add(stage)
-    outputs = set(graph.outputs)
     for name in graph.outputs:
         if graph[name].kind not in ("call", "input"):
             raise PartitionError(
                 f"model output {name} is a {graph[name].kind}, not a computed value"
             )
         last_use[name] = num_stages  # returned by the last stage
-    boundary = _boundaries(stage_of, last_use, readers, num_stages, outputs)
-    return boundary, _data_inputs(readers, num_stages, outputs)
+        readers.pop(name, None)  # a model input the model returns is relayed to the end
+    return _boundaries(stage_of, last_use, readers, num_stages), _data_inputs(readers, num_stages)
 
 
 def _starved(boundary: list[list[str]]) -> bool:
@@ -172,16 +170,15 @@ def _boundaries(
     last_use: dict[str, int],
     read_from_batch: dict[str, set[int]],
     num_stages: int,
-    outputs: set[str],
 ) -> list[list[str]]:
     """The values entering each stage from the stage before: each from the stage after its
-    producer's to its last reader (a model input: from the first stage's, unless later stages
-    read it from the batch: ``read_from_batch`` names those; the model's outputs are relayed)."""
+    producer's to its last reader (a model input: from the first stage's, unless the stages
+    reading it read it from the batch: ``read_from_batch`` names those, with their stages)."""
     boundary: list[list[str]] = [[] for _ in range(num_stages)]
     for name, last in last_use.items():
         if name not in stage_of:
             continue  # parameters, buffers, constants: held, not communicated
-        if name in read_from_batch and name not in outputs:
+        if name in read_from_batch:
             if 0 in read_from_batch[name]:
                 boundary[0].append(name)
             continue
@@ -190,16 +187,13 @@ def _boundaries(
     return boundary
 
 
-def _data_inputs(
-    readers: dict[str, set[int]], num_stages: int, outputs: set[str]
-) -> list[list[str]]:
+def _data_inputs(readers: dict[str, set[int]], num_stages: int) -> list[list[str]]:
     """The model inputs each later stage reads from the batch (none for the first stage, which
-    takes its inputs from the batch anyway; a model output is relayed instead)."""
+    takes its inputs from the batch anyway)."""
     data: list[list[str]] = [[] for _ in range(num_stages)]
     for name, stages in readers.items():
-        if name not in outputs:
-            for s in stages - {0}:
-                data[s].append(name)
+        for s in stages - {0}:
+            data[s].append(name)
     return data
 
 

@@ -25,7 +25,7 @@ from ..ir.ordering import alias_chain, computes_from_arguments, written_values
 from ..ir.types import sizes_in
 from ..profiling.devices import DeviceSpec
 
-__all__ = ["closure", "recompute_time", "recomputed_values", "transfer_time"]
+__all__ = ["closures", "recompute_time", "recomputed_values", "transfer_time"]
 
 #: the most operators a recomputed value's closure may hold (beyond, it is sent)
 MAX_OPERATORS = 64
@@ -36,31 +36,40 @@ def recomputed_values(graph: Graph, device: DeviceSpec) -> list[str]:
     reading them recomputes rather than receives on ``device`` (in program order)."""
     derived = _from_constants(graph)
     unit_of = {node.name: node.unit for node in graph.calls}
-    chosen = []
-    for node in graph.calls:
-        if node.name not in derived or not isinstance(node.meta, TensorMeta):
-            continue
-        if node.name in graph.outputs:
-            continue
-        if all(unit_of.get(user) == node.unit for user in graph.users(node.name)):
-            continue  # never crosses a boundary
-        nodes = closure(graph, node.name, derived)
-        if nodes is None:
-            continue
-        if recompute_time(graph, nodes, device) < transfer_time(node.meta, device):
-            chosen.append(node.name)
-    return chosen
+    candidates = [
+        node
+        for node in graph.calls
+        if node.name in derived
+        and isinstance(node.meta, TensorMeta)
+        and node.name not in graph.outputs
+        # read by another unit: it may cross a boundary
+        and any(unit_of.get(user) != node.unit for user in graph.users(node.name))
+    ]
+    found = _closures(graph, [node.name for node in candidates], derived)
+    return [
+        node.name
+        for node in candidates
+        if (nodes := found[node.name]) is not None
+        and recompute_time(graph, nodes, device) < transfer_time(node.meta, device)
+    ]
 
 
-def closure(graph: Graph, name: str, derived: set[str] | None = None) -> list[str] | None:
-    """The call nodes computing ``name`` from constants and unwritten non-persistent buffers
-    alone, in program order; None if it reads anything else (see the module's docstring) or
-    takes more than :data:`MAX_OPERATORS` operators. ``derived``: what
-    :func:`_from_constants` found (computed if not given)."""
-    derived = _from_constants(graph) if derived is None else derived
+def closures(graph: Graph, names: Iterable[str]) -> dict[str, list[str] | None]:
+    """For each of ``names``, the call nodes computing it from constants and unwritten
+    non-persistent buffers alone, in program order; None if it reads anything else (see the
+    module's docstring) or takes more than :data:`MAX_OPERATORS` operators."""
+    return _closures(graph, names, _from_constants(graph))
+
+
+def _closures(graph: Graph, names: Iterable[str], derived: set[str]) -> dict[str, list[str] | None]:
+    """:func:`closures`, given what :func:`_from_constants` found."""
+    order = {n: i for i, n in enumerate(graph.dag.nodes)}
+    return {name: _closure(graph, name, derived, order) for name in names}
+
+
+def _closure(graph: Graph, name: str, derived: set[str], order: dict[str, int]) -> list[str] | None:
     if name not in derived:
         return None
-    order = {n: i for i, n in enumerate(graph.dag.nodes)}
     found: set[str] = set()
     stack = [name]
     while stack:

@@ -13,7 +13,7 @@ from ..ir.sizes import planned_sizes
 from ..runtime.core.shapes import evaluate
 from ..partitioning import Partition
 from ..partitioning.cost import Throughput, block_costs
-from ..partitioning.recomputed_values import closure
+from ..partitioning.recomputed_values import closures
 from ..partitioning.search import plan_table
 from ..tracing.causal_mask import attention_masking
 from ..tracing.grouped_query import grouped_query
@@ -96,7 +96,7 @@ def batch_input_lines(graph: Graph, part: Partition) -> list[str]:
             + listed(readers)
         )
     if recomputers:
-        operators = {n for name in recomputers for n in closure(graph, name) or ()}
+        operators = {n for nodes in closures(graph, recomputers).values() for n in nodes or ()}
         lines.append(
             "recomputed by the stages that use them, not sent between stages (computed from "
             f"sizes and constants by {len(operators)} operators, cheaper than a transfer on "
