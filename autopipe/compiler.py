@@ -101,7 +101,9 @@ def trace_step(
 def target_device(options: CompileOptions) -> DeviceSpec:
     """The device spec the options name, with their link (``cpu`` / ``cuda``: this machine's,
     calibrated on first use)."""
-    return with_link(resolve_device_spec(options.device_spec, log=_say), options.link)
+    return with_link(
+        resolve_device_spec(options.device_spec, log=_say), options.link, options.network
+    )
 
 
 def _say(message: str) -> None:
@@ -134,6 +136,7 @@ def plan_step(
         seconds=options.search_seconds,
         progress=progress,
         workers=options.search_workers or default_workers(),
+        gpus_per_node=options.gpus_per_node,
     )
 
 
@@ -181,6 +184,7 @@ def partition_step(
         optimizer=options.optimizer,
         dp_shard=options.dp_shard,
         split=None if asked is None else requested_split(graph, asked),
+        gpus_per_node=options.gpus_per_node,
     )
     if asked is None and graph.model.split_markers:
         microbatches = part.settings.microbatches
@@ -209,6 +213,7 @@ def markers_split(
             dp_shard=options.dp_shard,
             split=requested_split(graph, asked),
             compare=False,
+            gpus_per_node=options.gpus_per_node,
         )
     except PartitionError as exc:  # DeviceMemoryError included
         return RequestedSplit(str(asked), stages, None, None, str(exc).split(". ")[0])

@@ -22,7 +22,7 @@ from .partitioning import DEFAULT_METHOD, METHODS
 from .partitioning.cost import STATE_FACTOR
 from .partitioning.split_points import SPLIT_POINTS_SYNTAX
 from .profiling import PROFILE_MODES
-from .profiling.devices import link_bandwidth
+from .profiling.devices import known_link
 from .runtime.core.schedules import COMPILE_SCHEDULES
 from .tracing.dynamic import parse_dynamic, dynamic_dims
 
@@ -313,17 +313,20 @@ class BatchDims(Rule):
 
 @dataclass(frozen=True)
 class Link(Rule):
-    """The stage-to-stage link: a known link name or a bandwidth in GB/s greater than 0."""
+    """A link (``--link``, ``--network``): a known link name or a bandwidth in GB/s greater
+    than 0."""
+
+    flag: str = "--link"
 
     def check(self, value: Any, flag: str) -> Any:
-        link_bandwidth(value)
+        known_link(value, flag)
         return value
 
     def parse(self, text: str) -> str:
         try:
-            link_bandwidth(text)
+            known_link(text, self.flag)
         except AutopipeError as exc:
-            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag_of('link')} ")) from None
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{self.flag} ")) from None
         return text
 
 
@@ -459,8 +462,16 @@ class CompileOptions:
     )
     link: str | None = option(
         None,
-        help="stage-to-stage link: nvlink4, pcie4, ib-ndr, ... or a bandwidth in GB/s",
+        help="link between the GPUs of a node: nvlink4, pcie5, ... or a bandwidth in GB/s "
+        "(default: the device spec's)",
         rule=Link(),
+        metavar="NAME|GBPS",
+    )
+    network: str | None = option(
+        None,
+        help="each GPU's link to other nodes: ib-ndr (400 Gb/s), ib-xdr, roce-400g, "
+        "ethernet-100g, ... or a bandwidth in GB/s (default: the device spec's)",
+        rule=Link("--network"),
         metavar="NAME|GBPS",
     )
     #: default: 1f1b for one stage per device, auto otherwise
@@ -511,11 +522,14 @@ class CompileOptions:
         rule=Count(1),
         metavar="B",
     )
-    #: GPUs per node of the cluster the package's launch/slurm.sbatch asks for
+    #: GPUs per node of the cluster: the network the plan is costed on, and the nodes the
+    #: package's launch/slurm.sbatch asks for
     gpus_per_node: int = option(
         8,
-        help="GPUs per node of the cluster: the package's launch/slurm.sbatch asks for as few "
-        "nodes of that many GPUs as the plan's processes fill (default 8)",
+        help="GPUs per node of the cluster: the plan costs traffic between nodes over each "
+        "GPU's --network link and within a node over --link, and the package's "
+        "launch/slurm.sbatch asks for as few nodes of that many GPUs as its processes fill "
+        "(default 8)",
         rule=Count(1),
         metavar="G",
     )
@@ -576,7 +590,7 @@ class CompileOptions:
         self._check("microbatches", "dp_shard", "depth", "gpus_per_node")
         self._check("profile", "method", "schedule", "optimizer")
         self._check("basic_blocks", "keep_whole", "dynamic", "batch_dims", "expected")
-        self._check("inline_blocks", "link")
+        self._check("inline_blocks", "link", "network")
 
     def _check(self, *names: str) -> None:
         """Check options ``names`` by their rules (None passes where it is the default), keeping

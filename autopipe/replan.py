@@ -38,10 +38,12 @@ from .errors import ArtifactError, AutopipeError
 from .ir import Graph
 from .partitioning import DEFAULT_METHOD, METHODS, CostModel, Partition, partition
 from .partitioning.cost import block_costs, iteration_time
+from .partitioning.network import Network
 from .partitioning.partition import PredictedStep
 from .profiling.profile import TRACED, Profile
 from .report import ReportData, write_report
 from .report.run_trace import MeasuredStage, RunTrace
+from .runtime.core.pipeline import PIPELINE_INNERMOST
 from .runtime.core.timeline_format import RunLayout
 from .report.summary import stage_span
 
@@ -135,6 +137,8 @@ def replan(
         device=dataclasses.replace(measured.device, memory=measured.device.memory * (1 - margin)),
     )
     optimizer, dp_shard = settings.optimizer or "adamw", settings.dp_shard or 1
+    gpus_per_node = settings.gpus_per_node or 8
+    mesh = settings.mesh or PIPELINE_INNERMOST
     model = CostModel(
         graph,
         usable,
@@ -142,6 +146,8 @@ def replan(
         microbatches=run.microbatches,
         optimizer=optimizer,
         dp_shard=dp_shard,
+        network=Network(usable.device, gpus_per_node, mesh),
+        pipeline_ranks=len(set(old.device_of_stage)),
     )
     before = model.evaluate(
         old.stage_of_unit,
@@ -161,6 +167,8 @@ def replan(
         microbatches=run.microbatches,
         optimizer=optimizer,
         dp_shard=dp_shard,
+        gpus_per_node=gpus_per_node,
+        mesh=mesh,  # the ranks stay where the package puts them
     )
     new = new.with_settings(
         accumulate=run.accumulate if run.accumulate > 1 else None,

@@ -4,7 +4,7 @@
     python benchmarks/gpu.py --quick    # smaller speed model, fewer steps and cases
     python benchmarks/gpu.py --json results.json --work DIR
 
-Four parts, each case in fresh processes (a failure is reported in its row and the kit goes on):
+Five parts, each case in fresh processes (a failure is reported in its row and the kit goes on):
 
 (a) **Exactness on CUDA.** GPT-2 and a Llama (tiny configs, fp32, dropout off) compiled into 2
     and 4 stages on one device (``--devices 1``: every stage on the one GPU, torch's looped
@@ -26,6 +26,11 @@ Four parts, each case in fresh processes (a failure is reported in its row and t
     backward), and the plan's predicted step time and peak memory against the train.py run's
     median step and ``torch.cuda.max_memory_allocated``; the step is also predicted again from
     the measured profile.
+
+(e) **Calibration.** ``autopipe calibrate`` measures this GPU (products, attention and copies
+    by size, the launch floor) into ``calibrated.json`` beside ``--json`` (commit it as
+    ``autopipe/profiling/specs/<gpu>.json``); (c) then also predicts the speed model's step from
+    the analytic profile under that spec, against the run (issue 44's target: within 10 %).
 
 (d) **Parity.** The parity ladder (benchmarks/parity.py) on this device: the original model
     against the generated stages without the runtime and ``train.py`` with one and two stages,
@@ -445,6 +450,32 @@ def prediction(kit: Kit, package: Path) -> None:
         recompute=frozenset(partition.recompute),
         recompute_blocks=frozenset(partition.recompute_blocks),
     )
+    calibrated_file = kit.output.parent / "calibrated.json"
+    calibrated = None
+    if calibrated_file.is_file():
+        spec = device_spec(str(calibrated_file))
+        under = profile(graph, "analytic", spec)
+        calibrated = CostModel(
+            graph, under, schedule=settings.schedule, microbatches=settings.microbatches
+        ).evaluate(
+            partition.stage_of_unit,
+            partition.device_of_stage,
+            recompute=frozenset(partition.recompute),
+            recompute_blocks=frozenset(partition.recompute_blocks),
+        )
+    if run is not None and "step_time" in run.data and calibrated is not None:
+        step = run.data["step_time"]
+        error = calibrated.step_time / step - 1
+        kit.add(
+            Row(
+                "prediction",
+                "step time: calibrated plan vs run",
+                f"calibrated analytic {calibrated.step_time * 1e3:.1f} ms, run {step * 1e3:.1f} ms",
+                f"error {error:+.1%} (target within 10%)",
+                verdict="ok" if abs(error) <= 0.10 else "miss",
+                data={"calibrated": calibrated.step_time, "run": step},
+            )
+        )
     if run is not None and "step_time" in run.data:
         step = run.data["step_time"]
         kit.add(
@@ -475,6 +506,30 @@ def prediction(kit: Kit, package: Path) -> None:
                     data={"plan": planned, "run": peak},
                 )
             )
+
+
+def calibration(kit: Kit) -> None:
+    """``autopipe calibrate`` of this device, written beside the kit's JSON."""
+    target = kit.output.parent / "calibrated.json"
+    started = time.perf_counter()
+    run([sys.executable, "-m", "autopipe", "calibrate", "--device", kit.device, "-o",
+         str(target)], 900)  # fmt: skip
+    spec = device_spec(str(target))
+    seconds = time.perf_counter() - started
+    dtype = "bfloat16" if "matmul.bfloat16" in spec.tables else "float32"
+    products = spec.tables[f"matmul.{dtype}"].points
+    copies = spec.tables["memory"].points
+    kit.add(
+        Row(
+            "calibration",
+            f"{spec.name}: products, attention, copies",
+            f"matmul {dtype} {products[0][1] / 1e12:.3g}..{products[-1][1] / 1e12:.3g} "
+            f"TFLOP/s, copies up to {max(r for _, r in copies) / 1e9:.0f} GB/s, launch "
+            f"{spec.kernel_overhead * 1e6:.1f} us",
+            f"{seconds:.0f} s; written to {target}",
+            data={"spec": spec.to_json(), "seconds": seconds},
+        )
+    )
 
 
 def parity(kit: Kit) -> None:
@@ -564,8 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", help="a directory for packages and logs (default: temporary)")
     parser.add_argument(
         "--parts",
-        default="exactness,paths,speed,prediction,parity",
-        help="which parts to run, comma-separated (prediction needs speed's package)",
+        default="exactness,paths,calibration,speed,prediction,parity",
+        help="which parts to run, comma-separated (prediction needs speed's package, and "
+        "reads calibration's spec when it ran)",
     )
     parser.add_argument(
         "--device",
@@ -585,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = set(parts) - {"exactness", "paths", "speed", "prediction", "parity"}
+    unknown = set(parts) - {"exactness", "paths", "calibration", "speed", "prediction", "parity"}
     if unknown:
         parser.error(f"--parts: unknown {', '.join(sorted(unknown))}")
     started = time.perf_counter()
@@ -601,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
             exactness(kit)
         if "paths" in parts:
             attempt(kit, "paths", "checkpoint, resume, trace", lambda: paths(kit))
+        if "calibration" in parts:
+            attempt(kit, "calibration", "autopipe calibrate", lambda: calibration(kit))
         package = speed(kit) if "speed" in parts or "prediction" in parts else None
         if "prediction" in parts and package is not None:
             attempt(kit, "prediction", "measured profile", lambda: prediction(kit, package))

@@ -108,7 +108,7 @@ def run_pipeline(
     example = load_example(spec(train_spec or name))
     torch.save(example.model.state_dict(), tmp_path / "init.pt")
     log, saved = tmp_path / "log.jsonl", tmp_path / "trained.pt"
-    torchrun(
+    result = torchrun(
         out / "train.py",
         nproc or devices or stages,
         "--steps",
@@ -125,6 +125,7 @@ def run_pipeline(
         str(log),
         *extra,
     )
+    (tmp_path / "train.out").write_text(result.stdout)  # what train.py said, for a test to read
     records = [json.loads(line) for line in log.read_text().splitlines()]
     records = [r for r in records if "loss" in r]  # the steps' (not evaluations')
     assert [r["step"] for r in records] == list(range(STEPS))

@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from autopipe.runtime.activity import ACTIVITY, Action, Activity, BusyTimes, doing, rank_list
 from autopipe.runtime.core.errors import PipelineRunError
+from autopipe.runtime.core.mesh import RankMesh
+from autopipe.runtime.core.pipeline import SHARDS_INNERMOST
 from autopipe.runtime.driver import prepare_together
 from autopipe.runtime.guards import RankFailedError
 from autopipe.runtime.hangs import (
@@ -339,7 +341,7 @@ def test_rank_times_codec_is_strict():
 
 
 def test_a_straggler_is_named_once_after_consecutive_lines():
-    stragglers = Stragglers(pp_size=4, dp_size=1, lines=3)
+    stragglers = Stragglers(RankMesh(pp=4), lines=3)
     slow = [times(0, 0.1), times(1, 0.1), times(2, 0.5), times(3, 0.12)]
     assert slowest(slow)[0].rank == 2 and slowest(slow)[1] == "5x its plan"
     # a rank without a prediction: all are compared, and described, by their compute
@@ -352,7 +354,7 @@ def test_a_straggler_is_named_once_after_consecutive_lines():
         "over the last 3 log steps, 5 times slower"
     )
     assert stragglers.observe(slow) is None  # named once
-    other = Stragglers(pp_size=4, dp_size=1, lines=3)
+    other = Stragglers(RankMesh(pp=4), lines=3)
     even = [times(0, 0.1), times(1, 0.1), times(2, 0.15), times(3, 0.12)]
     assert all(other.observe(line) is None for line in (slow, slow, even, slow, slow))
 
@@ -369,8 +371,11 @@ def test_ranks_sharing_cpu_cores_are_planned_on_their_share(monkeypatch):
 
 
 def test_replicas_are_the_peers_with_data_parallelism():
-    stragglers = Stragglers(pp_size=2, dp_size=2, lines=1)
-    assert stragglers.peers(1, 4) == [3] and stragglers.peers(2, 4) == [0]
+    stragglers = Stragglers(RankMesh(pp=2, dp_replicate=2), lines=1)
+    assert stragglers.peers(1) == [3] and stragglers.peers(2) == [0]
+    # shards innermost: a stage's data-parallel ranks are consecutive
+    shards = Stragglers(RankMesh(pp=2, dp_shard=2, order=SHARDS_INNERMOST), lines=1)
+    assert shards.peers(1) == [0] and shards.peers(2) == [3]
     # rank 1 is slower than rank 0 (another stage) but not than its replica, rank 3
     line = [times(0, 0.1), times(1, 0.3), times(2, 0.1), times(3, 0.3)]
     assert stragglers.observe(line) is None

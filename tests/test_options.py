@@ -26,6 +26,7 @@ BAD = {
     "expected": {"seq": 1},
     "batch_dims": {"h0": -1},
     "link": "warp",
+    "network": "carrier-pigeon",
     "schedule": "magic",
     "microbatches": 0,
     "optimizer": "adam",

@@ -180,10 +180,11 @@ def test_lower_bound_and_hand_computed_costs():
     assert model.lower_bound(1) == 8.0
     prediction = model.evaluate([0] * 5 + [1] * (UNITS - 5))
     assert [round(s.forward + s.backward, 9) for s in prediction.stages] == [6.0, 2.0]
-    # communication: the bytes crossing the cut, both directions, over the link
+    # communication: the bytes crossing the cut, both directions, over the link, each
+    # message paying the link's latency
     crossing = model.boundary_bytes()[0][4] + model.boundary_bytes()[1][4]
     assert prediction.stages[0].communication == pytest.approx(
-        crossing / model.device.link_bandwidth
+        crossing / model.device.link_bandwidth + 2 * model.device.link_latency
     )
     # 1F1B, 4 microbatches: the first stage (6 s per microbatch) never waits once started
     assert prediction.step_time == pytest.approx(4 * 6.0, rel=1e-6)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +14,7 @@ from autopipe.compiler import CompileOptions, trace_step
 from autopipe.errors import AutopipeError
 from autopipe.profiling import calibrate, device_spec, measured, profile
 from autopipe.profiling.devices import DeviceSpec
+from autopipe.profiling.measured import profile_measured
 from autopipe.spec import Example, load_example
 
 from conftest import spec
@@ -154,6 +158,11 @@ def test_calibrate_writes_a_usable_spec(tmp_path):
     assert spec.name == "here" and spec.compute_efficiency == 1.0
     assert spec.flops["float32"] > 1e8 and spec.memory_bandwidth > 1e8 and spec.link_bandwidth > 1e6
     assert 0 < spec.kernel_overhead < 1e-3 and spec.memory > 1 << 30
+    # the rates by size the analytic profile interpolates
+    assert spec.calibrated and 0 < spec.view_overhead < 1e-3
+    kinds = {"matmul", "attention", "causal_attention", "attention_backward"}
+    assert {f"{kind}.float32" for kind in kinds} | {"memory"} <= set(spec.tables)
+    assert len(spec.tables["matmul.float32"].points) >= 4
     _, graph = linear_graph()
     assert sum(u.time for u in profile(graph, "analytic", spec).units) > 0
 
@@ -253,3 +262,34 @@ def test_the_local_gpu_needs_one(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(AutopipeError, match="torch sees no CUDA device here; run `autopipe"):
         calibrate.resolve_device_spec("cuda")
+
+
+def test_units_timed_in_the_step_add_up_to_the_models_step():
+    """Timed in the step (a GPU's default, here on the CPU), the units' forward and backward
+    times add up to what the original model's own forward and backward take (median of
+    rounds, a generous band for a shared machine), where timing each unit alone charges every
+    unit its own autograd call (several times the backward here)."""
+    example = load_example(spec("gpt2"))
+    graph = trace_step(example, CompileOptions(stages=1))
+    torch.set_num_threads(1)
+    model = example.model
+
+    def original() -> float:
+        started = time.perf_counter()
+        output = model(*example.args, **example.kwargs)
+        output.logits.float().sum().backward()
+        return time.perf_counter() - started
+
+    for _ in range(3):
+        original()
+    step = statistics.median(original() for _ in range(7))
+    h100 = device_spec("h100")
+    in_step = profile_measured(graph, h100, example, in_step=True, repeats=7)
+    alone = profile_measured(graph, h100, example, in_step=False, repeats=7)
+    assert all(u.forward > 0 for u in in_step.units)
+    total = sum(u.forward + u.backward for u in in_step.units)
+    assert 0.5 * step < total < 2.0 * step, (total, step)
+    assert sum(u.backward for u in alone.units) > sum(u.backward for u in in_step.units)
+    # the rest of the profile (FLOPs, memory) does not depend on how time was taken
+    assert [u.activations for u in in_step.units] == [u.activations for u in alone.units]
+    assert [u.flops_backward for u in in_step.units] == [u.flops_backward for u in alone.units]

@@ -260,7 +260,9 @@ def _fake_partitions(graph, profile, devices, global_batch, steps_and_seconds):
     def partitioned(plan, *_):
         step, seconds = fake[plan.candidate]
         time.sleep(seconds)
-        plan.partition = types.SimpleNamespace(recompute=[], recompute_blocks=[])
+        plan.partition = types.SimpleNamespace(
+            recompute=[], recompute_blocks=[], settings=types.SimpleNamespace(mesh=None)
+        )
         plan.prediction = types.SimpleNamespace(device_memory=[1.0], bubble=0.0)
         plan.step_time = step
 

@@ -40,7 +40,7 @@ SPEC_HELP = (
 
 #: the compile options of each argument group, in the order --help lists them
 TRACING = ("depth", "basic_blocks", "keep_whole", "inline_blocks", "dynamic", "batch_dims")
-PROFILING = ("profile", "expected", "device_spec", "link")
+PROFILING = ("profile", "expected", "device_spec", "link", "network")
 PARTITIONING = (
     "stages",
     "devices",
@@ -50,6 +50,7 @@ PARTITIONING = (
     "schedule",
     "microbatches",
     "dp_shard",
+    "gpus_per_node",
 )
 PLAN_SEARCH = (
     "global_batch",
@@ -113,7 +114,7 @@ def package_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gpus-per-node",
         type=COUNT.parse,
-        default=8,
         metavar="G",
-        help="GPUs per node the package's launch/slurm.sbatch asks for (default 8)",
+        help="GPUs per node the package's launch/slurm.sbatch asks for (default: the node "
+        "size the partition's network was costed for, else 8)",
     )

@@ -11,6 +11,7 @@ from ..errors import AutopipeError
 from ..options import COUNT
 from ..partitioning.search import plan_table, state_floor, unsearched_note
 from ..report.progress import NORMAL, QUIET, Phases
+from ..report.summary import network_lines
 from ..spec import load_example
 from .arguments import (
     SPEC_HELP,
@@ -39,7 +40,7 @@ def add_parser(subparsers: Subparsers) -> None:
     add_option(p, "devices", required=True, help="devices to plan for (all of them)")
     add_options(p, ("method", "optimizer"))
     p.add_argument("--top", type=COUNT.parse, default=15, help="plans to print (default 15)")
-    search_options(p)
+    add_option(search_options(p), "gpus_per_node")
     trace_options(p)
     profile_options(p)
     p.set_defaults(func=cmd_plan)
@@ -73,8 +74,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
         f"best: autopipe compile {shlex.quote(args.spec)} --out DIR --search "
         f"--devices {args.devices}"
         f"{f' --global-batch {args.global_batch}' if args.global_batch else ''}"
+        f"{f' --gpus-per-node {options.gpus_per_node}' if options.gpus_per_node != 8 else ''}"
         f"{f' --max-stages-per-device {options.max_stages_per_device}' if options.max_stages_per_device != 2 else ''}"
         f"  (= --stages "
         f"{c.stages} --devices {c.ranks} --schedule {c.schedule} --microbatches {c.microbatches} "
         f"--accumulate {c.accumulate} --dp-shard {c.dp_shard})"
     )
+    assert best.partition is not None  # a plan that fits has its partition
+    for line in network_lines(best.partition):
+        print(f"best plan's {line}")

@@ -10,6 +10,7 @@ from ..errors import AutopipeError
 from ..options import Fraction
 from ..replan import MIN_GAIN, replan, replan_text, write_replan
 from .arguments import Subparsers, add_option, package_options
+from .generate import node_size
 from .launch import torchrun
 
 __all__ = ["add_parser", "cmd_replan"]
@@ -71,7 +72,7 @@ def cmd_replan(args: argparse.Namespace) -> None:
         force=args.force,
         report=not args.no_report,
         min_gain=args.min_gain,
-        gpus_per_node=args.gpus_per_node,
+        gpus_per_node=node_size(args.gpus_per_node, plan.new),
     )
     print(
         f"wrote {plan.new.num_stages}-stage pipeline to {out}; it continues the old run's "

@@ -439,6 +439,8 @@ def pipeline_description(
         | (dict(graph.loss.model.input_ranges) if graph.loss is not None else {}),
         "dp_shard": part.settings.dp_shard or 1,
     }
+    if part.settings.mesh is not None:  # train.py's mesh order; to_json leaves the default out
+        description["mesh"] = list(part.settings.mesh)
     if graph.model.fixed_inputs:
         description["fixed_inputs"] = {
             name: fixed.to_json() for name, fixed in graph.model.fixed_inputs.items()

@@ -23,14 +23,15 @@ from ..ir import Graph
 from ..profiling.profile import Profile
 from .acyclic import solve_acyclic
 from .blocks import align_to_blocks
-from .cost import CostModel, Prediction
+from .cost import CostModel, Prediction, iteration_time
 from .dp import solve_contiguous
 from .metis import solve_metis
+from .network import Network
 from .mpipe import solve_mpipe
 from .partition import Comparison, Partition, PartitionSettings, stage_costs
 from .recompute import plan_recompute
 from .refine import looped_devices
-from ..runtime.core.pipeline import default_microbatches
+from ..runtime.core.pipeline import PIPELINE_INNERMOST, SHARDS_INNERMOST, default_microbatches
 from ..runtime.core.schedules import COMPILE_SCHEDULES, MULTI_STAGE, SPLIT_BACKWARD
 from ..runtime.core.schedules import placement as torch_placement
 
@@ -72,6 +73,10 @@ class PartitionRequest:
     dp_shard: int = 1
     #: the stage of every unit, where the user fixed it (--split-points); else the method's
     split: tuple[int, ...] | None = None
+    gpus_per_node: int = 8  # the cluster's node size
+    #: the device mesh's order (which ranks share a node); None: the faster of the two orders
+    #: (the pipeline's ranks or each stage's shards next to each other), where they differ
+    mesh: tuple[str, ...] | None = None
 
     @property
     def devices(self) -> int:
@@ -92,6 +97,8 @@ def partition(
     advise: bool = True,
     compare: bool = True,
     split: list[int] | None = None,
+    gpus_per_node: int = 8,
+    mesh: tuple[str, ...] | None = None,
 ) -> Partition:
     """Split ``graph`` into ``num_stages`` stages on ``num_devices`` devices (default: one each),
     each stage's training state sharded over ``dp_shard`` data-parallel ranks. Stages may
@@ -102,7 +109,9 @@ def partition(
     fits the device's memory, the error says what each rank needs against its capacity and, with
     ``advise``, the smallest changes that fit (:func:`memory_advice`). With ``split`` (the stage
     of every unit, :func:`.split_points.requested_split`), the stages are those: the
-    partition's method is ``split-points``, and only what they recompute is chosen."""
+    partition's method is ``split-points``, and only what they recompute is chosen. The
+    devices are GPUs of nodes of ``gpus_per_node`` (:mod:`.network`), their ranks in the mesh
+    order ``mesh`` (default: the order whose network the step is fastest on)."""
     request = PartitionRequest(
         num_stages,
         num_devices,
@@ -112,6 +121,8 @@ def partition(
         optimizer,
         dp_shard,
         None if split is None else tuple(split),
+        gpus_per_node,
+        mesh,
     )
     try:
         part = _partition(graph, profile, request)
@@ -136,11 +147,52 @@ def partition(
     return part
 
 
+def mesh_orders(request: PartitionRequest) -> tuple[tuple[str, ...], ...]:
+    """The mesh orders a partition of ``request`` is costed under: the one it names, else the
+    pipeline's ranks next to each other and, where that places ranks on other nodes (sharded
+    over more ranks than a node holds with the pipeline), each stage's shards next to each
+    other."""
+    if request.mesh is not None:
+        return (request.mesh,)
+    if request.dp_shard > 1 and request.devices > 1:
+        if request.devices * request.dp_shard > request.gpus_per_node:
+            return (PIPELINE_INNERMOST, SHARDS_INNERMOST)
+    return (PIPELINE_INNERMOST,)
+
+
 def _partition(
     graph: Graph, profile: Profile, request: PartitionRequest, balance: bool = True
 ) -> Partition:
-    """:func:`partition`'s work; ``balance``: stages may recompute to be balanced (else only
-    where no split fits without)."""
+    """:func:`partition`'s work, under each of :func:`mesh_orders` (the fastest step kept,
+    the first of equal ones); ``balance``: stages may recompute to be balanced (else only where
+    no split fits without)."""
+    best: Partition | None = None
+    failure: Exception | None = None
+    for mesh in mesh_orders(request):
+        try:
+            part = _partition_in(graph, profile, dataclasses.replace(request, mesh=mesh), balance)
+        except DeviceMemoryError as exc:
+            failure = failure or exc
+            continue
+        if best is None or _iteration(part) < _iteration(best):
+            best = part
+    if best is None:
+        assert failure is not None
+        raise failure
+    return best
+
+
+def _iteration(part: Partition) -> float:
+    """Seconds per pipeline run of a partition, with what its data parallelism adds once."""
+    assert part.predicted is not None  # partition() predicts every partition it makes
+    return iteration_time(part.predicted)
+
+
+def _partition_in(
+    graph: Graph, profile: Profile, request: PartitionRequest, balance: bool
+) -> Partition:
+    """One partition of ``request``, whose mesh order is given."""
+    assert request.mesh is not None
     num_stages, num_devices, method = request.num_stages, request.devices, request.method
     schedule, microbatches = request.schedule, request.microbatches
     optimizer, dp_shard = request.optimizer, request.dp_shard
@@ -185,6 +237,8 @@ def _partition(
         microbatches=microbatches,
         optimizer=optimizer,
         dp_shard=dp_shard,
+        network=Network(profile.device, request.gpus_per_node, request.mesh),
+        pipeline_ranks=num_devices,
     )
     if not balance:
         model = model.without_balancing_recomputation()
@@ -228,6 +282,9 @@ def _partition(
             dp_shard=dp_shard,
             device=profile.device.name,
             link=profile.device.link,
+            mesh=request.mesh if request.mesh != PIPELINE_INNERMOST else None,
+            gpus_per_node=request.gpus_per_node,
+            calibrated=profile.device.calibrated,
             profile=profile.mode,
             measured_on=profile.measured_on or None,
             timed_at=dict(profile.timed_at) if profile.timed_at else None,
@@ -275,6 +332,8 @@ def _solved(
         model.dp_shard,
         model.recomputes_all,
         model.recomputes_to_balance,
+        model.network.gpus_per_node,
+        model.network.mesh,
     )
     known = _solved_for(profile)
     if key not in known:
@@ -356,6 +415,8 @@ def memory_advice(graph: Graph, profile: Profile, request: PartitionRequest) -> 
         microbatches=request.microbatches,
         optimizer=request.optimizer,
         dp_shard=request.dp_shard,
+        network=Network(profile.device, request.gpus_per_node, request.mesh or PIPELINE_INNERMOST),
+        pipeline_ranks=request.devices,
     )
     capacity = profile.device.memory
     stages, devices = request.num_stages, request.devices

@@ -35,8 +35,9 @@ from ..profiling.profile import Profile
 from ..ir.analysis import block_calls, unit_workloads
 from ..runtime.core.pipeline import default_microbatches, flops_utilisation
 from ..runtime.core.schedules import SPLIT_BACKWARD, MemoryPeak, PipelineCosts
-from .partition import PartitionSettings, PredictedStage, PredictedStep
+from .partition import PartitionSettings, PredictedStage, PredictedStep, Traffic
 from .simulator import Simulation, schedule_memory, simulate_schedule
+from .network import Network, NetworkLink, RingCost
 from .stage_sums import StageSums
 from .recomputed_values import recomputed_values
 
@@ -88,6 +89,7 @@ class Prediction:
     data_parallel_time: float = 0.0  # collectives once per step that no compute hides
     flops: float = 0.0  # the model's forward + backward FLOPs per microbatch (no recomputation)
     peak_flops: float = 0.0  # one device's peak FLOP/s for the model's parameter dtype
+    traffic: list[Traffic] = field(default_factory=list)  # by kind and link, busiest rank
 
     @property
     def device_load(self) -> list[float]:
@@ -115,6 +117,7 @@ class Prediction:
             data_parallel_time=self.data_parallel_time,
             flops=self.flops,
             peak_flops=self.peak_flops,
+            traffic=tuple(self.traffic),
             stages=tuple(
                 PredictedStage(**asdict(s), communication=s.communication, time=s.time)
                 for s in self.stages
@@ -356,14 +359,24 @@ class CostModel:
         microbatches: int | None = None,
         optimizer: str = "adamw",
         dp_shard: int = 1,
+        network: Network | None = None,
+        pipeline_ranks: int | None = None,
     ):
         profile.check_graph(graph)
         self.graph = graph
         self.device: DeviceSpec = profile.device
+        #: the cluster: nodes, their links, and the mesh order that places ranks on them
+        self.network = network if network is not None else Network(self.device)
+        #: the pipeline ranks the partitioners plan for (None: not known, one node's link)
+        self.pipeline_ranks = pipeline_ranks
         self.schedule = schedule
         self.microbatches = microbatches
         self.optimizer = optimizer
         self.dp_shard = dp_shard
+        #: the link partitioners cost a boundary on before stages have ranks: the slowest link
+        #: between two neighbouring pipeline ranks
+        self.pipeline_link = self._slowest_hop()
+        self.link_bandwidth = self.pipeline_link.bandwidth
         self.forward = [u.forward for u in profile.units]
         self.backward = [u.backward for u in profile.units]
         self.compute = [f + b for f, b in zip(self.forward, self.backward)]
@@ -390,7 +403,7 @@ class CostModel:
         self.block_call_units = facts.block_call_units
         #: values each stage reading them recomputes instead of receiving (cheaper on this
         #: device than sending them): they cross no boundary
-        self.recomputed_values = recomputed_values(graph, self.device)
+        self.recomputed_values = recomputed_values(graph, self.device, self.link_bandwidth)
         recomputed = set(self.recomputed_values)
         self.exchanges = [e for e in facts.exchanges if e.name not in recomputed]
         #: each block's parameter and gradient bytes
@@ -509,12 +522,83 @@ class CostModel:
                 largest[stage] = max(largest[stage], size)
         return [params[s] + trainable[s] - in_blocks[s] + largest[s] for s in range(num_stages)]
 
-    def collective_time(self, params: list[float]) -> list[float]:
-        """Seconds per stage of one all-gather of its parameters (or one reduce-scatter of its
-        gradients: pass the trainable parameters' bytes) over ``dp_shard`` ranks: each
-        receives (N - 1) / N of them, over the link."""
-        share = (self.dp_shard - 1) / self.dp_shard
-        return [p * share / self.device.link_bandwidth for p in params]
+    # -- the network ----------------------------------------------------------------------------
+    def _slowest_hop(self) -> NetworkLink:
+        """The slowest link between two neighbouring pipeline ranks (the last and the first
+        too: looped placements wrap), or the node's link when the ranks are not known."""
+        ranks = self.pipeline_ranks
+        if ranks is None or ranks == 1:
+            return self.network.node_link
+        return min(
+            (self.network.hop(p, (p + 1) % ranks, ranks, self.dp_shard) for p in range(ranks)),
+            key=lambda link: (link.bandwidth, -link.latency),
+        )
+
+    def _pipeline_size(self, device_of_stage: list[int]) -> int:
+        """The pipeline ranks ranks are placed for: the partition's (even where a split
+        leaves a rank without a stage), else those the stages use."""
+        return max(self.pipeline_ranks or 0, max(device_of_stage) + 1)
+
+    def hop_crosses_nodes(self, pp_size: int, a: int, b: int) -> bool:
+        """Whether messages between pipeline ranks ``a`` and ``b`` leave a node (cached)."""
+        known: dict[tuple[int, int, int], bool] = self.__dict__.setdefault("_crossing_hops", {})
+        key = (pp_size, a, b)
+        if key not in known:
+            known[key] = self.network.hop_crosses_nodes(a, b, pp_size, self.dp_shard)
+        return known[key]
+
+    def hop(self, pp_size: int, a: int, b: int) -> NetworkLink:
+        """The link between pipeline ranks ``a`` and ``b`` of ``pp_size`` (cached)."""
+        known: dict[tuple[int, int, int], NetworkLink] = self.__dict__.setdefault("_hops", {})
+        key = (pp_size, a, b)
+        if key not in known:
+            known[key] = self.network.hop(a, b, pp_size, self.dp_shard)
+        return known[key]
+
+    def shard_rings(self, pp_size: int) -> list[RingCost]:
+        """The cost of FSDP2's collectives over each pipeline rank's shard group (cached)."""
+        known = self.__dict__.setdefault("_rings", {})
+        if pp_size not in known:
+            known[pp_size] = [
+                self.network.ring(self.network.shard_group(p, pp_size, self.dp_shard))
+                for p in range(pp_size)
+            ]
+        rings: list[RingCost] = known[pp_size]
+        return rings
+
+    def send_times(self, crossing: list[float], device_of_stage: list[int]) -> list[float]:
+        """Seconds to send ``crossing[b]`` bytes over each boundary ``b`` (stage b to b + 1):
+        the link between the two stages' ranks, nothing on one rank."""
+        ranks = self._pipeline_size(device_of_stage)
+        return [
+            (
+                0.0
+                if device_of_stage[b] == device_of_stage[b + 1]
+                else self.hop(ranks, device_of_stage[b], device_of_stage[b + 1]).transfer(moved)
+            )
+            for b, moved in enumerate(crossing)
+        ]
+
+    def collective_time(
+        self,
+        params: list[float],
+        device_of_stage: list[int],
+        kind: str = "all_gather",
+        calls: list[int] | None = None,
+    ) -> list[float]:
+        """Seconds per stage of FSDP2 gathering its parameters once (``kind`` all_gather) or
+        reduce-scattering its gradients once (reduce_scatter: pass the trainable parameters'
+        bytes) over its ``dp_shard`` ranks, ring over the links the group crosses
+        (:mod:`.network`), in ``calls[s]`` collectives (one per FSDP2 unit: each block and the
+        rest; default 1) each paying the ring's latencies."""
+        if self.dp_shard == 1:
+            return [0.0] * len(params)
+        rings = self.shard_rings(self._pipeline_size(device_of_stage))
+        times = []
+        for s, nbytes in enumerate(params):
+            ring = rings[device_of_stage[s]]
+            times.append(ring.time(kind, nbytes, 1 if calls is None else max(calls[s], 1)))
+        return times
 
     def optimizer_time(self, trainable: list[float], device_of_stage: list[int]) -> float:
         """The slowest device's optimizer step: its share of the trainable parameters' state
@@ -587,13 +671,14 @@ class CostModel:
             transient_backward[s] += saved[s] + transient_forward[s]
             saved[s] = inputs[s]
         microbatches = self.microbatches or default_microbatches(num_stages)
-        bandwidth = self.device.link_bandwidth
         shard = 1 / self.dp_shard
         if self.dp_shard > 1 and self.schedule not in SPLIT_BACKWARD:
             # FSDP2 gathers a stage's parameters for each forward and backward and
             # reduce-scatters its (trainable parameters') gradients after it, prefetching while
             # the stage computes
-            gather, reduce = self.collective_time(params), self.collective_time(trainable)
+            calls = self._fsdp_units(block_stages, num_stages)
+            gather = self.collective_time(params, device_of_stage, "all_gather", calls)
+            reduce = self.collective_time(trainable, device_of_stage, "reduce_scatter", calls)
             for s in range(num_stages):
                 forward[s] = max(forward[s], gather[s])
                 backward[s] = max(backward[s], gather[s] + reduce[s])
@@ -604,8 +689,8 @@ class CostModel:
             static_memory=[
                 self.state_bytes(p, t) + g for p, t, g in zip(params, trainable, gathered)
             ],
-            send_forward=[b / bandwidth for b in act_cross],
-            send_backward=[b / bandwidth for b in grad_cross],
+            send_forward=self.send_times(act_cross, device_of_stage),
+            send_backward=self.send_times(grad_cross, device_of_stage),
             device_of_stage=list(device_of_stage),
             memory_capacity=self.device.memory,
             gradients=[t * shard for t in trainable],
@@ -617,6 +702,13 @@ class CostModel:
                 t * shard * OPTIMIZER_TEMPORARIES[self.optimizer] for t in trainable
             ],
         )
+
+    @staticmethod
+    def _fsdp_units(block_stages: np.ndarray, num_stages: int) -> list[int]:
+        """FSDP2 units per stage: each whole block in it, and the rest of the stage."""
+        whole = block_stages[block_stages >= 0]
+        units: list[int] = (np.bincount(whole, minlength=num_stages)[:num_stages] + 1).tolist()
+        return units
 
     def _crossing(
         self, stage_of_unit: list[int], num_stages: int
@@ -694,12 +786,19 @@ class CostModel:
             )
         peaks = simulation.memory_peaks
         once = 0.0  # under split-backward schedules FSDP2 gathers and reduces once per step
+        calls = self._fsdp_units(
+            self.sums.block_stages(self.sums.assignment(stage_of_unit)), num_stages
+        )
         if self.dp_shard > 1 and schedule in SPLIT_BACKWARD:
             per_device = [0.0] * (max(device_of_stage) + 1)
-            gather, reduce = self.collective_time(params), self.collective_time(trainable)
+            gather = self.collective_time(params, device_of_stage, "all_gather", calls)
+            reduce = self.collective_time(trainable, device_of_stage, "reduce_scatter", calls)
             for s in range(num_stages):
                 per_device[device_of_stage[s]] += gather[s] + reduce[s]
             once = max(per_device)
+        traffic = self._traffic(
+            stage_of_unit, device_of_stage, schedule, microbatches, params, trainable, calls
+        )
         return Prediction(
             stages=stages,
             device_of_stage=list(device_of_stage),
@@ -713,7 +812,61 @@ class CostModel:
             data_parallel_time=once,
             flops=self.flops,
             peak_flops=self.device.peak_flops(self.dtype),
+            traffic=traffic,
         )
+
+    def _traffic(
+        self,
+        stage_of_unit: list[int],
+        device_of_stage: list[int],
+        schedule: str,
+        microbatches: int,
+        params: list[float],
+        trainable: list[float],
+        calls: list[int],
+    ) -> list[Traffic]:
+        """A pipeline run's traffic by kind and link, on the rank that moves the most of each:
+        activations and gradients between stages on other ranks, and FSDP2's gathers and
+        reductions (per microbatch, or once under a split-backward schedule)."""
+        ranks = self._pipeline_size(device_of_stage)
+        num_stages = len(device_of_stage)
+        # (kind, link, crosses nodes) -> per rank [bytes, seconds]
+        found: dict[tuple[str, str, bool], list[list[float]]] = {}
+
+        def add(key: tuple[str, str, bool], rank: int, moved: float, seconds: float) -> None:
+            per_rank = found.setdefault(key, [[0.0, 0.0] for _ in range(ranks)])
+            per_rank[rank][0] += moved
+            per_rank[rank][1] += seconds
+
+        act, grad, _ = self._crossing(stage_of_unit, num_stages)
+        for b in range(num_stages - 1):
+            a, c = device_of_stage[b], device_of_stage[b + 1]
+            if a == c:
+                continue
+            link = self.hop(ranks, a, c)
+            crosses = self.hop_crosses_nodes(ranks, a, c)
+            moved = (act[b] + grad[b]) * microbatches
+            seconds = (link.transfer(act[b]) + link.transfer(grad[b])) * microbatches
+            for rank in (a, c):
+                add(("pipeline", link.name, crosses), rank, moved, seconds)
+        if self.dp_shard > 1:
+            rings = self.shard_rings(ranks)
+            share = (self.dp_shard - 1) / self.dp_shard
+            once = schedule in SPLIT_BACKWARD
+            for s in range(num_stages):
+                ring = rings[device_of_stage[s]]
+                times = 1 if once else microbatches
+                gathers = 1 if once else 2  # each forward and each backward gathers
+                moved = share * (gathers * params[s] + trainable[s]) * times
+                seconds = (
+                    gathers * ring.time("all_gather", params[s], calls[s])
+                    + ring.time("reduce_scatter", trainable[s], calls[s])
+                ) * times
+                add(("fsdp2", ring.link, ring.crosses_nodes), device_of_stage[s], moved, seconds)
+        return [
+            Traffic(kind, link, crosses, *max(per_rank, key=lambda totals: totals[0]))
+            for (kind, link, crosses), per_rank in sorted(found.items())
+        ]
 
     def step_and_memory(
         self, stage_of_unit: list[int], device_of_stage: list[int], schedule: str | None = None

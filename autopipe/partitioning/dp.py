@@ -162,12 +162,15 @@ class ContiguousSplits:
             savable[first] -= block.inputs
         self.savable, self.forward_in_blocks = prefix(savable), prefix(in_blocks)
         self.trained, self.frozen = model.state_factors()
-        bandwidth = model.device.link_bandwidth
-        # seconds a stage spends on the cut before its first unit i / after its last unit j - 1
+        # seconds a stage spends on the cut before its first unit i / after its last unit j - 1,
+        # over the slowest link between two pipeline ranks
+        link = model.pipeline_link
         self.cut_forward, self.cut_backward = (torch.zeros(n + 1, dtype=dtype) for _ in range(2))
         moved_forward, moved_backward = model.boundary_bytes()
-        self.cut_forward[1:n] = torch.tensor(moved_forward, dtype=dtype) / bandwidth
-        self.cut_backward[1:n] = torch.tensor(moved_backward, dtype=dtype) / bandwidth
+        self.cut_forward[1:n] = torch.tensor([link.transfer(b) for b in moved_forward], dtype=dtype)
+        self.cut_backward[1:n] = torch.tensor(
+            [link.transfer(b) for b in moved_backward], dtype=dtype
+        )
         self.capacity = model.device.memory
         microbatches = model.microbatches or default_microbatches(num_stages)
         self.held = [

@@ -45,7 +45,7 @@ def _metis_parts(model: CostModel, num_parts: int) -> list[int]:
     vweights = [max(1, round(c / total_compute * _WEIGHT_SCALE)) for c in model.compute]
     neighbours: list[dict[int, float]] = [{} for _ in range(n)]
     for u, v, data in model.dag.edges(data=True):
-        weight = data["bytes"] / model.device.link_bandwidth  # seconds, comparable with compute
+        weight = data["bytes"] / model.link_bandwidth  # seconds, comparable with compute
         for a, b in ((u, v), (v, u)):
             neighbours[a][b] = neighbours[a].get(b, 0.0) + weight
     xadj, adjncy, eweights = [0], [], []

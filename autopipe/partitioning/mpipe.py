@@ -79,7 +79,8 @@ def _refined(model: CostModel, stage: list[int], devices: list[int]) -> tuple[li
 def coarsen(model: CostModel, size: int) -> list[list[int]]:
     """At most ``size`` clusters, each an interval of the program order."""
     n = model.num_units
-    cut_time = [(a + g) / model.device.link_bandwidth for a, g in zip(*model.boundary_bytes())]
+    link = model.pipeline_link
+    cut_time = [link.transfer(a) + link.transfer(g) for a, g in zip(*model.boundary_bytes())]
     # zero-weight and communication-bound units join the next unit
     intervals: list[list[int]] = []
     pending: list[int] = []

@@ -21,7 +21,12 @@ from ..errors import ArtifactError, PartitionError
 from ..ir import Graph
 from ..ir.ordering import order_edges
 from ..profiling.profile import graph_digest, profile_source
-from ..runtime.core.pipeline import MEMORY_DETAIL, StageCosts
+from ..runtime.core.pipeline import (
+    MEMORY_DETAIL,
+    MESH_DIMENSIONS,
+    PIPELINE_INNERMOST,
+    StageCosts,
+)
 from ..runtime.core.schedules import (
     MULTI_STAGE,
     SCHEDULES,
@@ -37,6 +42,8 @@ __all__ = [
     "PartitionSettings",
     "PredictedStage",
     "PredictedStep",
+    "TRAFFIC_KINDS",
+    "Traffic",
     "costs_from_json",
     "costs_to_json",
     "stage_costs",
@@ -83,6 +90,12 @@ class PartitionSettings:
     global_batch: int | None = None
     memory_margin: float | None = None
     plans: tuple[dict[str, Any], ...] | None = None  # search.Plan.to_json(), best first
+    #: the device mesh's dimensions, outermost first (which ranks share a node): train.py
+    #: builds its mesh in this order; None: the pipeline innermost (PIPELINE_INNERMOST)
+    mesh: tuple[str, ...] | None = None
+    gpus_per_node: int | None = None  # the node size the network was costed for
+    #: whether the device spec held measured rates (None: a partition from before calibration)
+    calibrated: bool | None = None
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> PartitionSettings:
@@ -125,11 +138,26 @@ class PartitionSettings:
             schedule,
             f"one of {SCHEDULES}",
         )
+        mesh = data.get("mesh", list(PIPELINE_INNERMOST))
+        require(
+            isinstance(mesh, list)
+            and all(isinstance(name, str) for name in mesh)
+            and sorted(mesh) == sorted(MESH_DIMENSIONS),
+            f"{where}.mesh",
+            mesh,
+            f"an order of the mesh dimensions {', '.join(MESH_DIMENSIONS)}",
+        )
+        gpus_per_node = data.get("gpus_per_node", 1)
+        require(is_int(gpus_per_node, 1), f"{where}.gpus_per_node", gpus_per_node, "1 or more")
+        calibrated = data.get("calibrated", False)
+        require(isinstance(calibrated, bool), f"{where}.calibrated", calibrated, "true or false")
         _unknown(data, cls.__dataclass_fields__, where)
+        special = ("timed_at", "plans", "mesh")
         return cls(
-            **{k: data.get(k) for k in cls.__dataclass_fields__ if k not in ("timed_at", "plans")},
+            **{k: data.get(k) for k in cls.__dataclass_fields__ if k not in special},
             timed_at=None if "timed_at" not in data else dict(timed_at),
             plans=None if "plans" not in data else tuple(dict(p) for p in plans),
+            mesh=None if "mesh" not in data else tuple(mesh),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -140,6 +168,8 @@ class PartitionSettings:
                 value = dict(value)
             elif key == "plans" and value is not None:
                 value = [dict(plan) for plan in value]
+            elif key == "mesh" and value is not None:
+                value = list(value)
             if value is not None:
                 data[key] = value
         return data
@@ -171,6 +201,40 @@ class PredictedStage:
         return dataclasses.asdict(self)
 
 
+#: the kinds of traffic a prediction accounts: activations and their gradients between stages,
+#: FSDP2's gathers of parameters and reductions of gradients
+TRAFFIC_KINDS = ("pipeline", "fsdp2")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One kind of traffic of a pipeline run on the rank that moves the most of it, over one
+    kind of link: the bytes it sends (and receives), and the seconds the link takes for them
+    (before compute hides them)."""
+
+    kind: str  # one of TRAFFIC_KINDS
+    link: str  # the link's name (the slowest it crosses)
+    crosses_nodes: bool
+    bytes: float
+    seconds: float
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Traffic:
+        require(isinstance(data, dict), where, data, "an object")
+        _unknown(data, cls.__dataclass_fields__, where)
+        kind = data.get("kind")
+        require(kind in TRAFFIC_KINDS, f"{where}.kind", kind, f"one of {TRAFFIC_KINDS}")
+        require(is_text(data.get("link")), f"{where}.link", data.get("link"), "a link's name")
+        crosses = data.get("crosses_nodes")
+        require(isinstance(crosses, bool), f"{where}.crosses_nodes", crosses, "true or false")
+        for key in ("bytes", "seconds"):
+            require(is_number(data.get(key), 0), f"{where}.{key}", data.get(key), ">= 0")
+        return cls(kind, data["link"], crosses, data["bytes"], data["seconds"])
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 @dataclass(frozen=True)
 class PredictedStep:
     """What the cost model predicts for the partition: one pipeline run (seconds), the memory of
@@ -189,6 +253,8 @@ class PredictedStep:
     flops: float | None  # forward + backward FLOPs per microbatch (no recomputation)
     peak_flops: float | None  # one device's peak FLOP/s for the model's parameter dtype
     stages: tuple[PredictedStage, ...]
+    #: the run's traffic by kind and link (empty: none, or a partition from before it)
+    traffic: tuple[Traffic, ...] = ()
 
     @classmethod
     def from_json(
@@ -230,6 +296,8 @@ class PredictedStep:
         )
         schedule = data.get("schedule")
         require(schedule is None or is_text(schedule), f"{where}.schedule", schedule, "a schedule")
+        traffic = data.get("traffic", [])
+        require(isinstance(traffic, list), f"{where}.traffic", traffic, "a list of traffic")
         _unknown(data, cls.__dataclass_fields__, where)
         return cls(
             bottleneck=data["bottleneck"],
@@ -246,6 +314,9 @@ class PredictedStep:
             flops=data.get("flops"),
             peak_flops=data.get("peak_flops"),
             stages=stages,
+            traffic=tuple(
+                Traffic.from_json(t, f"{where}.traffic[{i}]") for i, t in enumerate(traffic)
+            ),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -263,6 +334,8 @@ class PredictedStep:
             if getattr(self, key) is not None:
                 data[key] = getattr(self, key)
         data["stages"] = [stage.to_json() for stage in self.stages]
+        if self.traffic:
+            data["traffic"] = [t.to_json() for t in self.traffic]
         return data
 
     @property

@@ -31,9 +31,13 @@ __all__ = ["closures", "recompute_time", "recomputed_values", "transfer_time"]
 MAX_OPERATORS = 64
 
 
-def recomputed_values(graph: Graph, device: DeviceSpec) -> list[str]:
+def recomputed_values(
+    graph: Graph, device: DeviceSpec, bandwidth: float | None = None
+) -> list[str]:
     """The values of ``graph`` read by more than the unit computing them that every stage
-    reading them recomputes rather than receives on ``device`` (in program order)."""
+    reading them recomputes rather than receives on ``device`` (in program order), its stages
+    joined by links of ``bandwidth`` bytes/s (default: the device's link within a node)."""
+    bandwidth = device.link_bandwidth if bandwidth is None else bandwidth
     derived = _from_constants(graph)
     unit_of = {node.name: node.unit for node in graph.calls}
     candidates = [
@@ -50,7 +54,7 @@ def recomputed_values(graph: Graph, device: DeviceSpec) -> list[str]:
         node.name
         for node in candidates
         if (nodes := found[node.name]) is not None
-        and recompute_time(graph, nodes, device) < transfer_time(node.meta, device)
+        and recompute_time(graph, nodes, device) < transfer_time(node.meta, bandwidth)
     ]
 
 
@@ -118,10 +122,11 @@ def recompute_time(graph: Graph, nodes: Iterable[str], device: DeviceSpec) -> fl
     return total
 
 
-def transfer_time(meta: TensorMeta, device: DeviceSpec) -> float:
+def transfer_time(meta: TensorMeta, bandwidth: float) -> float:
     """Seconds a transfer of a value costs the step on one boundary: its sender's and its
-    receiver's time on the link (the cost model adds it to both stages)."""
-    return 2 * meta.nbytes / device.link_bandwidth
+    receiver's time on a link of ``bandwidth`` bytes/s (the cost model adds it to both
+    stages)."""
+    return 2 * meta.nbytes / bandwidth
 
 
 def _holds_no_state(graph: Graph, buffer: Node) -> bool:

@@ -100,15 +100,15 @@ class Assignment:
         return act[:-1], grad[:-1]
 
     def stage_times(self) -> list[float]:
-        bandwidth = self.model.device.link_bandwidth
         comm_forward = [0.0] * self.num_stages
         comm_backward = [0.0] * self.num_stages
         act_crossing, grad_crossing = self.crossings()
+        send_forward = self.model.send_times(act_crossing, self.device_of_stage)
+        send_backward = self.model.send_times(grad_crossing, self.device_of_stage)
         for s in range(self.num_stages - 1):
-            if self.device_of_stage[s] != self.device_of_stage[s + 1]:
-                for stage in (s, s + 1):
-                    comm_forward[stage] += act_crossing[s] / bandwidth
-                    comm_backward[stage] += grad_crossing[s] / bandwidth
+            for stage in (s, s + 1):
+                comm_forward[stage] += send_forward[s]
+                comm_backward[stage] += send_backward[s]
         return [
             stage_time(*costs)
             for costs in zip(self.forward, self.backward, comm_forward, comm_backward)

@@ -40,6 +40,7 @@ from . import partition
 from .bounds import crossings, memory_floor
 from .cost import CostModel, graph_facts, iteration_time
 from .partition import Partition, PredictedStep
+from ..runtime.core.pipeline import PIPELINE_INNERMOST
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,15 @@ class Plan:
             "capacity": self.capacity,
             "recompute": self.recompute,
             "problem": self.problem,
+            "mesh": list(self.mesh),
         }
+
+    @property
+    def mesh(self) -> tuple[str, ...]:
+        """The device mesh's order the plan is costed in (outermost first)."""
+        if self.partition is None or self.partition.settings.mesh is None:
+            return PIPELINE_INNERMOST
+        return self.partition.settings.mesh
 
 
 #: the problem of a candidate the search did not partition: its --search-seconds ran out first
@@ -213,6 +222,7 @@ def search(
     progress: Callable[[SearchProgress], None] | None = None,
     prune: bool = True,
     workers: int = 1,
+    gpus_per_node: int = 8,
 ) -> list[Plan]:
     """Every candidate plan, partitioned and simulated, best first: those that fit by
     throughput, then those that do not. Candidates are searched in the order of their lower
@@ -252,7 +262,9 @@ def search(
             if progress is not None:
                 progress(SearchProgress(searched, len(every), monotonic() - began, best))
 
-    pool = _Workers(workers, graph, usable, method, optimizer) if workers > 1 else None
+    pool = (
+        _Workers(workers, graph, usable, method, optimizer, gpus_per_node) if workers > 1 else None
+    )
     try:
         for c in every:
             plan = Plan(listed[c], global_batch, capacity)
@@ -272,7 +284,7 @@ def search(
                 pool.submit(c, plan)
                 continue
             else:
-                _partitioned(plan, graph, usable, method, optimizer)
+                _partitioned(plan, graph, usable, method, optimizer, gpus_per_node)
             settle(c, plan)
         if pool is not None:
             pool.finish(settle)
@@ -341,7 +353,13 @@ class _Workers:
     are the parent's, inherited when the processes fork; each runs torch on one thread."""
 
     def __init__(
-        self, workers: int, graph: Graph, usable: Profile, method: str, optimizer: str
+        self,
+        workers: int,
+        graph: Graph,
+        usable: Profile,
+        method: str,
+        optimizer: str,
+        gpus_per_node: int,
     ) -> None:
         graph_facts(graph)  # computed once, before the fork, for every worker
         self.workers = workers
@@ -349,7 +367,7 @@ class _Workers:
             workers,
             mp_context=multiprocessing.get_context("fork"),
             initializer=_start_worker,
-            initargs=(graph, usable, method, optimizer),
+            initargs=(graph, usable, method, optimizer, gpus_per_node),
         )
         self.running: dict[Future[Plan], int] = {}
         self.submitted: set[int] = set()
@@ -391,13 +409,16 @@ class _Workers:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-#: what a worker partitions with: the graph, the usable profile, the method and the optimizer
-_WORK: tuple[Graph, Profile, str, str] | None = None
+#: what a worker partitions with: the graph, the usable profile, the method, the optimizer and
+#: the node size
+_WORK: tuple[Graph, Profile, str, str, int] | None = None
 
 
-def _start_worker(graph: Graph, usable: Profile, method: str, optimizer: str) -> None:
+def _start_worker(
+    graph: Graph, usable: Profile, method: str, optimizer: str, gpus_per_node: int
+) -> None:
     global _WORK
-    _WORK = (graph, usable, method, optimizer)
+    _WORK = (graph, usable, method, optimizer, gpus_per_node)
     torch.set_num_threads(1)  # the workers are the parallelism
 
 
@@ -443,7 +464,9 @@ def _memory_floors(
     ]
 
 
-def _partitioned(plan: Plan, graph: Graph, usable: Profile, method: str, optimizer: str) -> None:
+def _partitioned(
+    plan: Plan, graph: Graph, usable: Profile, method: str, optimizer: str, gpus_per_node: int
+) -> None:
     """``plan``'s candidate partitioned under ``usable`` (the profile less the memory margin),
     its prediction and step time filled in, or its problem."""
     candidate = plan.candidate
@@ -460,6 +483,7 @@ def _partitioned(plan: Plan, graph: Graph, usable: Profile, method: str, optimiz
             dp_shard=candidate.dp_shard,
             advise=False,  # the table shows what each rank needs; advice comes once
             compare=False,  # the table compares the candidates
+            gpus_per_node=gpus_per_node,
         )
     except DeviceMemoryError as exc:
         plan.problem = f"a device needs at least {format_bytes(exc.peak)}, even recomputing"
@@ -485,10 +509,11 @@ def unsearched_note(plans: list[Plan]) -> str | None:
 
 
 def plan_table(plans: list[dict[str, Any]]) -> str:
-    """Plans (``Plan.to_json()``, best first) side by side, as a text table."""
+    """Plans (``Plan.to_json()``, best first) side by side, as a text table; ``inner``: the
+    ranks next to each other (within a node), ``pp`` a pipeline's, ``dp`` a stage's shards."""
     header = (
         f"{'#':>2} {'dp-shard':>8} {'stages':>6} {'per rank':>8} {'schedule':<23} "
-        f"{'mb':>3} {'accum':>5} {'step ms':>9} {'mb/s':>8} {'bubble':>6} "
+        f"{'inner':>6} {'mb':>3} {'accum':>5} {'step ms':>9} {'mb/s':>8} {'bubble':>6} "
         f"{'peak':>10} {'of':>10}  recompute"
     )
     rows = [header]
@@ -502,9 +527,12 @@ def plan_table(plans: list[dict[str, Any]]) -> str:
         else:
             figures = f"{'-':>9} {'-':>8} {'-':>6} {'-':>10} {capacity:>10}  {plan['problem']}"
         per_rank = plan["stages"] // plan["ranks"]
+        # which ranks sit next to each other (in a node): a pipeline's, or a stage's shards
+        inner = "dp" if plan.get("mesh", ["pp"])[-1] != "pp" else "pp"
         rows.append(
             f"{i:>2} {plan['dp_shard']:>8} {plan['stages']:>6} {per_rank:>8} "
-            f"{plan['schedule']:<23} {plan['microbatches']:>3} {plan['accumulate']:>5} {figures}"
+            f"{plan['schedule']:<23} {inner:>6} {plan['microbatches']:>3} "
+            f"{plan['accumulate']:>5} {figures}"
         )
     return "\n".join(rows)
 

@@ -29,6 +29,23 @@ from .workload import output_bytes, parameter_bytes, run_forward_backward
 
 #: Operators that read only the rows they gather, not their whole (table) input.
 _GATHERS = {"embedding", "index", "gather", "index_select", "take", "_unsafe_index"}
+#: Operators whose time a calibrated spec reads from its tables of that kind, by name
+_KINDS = {
+    name: "matmul"
+    for name in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scaled_mm")
+} | {
+    name: "attention"
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_cudnn_attention_backward",
+    )
+}
 #: Operators that launch no kernel though their schema does not say they return a view
 _NO_KERNEL = {torch.ops.aten._unsafe_view.default}
 
@@ -50,11 +67,14 @@ class RooflineMode(TorchDispatchMode):
         flops = self.flop_counter.get_total_flops() - before
         schema = func._schema
         if schema.returns and schema.returns[0].alias_info is not None and not schema.is_mutable:
+            self.time += self.spec.view_overhead
             return out  # a view: no kernel, no traffic
         if func in _NO_KERNEL:
+            self.time += self.spec.view_overhead
             return out
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if not outputs and not schema.is_mutable:
+            self.time += self.spec.view_overhead
             return out  # a query of metadata (a tensor's device, a size): no kernel
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         written = sum(_nbytes(t) for t in outputs)
@@ -62,12 +82,30 @@ class RooflineMode(TorchDispatchMode):
         if func._opname in _GATHERS:
             read = min(read, 2 * written)
         dtype = next((t.dtype for t in inputs if t.is_floating_point()), None)
-        compute = flops / (self.spec.peak_flops(dtype) * self.spec.compute_efficiency)
-        memory = (read + written) / (self.spec.memory_bandwidth * self.spec.memory_efficiency)
+        moved = read + written
+        compute = flops / self.spec.compute_rate(_kind(func, args, kwargs), dtype, flops)
+        memory = moved / self.spec.memory_rate(moved) if moved else 0.0
         self.time += max(compute, memory) + self.spec.kernel_overhead
         self.flops += flops
         self.bytes += read + written
         return out
+
+
+def _kind(func, args, kwargs) -> str | None:
+    """The kind of table a calibrated spec times ``func`` by: matmul, attention or
+    attention_backward, causal_ ones for an attention kernel called with ``is_causal`` (which
+    skips the masked half); None for the rest."""
+    kind = _KINDS.get(func._opname)
+    if kind != "attention":
+        return kind
+    if func._opname.endswith("_backward"):
+        kind = "attention_backward"
+    names = [argument.name for argument in func._schema.arguments]
+    if "is_causal" not in names:
+        return kind
+    index = names.index("is_causal")
+    causal = (kwargs or {}).get("is_causal", args[index] if index < len(args) else False)
+    return f"causal_{kind}" if causal else kind
 
 
 def _nbytes(t: torch.Tensor) -> int:

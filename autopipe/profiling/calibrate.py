@@ -1,9 +1,12 @@
 """``autopipe calibrate``: measure the local device and write a device spec for ``--device-spec``.
 
 Measured, not looked up: matrix-multiply FLOP/s per dtype, streaming memory bandwidth, the cost of
-launching a tiny operator, the device's memory size, and the bandwidth between two pipeline stages
-(two local processes over gloo on CPU; a device-to-device copy on CUDA, or a host-device copy when
-there is a single GPU). The fractions of peak are 1: these are achieved rates already.
+launching a tiny operator (and on CPU of a view, which the dispatcher spends in line), the
+device's memory size, and the bandwidth between two pipeline stages (two local processes over
+gloo on CPU; a device-to-device copy on CUDA, or a host-device copy when there is a single GPU).
+The fractions of peak are 1: these are achieved rates already. The spec's tables hold the rates
+by size (products by their FLOPs, attention by its FLOPs with and without a causal mask, copies
+by their bytes), which the analytic profile interpolates.
 
 ``--device-spec cpu`` (or ``cuda``) names this machine's own device: :func:`local_spec`
 calibrates it on first use and keeps the spec in autopipe's cache (``$AUTOPIPE_CACHE_DIR``, else
@@ -30,28 +33,42 @@ import torch.multiprocessing as mp
 
 from ..artifacts import atomic_write_text
 from ..errors import AutopipeError
-from .devices import DeviceSpec, device_spec
+from torch.nn import functional as F
+
+from .devices import DeviceSpec, RateTable, device_spec
+from .flops import flop_counter
 
 __all__ = ["LOCAL_DEVICES", "calibrate", "local_spec", "resolve_device_spec", "spec_cache"]
 
+#: what a calibration measures, in the cache's key: a spec cached by an older one is measured
+#: again (v2: the tables by size and the view overhead)
+CALIBRATION = "calibration-v2"
 #: ``--device-spec`` names of this machine's devices, calibrated on first use
 LOCAL_DEVICES = ("cpu", "cuda")
 #: the specs this process calibrated, by cache file
 _CALIBRATED: dict[Path, DeviceSpec] = {}
 
 
+#: calls timed back to back between two synchronisations on a GPU, so that a small kernel's
+#: time is its own and not a synchronisation's
+GPU_CALLS = 10
+
+
 def _timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn()`` after a warm-up."""
+    """Median seconds of ``fn()`` after a warm-up (on a GPU, of :data:`GPU_CALLS` calls
+    between two synchronisations, divided by them)."""
     fn()
+    calls = GPU_CALLS if device.type == "cuda" else 1
     samples = []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        samples.append(time.perf_counter() - start)
+        samples.append((time.perf_counter() - start) / calls)
     return statistics.median(samples)
 
 
@@ -70,6 +87,79 @@ def memory_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> flo
 def kernel_overhead(device: torch.device, repeats: int = 200) -> float:
     x = torch.ones(1, device=device)
     return _timed(lambda: [x.add(1) for _ in range(repeats)], device, 5) / repeats
+
+
+def view_overhead(device: torch.device, repeats: int = 200) -> float:
+    """Seconds a view costs the caller (the dispatcher's time; no kernel)."""
+    x = torch.ones(4, 4, device=device)
+    return _timed(lambda: [x.view(16) for _ in range(repeats)], device, 5) / repeats
+
+
+def _rate(work: float, seconds: float, overhead: float) -> float:
+    """The rate of ``work`` done in ``seconds`` less the launch ``overhead`` the analytic
+    profile charges on its own (at most nine tenths of them)."""
+    return work / max(seconds - overhead, seconds / 10)
+
+
+def matmul_table(
+    device: torch.device, dtype: torch.dtype, sides: tuple[int, ...], overhead: float
+) -> RateTable:
+    """FLOP/s of square products of each side, by the FLOPs of one (launch ``overhead``
+    apart)."""
+    points = []
+    for n in sides:
+        flops = 2.0 * n**3
+        points.append((flops, _rate(flops, flops / matmul_flops(device, dtype, n), overhead)))
+    return RateTable(tuple(points))
+
+
+def attention_tables(
+    device: torch.device,
+    dtype: torch.dtype,
+    lengths: tuple[int, ...],
+    causal: bool,
+    overhead: float,
+) -> tuple[RateTable, RateTable]:
+    """FLOP/s of ``scaled_dot_product_attention``'s forward and of its backward kernel (8 heads
+    of 64, one sequence of each length), each by the FLOPs torch counts for that kernel."""
+    forwards: dict[float, float] = {}
+    backwards: dict[float, float] = {}
+    for length in lengths:
+        q, k, v = (
+            torch.randn(1, 8, length, 64, device=device, dtype=dtype, requires_grad=True)
+            for _ in range(3)
+        )
+        grad = torch.randn(1, 8, length, 64, device=device, dtype=dtype)
+
+        def forward() -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        def step() -> None:
+            torch.autograd.grad(forward(), (q, k, v), grad)
+
+        with flop_counter() as counter:
+            with torch.no_grad():
+                forward()
+        forward_flops = counter.get_total_flops()
+        with flop_counter() as counter:
+            step()
+        backward_flops = counter.get_total_flops() - forward_flops
+        with torch.no_grad():
+            forward_seconds = _timed(forward, device, 5)
+        backward_seconds = max(_timed(step, device, 5) - forward_seconds, forward_seconds / 10)
+        forwards[forward_flops] = _rate(forward_flops, forward_seconds, overhead)
+        backwards[backward_flops] = _rate(backward_flops, backward_seconds, overhead)
+    return RateTable(tuple(sorted(forwards.items()))), RateTable(tuple(sorted(backwards.items())))
+
+
+def memory_table(device: torch.device, sizes: tuple[int, ...], overhead: float) -> RateTable:
+    """Bytes/s of a copy moving each number of bytes (read and written), launch ``overhead``
+    apart."""
+    points = []
+    for n in sizes:
+        moved = 2.0 * n
+        points.append((moved, _rate(moved, moved / memory_bandwidth(device, n), overhead)))
+    return RateTable(tuple(points))
 
 
 def _gloo_bandwidth_worker(rank: int, init_file: str, nbytes: int, result) -> None:
@@ -145,6 +235,9 @@ def calibrate(
     log(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s")
     overhead = kernel_overhead(device)
     log(f"operator overhead: {overhead * 1e6:.1f} us")
+    tables = _tables(device, list(flops), overhead, log)
+    views = 0.0 if on_gpu else view_overhead(device)  # a GPU's views hide behind its kernels
+    log(f"view overhead: {views * 1e6:.2f} us")
     link, how = link_bandwidth(device, (256 << 20) if on_gpu else (64 << 20))
     log(f"link ({how}): {link / 1e9:.2f} GB/s")
     label = name or (
@@ -160,7 +253,51 @@ def calibrate(
         compute_efficiency=1.0,
         memory_efficiency=1.0,
         kernel_overhead=overhead,
+        view_overhead=views,
+        tables=tables,
     )
+
+
+#: sides of the square products, lengths of the attention and bytes of the copies calibrated
+_SIDES = {"cpu": (32, 64, 128, 256, 512, 1024), "cuda": (256, 512, 1024, 2048, 4096, 8192)}
+_HALF_SIDES_CPU = (32, 64, 128, 256)  # a CPU without half-precision units emulates them
+_LENGTHS = {"cpu": (64, 128, 256, 512, 1024), "cuda": (256, 512, 1024, 2048, 4096, 8192)}
+_COPIES = {
+    "cpu": tuple(1 << p for p in range(12, 27, 2)),  # 4 KiB .. 64 MiB
+    "cuda": tuple(1 << p for p in range(16, 31, 2)),  # 64 KiB .. 1 GiB
+}
+
+
+def _tables(
+    device: torch.device, dtypes: list[str], overhead: float, log: Callable[[str], None]
+) -> dict[str, RateTable]:
+    """The rates of ``device``'s kernels by size: products and attention (causal or not) in
+    each of ``dtypes`` it multiplies, copies."""
+    kind = device.type
+    tables: dict[str, RateTable] = {}
+    for name in dtypes:
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            continue
+        sides = _SIDES[kind] if kind == "cuda" or dtype == torch.float32 else _HALF_SIDES_CPU
+        lengths = _LENGTHS[kind] if kind == "cuda" or dtype == torch.float32 else (64, 128, 256)
+        try:
+            measured = {f"matmul.{name}": matmul_table(device, dtype, sides, overhead)}
+            for causal in (False, True):
+                forward, backward = attention_tables(device, dtype, lengths, causal, overhead)
+                prefix = "causal_" if causal else ""
+                measured[f"{prefix}attention.{name}"] = forward
+                measured[f"{prefix}attention_backward.{name}"] = backward
+        except RuntimeError as exc:  # a dtype this device cannot run: its ops keep the peak
+            log(f"{name}: not calibrated ({str(exc).splitlines()[0][:80]})")
+            continue
+        tables |= measured
+        rates = ", ".join(f"{rate / 1e12:.3g}" for _, rate in tables[f"matmul.{name}"].points)
+        log(f"matmul {name} by size: {rates} TFLOP/s")
+    tables["memory"] = memory_table(device, _COPIES[kind], overhead)
+    rates = ", ".join(f"{rate / 1e9:.3g}" for _, rate in tables["memory"].points)
+    log(f"copies by size: {rates} GB/s")
+    return tables
 
 
 def spec_cache() -> Path:
@@ -188,7 +325,7 @@ def _cache_key(kind: str) -> str:
         what = f"{torch.cuda.get_device_name(0)}"
     else:
         what = f"{_processor()} {platform.machine()} 1-thread"
-    key = f"{kind} {what} torch-{torch.__version__}"
+    key = f"{kind} {what} torch-{torch.__version__} {CALIBRATION}"
     return re.sub(r"[^A-Za-z0-9.+-]+", "_", key).strip("_")
 
 

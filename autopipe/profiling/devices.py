@@ -1,17 +1,23 @@
 """Device specs: what the analytic profiler and the partitioner know about the target hardware.
 
-A spec gives peak dense FLOP/s per dtype, memory bandwidth and size, the bandwidth of the link
-between pipeline stages, and the fractions of those peaks real kernels reach. The table holds
-common GPUs (datasheet figures, dense, per GPU); ``--device-spec FILE.json`` gives any other
-device in the same fields.
+A spec gives peak dense FLOP/s per dtype, memory bandwidth and size, the fractions of those peaks
+real kernels reach, and the two links of a cluster built of such devices: the link between the
+GPUs of one node (NVLink, PCIe: ``link_bandwidth``, ``link_latency``) and each GPU's link to other
+nodes (its NIC: ``network_bandwidth``, ``network_latency``; :mod:`autopipe.partitioning.network`
+costs transfers and collectives over them). The table holds common GPUs (datasheet figures, dense,
+per GPU; one direction; latencies per message are orders of magnitude, as NCCL's own tuning model
+assumes them); ``--device-spec FILE.json`` gives any other device in the same fields. A spec
+without a network (a JSON file from before it, a calibrated CPU) has nodes joined by its link.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +32,117 @@ GiB = 1024**3
 
 
 @dataclass(frozen=True)
+class RateTable:
+    """A rate measured by operation size (``autopipe calibrate``): ``points`` of (size, rate),
+    sizes ascending (FLOPs of one call, or bytes it moves), rates in FLOP/s or bytes/s. Between
+    two points the rate is interpolated linearly in the logarithms of both (so it lies between
+    theirs), beyond the ends it is the end's."""
+
+    points: tuple[tuple[float, float], ...]
+
+    @cached_property
+    def _sizes(self) -> list[float]:
+        return [p[0] for p in self.points]
+
+    def at(self, size: float) -> float:
+        """The rate of an operation of ``size``."""
+        points = self.points
+        if size <= points[0][0]:
+            return points[0][1]
+        if size >= points[-1][0]:
+            return points[-1][1]
+        index = bisect.bisect_right(self._sizes, size)
+        (x0, y0), (x1, y1) = points[index - 1], points[index]
+        t = (math.log(size) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
+
+    def to_json(self) -> list[list[float]]:
+        return [list(point) for point in self.points]
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> RateTable:
+        """The table ``data`` lists, checked: points of two numbers > 0, sizes ascending."""
+        ok = (
+            isinstance(data, list)
+            and data
+            and all(
+                isinstance(p, list) and len(p) == 2 and all(_positive(v) for v in p) for p in data
+            )
+        )
+        if not ok:
+            raise AutopipeError(
+                f"{where} must be a non-empty list of [size, rate] pairs of numbers > 0, got "
+                f"{data!r}"
+            )
+        sizes = [p[0] for p in data]
+        if any(b <= a for a, b in zip(sizes, sizes[1:])):
+            raise AutopipeError(f"{where}: the sizes must ascend, got {sizes}")
+        return cls(tuple((float(a), float(b)) for a, b in data))
+
+
+#: the kinds of calibrated tables: matrix products, attention's forward and backward kernels
+#: (causal or not) by dtype (FLOPs of a call -> FLOP/s), and streaming kernels (bytes read and
+#: written -> bytes/s)
+TABLE_KINDS = (
+    "matmul",
+    "attention",
+    "causal_attention",
+    "attention_backward",
+    "causal_attention_backward",
+    "memory",  # last: the one kind without a dtype
+)
+
+
+@dataclass(frozen=True)
 class DeviceSpec:
-    """One accelerator (or CPU) as the cost model sees it."""
+    """One accelerator (or CPU) as the cost model sees it. A calibrated spec (``autopipe
+    calibrate``) also has ``tables``: the rates its kernels reached by size, which the analytic
+    profile reads instead of the peaks times the efficiencies; without them (the table of GPUs
+    below, datasheet figures) the spec is uncalibrated."""
 
     name: str
     #: peak dense FLOP/s by dtype name ("float32", "bfloat16", ...); "default" for the rest
     flops: dict[str, float]
     memory_bandwidth: float  # bytes/s
     memory: float  # bytes
-    link_bandwidth: float  # bytes/s between two pipeline stages (one direction)
+    link_bandwidth: float  # bytes/s between two GPUs of one node (one direction)
     link: str = ""  # what the link is, for reports
     compute_efficiency: float = 0.6  # fraction of peak FLOP/s large kernels reach
     memory_efficiency: float = 0.8  # fraction of peak bandwidth streaming kernels reach
     kernel_overhead: float = 4e-6  # seconds per launched operator
+    link_latency: float = 0.0  # seconds per message (per step of a collective) on the link
+    #: bytes/s from one GPU to other nodes (one direction, its own NIC); None: as the link
+    network_bandwidth: float | None = None
+    network_latency: float | None = None  # seconds per message between nodes; None: the link's
+    network: str = ""  # what the network is, for reports
+    #: NICs a node has to other nodes (None: one per GPU, as DGX/HGX nodes have, rail to rail)
+    nics_per_node: int | None = None
+    #: seconds an operator that launches no kernel (a view, a size) costs the step: the
+    #: dispatcher's time, which a CPU spends in line and a GPU hides behind its kernels
+    view_overhead: float = 0.0
+    #: measured rates by kind and dtype ("matmul.float32", "attention.bfloat16", "memory")
+    tables: dict[str, RateTable] = field(default_factory=dict)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the spec holds measured rates (else datasheet peaks and efficiencies)."""
+        return bool(self.tables)
+
+    def compute_rate(self, kind: str | None, dtype: torch.dtype | None, flops: float) -> float:
+        """FLOP/s an operator of ``kind`` (matmul, attention, None for the rest) reaches on
+        ``flops`` in ``dtype``: the calibrated table's, else the peak times the efficiency."""
+        name = str(dtype).removeprefix("torch.") if dtype is not None else "default"
+        table = self.tables.get(f"{kind}.{name}") if kind is not None else None
+        if table is not None:
+            return table.at(flops)
+        return self.peak_flops(dtype) * self.compute_efficiency
+
+    def memory_rate(self, nbytes: float) -> float:
+        """Bytes/s a streaming operator moving ``nbytes`` reaches."""
+        table = self.tables.get("memory")
+        if table is not None:
+            return table.at(nbytes)
+        return self.memory_bandwidth * self.memory_efficiency
 
     def peak_flops(self, dtype: torch.dtype | None) -> float:
         name = str(dtype).removeprefix("torch.") if dtype is not None else "default"
@@ -47,7 +151,11 @@ class DeviceSpec:
         return peak
 
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        data["tables"] = {kind: table.to_json() for kind, table in self.tables.items()}
+        if not self.tables:
+            del data["tables"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict, where: str = "device spec") -> DeviceSpec:
@@ -77,7 +185,32 @@ class DeviceSpec:
             )
         if not {"default", "float32"} & set(flops):
             raise AutopipeError(f'{where}: flops needs a "default" or "float32" entry')
-        return cls(**data)
+        tables = data.get("tables", {})
+        if not isinstance(tables, dict):
+            raise AutopipeError(f"{where}: tables must be an object of rate tables by kind")
+        for kind in tables:
+            if not _table_key(kind):
+                raise AutopipeError(
+                    f"{where}: tables[{kind!r}] is not a kind of table: memory, or "
+                    f"{', '.join(TABLE_KINDS[:-1])} with a dtype (matmul.bfloat16)"
+                )
+        return cls(
+            **(data | {"flops": dict(flops)})
+            | {
+                "tables": {
+                    kind: RateTable.from_json(table, f"{where}: tables[{kind!r}]")
+                    for kind, table in tables.items()
+                }
+            }
+        )
+
+
+def _table_key(key: Any) -> bool:
+    """``memory``, or a compute kind and a torch dtype: ``matmul.bfloat16``."""
+    if key == "memory":
+        return True
+    kind, _, dtype = str(key).partition(".")
+    return kind in TABLE_KINDS[:-1] and isinstance(getattr(torch, dtype, None), torch.dtype)
 
 
 def _positive(value: Any) -> bool:
@@ -102,11 +235,56 @@ _FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "compute_efficiency": (_fraction, "a fraction in (0, 1]"),
     "memory_efficiency": (_fraction, "a fraction in (0, 1]"),
     "kernel_overhead": (lambda v: is_number(v, 0), "a finite number of seconds >= 0"),
+    "link_latency": (lambda v: is_number(v, 0), "a finite number of seconds >= 0"),
+    "network_bandwidth": (
+        lambda v: v is None or _positive(v),
+        "a finite number of bytes/s > 0 (or null: nodes joined by the link)",
+    ),
+    "network_latency": (
+        lambda v: v is None or is_number(v, 0),
+        "a finite number of seconds >= 0 (or null: the link's)",
+    ),
+    "network": (is_text, "a one-line description"),
+    "view_overhead": (lambda v: is_number(v, 0), "a finite number of seconds >= 0"),
+    "nics_per_node": (
+        lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+        "a number of NICs (1 or more), or null: one per GPU",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class KnownLink:
+    """A link of the table: bytes/s one direction per GPU, and seconds per message."""
+
+    bandwidth: float
+    latency: float
+    label: str
+    per_gpu: bool = True  # a NIC per GPU (InfiniBand, RoCE rails), else one per node
+
+
+#: Links by ``--link`` / ``--network`` name: NVLink and PCIe between the GPUs of a node; the
+#: NIC each GPU has to other nodes (InfiniBand, RoCE, Ethernet), per GPU
+KNOWN_LINKS: dict[str, KnownLink] = {
+    "nvlink5": KnownLink(900 * GB, 2e-6, "NVLink 5"),
+    "nvlink4": KnownLink(450 * GB, 2e-6, "NVLink 4"),
+    "nvlink3": KnownLink(300 * GB, 2e-6, "NVLink 3"),
+    "nvlink2": KnownLink(150 * GB, 3e-6, "NVLink 2"),
+    "pcie5": KnownLink(64 * GB, 3e-6, "PCIe 5 x16"),
+    "pcie4": KnownLink(32 * GB, 3e-6, "PCIe 4 x16"),
+    "pcie3": KnownLink(16 * GB, 3e-6, "PCIe 3 x16"),
+    "ib-xdr": KnownLink(100 * GB, 5e-6, "InfiniBand XDR 800 Gb/s per GPU"),
+    "ib-ndr": KnownLink(50 * GB, 5e-6, "InfiniBand NDR 400 Gb/s per GPU"),
+    "ib-hdr": KnownLink(25 * GB, 5e-6, "InfiniBand HDR 200 Gb/s per GPU"),
+    "ib-edr": KnownLink(12.5 * GB, 5e-6, "InfiniBand EDR 100 Gb/s per GPU"),
+    "roce-400g": KnownLink(50 * GB, 8e-6, "RoCE 400 Gb/s per GPU"),
+    "ethernet-100g": KnownLink(12.5 * GB, 15e-6, "Ethernet 100 Gb/s per node", per_gpu=False),
+    "ethernet-25g": KnownLink(3.125 * GB, 20e-6, "Ethernet 25 Gb/s per node", per_gpu=False),
 }
 
 
 def _gpu(
-    name, fp32, tf32, half, bandwidth, memory, link_bandwidth, link, fp8=None, fp64=None
+    name, fp32, tf32, half, bandwidth, memory, link, network, fp8=None, fp64=None
 ) -> DeviceSpec:
     flops = {
         "float32": fp32 * TFLOPS,
@@ -119,37 +297,41 @@ def _gpu(
     if fp64:
         flops["float64"] = fp64 * TFLOPS
     flops["default"] = fp32 * TFLOPS
-    return DeviceSpec(name, flops, bandwidth * GB, memory * GiB, link_bandwidth * GB, link)
+    node, between = KNOWN_LINKS[link], KNOWN_LINKS[network]
+    return DeviceSpec(
+        name,
+        flops,
+        bandwidth * GB,
+        memory * GiB,
+        node.bandwidth,
+        node.label,
+        link_latency=node.latency,
+        network_bandwidth=between.bandwidth,
+        network_latency=between.latency,
+        network=between.label,
+        nics_per_node=None if between.per_gpu else 1,
+    )
 
 
-#: Known devices, by lower-case name. Datasheet dense peaks; link: one direction between two GPUs.
+#: Known devices, by lower-case name. Datasheet dense peaks; the link between the GPUs of a node
+#: and each GPU's NIC of the systems they are usually built into (DGX/HGX: one 400 Gb/s NIC per
+#: H100, H200 or B200, 200 Gb/s per A100)
 KNOWN_DEVICES: dict[str, DeviceSpec] = {
     spec.name.lower(): spec
     for spec in [
-        _gpu("H100", 67, 495, 989, 3350, 80, 450, "NVLink 4", fp8=1979, fp64=67),
-        _gpu("H100-PCIe", 51, 378, 756, 2000, 80, 64, "PCIe 5 x16", fp8=1513, fp64=51),
-        _gpu("H200", 67, 495, 989, 4800, 141, 450, "NVLink 4", fp8=1979, fp64=67),
-        _gpu("B200", 80, 1100, 2250, 8000, 180, 900, "NVLink 5", fp8=4500, fp64=40),
-        _gpu("A100", 19.5, 156, 312, 2039, 80, 300, "NVLink 3", fp64=19.5),
-        _gpu("A100-40GB", 19.5, 156, 312, 1555, 40, 300, "NVLink 3", fp64=19.5),
-        _gpu("L40S", 91.6, 183, 362, 864, 48, 32, "PCIe 4 x16", fp8=733),
-        _gpu("L4", 30.3, 60, 121, 300, 24, 32, "PCIe 4 x16", fp8=242),
-        _gpu("A10G", 31.2, 62.5, 125, 600, 24, 32, "PCIe 4 x16"),
-        _gpu("RTX4090", 82.6, 82.6, 165, 1008, 24, 32, "PCIe 4 x16", fp8=330),
-        _gpu("V100", 15.7, 15.7, 125, 900, 32, 150, "NVLink 2", fp64=7.8),
-        _gpu("T4", 8.1, 8.1, 65, 320, 16, 16, "PCIe 3 x16"),
+        _gpu("H100", 67, 495, 989, 3350, 80, "nvlink4", "ib-ndr", fp8=1979, fp64=67),
+        _gpu("H100-PCIe", 51, 378, 756, 2000, 80, "pcie5", "ib-ndr", fp8=1513, fp64=51),
+        _gpu("H200", 67, 495, 989, 4800, 141, "nvlink4", "ib-ndr", fp8=1979, fp64=67),
+        _gpu("B200", 80, 1100, 2250, 8000, 180, "nvlink5", "ib-ndr", fp8=4500, fp64=40),
+        _gpu("A100", 19.5, 156, 312, 2039, 80, "nvlink3", "ib-hdr", fp64=19.5),
+        _gpu("A100-40GB", 19.5, 156, 312, 1555, 40, "nvlink3", "ib-hdr", fp64=19.5),
+        _gpu("L40S", 91.6, 183, 362, 864, 48, "pcie4", "ethernet-100g", fp8=733),
+        _gpu("L4", 30.3, 60, 121, 300, 24, "pcie4", "ethernet-100g", fp8=242),
+        _gpu("A10G", 31.2, 62.5, 125, 600, 24, "pcie4", "ethernet-100g"),
+        _gpu("RTX4090", 82.6, 82.6, 165, 1008, 24, "pcie4", "ethernet-100g", fp8=330),
+        _gpu("V100", 15.7, 15.7, 125, 900, 32, "nvlink2", "ib-edr", fp64=7.8),
+        _gpu("T4", 8.1, 8.1, 65, 320, 16, "pcie3", "ethernet-25g"),
     ]
-}
-
-#: Cross-node links, for --link.
-KNOWN_LINKS = {
-    "nvlink4": 450 * GB,
-    "nvlink3": 300 * GB,
-    "pcie5": 64 * GB,
-    "pcie4": 32 * GB,
-    "ib-ndr": 50 * GB,
-    "ib-hdr": 25 * GB,
-    "ethernet-100g": 12.5 * GB,
 }
 
 DEFAULT_DEVICE = "h100"
@@ -175,25 +357,50 @@ def device_spec(name_or_path: str | None = None) -> DeviceSpec:
     raise AutopipeError(f"unknown device {key!r}; known devices: {known}; or give a JSON spec file")
 
 
-def link_bandwidth(link: str | float) -> tuple[float, str]:
-    """Bytes/s and a label for ``--link``: a known link name or a bandwidth in GB/s."""
+def known_link(link: str | float, flag: str = "--link") -> tuple[float, float | None, str]:
+    """Bytes/s, seconds per message (None: not known, for a bare bandwidth) and a label for
+    ``--link`` / ``--network``: a known link name or a bandwidth in GB/s."""
     if isinstance(link, str) and link.strip().lower() in KNOWN_LINKS:
-        return KNOWN_LINKS[link.strip().lower()], link.strip().lower()
+        known = KNOWN_LINKS[link.strip().lower()]
+        return known.bandwidth, known.latency, link.strip().lower()
     try:
         gbps = float(link) if isinstance(link, (str, int, float)) else math.nan
     except ValueError:
         gbps = math.nan
     if isinstance(link, bool) or not is_number(gbps, 0, strict=True):
         raise AutopipeError(
-            f"--link {link!r} is neither a known link ({', '.join(KNOWN_LINKS)}) nor a bandwidth "
-            "in GB/s greater than 0"
+            f"{flag} {link!r} is neither a known link ({', '.join(KNOWN_LINKS)}) nor a "
+            "bandwidth in GB/s greater than 0"
         )
-    return gbps * GB, f"{link} GB/s"
+    return gbps * GB, None, f"{link} GB/s"
 
 
-def with_link(spec: DeviceSpec, link: str | float | None) -> DeviceSpec:
-    """The spec with its stage-to-stage link replaced (``--link ib-ndr`` or a GB/s number)."""
-    if link is None or link == "":
+def link_bandwidth(link: str | float) -> tuple[float, str]:
+    """Bytes/s and a label for ``--link``: a known link name or a bandwidth in GB/s."""
+    bandwidth, _, label = known_link(link)
+    return bandwidth, label
+
+
+def with_link(
+    spec: DeviceSpec, link: str | float | None, network: str | float | None = None
+) -> DeviceSpec:
+    """The spec with the link between the GPUs of a node replaced (``--link nvlink4`` or a GB/s
+    number) and the link from each GPU to other nodes (``--network ib-ndr`` or GB/s); a bare
+    bandwidth keeps the latency the spec had."""
+    changed: dict[str, Any] = {}
+    if link is not None and link != "":
+        bandwidth, latency, label = known_link(link)
+        changed |= {"link_bandwidth": bandwidth, "link": label}
+        if latency is not None:
+            changed["link_latency"] = latency
+    if network is not None and network != "":
+        bandwidth, latency, label = known_link(network, "--network")
+        changed |= {"network_bandwidth": bandwidth, "network": label}
+        if isinstance(network, str) and network.strip().lower() in KNOWN_LINKS:
+            per_gpu = KNOWN_LINKS[network.strip().lower()].per_gpu
+            changed["nics_per_node"] = None if per_gpu else 1
+        if latency is not None:
+            changed["network_latency"] = latency
+    if not changed:
         return spec
-    bandwidth, label = link_bandwidth(link)
-    return DeviceSpec.from_json(spec.to_json() | {"link_bandwidth": bandwidth, "link": label})
+    return DeviceSpec.from_json(spec.to_json() | changed)

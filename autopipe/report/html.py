@@ -16,7 +16,13 @@ from pathlib import Path
 import jinja2
 
 from ..artifacts import AUTOPIPE_VERSION
-from .summary import MEMORY_PARTS, dimensions_text, requested_lines, throughput_line
+from .summary import (
+    MEMORY_PARTS,
+    dimensions_text,
+    network_lines,
+    requested_lines,
+    throughput_line,
+)
 from ..artifacts import atomic_write_bytes
 from .data import ReportData, format_bytes, format_count
 from .figures import (
@@ -186,6 +192,10 @@ def summary_rows(data: ReportData) -> list[tuple[str, str]]:
             f"{format_bytes(max(peak))} of {format_bytes(data.memory_capacity)} per device",
         ),
         ("throughput", throughput_line(data.graph, data.partition).removeprefix("plan: ")),
+        (
+            "network",
+            " ".join(network_lines(data.partition)).removeprefix("network: "),
+        ),
         ("dynamic dimensions", dimensions_text(data.graph, data.partition)),
         ("split asked for", " ".join(requested_lines(data.partition))),
     ]

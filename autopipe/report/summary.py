@@ -10,6 +10,7 @@ from ..ir import MODULE_TARGET, Graph, TensorMeta
 from ..ir.eval_mode import random_in_eval
 from ..ir.kept_module import kept_calls
 from ..ir.sizes import planned_sizes
+from ..runtime.core.pipeline import PIPELINE_INNERMOST
 from ..runtime.core.shapes import evaluate
 from ..partitioning import Partition
 from ..partitioning.cost import Throughput, block_costs
@@ -52,6 +53,7 @@ def format_partition(graph: Graph, part: Partition) -> str:
     )
     rows += memory_lines(part)
     rows.append(throughput_line(graph, part))
+    rows += network_lines(part)
     if graph.model.symbols:
         rows.append(f"dynamic dimensions: {dimensions_text(graph, part)}")
     rows += batch_dims_lines(graph)
@@ -327,7 +329,32 @@ def throughput_line(graph: Graph, part: Partition) -> str:
         line += f", {rate * tokens:,.0f} tokens/s"
     if figures.mfu is not None:
         line += f", MFU {figures.mfu * 100:.3g}% of {settings.device}"
+    if settings.calibrated is False and settings.profile == "analytic":
+        line += " (uncalibrated spec: datasheet peaks; `autopipe calibrate` measures one)"
     return line
+
+
+def network_lines(part: Partition) -> list[str]:
+    """Where the plan's ranks sit (nodes, mesh order) and its traffic per pipeline run on the
+    busiest rank, by kind and link, across nodes or within them (none without traffic)."""
+    predicted, settings = part.predicted, part.settings
+    assert predicted is not None  # a partition's summary needs its prediction
+    if not predicted.traffic:
+        return []
+    ranks = len(set(part.device_of_stage)) * (settings.dp_shard or 1)
+    per_node = settings.gpus_per_node or 8
+    nodes = -(-ranks // per_node)
+    mesh = settings.mesh or PIPELINE_INNERMOST
+    inner = "a pipeline's ranks" if mesh[-1] == "pp" else "each stage's shards"
+    where = f"{_count(ranks, 'rank')} on {_count(nodes, 'node')} of {per_node} GPUs"
+    if nodes > 1 and (settings.dp_shard or 1) > 1:
+        where += f", mesh {' x '.join(mesh)} ({inner} next to each other)"
+    moved = "; ".join(
+        f"{t.kind} {'across nodes' if t.crosses_nodes else 'within a node'} over {t.link}: "
+        f"{t.bytes / 1e9:.3g} GB, {t.seconds * 1e3:.3g} ms"
+        for t in predicted.traffic
+    )
+    return [f"network: {where}; per pipeline run on the busiest rank: {moved}"]
 
 
 def dimensions_text(graph: Graph, part: Partition) -> str:

@@ -4,18 +4,20 @@ Copied into every generated pipeline as ``runtime/train_state.py``; it needs onl
 
 A training checkpoint is a directory ``DIR/step-N`` written with ``torch.distributed.checkpoint``
 (DCP): every rank writes its own shards in parallel, keyed by the original model's names, the
-model's state under ``model.NAME`` and the optimizer's under ``optimizer.NAME.*``; beside them
-per rank its RNG states (``rankR.pt``) and ``checkpoint.json`` (step, layout, tied names, every
-file's size, the model's identity). Because the names are the original model's, a checkpoint
+model's state under ``model.NAME`` and the optimizer's under ``optimizer.NAME.*``; beside them per
+rank its RNG states (``rankR.pt``, R the rank's place: its global rank in the default mesh order,
+``Layout.place``, which no mesh order changes) and ``checkpoint.json`` (step, layout, tied names,
+every file's size, the model's identity). Because the names are the original model's, a checkpoint
 resumes under any pipeline of the same model: another number of stages, another partition, other
-``--dp``/``--dp-shard`` (DCP reshards on load). Only of the same model: a checkpoint of another
-one is refused, naming the first tensor that differs, and a run neither resumes from, points
-``latest`` past nor prunes checkpoints of another model (see ``identity.py``). Ranks write into
-``DIR/.step-N.partial``, which becomes ``step-N`` by one rename once every file is on disk; ``DIR/latest`` names the newest complete one and is replaced
-atomically. A crash at any point leaves the previous checkpoint as it was. Written with
-``--save-trainable-only``, a checkpoint leaves the frozen parameters out; its ``checkpoint.json``
-then records ``trainable_only`` (:class:`FrozenSource`: their names and where they came from, the
-``--load`` or ``--seed`` a resume must give again); checkpoints without it hold every tensor.
+``--dp``/``--dp-shard`` (DCP reshards on load). Only of the same model: a checkpoint of another one
+is refused, naming the first tensor that differs, and a run neither resumes from, points ``latest``
+past nor prunes checkpoints of another model (see ``identity.py``). Ranks write into
+``DIR/.step-N.partial``, which becomes ``step-N`` by one rename once every file is on disk;
+``DIR/latest`` names the newest complete one and is replaced atomically. A crash at any point leaves
+the previous checkpoint as it was. Written with ``--save-trainable-only``, a checkpoint leaves the
+frozen parameters out; its ``checkpoint.json`` then records ``trainable_only``
+(:class:`FrozenSource`: their names and where they came from, the ``--load`` or ``--seed`` a resume
+must give again); checkpoints without it hold every tensor.
 """
 
 from __future__ import annotations
@@ -473,7 +475,7 @@ class TrainingCheckpoints:
     ) -> None:
         state = training_state(stages, optimizers, self.trainable_only is not None)
         dcp.save(state, storage_writer=FileSystemWriter(partial))
-        _save({"rng": _rng_state(self.layout.device)}, partial / f"rank{self.layout.rank}.pt")
+        _save({"rng": _rng_state(self.layout.device)}, partial / f"rank{self.layout.place}.pt")
 
     def _publish(self, step: int, partial: Path, final: Path) -> None:
         """Rank 0: the manifest (with every file's size), then ``partial`` -> ``final`` and
@@ -576,7 +578,7 @@ class TrainingCheckpoints:
             and manifest.get("dp_shard") == self.layout.dp_shard
             and manifest.get("pipeline") == fingerprint(self.pipeline)
         )
-        rank_file = path / f"rank{self.layout.rank}.pt"
+        rank_file = path / f"rank{self.layout.place}.pt"
         if same_layout and rank_file.is_file():
             _set_rng_state(_load(rank_file, "cpu")["rng"], self.layout.device)
         return cast(int, manifest["step"])  # checked by read_manifest

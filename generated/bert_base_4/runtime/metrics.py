@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .core.memory import LiveTensorBytes
-from .core.pipeline import Pipeline
+from .core.pipeline import PIPELINE_INNERMOST, Pipeline
 from .evaluation import EvalResult
 from .guards import write_atomically
 from .options import TrainConfig
@@ -322,8 +322,9 @@ class Metrics:
 def run_configuration(
     pipeline: Pipeline, config: TrainConfig, world: int
 ) -> dict[str, ConfigValue]:
-    """What a run's sinks record as its configuration: the compiled plan (stages, ranks,
-    schedule, microbatches, predicted step time) and every train.py option as given."""
+    """What a run's sinks record as its configuration: the compiled plan (stages, ranks, their
+    mesh order unless it is the default, schedule, microbatches, predicted step time) and every
+    train.py option as given."""
     plan = pipeline.plan
     settings: dict[str, ConfigValue] = {
         "model": pipeline.model_class,
@@ -335,6 +336,8 @@ def run_configuration(
         "plan/dp_shard": pipeline.dp_shard,
         "world_size": world,
     }
+    if pipeline.mesh != PIPELINE_INNERMOST:  # the order of the ranks, outermost first
+        settings["plan/mesh"] = ",".join(pipeline.mesh)
     if plan is not None and plan.step_time:
         settings["plan/predicted_step_time"] = plan.step_time
         settings["plan/device"] = plan.device

@@ -7,9 +7,9 @@ the ``--log-every`` steps one all-gather brings every rank's to the reporting ra
 (:class:`StepTimes`), which sets each rank's compute against what the plan predicts for its
 stages (the schedule's per-microbatch costs in ``pipeline.json`` times the microbatches it ran).
 The log line names the slowest rank against its plan (:func:`slowest`); a rank whose ratio stays
-above its peers' (its data-parallel replicas, which do the same work; else the median of the
-other ranks) by a clear margin over :data:`STRAGGLER_LINES` consecutive log lines is named once
-as a straggler (:class:`Stragglers`).
+above its peers' (the other data-parallel ranks of its pipeline rank, which do the same work; else
+the median of the other ranks) by a clear margin over :data:`STRAGGLER_LINES` consecutive log lines
+is named once as a straggler (:class:`Stragglers`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .activity import BusyTimes, rank_list
 from .core.fields import FieldReader, is_number, is_object
+from .core.mesh import RankMesh
 from .core.pipeline import Pipeline
 
 __all__ = [
@@ -186,20 +187,21 @@ class StepTimes:
         self,
         pipeline: Pipeline,
         busy: BusyTimes,
-        pp_size: int,
+        ranks: RankMesh,
         microbatches_per_step: int,
         device: torch.device,
         with_plan: bool = True,
         plan_scale: float = 1.0,
     ) -> None:
-        """``busy``: this rank's compute, fed by the hooks; ``microbatches_per_step``: the
-        microbatches each rank runs per step (--microbatches x --accumulate); ``with_plan``
-        False: the plan is another device's, ranks are compared by their compute alone;
+        """``busy``: this rank's compute, fed by the hooks; ``ranks``: the run's mesh (which
+        stages each global rank runs); ``microbatches_per_step``: the microbatches each rank
+        runs per step (--microbatches x --accumulate); ``with_plan`` False: the plan is another
+        device's, ranks are compared by their compute alone;
         ``plan_scale``: how much slower than planned the device runs each rank (ranks sharing
         CPU cores, :func:`cores_shared`)."""
         self.pipeline = pipeline
         self.busy = busy
-        self.pp_size = pp_size
+        self.ranks = ranks
         self.microbatches_per_step = microbatches_per_step
         self.device = device
         costs = pipeline.schedule.costs
@@ -248,28 +250,30 @@ class StepTimes:
                     backward=rest[num_stages + s.index] / steps,
                     planned=self.planned[s.index] * self.microbatches_per_step * scale / steps,
                 )
-                for s in self.pipeline.stages_on(rank % self.pp_size)
+                for s in self.pipeline.stages_on(self.ranks.pp_rank_of(rank))
             )
             times.append(RankTimes(rank, seconds / steps, stages))
         return times
 
 
 class Stragglers:
-    """Names a rank consistently slower than its peers: its data-parallel replicas (``pp_size``
-    apart) when there are any, else the other ranks."""
+    """Names a rank consistently slower than its peers: the other data-parallel ranks of its
+    pipeline rank (on the run's mesh ``ranks``) when there are any, else the other ranks."""
 
-    def __init__(self, pp_size: int, dp_size: int, lines: int = STRAGGLER_LINES) -> None:
-        self.pp_size = pp_size
-        self.dp_size = dp_size
+    def __init__(self, ranks: RankMesh, lines: int = STRAGGLER_LINES) -> None:
+        self.ranks = ranks
+        self.dp_size = ranks.dp_size
         self.lines = lines
         #: each rank's consecutive log lines slower than its peers: (its figure, theirs)
         self.slower: dict[int, list[tuple[float, float]]] = {}
         self.named: set[int] = set()
 
-    def peers(self, rank: int, world: int) -> list[int]:
+    def peers(self, rank: int) -> list[int]:
+        """The global ranks global rank ``rank`` is compared with, ascending."""
         if self.dp_size > 1:
-            return [r for r in range(rank % self.pp_size, world, self.pp_size) if r != rank]
-        return [r for r in range(world) if r != rank]
+            replicas = self.ranks.dp_ranks(self.ranks.pp_rank_of(rank))
+            return sorted(r for r in replicas if r != rank)
+        return [r for r in range(self.ranks.world) if r != rank]
 
     def observe(self, times: Sequence[RankTimes]) -> str | None:
         """The note naming a straggler, the first time one has been slower than its peers on
@@ -281,7 +285,7 @@ class Stragglers:
         margin = REPLICA_MARGIN if self.dp_size > 1 else OTHERS_MARGIN
         note = None
         for mine in times:
-            peers = self.peers(mine.rank, len(times))
+            peers = self.peers(mine.rank)
             typical = statistics.median(value(times[r]) for r in peers)
             if typical <= 0 or value(mine) < margin * typical:
                 self.slower[mine.rank] = []

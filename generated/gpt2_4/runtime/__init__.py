@@ -5,8 +5,8 @@ it may import only torch and the standard library. It has two roles:
 
 * ``core/``, shared with the compiler (which imports nothing else of the runtime): the pipeline
   contract (``core.pipeline``), the schedule catalogue and action orders (``core.schedules``),
-  size formulas (``core.shapes``), the sizes of a batch's dynamic dimensions, live-tensor memory
-  counting and the run's errors;
+  size formulas (``core.shapes``), the sizes of a batch's dynamic dimensions, the global ranks'
+  places on the device mesh (``core.mesh``), live-tensor memory counting and the run's errors;
 * the executor, what train.py runs: ``driver`` (the training loop), ``options`` (train.py's
   command line), ``data`` (batches), ``parallel`` (process groups, data parallelism),
   ``checkpoint`` and ``train_state`` (weights and training checkpoints), ``guards`` (output

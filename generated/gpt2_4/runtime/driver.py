@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from .activity import ACTIVITY, BusyTimes, CudaBusyTimes, doing, recorded
 from .core.errors import RUN_TIME_CHECKS, PipelineRunError, UserCodeError, first_line
 from .core.memory import LiveTensorBytes
+from .core.mesh import RankMesh
 from .core.pipeline import Pipeline, PipelineFormatError
 from .core.schedules import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, greedy_orders
 from .data import Batches
@@ -612,6 +613,7 @@ def build_stages(
             f"FSDP2: each stage over {layout.dp_size} data-parallel ranks "
             f"(--dp {config.dp} replicas x --dp-shard {config.dp_shard} shards"
             + (f", gathered per {config.gather})" if config.dp_shard > 1 else ")")
+            + f"; ranks on the {layout.rank_mesh.describe()}"
         )
     if filled or layout.sharded:  # allocated (only its shards, if sharded)
         for runner in runners.values():
@@ -702,7 +704,7 @@ def rehearse(
     that read it send its sizes, which a fake process group does not carry). Returns the
     schedule of the last step."""
     ACTIVITY.reset(busy_times(layout.device))
-    torch.manual_seed(config.seed * 1_000_003 + layout.rank)
+    torch.manual_seed(config.seed * 1_000_003 + layout.place)
     run = TrainingRun(package, pipeline, config, layout, reporting=False)
     run.reads_every_batch = bool(pipeline.dimensions)
     run.setup()
@@ -719,7 +721,8 @@ def run_training(
     package: ModuleType, pipeline: Pipeline, config: TrainConfig, layout: Layout
 ) -> None:
     """:func:`train`'s work, once the process group runs."""
-    torch.manual_seed(config.seed * 1_000_003 + layout.rank)  # dropout streams differ per rank
+    # dropout streams differ per rank, and follow its place whatever the mesh order
+    torch.manual_seed(config.seed * 1_000_003 + layout.place)
     reporting = layout.pp_rank == pipeline.last_rank and layout.dp_rank == 0
     problem = evaluated_checkpoint_problem(config)
     if problem:
@@ -886,7 +889,7 @@ class TrainingRun:
         self.step_times = StepTimes(
             pipeline,
             ACTIVITY.busy,
-            self.layout.pp_size,
+            self.layout.rank_mesh,
             config.microbatches * config.accumulate,
             self.device,
             with_plan=self.off_plan is None,
@@ -1001,7 +1004,7 @@ class TrainingRun:
                 else None
             ),
             sinks=sinks,
-            stragglers=Stragglers(self.layout.pp_size, self.layout.dp_size),
+            stragglers=Stragglers(self.layout.rank_mesh),
             appends=config.eval_only,
         )
         if plan and plan.step_time:
@@ -1147,7 +1150,8 @@ class TrainingRun:
                     return batches(step), None
             except PipelineRunError as exc:  # the first stage's rank refuses the batch too
                 if not self.is_first and self.layout.pp_size > 1:
-                    exc.also_on = group_ranks(self.layout.pp_group)[0]
+                    first = self.pipeline.stages[0].rank
+                    exc.also_on = self.layout.global_rank(first, self.layout.dp_rank)
                 raise
         batch, sizes = agree_dimensions(batches, step, reads, self.layout)
         if held_out:
@@ -1243,7 +1247,7 @@ class TrainingRun:
         for index, runner in self.runners.items():
             runner.recompute = False
             runner.train(False)
-        seed = config.seed * 1_000_003 + layout.rank + EVAL_SEED  # as training's, apart
+        seed = config.seed * 1_000_003 + layout.place + EVAL_SEED  # as training's, apart
         try:
             with torch.no_grad(), doing("evaluation"), random_states_kept(self.device, seed):
                 for number in range(config.eval_batches):
@@ -1475,7 +1479,7 @@ def _main(package: ModuleType, argv: list[str]) -> int:
             return 2
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1") or 1)
     board = FailureBoard(rank, world)
-    where = _where(pipeline, rank) if world > 1 else ""
+    where = _where(pipeline, RankMesh.of(pipeline, config.dp, config.dp_shard), rank, world)
     resume_hint = (
         f" Checkpoints written so far are complete: rerun with --resume to continue from {config.checkpoint_dir}/latest."
         if config.checkpoint_dir
@@ -1568,9 +1572,14 @@ def _error(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _where(pipeline: Pipeline, rank: int) -> str:
-    """`` (rank R, stage S)``: where an error was found, for a message's end."""
-    stages = [str(s.index) for s in pipeline.stages_on(rank % pipeline.num_ranks)]
+def _where(pipeline: Pipeline, ranks: RankMesh, rank: int, world: int) -> str:
+    """`` (rank R, stage S)``: where an error was found, for a message's end (nothing in a run
+    of one process; the rank alone in a job of another size than the mesh ``ranks``)."""
+    if world == 1:
+        return ""
+    if world != ranks.world:
+        return f" (rank {rank})"
+    stages = [str(s.index) for s in pipeline.stages_on(ranks.pp_rank_of(rank))]
     return f" (rank {rank}, stage{'s' if len(stages) > 1 else ''} {', '.join(stages)})"
 
 

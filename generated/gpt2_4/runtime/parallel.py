@@ -1,16 +1,20 @@
 """Process groups of a generated pipeline and the gradient traffic between them.
 
-Copied into every generated pipeline as ``runtime/parallel.py``; it needs only torch. The world
-is a 3-D mesh ``(dp_replicate, dp_shard, pp)``: each stage runs on ``dp_replicate x dp_shard``
-data-parallel ranks, each pipeline on ``pp`` consecutive ranks (global rank = data-parallel
-rank x pp + rank within the pipeline, the ``Stage.rank`` of the pipeline). With more than one
-data-parallel rank every stage is FSDP2-managed (``fully_shard``, each block then the rest):
-sharded over ``dp_shard``, replicated over ``dp_replicate`` (HSDP when both exceed 1), gradients
-averaged over all of them (see :class:`DataParallelStage` for when). Parameters tied across
-stages are summed shard by shard over the copies. Parameters that take no gradient (a frozen base
-under LoRA adapters) are gathered for compute like the others but never get a gradient buffer,
-a reduction (FSDP2 reduce-scatters only the gradients there are), a tie sum or a place in the
-gradient norm, and their stages' optimizers do not hold them.
+Copied into every generated pipeline as ``runtime/parallel.py``; it needs only torch. The world is a
+3-D mesh of ``pp`` pipeline ranks (the ``Stage.rank`` of the pipeline), ``dp_replicate`` replicas
+and ``dp_shard`` shards: each stage runs on ``dp_replicate x dp_shard`` data-parallel ranks. The
+package says the mesh's order (``Pipeline.mesh``, outermost first), which places the global ranks
+(``core/mesh.py``'s ``RankMesh``, the one place a global rank is computed): by default the pipeline
+innermost, each pipeline on ``pp`` consecutive ranks (global rank = data-parallel rank x pp +
+pipeline rank); shards innermost, the data-parallel ranks of each stage consecutive (global rank =
+pipeline rank x data-parallel ranks + data-parallel rank). With more than one data-parallel rank
+every stage is FSDP2-managed (``fully_shard``, each block then the rest): sharded over ``dp_shard``,
+replicated over ``dp_replicate`` (HSDP when both exceed 1), gradients averaged over all of them (see
+:class:`DataParallelStage` for when). Parameters tied across stages are summed shard by shard over
+the copies. Parameters that take no gradient (a frozen base under LoRA adapters) are gathered for
+compute like the others but never get a gradient buffer, a reduction (FSDP2 reduce-scatters only the
+gradients there are), a tie sum or a place in the gradient norm, and their stages' optimizers do not
+hold them.
 """
 
 from __future__ import annotations
@@ -31,14 +35,15 @@ from torch.distributed.pipelining._backward import stage_backward
 
 from .activity import ACTIVITY, doing, recorded, transfer
 from .core.errors import PipelineRunError
-from .core.pipeline import Pipeline
+from .core.mesh import RankMesh
+from .core.pipeline import MESH_DIMENSIONS, PIPELINE_INNERMOST, Pipeline
 from .support import local_shard
 from .timeline import Timeline
 
 
 @dataclass
 class Layout:
-    """Where this process sits in the (dp_replicate, dp_shard, pp) mesh."""
+    """Where this process sits in the run's (dp_replicate, dp_shard, pp) mesh, and its groups."""
 
     device: torch.device
     pp_size: int
@@ -50,10 +55,28 @@ class Layout:
     dp_shard: int = 1
     dp_mesh: DeviceMesh | None = None  # the (dp_replicate, dp_shard) mesh FSDP2 works over
     shard_group: Any = None  # the ranks this rank's shards are a part of
+    #: the mesh's dimensions, outermost first: the package's order (``Pipeline.mesh``)
+    order: tuple[str, ...] = PIPELINE_INNERMOST
+
+    @property
+    def rank_mesh(self) -> RankMesh:
+        """The run's mesh, which places every global rank."""
+        return RankMesh(self.pp_size, self.dp_size // self.dp_shard, self.dp_shard, self.order)
 
     @property
     def rank(self) -> int:
-        return self.dp_rank * self.pp_size + self.pp_rank
+        """This process's global rank."""
+        return self.global_rank(self.pp_rank, self.dp_rank)
+
+    def global_rank(self, pp_rank: int, dp_rank: int) -> int:
+        """The global rank of pipeline rank ``pp_rank`` in data-parallel rank ``dp_rank``."""
+        return self.rank_mesh.global_rank(pp_rank, dp_rank)
+
+    @property
+    def place(self) -> int:
+        """This rank's place in the mesh as a number that no mesh order changes (see
+        ``RankMesh.place``): what seeds its random streams."""
+        return self.rank_mesh.place(self.pp_rank, self.dp_rank)
 
     @property
     def sharded(self) -> bool:
@@ -91,7 +114,9 @@ def world_size_problem(world: int, pp: int, dp: int, dp_shard: int) -> str:
 def init_distributed(
     pipeline: Pipeline, device_kind: str, dp: int, dp_shard: int, timeout: float
 ) -> Layout:
-    """Start the process group torchrun prepared and build the (dp_replicate, dp_shard, pp) mesh."""
+    """Start the process group torchrun prepared and build the (dp_replicate, dp_shard, pp) mesh
+    in the package's order (:func:`_world_mesh`), checked to place this rank where
+    ``RankMesh`` says."""
     world = int(os.environ.get("WORLD_SIZE", "0"))
     pp = pipeline.num_ranks
     wanted = pp * dp * dp_shard
@@ -122,12 +147,11 @@ def init_distributed(
             dp_rank=0,
             pp_group=mesh.get_group("pp"),
             dp_group=None,
+            order=pipeline.mesh,
         )
-    mesh = init_device_mesh(
-        device.type, (dp, dp_shard, pp), mesh_dim_names=("dp_replicate", "dp_shard", "pp")
-    )
+    mesh = _world_mesh(device.type, RankMesh.of(pipeline, dp, dp_shard))
     dp_mesh = mesh["dp_replicate", "dp_shard"]
-    return Layout(
+    layout = Layout(
         device=device,
         pp_size=pp,
         dp_size=dp * dp_shard,
@@ -138,7 +162,52 @@ def init_distributed(
         dp_shard=dp_shard,
         dp_mesh=dp_mesh,
         shard_group=mesh.get_group("dp_shard"),
+        order=pipeline.mesh,
     )
+    problem = _placement_problem(layout)
+    if problem:
+        raise PipelineRunError(problem)
+    return layout
+
+
+def _world_mesh(device_type: str, ranks: RankMesh) -> DeviceMesh:
+    """The world's DeviceMesh, its dimensions in ``MESH_DIMENSIONS``' order (replicas, shards,
+    pipeline ranks), each global rank where ``ranks``' order puts it: ``init_device_mesh``'s
+    numbering of a mesh of the dimensions in that order (row-major), transposed. Named in one
+    order whatever the package's, the mesh gives FSDP2 its (dp_replicate, dp_shard) mesh by
+    slicing, which torch allows only along the order the mesh has."""
+    numbered = torch.arange(ranks.world).view(ranks.sizes)
+    transposed = numbered.permute([ranks.order.index(d) for d in MESH_DIMENSIONS])
+    return DeviceMesh(device_type, transposed, mesh_dim_names=MESH_DIMENSIONS)
+
+
+def _placement_problem(layout: Layout) -> str | None:
+    """What differs between where the device mesh put this rank, with its pipeline and its
+    data-parallel ranks, and where the mesh order puts them (``RankMesh``), or None: the
+    schedule sends to the pipeline group's ranks by their place in the group, the ties and the
+    reports compute global ranks from the order."""
+    ranks = layout.rank_mesh
+    rank = dist.get_rank()
+    found = {
+        "global rank": rank,
+        "pipeline rank in its group": dist.get_rank(layout.pp_group),
+        "pipeline": group_ranks(layout.pp_group),
+        "data-parallel ranks": group_ranks(layout.dp_group),
+    }
+    wanted = {
+        "global rank": layout.rank,
+        "pipeline rank in its group": layout.pp_rank,
+        "pipeline": tuple(sorted(ranks.pipeline_ranks(layout.dp_rank))),
+        "data-parallel ranks": tuple(sorted(ranks.dp_ranks(layout.pp_rank))),
+    }
+    for what, value in found.items():
+        if value != wanted[what]:
+            return (
+                f"rank {rank}: the device mesh placed it at pipeline rank {layout.pp_rank}, "
+                f"data-parallel rank {layout.dp_rank}, with the {what} {value}; the "
+                f"{ranks.describe()} gives {wanted[what]}"
+            )
+    return None
 
 
 def shard_stage(
@@ -349,10 +418,10 @@ class GradientSync:
             holding = pipeline.tie_ranks(tie)
             mine = None
             my_ranks: tuple[int, ...] = ()
-            for replica in range(layout.dp_size):  # every rank takes part in every new_group
-                ranks = [replica * layout.pp_size + r for r in holding]
+            for dp_rank in range(layout.dp_size):  # every rank takes part in every new_group
+                ranks = [layout.global_rank(r, dp_rank) for r in holding]
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
-                if replica == layout.dp_rank:
+                if dp_rank == layout.dp_rank:
                     mine, my_ranks = group, tuple(ranks)
             copies = [
                 stages[stage].get_parameter(name)

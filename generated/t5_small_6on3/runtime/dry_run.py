@@ -63,6 +63,7 @@ from .activity import ACTIVITY
 from .activity import Action as RankAction
 from .core.errors import PipelineRunError, first_line
 from .core.memory import LiveTensorBytes
+from .core.mesh import RankMesh
 from .core.pipeline import Pipeline
 from .core.schedules import (
     SINGLE_STAGE,
@@ -981,7 +982,8 @@ def play_rank(
     result.peak_at = mode.peak_at.what() if mode.peak_at is not None else None
     result.collectives, result.transfers = mode.collectives, mode.transfers
     if schedule is not None or config.schedule in SINGLE_STAGE or config.schedule == "auto":
-        pp_rank = result.pp_rank if result.pp_rank >= 0 else rank % pipeline.num_ranks
+        ranks = RankMesh.of(pipeline, config.dp, config.dp_shard)
+        pp_rank = result.pp_rank if result.pp_rank >= 0 else ranks.pp_rank_of(rank)
         try:
             result.predicted, result.prediction_note = predicted_peak(
                 pipeline, config, pp_rank, schedule
@@ -1010,6 +1012,8 @@ def play_ranks(
     layout = (
         f"{pipeline.num_ranks} pipeline ranks x --dp {config.dp} x --dp-shard {config.dp_shard}"
     )
+    if config.dp * config.dp_shard > 1:  # where the data-parallel ranks sit
+        layout += f"; {RankMesh.of(pipeline, config.dp, config.dp_shard).describe()}"
     which = f"rank {ranks[0]}" if len(ranks) == 1 else f"each of its {world} ranks in turn"
     say(
         f"dry run of {pipeline.model_class} in {pipeline.num_stages} stages: a job of {world} "

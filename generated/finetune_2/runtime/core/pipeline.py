@@ -38,6 +38,25 @@ class PipelineFormatError(ValueError):
 _read = FieldReader(PipelineFormatError, "the pipeline contract")
 
 
+#: the dimensions of the world's device mesh: replicas, shards of each stage, pipeline ranks
+MESH_DIMENSIONS = ("dp_replicate", "dp_shard", "pp")
+#: the mesh order (outermost first) that puts a pipeline's ranks next to each other, within a
+#: node when they fit: global rank = data-parallel rank x pp + pipeline rank (the default)
+PIPELINE_INNERMOST = ("dp_replicate", "dp_shard", "pp")
+#: the mesh order that puts the shards of a stage next to each other (within a node when they
+#: fit) and the pipeline across them: global rank = pipeline rank x data-parallel ranks + dp rank
+SHARDS_INNERMOST = ("pp", "dp_replicate", "dp_shard")
+
+
+def _is_mesh_order(value: Any) -> bool:
+    """Whether ``value`` is a JSON list of the mesh dimensions, each once, in some order."""
+    return (
+        isinstance(value, list)
+        and all(isinstance(name, str) for name in value)
+        and sorted(value) == sorted(MESH_DIMENSIONS)
+    )
+
+
 def default_microbatches(num_stages: int) -> int:
     """Microbatches per pipeline run when none are given: two per stage, for the partitioner's
     cost model as for train.py."""
@@ -564,6 +583,10 @@ class Pipeline:
     #: (a time-first sequence, an RNN's initial state), by name; every other input, and a
     #: loss's target, holds it along dimension 0. Empty in pipelines compiled before it
     batch_dims: dict[str, int] = field(default_factory=dict)
+    #: the order of the run's device mesh, outermost dimension first: which ranks torchrun
+    #: starts next to each other (see ``mesh.RankMesh``); the default in pipelines compiled
+    #: before it, and left out of the JSON when it is the default
+    mesh: tuple[str, ...] = PIPELINE_INNERMOST
 
     @classmethod
     def from_json(cls, data: Any) -> Pipeline:
@@ -574,7 +597,7 @@ class Pipeline:
         keys += ("values", "loss", "schedule", "tied", "aliases", "input_ranges", "dp_shard")
         optional: tuple[str, ...]
         optional = ("plan", "dimensions", "identity", "huggingface", "frozen", "fixed_inputs")
-        optional += ("batch_dims",)
+        optional += ("batch_dims", "mesh")
         _read.fields(data, where, keys, optional)
         if data["format"] != FORMAT:
             raise _read.fail(f"{where}.format", data["format"], repr(FORMAT))
@@ -653,6 +676,14 @@ class Pipeline:
                 lambda v: isinstance(v, dict) and all(is_int(d) and d >= 1 for d in v.values()),
                 "an object of dimensions (1 or more) by input name",
             ),
+            mesh=tuple(
+                _read.check(
+                    data.get("mesh", list(PIPELINE_INNERMOST)),
+                    f"{where}.mesh",
+                    _is_mesh_order,
+                    f"an order of the mesh dimensions {', '.join(MESH_DIMENSIONS)}",
+                )
+            ),
         )
         pipeline._check_references()
         pipeline._check_batch_dims()
@@ -727,7 +758,8 @@ class Pipeline:
             )
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON dict this was read from (``pipeline.json``), key for key."""
+        """The JSON dict this was read from (``pipeline.json``), key for key (but ``mesh``,
+        left out when it is the default order)."""
         return (
             {
                 "format": FORMAT,
@@ -745,6 +777,7 @@ class Pipeline:
                 "input_ranges": dict(self.input_ranges),
                 "dp_shard": self.dp_shard,
             }
+            | ({"mesh": list(self.mesh)} if self.mesh != PIPELINE_INNERMOST else {})
             | ({"plan": self.plan.to_json()} if self.plan else {})
             | (
                 {"dimensions": {n: d.to_json() for n, d in self.dimensions.items()}}

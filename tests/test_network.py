@@ -1,0 +1,241 @@
+"""The cluster's network (autopipe/partitioning/network.py): transfers and collectives against
+hand-computed ring and tree figures within a node, across two and across many; where the mesh
+order puts ranks; and the cost model and the partitioner reading it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from autopipe.compiler import CompileOptions, trace_step
+from autopipe.partitioning import CostModel, Partition, partition
+from autopipe.partitioning.network import Network
+from autopipe.profiling import device_spec, profile, with_link
+from autopipe.profiling.devices import DeviceSpec
+from autopipe.report.summary import format_partition
+from autopipe.runtime.core.mesh import RankMesh
+from autopipe.runtime.core.pipeline import PIPELINE_INNERMOST, SHARDS_INNERMOST
+from autopipe.spec import load_example
+
+from conftest import spec
+
+H100 = device_spec("h100")
+NVLINK, NVLINK_LATENCY = 450e9, 2e-6
+IB, IB_LATENCY = 50e9, 5e-6
+GB = 1e9
+
+
+def test_h100_nodes_have_nvlink_inside_and_a_400_gbit_nic_per_gpu():
+    network = Network(H100, 8)
+    assert (network.node_link.bandwidth, network.node_link.latency) == (NVLINK, NVLINK_LATENCY)
+    assert (network.nic.bandwidth, network.nic.latency) == (IB, IB_LATENCY)
+    assert "400 Gb/s" in network.nic.name
+
+
+def test_transfers_cross_the_link_between_the_two_ranks():
+    network = Network(H100, 8)
+    assert network.transfer(GB, 3, 3) == 0.0
+    assert network.transfer(GB, 0, 7) == pytest.approx(NVLINK_LATENCY + GB / NVLINK)
+    assert network.transfer(GB, 7, 8) == pytest.approx(IB_LATENCY + GB / IB)  # next node
+
+
+def test_ring_within_one_node():
+    """8 ranks of one node: 7 steps, each rank receiving 7/8 of the bytes over NVLink."""
+    network = Network(H100, 8)
+    ranks = list(range(8))
+    assert network.collective("all_gather", GB, ranks) == pytest.approx(
+        7 * NVLINK_LATENCY + 7 / 8 * GB / NVLINK
+    )
+    assert network.collective("reduce_scatter", GB, ranks) == network.collective(
+        "all_gather", GB, ranks
+    )
+    # all-reduce of a large message: the ring (reduce-scatter, then all-gather)
+    assert network.collective("all_reduce", GB, ranks) == pytest.approx(
+        2 * (7 * NVLINK_LATENCY + 7 / 8 * GB / NVLINK)
+    )
+
+
+def test_ring_across_two_full_nodes_runs_over_every_nic():
+    """16 ranks, 8 on each of two nodes: one ring per NIC, 8 x 50 GB/s leave each node (below
+    NVLink's 450); of a chunk's 15 steps 2 cross between the nodes, 13 stay within one."""
+    network = Network(H100, 8)
+    assert network.collective("all_gather", GB, list(range(16))) == pytest.approx(
+        2 * IB_LATENCY + 13 * NVLINK_LATENCY + 15 / 16 * GB / (8 * IB)
+    )
+
+
+def test_a_node_with_one_nic_shares_it():
+    """Servers of PCIe cards with one Ethernet NIC per node: the 8 ranks of a node share its
+    12.5 GB/s across nodes."""
+    l40s = device_spec("l40s")
+    assert l40s.nics_per_node == 1
+    network = Network(l40s, 8)
+    latency = 2 * network.nic.latency + 13 * network.node_link.latency
+    assert network.collective("all_gather", GB, list(range(16))) == pytest.approx(
+        latency + 15 / 16 * GB / 12.5e9
+    )
+
+
+def test_ring_with_one_rank_per_node_has_one_nic_per_rank():
+    """64 ranks, one on each of 64 nodes (a shard group strided across nodes): everything
+    crosses one NIC per rank."""
+    network = Network(H100, 8)
+    ranks = [8 * n for n in range(64)]
+    expected = 63 * IB_LATENCY + 63 / 64 * GB / IB
+    assert network.collective("all_gather", GB, ranks) == pytest.approx(expected)
+    # ranks on two nodes, 2 each: the slowest link is min(2 NICs, NVLink)
+    assert network.collective("all_gather", GB, [0, 1, 8, 9]) == pytest.approx(
+        2 * IB_LATENCY + NVLINK_LATENCY + 3 / 4 * GB / (2 * IB)
+    )
+
+
+def test_all_reduce_takes_the_tree_for_small_messages_over_many_nodes():
+    """NCCL's tuner takes the double binary tree where its log(nodes) latencies beat the
+    ring's 2 (k - 1); the ring where bandwidth dominates."""
+    network = Network(H100, 8)
+    ranks = [8 * n for n in range(64)]  # 64 nodes, one rank each
+    small = 1e3
+    tree = 2 * (6 * IB_LATENCY) + 2 * small / IB
+    ring = 2 * (63 * IB_LATENCY + 63 / 64 * small / IB)
+    assert tree < ring
+    assert network.collective("all_reduce", small, ranks) == pytest.approx(tree)
+    large = 10 * GB
+    assert network.collective("all_reduce", large, ranks) == pytest.approx(
+        2 * (63 * IB_LATENCY + 63 / 64 * large / IB)
+    )
+    with pytest.raises(ValueError, match="unknown collective"):
+        network.collective("broadcast", small, ranks)
+
+
+def test_mesh_orders_place_shards_or_pipelines_together():
+    """pp innermost: a pipeline's 8 ranks fill a node and each stage's 8 shards are 8 apart,
+    one per node; shards innermost: the reverse (train.py builds its mesh in this order)."""
+    assert RankMesh(8, 1, 8, PIPELINE_INNERMOST).global_rank(5, 3) == 3 * 8 + 5
+    assert RankMesh(8, 1, 8, SHARDS_INNERMOST).global_rank(5, 3) == 5 * 8 + 3
+    inner = Network(H100, 8, PIPELINE_INNERMOST)
+    outer = Network(H100, 8, SHARDS_INNERMOST)
+    assert inner.shard_group(5, 8, 8) == [5 + 8 * d for d in range(8)]  # 8 nodes
+    assert outer.shard_group(5, 8, 8) == list(range(40, 48))  # node 5
+    assert not outer.ring(outer.shard_group(5, 8, 8)).crosses_nodes
+    assert inner.ring(inner.shard_group(5, 8, 8)).crosses_nodes
+    assert inner.hop(4, 5, 8, 8) == inner.node_link
+    assert outer.hop(4, 5, 8, 8) == outer.nic
+
+
+def test_a_spec_without_a_network_joins_its_nodes_by_its_link(tmp_path):
+    """A spec file from before networks (no network fields) reads, and costs every rank as
+    before: nodes joined by its link."""
+    old = {k: v for k, v in H100.to_json().items() if not k.startswith("network")}
+    old.pop("link_latency")
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    spec_ = device_spec(str(path))
+    assert spec_.network_bandwidth is None and spec_.link_latency == 0.0
+    network = Network(spec_, 8)
+    assert network.nic == network.node_link
+    ranks = [8 * n for n in range(4)]
+    assert network.collective("all_gather", GB, ranks) == pytest.approx(3 / 4 * GB / NVLINK)
+
+
+def test_specs_round_trip_and_flags_change_the_links():
+    assert DeviceSpec.from_json(H100.to_json()) == H100
+    changed = with_link(H100, "pcie5", "ethernet-100g")
+    assert (changed.link_bandwidth, changed.network_bandwidth) == (64e9, 12.5e9)
+    assert changed.network_latency == 15e-6
+    bare = with_link(H100, None, "25")  # a bare bandwidth keeps the latency
+    assert (bare.network_bandwidth, bare.network_latency) == (25e9, IB_LATENCY)
+    with pytest.raises(Exception, match="--network 'fast' is neither a known link"):
+        with_link(H100, None, "fast")
+    bad = H100.to_json() | {"network_latency": -1}
+    with pytest.raises(Exception, match="network_latency must be"):
+        DeviceSpec.from_json(bad)
+
+
+# -- the cost model and the partitioner ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt2_graph():
+    return trace_step(load_example(spec("gpt2_meta_24")), CompileOptions(stages=1))
+
+
+@pytest.fixture(scope="module")
+def gpt2_profile(gpt2_graph):
+    return profile(gpt2_graph, "analytic", H100)
+
+
+def test_fsdp_collectives_cost_the_links_their_shard_group_crosses(gpt2_graph, gpt2_profile):
+    """One stage's gather over 8 shards: NVLink when the shards share a node, one NIC per rank
+    when they are 8 pipeline ranks apart on 8 nodes; the FSDP2 units each pay the latency."""
+    inner = CostModel(
+        gpt2_graph, gpt2_profile, dp_shard=8, network=Network(H100, 8, PIPELINE_INNERMOST)
+    )
+    outer = CostModel(
+        gpt2_graph, gpt2_profile, dp_shard=8, network=Network(H100, 8, SHARDS_INNERMOST)
+    )
+    device_of_stage = list(range(8))
+    params = [1e9] * 8
+    across = inner.collective_time(params, device_of_stage, "all_gather", [3] * 8)
+    within = outer.collective_time(params, device_of_stage, "all_gather", [3] * 8)
+    assert across == pytest.approx([3 * 7 * IB_LATENCY + 7 / 8 * 1e9 / IB] * 8)
+    assert within == pytest.approx([3 * 7 * NVLINK_LATENCY + 7 / 8 * 1e9 / NVLINK] * 8)
+    # one pipeline of 8 ranks alone (no sharding): the same node, nothing collective
+    assert CostModel(gpt2_graph, gpt2_profile).collective_time(params, device_of_stage) == [0.0] * 8
+
+
+def test_the_partition_puts_the_heavier_traffic_inside_nodes(gpt2_graph):
+    """GPT-2 in 4 stages x 8 shards on nodes of 8 joined by a slow network (0.5 GB/s per GPU,
+    so that this small model's traffic shows): FSDP2 moves far more than the pipeline, so the
+    plan keeps each stage's shards in a node and crosses nodes with the pipeline; the summary
+    says where the ranks sit and what crosses nodes. On nodes of 32 (one node) the order
+    changes nothing and the default stays."""
+    slow = profile(gpt2_graph, "analytic", with_link(H100, None, "0.5"))
+    part = partition(gpt2_graph, slow, 4, dp_shard=8, microbatches=8, gpus_per_node=8)
+    assert part.settings.mesh == SHARDS_INNERMOST and part.settings.gpus_per_node == 8
+    assert part.predicted is not None
+    kinds = {(t.kind, t.crosses_nodes) for t in part.predicted.traffic}
+    assert kinds == {("fsdp2", False), ("pipeline", True)}
+    fsdp = next(t for t in part.predicted.traffic if t.kind == "fsdp2")
+    pipe = next(t for t in part.predicted.traffic if t.kind == "pipeline")
+    assert fsdp.bytes > pipe.bytes and fsdp.link == "NVLink 4" and pipe.link == "0.5 GB/s"
+    forced = partition(
+        gpt2_graph,
+        slow,
+        4,
+        dp_shard=8,
+        microbatches=8,
+        gpus_per_node=8,
+        mesh=PIPELINE_INNERMOST,
+    )
+    assert forced.predicted is not None
+    assert forced.predicted.step_time > part.predicted.step_time
+    assert {(t.kind, t.crosses_nodes) for t in forced.predicted.traffic} == {
+        ("fsdp2", True),
+        ("pipeline", False),
+    }
+    summary = format_partition(gpt2_graph, part)
+    line = next(row for row in summary.splitlines() if row.startswith("network: "))
+    assert "32 ranks on 4 nodes of 8 GPUs" in line and "pp x dp_replicate x dp_shard" in line
+    assert "fsdp2 within a node over NVLink 4" in line and "pipeline across nodes" in line
+    assert Partition.from_json(part.to_json()) == part
+    one_node = partition(gpt2_graph, slow, 4, dp_shard=8, microbatches=8, gpus_per_node=32)
+    assert one_node.settings.mesh is None
+    assert all(not t.crosses_nodes for t in one_node.predicted.traffic)
+
+
+def test_no_step_is_faster_than_its_traffic(gpt2_graph, gpt2_profile):
+    """A pipeline run takes at least as long as the busiest rank's transfers and collectives
+    that the schedule cannot hide behind the step (each kind on its link alone)."""
+    for gpus_per_node in (1, 8):
+        for dp_shard in (1, 4):
+            part = partition(
+                gpt2_graph, gpt2_profile, 4, dp_shard=dp_shard, gpus_per_node=gpus_per_node
+            )
+            predicted = part.predicted
+            assert predicted is not None
+            for traffic in predicted.traffic:
+                assert predicted.step_time + predicted.once_per_step >= traffic.seconds * (
+                    1 - 1e-9
+                ), (gpus_per_node, dp_shard, traffic)
+            moved = sum(t.bytes for t in predicted.traffic)
+            assert math.isfinite(moved) and moved > 0
