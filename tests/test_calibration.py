@@ -14,6 +14,7 @@ from autopipe.compiler import CompileOptions, trace_step
 from autopipe.errors import AutopipeError
 from autopipe.profiling import device_spec, profile
 from autopipe.profiling.devices import DeviceSpec, RateTable
+from autopipe.profiling.operator_rates import operator_tables
 from autopipe.spec import Example
 
 H100 = device_spec("h100")
@@ -101,3 +102,37 @@ def test_the_analytic_profile_times_products_by_the_table():
     moved = 4 * (64 * 256 + 256 * 256 + 64 * 256)
     assert sum(u.forward for u in before) >= max(product / peak, moved / bandwidth)
     assert sum(u.forward for u in before) < forward / 100
+
+
+class _Gelu(nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.gelu(x, approximate="tanh").sum()
+
+
+def test_an_operator_with_its_own_table_is_timed_by_it():
+    """A CPU's tanh GELU is bound by its arithmetic, not by memory: a spec with a measured
+    ``op.gelu.float32`` table times it by that (here 1e6 elements/s: 4096 elements take 4.1
+    ms), where the roofline alone would stream its bytes in microseconds."""
+    graph = trace_step(Example(_Gelu(), (torch.randn(64, 64),), {}), CompileOptions(stages=1))
+    table = {"op.gelu.float32": RateTable(((1.0, 1e6), (1e8, 1e6)))}
+    measured = DeviceSpec(**{**H100.__dict__, "tables": table, "view_overhead": 0.0})
+    forward = sum(u.forward for u in profile(graph, "analytic", measured).units)
+    plain = sum(u.forward for u in profile(graph, "analytic", H100).units)
+    assert forward >= 4096 / 1e6 and forward == pytest.approx(4096 / 1e6, rel=0.05)
+    assert plain < forward / 50
+
+
+def test_the_cpus_operators_are_measured_in_real_layers():
+    """``autopipe calibrate`` on a CPU times the operators of a GPT-2-style, a Llama-style and
+    a convolution block forward and backward: FLOPs/s for products and convolutions,
+    elements/s for the rest, each by size, and they read back as a spec."""
+    torch.set_num_threads(1)
+    tables = operator_tables(log=lambda message: None)
+    for name in ("gelu", "native_layer_norm", "bernoulli_", "_softmax", "native_batch_norm"):
+        assert f"op.{name}.float32" in tables, name
+    convolution = tables["op.convolution.float32"]
+    assert len(convolution.points) == 3 and convolution.points[0][0] > 1e7  # FLOPs
+    gelu = tables["op.gelu.float32"]
+    assert gelu.points[0][0] == 128 * 4 * 256  # the elements of the smallest layer's MLP
+    spec = DeviceSpec(**{**H100.__dict__, "tables": tables})
+    assert DeviceSpec.from_json(spec.to_json()) == spec

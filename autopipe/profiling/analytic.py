@@ -23,6 +23,7 @@ from ..ir import Graph
 from ..ir.interpreter import empty_placeholder
 from .devices import DeviceSpec
 from .flops import flop_counter
+from .operator_rates import operator_size
 from .profile import Profile, UnitCost, graph_digest
 from ..ir.analysis import UnitWorkload, signature, unit_workloads
 from .workload import output_bytes, parameter_bytes, run_forward_backward
@@ -83,9 +84,14 @@ class RooflineMode(TorchDispatchMode):
             read = min(read, 2 * written)
         dtype = next((t.dtype for t in inputs if t.is_floating_point()), None)
         moved = read + written
-        compute = flops / self.spec.compute_rate(_kind(func, args, kwargs), dtype, flops)
-        memory = moved / self.spec.memory_rate(moved) if moved else 0.0
-        self.time += max(compute, memory) + self.spec.kernel_overhead
+        kind = _kind(func, args, kwargs)
+        measured = self.spec.operator_time(func._opname, dtype, operator_size(flops, outputs), kind)
+        if measured is not None:  # its own rate, launch included, and the caller's dispatch
+            self.time += measured + self.spec.view_overhead
+        else:
+            compute = flops / self.spec.compute_rate(kind, dtype, flops)
+            memory = moved / self.spec.memory_rate(moved) if moved else 0.0
+            self.time += max(compute, memory) + self.spec.kernel_overhead
         self.flops += flops
         self.bytes += read + written
         return out

@@ -37,12 +37,13 @@ from torch.nn import functional as F
 
 from .devices import DeviceSpec, RateTable, device_spec
 from .flops import flop_counter
+from .operator_rates import operator_tables
 
 __all__ = ["LOCAL_DEVICES", "calibrate", "local_spec", "resolve_device_spec", "spec_cache"]
 
 #: what a calibration measures, in the cache's key: a spec cached by an older one is measured
-#: again (v2: the tables by size and the view overhead)
-CALIBRATION = "calibration-v2"
+#: again (v2: the tables by size and the view overhead; v3: a CPU's operators in real layers)
+CALIBRATION = "calibration-v3"
 #: ``--device-spec`` names of this machine's devices, calibrated on first use
 LOCAL_DEVICES = ("cpu", "cuda")
 #: the specs this process calibrated, by cache file
@@ -235,7 +236,12 @@ def calibrate(
     log(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s")
     overhead = kernel_overhead(device)
     log(f"operator overhead: {overhead * 1e6:.1f} us")
-    tables = _tables(device, list(flops), overhead, log)
+    # by size: a GPU's dtypes; a CPU's float32 and bfloat16 (float16, emulated, is left at
+    # its one rate: no CPU trains in it)
+    sized = [name for name in flops if on_gpu or name in ("float32", "bfloat16")]
+    tables = _tables(device, sized, overhead, log)
+    if not on_gpu:  # a CPU's operators are synchronous: timed one by one in real layers
+        tables |= operator_tables((torch.float32,), log)
     views = 0.0 if on_gpu else view_overhead(device)  # a GPU's views hide behind its kernels
     log(f"view overhead: {views * 1e6:.2f} us")
     link, how = link_bandwidth(device, (256 << 20) if on_gpu else (64 << 20))

@@ -120,7 +120,8 @@ class DeviceSpec:
     #: seconds an operator that launches no kernel (a view, a size) costs the step: the
     #: dispatcher's time, which a CPU spends in line and a GPU hides behind its kernels
     view_overhead: float = 0.0
-    #: measured rates by kind and dtype ("matmul.float32", "attention.bfloat16", "memory")
+    #: measured rates by kind and dtype ("matmul.float32", "attention.bfloat16", "memory"), and
+    #: by operator ("op.gelu.float32", a CPU's: :mod:`.operator_rates`)
     tables: dict[str, RateTable] = field(default_factory=dict)
 
     @property
@@ -136,6 +137,23 @@ class DeviceSpec:
         if table is not None:
             return table.at(flops)
         return self.peak_flops(dtype) * self.compute_efficiency
+
+    def operator_time(
+        self, name: str, dtype: torch.dtype | None, size: float, kind: str | None
+    ) -> float | None:
+        """Seconds of operator ``name`` of ``size`` (its FLOPs, else the elements it writes:
+        :func:`~autopipe.profiling.operator_rates.operator_size`) by its own table, measured
+        on the layers of models (``op.NAME.DTYPE``), where the table reaches that size, or
+        has it alone (no table of its ``kind`` does); None otherwise."""
+        table = self.tables.get(f"op.{name}.{str(dtype).removeprefix('torch.')}")
+        if table is None:
+            return None
+        smallest, largest = table.points[0][0], table.points[-1][0]
+        covered = smallest / 2 <= size <= largest * 2
+        name_of = str(dtype).removeprefix("torch.")
+        if not covered and kind is not None and f"{kind}.{name_of}" in self.tables:
+            return None  # the kind's table reaches further
+        return size / table.at(size)
 
     def memory_rate(self, nbytes: float) -> float:
         """Bytes/s a streaming operator moving ``nbytes`` reaches."""
@@ -206,11 +224,15 @@ class DeviceSpec:
 
 
 def _table_key(key: Any) -> bool:
-    """``memory``, or a compute kind and a torch dtype: ``matmul.bfloat16``."""
+    """``memory``, a compute kind and a torch dtype (``matmul.bfloat16``), or an operator and
+    a dtype (``op.gelu.float32``)."""
     if key == "memory":
         return True
-    kind, _, dtype = str(key).partition(".")
-    return kind in TABLE_KINDS[:-1] and isinstance(getattr(torch, dtype, None), torch.dtype)
+    kind, _, rest = str(key).partition(".")
+    if kind == "op":
+        name, _, dtype = rest.rpartition(".")
+        return bool(name) and isinstance(getattr(torch, dtype, None), torch.dtype)
+    return kind in TABLE_KINDS[:-1] and isinstance(getattr(torch, rest, None), torch.dtype)
 
 
 def _positive(value: Any) -> bool:
