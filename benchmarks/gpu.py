@@ -69,7 +69,8 @@ from kit_processes import REPO, Failed, run  # noqa: E402  (benchmarks/, the scr
 from autopipe.compiler import CompileOptions, compile_spec, load_graph  # noqa: E402
 from autopipe.partitioning import Partition  # noqa: E402
 from autopipe.partitioning.cost import CostModel  # noqa: E402
-from autopipe.profiling import KNOWN_DEVICES, Profile, device_spec, profile  # noqa: E402
+from autopipe.profiling import Profile, device_spec, profile  # noqa: E402
+from autopipe.profiling.calibrate import known_gpu  # noqa: E402
 from autopipe.runtime.core.pipeline import Pipeline  # noqa: E402
 from autopipe.spec import load_example  # noqa: E402
 
@@ -577,10 +578,9 @@ def matching_spec(device: str, work: Path) -> str:
     """The device spec of this machine's accelerator: a known one by its name, else measured
     with ``autopipe calibrate``."""
     if device == "cuda":
-        name = torch.cuda.get_device_name(0).upper().replace(" ", "")
-        for known in sorted(KNOWN_DEVICES, key=len, reverse=True):
-            if known.upper() in name:
-                return known
+        known = known_gpu(torch.cuda.get_device_name(0))
+        if known is not None:
+            return known.name.lower()
     calibrated = work / "device.json"
     run([sys.executable, "-m", "autopipe", "calibrate", "-o", str(calibrated)], 900)
     return str(calibrated)

@@ -14,6 +14,7 @@ from autopipe.compiler import CompileOptions, trace_step
 from autopipe.errors import AutopipeError
 from autopipe.profiling import device_spec, profile
 from autopipe.profiling.devices import DeviceSpec, RateTable
+from autopipe.profiling.calibrate import known_gpu
 from autopipe.profiling.operator_rates import operator_tables
 from autopipe.spec import Example
 
@@ -136,3 +137,11 @@ def test_the_cpus_operators_are_measured_in_real_layers():
     assert gelu.points[0][0] == 128 * 4 * 256  # the elements of the smallest layer's MLP
     spec = DeviceSpec(**{**H100.__dict__, "tables": tables})
     assert DeviceSpec.from_json(spec.to_json()) == spec
+
+
+def test_a_gpu_is_known_by_its_name():
+    """A calibrated GPU takes the links of the nodes it is built into from the device of the
+    table its name is: one GPU cannot measure NVLink or the NICs."""
+    names = ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB"]
+    assert [known_gpu(n).name for n in names] == ["H200", "H100", "H100-PCIe", "A100"]
+    assert known_gpu("Some Accelerator") is None

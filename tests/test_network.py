@@ -194,7 +194,8 @@ def test_the_partition_puts_the_heavier_traffic_inside_nodes(gpt2_graph):
     assert part.settings.mesh == SHARDS_INNERMOST and part.settings.gpus_per_node == 8
     assert part.predicted is not None
     kinds = {(t.kind, t.crosses_nodes) for t in part.predicted.traffic}
-    assert kinds == {("fsdp2", False), ("pipeline", True)}
+    # the tied embedding and head sum their gradients between the first and the last stage
+    assert kinds == {("fsdp2", False), ("pipeline", True), ("tied", True)}
     fsdp = next(t for t in part.predicted.traffic if t.kind == "fsdp2")
     pipe = next(t for t in part.predicted.traffic if t.kind == "pipeline")
     assert fsdp.bytes > pipe.bytes and fsdp.link == "NVLink 4" and pipe.link == "0.5 GB/s"
@@ -212,6 +213,7 @@ def test_the_partition_puts_the_heavier_traffic_inside_nodes(gpt2_graph):
     assert {(t.kind, t.crosses_nodes) for t in forced.predicted.traffic} == {
         ("fsdp2", True),
         ("pipeline", False),
+        ("tied", False),
     }
     summary = format_partition(gpt2_graph, part)
     line = next(row for row in summary.splitlines() if row.startswith("network: "))
@@ -239,3 +241,19 @@ def test_no_step_is_faster_than_its_traffic(gpt2_graph, gpt2_profile):
                 ), (gpus_per_node, dp_shard, traffic)
             moved = sum(t.bytes for t in predicted.traffic)
             assert math.isfinite(moved) and moved > 0
+
+
+def test_tied_parameters_sum_their_gradients_once_per_step(gpt2_graph, gpt2_profile):
+    """GPT-2's embedding and head are one parameter held by the first and the last stage: each
+    step sums its gradient between their ranks (an all-reduce over 2 ranks of a node: two
+    latencies and the bytes once over NVLink), which the prediction charges once per step and
+    lists as tied traffic."""
+    part = partition(gpt2_graph, gpt2_profile, 4, microbatches=8)
+    predicted = part.predicted
+    assert predicted is not None
+    wte = next(p for p in gpt2_graph.params.values() if len(p.names) > 1)
+    expected = 2 * NVLINK_LATENCY + wte.nbytes / NVLINK
+    tied = [t for t in predicted.traffic if t.kind == "tied"]
+    assert len(tied) == 1 and not tied[0].crosses_nodes
+    assert tied[0].seconds == pytest.approx(expected)
+    assert predicted.data_parallel_time == pytest.approx(expected)

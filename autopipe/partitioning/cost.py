@@ -579,6 +579,33 @@ class CostModel:
             for b, moved in enumerate(crossing)
         ]
 
+    def tied(
+        self, stage_of_unit: list[int], device_of_stage: list[int]
+    ) -> list[tuple[int, list[int]]]:
+        """The trained parameters that stages on several pipeline ranks hold (GPT-2's tied
+        embedding and head): each one's bytes and the ranks holding it."""
+        holders: dict[str, set[int]] = {}
+        sizes: dict[str, int] = {}
+        for unit, owned in enumerate(self.unit_params):
+            for name, nbytes in owned.items():
+                if name not in self.frozen:
+                    holders.setdefault(name, set()).add(device_of_stage[stage_of_unit[unit]])
+                    sizes[name] = nbytes
+        return [(sizes[name], sorted(ranks)) for name, ranks in holders.items() if len(ranks) > 1]
+
+    def tie_times(self, stage_of_unit: list[int], device_of_stage: list[int]) -> list[float]:
+        """Seconds each pipeline rank spends, once per step, summing the gradients of the tied
+        parameters it holds with the other holders (an all-reduce of each, shard by shard when
+        sharded, over the holders' ranks in the network)."""
+        ranks = self._pipeline_size(device_of_stage)
+        times = [0.0] * ranks
+        for nbytes, holders in self.tied(stage_of_unit, device_of_stage):
+            group = [self.network.rank(p, 0, ranks, self.dp_shard) for p in holders]
+            seconds = self.network.collective("all_reduce", nbytes / self.dp_shard, group)
+            for p in holders:
+                times[p] += seconds
+        return times
+
     def collective_time(
         self,
         params: list[float],
@@ -796,6 +823,8 @@ class CostModel:
             for s in range(num_stages):
                 per_device[device_of_stage[s]] += gather[s] + reduce[s]
             once = max(per_device)
+        ties = self.tie_times(stage_of_unit, device_of_stage)
+        once += max(ties, default=0.0)
         traffic = self._traffic(
             stage_of_unit, device_of_stage, schedule, microbatches, params, trainable, calls
         )
@@ -826,8 +855,9 @@ class CostModel:
         calls: list[int],
     ) -> list[Traffic]:
         """A pipeline run's traffic by kind and link, on the rank that moves the most of each:
-        activations and gradients between stages on other ranks, and FSDP2's gathers and
-        reductions (per microbatch, or once under a split-backward schedule)."""
+        activations and gradients between stages on other ranks, FSDP2's gathers and
+        reductions (per microbatch, or once under a split-backward schedule), and the sums of
+        tied parameters' gradients (once per step)."""
         ranks = self._pipeline_size(device_of_stage)
         num_stages = len(device_of_stage)
         # (kind, link, crosses nodes) -> per rank [bytes, seconds]
@@ -849,6 +879,13 @@ class CostModel:
             seconds = (link.transfer(act[b]) + link.transfer(grad[b])) * microbatches
             for rank in (a, c):
                 add(("pipeline", link.name, crosses), rank, moved, seconds)
+        for nbytes, holders in self.tied(stage_of_unit, device_of_stage):
+            group = [self.network.rank(p, 0, ranks, self.dp_shard) for p in holders]
+            ring = self.network.ring(group)
+            seconds = ring.time("all_reduce", nbytes / self.dp_shard)
+            moved = 2 * (len(group) - 1) / len(group) * nbytes / self.dp_shard
+            for p in holders:
+                add(("tied", ring.link, ring.crosses_nodes), p, moved, seconds)
         if self.dp_shard > 1:
             rings = self.shard_rings(ranks)
             share = (self.dp_shard - 1) / self.dp_shard

@@ -202,8 +202,8 @@ class PredictedStage:
 
 
 #: the kinds of traffic a prediction accounts: activations and their gradients between stages,
-#: FSDP2's gathers of parameters and reductions of gradients
-TRAFFIC_KINDS = ("pipeline", "fsdp2")
+#: FSDP2's gathers of parameters and reductions of gradients, tied parameters' gradient sums
+TRAFFIC_KINDS = ("pipeline", "fsdp2", "tied")
 
 
 @dataclass(frozen=True)

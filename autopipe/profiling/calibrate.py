@@ -25,6 +25,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -35,15 +36,23 @@ from ..artifacts import atomic_write_text
 from ..errors import AutopipeError
 from torch.nn import functional as F
 
-from .devices import DeviceSpec, RateTable, device_spec
+from .devices import KNOWN_DEVICES, DeviceSpec, RateTable, device_spec
 from .flops import flop_counter
 from .operator_rates import operator_tables
 
-__all__ = ["LOCAL_DEVICES", "calibrate", "local_spec", "resolve_device_spec", "spec_cache"]
+__all__ = [
+    "LOCAL_DEVICES",
+    "calibrate",
+    "known_gpu",
+    "local_spec",
+    "resolve_device_spec",
+    "spec_cache",
+]
 
 #: what a calibration measures, in the cache's key: a spec cached by an older one is measured
-#: again (v2: the tables by size and the view overhead; v3: a CPU's operators in real layers)
-CALIBRATION = "calibration-v3"
+#: again (v2: the tables by size and the view overhead; v3: a CPU's operators in real layers;
+#: v4: the link's latency)
+CALIBRATION = "calibration-v4"
 #: ``--device-spec`` names of this machine's devices, calibrated on first use
 LOCAL_DEVICES = ("cpu", "cuda")
 #: the specs this process calibrated, by cache file
@@ -177,23 +186,38 @@ def _gloo_bandwidth_worker(rank: int, init_file: str, nbytes: int, result) -> No
             dist.recv(tensor, 0)
             dist.send(tensor, 0)
         samples.append(time.perf_counter() - start)
+    small = torch.ones(1)
+    round_trips = []
+    for _ in range(50):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(small, 1)
+            dist.recv(small, 1)
+        else:
+            dist.recv(small, 0)
+            dist.send(small, 0)
+        round_trips.append(time.perf_counter() - start)
     if rank == 0:
-        result.put(2 * nbytes / statistics.median(samples[1:]))
+        result.put(
+            (2 * nbytes / statistics.median(samples[1:]), statistics.median(round_trips) / 2)
+        )
     dist.destroy_process_group()
 
 
-def link_bandwidth(device: torch.device, nbytes: int) -> tuple[float, str]:
-    """Bytes/s between two pipeline stages on this machine, and what was measured."""
+def link_bandwidth(device: torch.device, nbytes: int) -> tuple[float, float, str]:
+    """Bytes/s between two pipeline stages on this machine, the seconds of a message (0
+    where not measured), and what was measured."""
     if device.type == "cuda":
         if torch.cuda.device_count() > 1:
             source = torch.empty(nbytes // 4, device="cuda:0")
             target = torch.empty(nbytes // 4, device="cuda:1")
             seconds = _timed(lambda: target.copy_(source), device, 5)
-            return nbytes / seconds, "cuda:0 -> cuda:1 copy"
+            return nbytes / seconds, 0.0, "cuda:0 -> cuda:1 copy"
         host = torch.empty(nbytes // 4).pin_memory()
         on_device = torch.empty(nbytes // 4, device=device)
         return (
             nbytes / _timed(lambda: on_device.copy_(host), device, 5),
+            0.0,
             "pinned host -> device copy",
         )
     context = mp.get_context("spawn")
@@ -205,7 +229,8 @@ def link_bandwidth(device: torch.device, nbytes: int) -> tuple[float, str]:
             nprocs=2,
             start_method="spawn",
         )
-    return result.get(), "gloo between two local processes"
+    bandwidth, latency = result.get()
+    return bandwidth, latency, "gloo between two local processes"
 
 
 def total_memory(device: torch.device) -> float:
@@ -244,24 +269,49 @@ def calibrate(
         tables |= operator_tables((torch.float32,), log)
     views = 0.0 if on_gpu else view_overhead(device)  # a GPU's views hide behind its kernels
     log(f"view overhead: {views * 1e6:.2f} us")
-    link, how = link_bandwidth(device, (256 << 20) if on_gpu else (64 << 20))
-    log(f"link ({how}): {link / 1e9:.2f} GB/s")
+    link, latency, how = link_bandwidth(device, (256 << 20) if on_gpu else (64 << 20))
+    log(f"link ({how}): {link / 1e9:.2f} GB/s, {latency * 1e6:.0f} us per message")
     label = name or (
         torch.cuda.get_device_name(device) if on_gpu else f"cpu-{os.cpu_count()}-cores"
     )
+    links: dict[str, Any] = {
+        "link_bandwidth": link,
+        "link": f"measured: {how}",
+        "link_latency": latency,
+    }
+    known = known_gpu(torch.cuda.get_device_name(device)) if on_gpu else None
+    if known is not None and torch.cuda.device_count() < 2:
+        # one GPU cannot measure the links of the nodes it is built into: its table's
+        links = {
+            key: getattr(known, key)
+            for key in ("link_bandwidth", "link", "link_latency")
+            + ("network_bandwidth", "network_latency", "network", "nics_per_node")
+        }
+        log(f"links of a {known.name} node (one GPU here cannot measure them): {known.link}")
     return DeviceSpec(
         name=label,
         flops=flops,
         memory_bandwidth=bandwidth,
         memory=total_memory(device),
-        link_bandwidth=link,
-        link=f"measured: {how}",
         compute_efficiency=1.0,
         memory_efficiency=1.0,
         kernel_overhead=overhead,
         view_overhead=views,
         tables=tables,
+        **links,
     )
+
+
+def known_gpu(name: str) -> DeviceSpec | None:
+    """The device of the table a GPU's name is (``NVIDIA H200`` -> H200), the longest name
+    matching; None for another."""
+    def compact(text: str) -> str:
+        return re.sub(r"[^A-Z0-9]", "", text.upper())
+
+    for key in sorted(KNOWN_DEVICES, key=len, reverse=True):
+        if compact(KNOWN_DEVICES[key].name) in compact(name):
+            return KNOWN_DEVICES[key]
+    return None
 
 
 #: sides of the square products, lengths of the attention and bytes of the copies calibrated

@@ -6,7 +6,8 @@ GELU, a dropout drawing one random number per element, a batch norm's two passes
 a convolution through oneDNN at a rate a square product does not predict. Timing each operator
 kind alone would need argument shapes for each; instead the layers models are made of (a
 GPT-2-style block with GELU and dropout, a Llama-style block with RMS norm, rotary embeddings and
-a SiLU-gated MLP, an embedding and a cross-entropy loss, a convolution block with batch norm,
+a SiLU-gated MLP, an embedding and a cross-entropy loss, the elementwise chains models write out
+(GPT-2's tanh GELU formula, an erf GELU, a sigmoid gate), a convolution block with batch norm,
 ReLU and max pooling) run forward and backward at a few sizes under a dispatch mode that times
 every ATen operator they call, and each operator's rate is kept by size: FLOPs per second where
 torch's counter gives it FLOPs, elements written per second otherwise (``op.NAME.DTYPE`` tables
@@ -137,6 +138,15 @@ class _LlamaBlock(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
+def _pointwise(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise chains models write out themselves: GPT-2's tanh GELU formula
+    (``NewGELUActivation``), an exact GELU by ``erf``, a sigmoid gate, a scaled exponent."""
+    tanh_gelu = 0.5 * x * (1.0 + torch.tanh(0.7978845608 * (x + 0.044715 * torch.pow(x, 3.0))))
+    erf_gelu = x * 0.5 * (1.0 + torch.erf(x / 1.41421356))
+    gate = torch.sigmoid(x) * x
+    return tanh_gelu + erf_gelu + gate + torch.exp(-x.abs()).clamp(max=1.0)
+
+
 class _ConvBlock(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
@@ -162,7 +172,12 @@ def _workloads(dtype: torch.dtype) -> list[Callable[[], None]]:
             logits = (llama(gpt(x)) @ embedding.weight.t()).float()
             F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
 
-        passes.append(transformer)
+        wide = torch.randn(tokens, 4 * _WIDTH, dtype=dtype, requires_grad=True)
+
+        def pointwise(wide: torch.Tensor = wide) -> None:
+            _pointwise(wide).sum().backward()
+
+        passes += [transformer, pointwise]
     for side in _SIDES:
         images = torch.randn(4, 64, side, side, dtype=dtype)
 
