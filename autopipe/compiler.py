@@ -31,6 +31,7 @@ from .partitioning.search import (
     unsearched_note,
 )
 from .profiling import DeviceSpec, Profile, profile, with_link
+from .tensor_parallel import find_regions
 from .profiling.calibrate import resolve_device_spec
 from .profiling.profile import PROFILE_KIND
 from .report import write_report
@@ -241,6 +242,7 @@ def generate_step(
     files = package_files(graph, part, gpus_per_node=gpus_per_node)
     files[f"{ARTIFACTS}/graph.json"] = graph.json_text()
     files[f"{ARTIFACTS}/partition.json"] = artifact_text(PARTITION_KIND, part.to_json())
+    files[f"{ARTIFACTS}/tp_regions.json"] = find_regions(graph).text()
     if prof is not None:
         files[f"{ARTIFACTS}/profile.json"] = artifact_text(PROFILE_KIND, prof.to_json())
     return write_package(out, with_manifest(files), force=force)

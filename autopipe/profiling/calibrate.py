@@ -305,6 +305,7 @@ def calibrate(
 def known_gpu(name: str) -> DeviceSpec | None:
     """The device of the table a GPU's name is (``NVIDIA H200`` -> H200), the longest name
     matching; None for another."""
+
     def compact(text: str) -> str:
         return re.sub(r"[^A-Z0-9]", "", text.upper())
 

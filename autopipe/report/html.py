@@ -16,6 +16,7 @@ from pathlib import Path
 import jinja2
 
 from ..artifacts import AUTOPIPE_VERSION
+from ..tensor_parallel import find_regions
 from .summary import (
     MEMORY_PARTS,
     dimensions_text,
@@ -196,6 +197,7 @@ def summary_rows(data: ReportData) -> list[tuple[str, str]]:
             "network",
             " ".join(network_lines(data.partition)).removeprefix("network: "),
         ),
+        ("tensor parallelism", find_regions(data.graph).summary().removeprefix("tensor-parallel ")),
         ("dynamic dimensions", dimensions_text(data.graph, data.partition)),
         ("split asked for", " ".join(requested_lines(data.partition))),
     ]

@@ -16,6 +16,7 @@ from ..partitioning import Partition
 from ..partitioning.cost import Throughput, block_costs
 from ..partitioning.recomputed_values import closures
 from ..partitioning.search import plan_table
+from ..tensor_parallel import find_regions
 from ..tracing.causal_mask import attention_masking
 from ..tracing.grouped_query import grouped_query
 
@@ -54,6 +55,7 @@ def format_partition(graph: Graph, part: Partition) -> str:
     rows += memory_lines(part)
     rows.append(throughput_line(graph, part))
     rows += network_lines(part)
+    rows.append(find_regions(graph).summary())
     if graph.model.symbols:
         rows.append(f"dynamic dimensions: {dimensions_text(graph, part)}")
     rows += batch_dims_lines(graph)

@@ -1,0 +1,136 @@
+"""Tensor-parallel regions found in the graph (autopipe/tensor_parallel, issue 45 item 1):
+Megatron's attention and MLP regions of GPT-2 (a fused query-key-value projection), a GQA
+Llama and BERT, the vocabulary-parallel embedding and head, the degrees each allows, and the
+regions refused with their reasons; the artefact's strict reader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+from autopipe.compiler import CompileOptions, load_graph, trace_step
+from autopipe.errors import ArtifactError
+from autopipe.spec import Example
+from autopipe.tensor_parallel import TensorParallelRegions, find_regions
+
+
+def _traced(model: nn.Module, *args, **kwargs):
+    return trace_step(Example(model, args, kwargs), CompileOptions(stages=1))
+
+
+def _llama(heads: int, kv_heads: int, ffn: int = 344):
+    config = tf.LlamaConfig(
+        hidden_size=16 * heads,
+        intermediate_size=ffn,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=1024,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1024, (2, 32))
+    return _traced(tf.LlamaForCausalLM(config), ids, labels=ids)
+
+
+def test_gpt2s_fused_attention_mlp_embedding_and_head():
+    """The gallery's GPT-2: each block's ``c_attn`` is one projection whose output splits into
+    query, key and value (three sections, each split by whole heads), ``c_proj`` its row; the
+    MLP's ``c_fc`` / ``c_proj``; the token embedding and the tied head over the vocabulary
+    (the position embedding stays replicated). 4 heads: degrees 2 and 4."""
+    graph = load_graph("generated/gpt2_4/artifacts/graph.json")
+    found = find_regions(graph)
+    kinds = [r.kind for r in found.regions]
+    assert kinds.count("attention") == 4 and kinds.count("mlp") == 4
+    assert kinds[0] == "embedding" and kinds[-1] == "head"
+    attention = next(r for r in found.regions if r.kind == "attention")
+    assert [c.weight for c in attention.columns] == ["transformer.h.0.attn.c_attn.weight"]
+    assert attention.columns[0].sections == (128, 128, 128) and attention.columns[0].dim == 1
+    assert attention.row == "transformer.h.0.attn.c_proj.weight"
+    assert (attention.heads, attention.kv_heads, attention.degrees) == (4, 4, (2, 4))
+    mlp = next(r for r in found.regions if r.kind == "mlp")
+    assert mlp.row == "transformer.h.0.mlp.c_proj.weight" and 64 in mlp.degrees
+    embedding, head = found.regions[0], found.regions[-1]
+    assert embedding.columns[0].weight == head.columns[0].weight == "transformer.wte.weight"
+    assert found.degrees() == (2, 4)
+    assert found.summary().startswith(
+        "tensor-parallel regions: 1 embedding, 4 attention, 4 mlp, 1 head; degrees 2, 4"
+    )
+    # the package carries the same regions as an artefact of its own
+    saved = TensorParallelRegions.load("generated/gpt2_4/artifacts/tp_regions.json")
+    assert saved == found
+
+
+def test_grouped_query_llama_splits_whole_key_value_heads():
+    """8 query heads reading 2 key/value heads: degree 2 splits both, 4 would split the 2
+    key/value heads (left replicated, and said so); the gated MLP's gate and up projections are
+    its columns."""
+    found = find_regions(_llama(8, 2))
+    attention = [r for r in found.regions if r.kind == "attention"]
+    assert len(attention) == 2
+    first = attention[0]
+    assert [c.weight.rsplit(".", 2)[-2] for c in first.columns] == ["q_proj", "k_proj", "v_proj"]
+    assert first.row.endswith("o_proj.weight") and (first.heads, first.kv_heads) == (8, 2)
+    assert first.degrees == (2,)
+    assert first.why_not(4) == "4 does not divide 2 key/value heads"
+    mlp = next(r for r in found.regions if r.kind == "mlp")
+    assert [c.weight.rsplit(".", 2)[-2] for c in mlp.columns] == ["gate_proj", "up_proj"]
+    assert mlp.degrees == (2, 4, 8)
+    assert "model.layers.0.self_attn: 4 does not divide 2 key/value heads" in found.summary(4)
+
+
+def test_heads_that_do_not_divide_leave_attention_replicated():
+    """6 heads: degrees 2 only (4 and 8 leave each attention replicated, naming the heads)."""
+    found = find_regions(_llama(6, 6, ffn=384))
+    attention = next(r for r in found.regions if r.kind == "attention")
+    assert attention.degrees == (2,) and attention.why_not(4) == "4 does not divide 6 heads"
+
+
+class _SharedMlp(nn.Module):
+    """One MLP applied twice (ALBERT-style sharing): one weight, two regions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def mlp(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+    def forward(self, x):
+        x = x + self.mlp(x)
+        return (x + self.mlp(x)).sum()
+
+
+def test_a_projection_shared_by_two_regions_is_refused():
+    found = find_regions(_traced(_SharedMlp(), torch.randn(4, 32)))
+    assert len(found.regions) == 2
+    for region in found.regions:
+        assert region.degrees == () and "read twice" in region.reason
+
+
+class _Normalised(nn.Module):
+    """A projection followed by a normalisation over its features (BERT's MLM transform):
+    no region (the features must be whole)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense, self.norm, self.out = nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.out(self.norm(self.dense(x))).sum()
+
+
+def test_a_normalisation_over_the_features_is_no_region():
+    assert find_regions(_traced(_Normalised(), torch.randn(4, 32))).regions == ()
+
+
+def test_the_artefact_reads_strictly():
+    found = find_regions(load_graph("generated/gpt2_4/artifacts/graph.json"))
+    data = found.to_json()
+    assert TensorParallelRegions.from_json(data) == found
+    with pytest.raises(ArtifactError, match=r"regions\[0\]\.kind"):
+        TensorParallelRegions.from_json(data | {"regions": [data["regions"][0] | {"kind": "conv"}]})
+    with pytest.raises(ArtifactError, match="not a field"):
+        TensorParallelRegions.from_json(data | {"extra": 1})
