@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("autopipe.checks", "autopipe.artifacts"),
     ("autopipe.spec",),
     ("autopipe.ir",),
-    ("autopipe.tracing", "autopipe.profiling"),
+    ("autopipe.tracing", "autopipe.profiling", "autopipe.tensor_parallel"),
     ("autopipe.partitioning",),
     ("autopipe.codegen",),
     ("autopipe.report",),
