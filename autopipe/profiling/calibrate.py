@@ -172,12 +172,13 @@ def memory_table(device: torch.device, sizes: tuple[int, ...], overhead: float) 
     return RateTable(tuple(points))
 
 
-def _gloo_bandwidth_worker(rank: int, init_file: str, nbytes: int, result) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    tensor = torch.ones(nbytes // 4)
+def _round_trips(rank: int, tensor: torch.Tensor, count: int, barrier: bool) -> list[float]:
+    """Seconds of ``count`` round trips of ``tensor`` between ranks 0 and 1 (from rank 0 and
+    back), each after a barrier when ``barrier``."""
     samples = []
-    for _ in range(6):
-        dist.barrier()
+    for _ in range(count):
+        if barrier:
+            dist.barrier()
         start = time.perf_counter()
         if rank == 0:
             dist.send(tensor, 1)
@@ -186,21 +187,17 @@ def _gloo_bandwidth_worker(rank: int, init_file: str, nbytes: int, result) -> No
             dist.recv(tensor, 0)
             dist.send(tensor, 0)
         samples.append(time.perf_counter() - start)
-    small = torch.ones(1)
-    round_trips = []
-    for _ in range(50):
-        start = time.perf_counter()
-        if rank == 0:
-            dist.send(small, 1)
-            dist.recv(small, 1)
-        else:
-            dist.recv(small, 0)
-            dist.send(small, 0)
-        round_trips.append(time.perf_counter() - start)
+    return samples
+
+
+def _gloo_bandwidth_worker(rank: int, init_file: str, nbytes: int, result) -> None:
+    """One of two processes: the bandwidth of ``nbytes`` messages and the latency of a tiny
+    one, over gloo, put on ``result`` by rank 0."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    large = _round_trips(rank, torch.ones(nbytes // 4), 6, barrier=True)[1:]
+    small = _round_trips(rank, torch.ones(1), 50, barrier=False)
     if rank == 0:
-        result.put(
-            (2 * nbytes / statistics.median(samples[1:]), statistics.median(round_trips) / 2)
-        )
+        result.put((2 * nbytes / statistics.median(large), statistics.median(small) / 2))
     dist.destroy_process_group()
 
 
