@@ -134,3 +134,56 @@ def test_the_artefact_reads_strictly():
         TensorParallelRegions.from_json(data | {"regions": [data["regions"][0] | {"kind": "conv"}]})
     with pytest.raises(ArtifactError, match="not a field"):
         TensorParallelRegions.from_json(data | {"extra": 1})
+
+
+class _Prefixed(nn.Module):
+    """A learned full-width prefix concatenated to the MLP's hidden features along the
+    sequence: the prefix is whole on every rank, so no split of ``up`` is exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.prefix = nn.Parameter(torch.randn(1, 3, 64))
+
+    def forward(self, x):
+        hidden = torch.cat([self.prefix.expand(x.shape[0], 3, 64), self.up(x)], dim=1)
+        return (x[:, :1] + self.down(torch.relu(hidden))[:, :1]).sum()
+
+
+class _HeadBias(nn.Module):
+    """Attention with a learned bias per head ([heads, L, S], broadcast over the batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
+        self.bias = nn.Parameter(torch.randn(4, 5, 5))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (p(x).view(b, n, 4, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+        return (x + self.o(out.transpose(1, 2).reshape(b, n, 32))).sum()
+
+
+class _Classifier(nn.Module):
+    """RoBERTa's classification head: dense, tanh, out, cross-entropy over 4 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense, self.out = nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.out(torch.tanh(self.dense(x[:, 0]))), y)
+
+
+def test_what_no_split_makes_exact_is_refused():
+    """Found in review: a full-width value concatenated to a shard, and a bias per head that
+    nothing splits, leave their regions unsplit; a projection feeding a loss through another
+    projection is no vocabulary head."""
+    prefixed = find_regions(_traced(_Prefixed(), torch.randn(2, 5, 32)))
+    assert all(not r.splits for r in prefixed.regions)
+    (attention,) = find_regions(_traced(_HeadBias(), torch.randn(2, 5, 32))).regions
+    assert attention.kind == "attention" and not attention.splits
+    assert "a mask per head ([4, 5, 5]) is not split" in attention.reason
+    classifier = find_regions(_traced(_Classifier(), torch.randn(2, 5, 32), torch.tensor([1, 2])))
+    assert [(r.kind, r.row) for r in classifier.regions] == [("mlp", "out.weight")]

@@ -33,13 +33,13 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..ir import Graph, Node, Ref, TensorMeta
+from ..ir import Graph, Node, Ref
 from ..ir.types import argument_value
 from .artifact import ColumnShard, Region, TensorParallelRegions
 
 __all__ = ["MAX_DEGREE", "find_regions"]
 
-#: the largest degree considered (a node's GPUs)
+#: the largest degree considered
 MAX_DEGREE = 64
 #: operators that keep every dimension of their (first) tensor argument
 _ELEMENTWISE = {
@@ -74,7 +74,8 @@ _VIEWS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.defaul
 _TRANSPOSES = {"aten.transpose.int"}
 _PERMUTES = {"aten.permute.default"}
 _SPLITS = {"aten.split.Tensor", "aten.split_with_sizes.default"}
-_SLICES = {"aten.slice.Tensor", "aten.cat.default"}
+_SLICES = {"aten.slice.Tensor"}
+_CONCATENATIONS = {"aten.cat.default"}
 _ATTENTION = {"aten.scaled_dot_product_attention.default"}
 #: projections: the operator, the argument positions of its input and weight, and the weight's
 #: dimension of output features (linear's weight is [out, in]; addmm/mm's [in, out])
@@ -170,7 +171,9 @@ def _region(
         walk.run()
     except _Refused as why:
         reason = str(why)
-    if not walk.rows and (not reason or (len(columns) == 1 and not walk.heads)):
+    except Exception as exc:  # noqa: BLE001 - an operator this pass misreads: refused, said
+        reason = f"not followed ({type(exc).__name__}: {exc})"
+    if not walk.rows and (not reason or (len(columns) == 1 and not walk.attention)):
         return None  # a lone projection (a row of a region left replicated, a router, ...)
     sizes = tuple(sorted(walk.sizes))
     degrees: tuple[int, ...] = ()
@@ -186,7 +189,7 @@ def _region(
     row_weight = walk.rows[0].weight if walk.rows else ""
     row_node = walk.rows[0].node.name if walk.rows else ""
     return Region(
-        kind="attention" if walk.heads else "mlp",
+        kind="attention" if walk.attention else "mlp",
         scope=scope,
         order=start,
         columns=tuple(
@@ -220,14 +223,15 @@ class _Walk:
         self.sections: dict[str, tuple[int, ...]] = {}  # fused column -> its sections
         self.heads = 0
         self.kv_heads = 0
+        self.attention = False  # whether the region reaches an attention call
         self.origin: dict[str, str] = {}  # value -> the column projection it comes from
         #: every value the columns reach before a projection: sharded too, once visited
         self.reached = _reached(graph, [c.node.name for c in columns], set(by_node))
 
     def start(self, column: _Projection) -> None:
         meta = column.node.tensor_meta
-        if meta is None:
-            raise _Refused(f"{column.node.name} returns no single tensor")
+        if meta is None or not meta.shape:
+            raise _Refused(f"{column.node.name} returns no tensor of features")
         dim = len(meta.shape) - 1
         self.sizes.add(meta.shape[dim])
         self.sharded[column.node.name] = dim
@@ -293,6 +297,8 @@ class _Walk:
             if axis == dim:
                 raise _Refused(f"{node.name} ({target}) cuts along the sharded dimension")
             self._mark(node, dim, source)
+        elif target in _CONCATENATIONS:
+            self._concatenation(node, source, dim)
         elif target in _ATTENTION:
             self._attention(node, source, dim)
         elif target == "aten.unsqueeze.default":
@@ -352,6 +358,21 @@ class _Walk:
             f"{node.name} reshapes the sharded dimension: {list(before)} -> {list(after)}"
         )
 
+    def _concatenation(self, node: Node, source: str, dim: int) -> None:
+        """A concatenation along another dimension of tensors all sharded alike (rotary's
+        halves): kept; with a full tensor (a learned prefix, a cache) or along the shard:
+        refused."""
+        axis = int(argument_value(node, "dim") or 0) % len(self._shape(source))
+        if axis == dim:
+            raise _Refused(f"{node.name} concatenates along the sharded dimension")
+        parts = node.args[0] if node.args and isinstance(node.args[0], (list, tuple)) else ()
+        for part in parts:
+            if not isinstance(part, Ref) or part.name not in self.reached:
+                raise _Refused(f"{node.name} concatenates the shard with a full value")
+            if self.sharded.get(part.name, dim) != dim:
+                raise _Refused(f"{node.name} concatenates values sharded along other dimensions")
+        self._mark(node, dim, source)
+
     def _unsqueeze(self, node: Node, source: str, dim: int) -> None:
         rank = len(self._shape(node.name))
         at = int(node.args[1]) % rank
@@ -370,13 +391,21 @@ class _Walk:
             self._mark(node, dim, source)
             return
         pieces = argument_value(node, "split_size") or argument_value(node, "split_sizes")
-        total = self._shape(source)[dim]
-        sections = (
-            tuple(int(p) for p in pieces)
-            if isinstance(pieces, (list, tuple))
-            else (int(pieces),) * (total // int(pieces))
-        )
-        self.sections[self.origin[source]] = sections
+        shape = self._shape(source)
+        total = shape[dim]
+        if isinstance(pieces, (list, tuple)):
+            sections = tuple(int(p) for p in pieces)
+        else:
+            whole, rest = divmod(total, int(pieces))
+            sections = (int(pieces),) * whole + ((rest,) if rest else ())
+        origin = self.origin[source]
+        column = self.by_name[origin].tensor_meta
+        if column is None or dim != len(shape) - 1 or total != column.shape[-1]:
+            # split after the features became heads: the sections are not the weight's rows
+            raise _Refused(f"{node.name} splits the projection's output after reshaping it")
+        if self.sections.get(origin, sections) != sections:
+            raise _Refused(f"{node.name} splits {origin} a second time, otherwise")
+        self.sections[origin] = sections
         self.sizes.update(sections)
         # each section's users are reached through getitem: the split's value stays sharded
         self.sharded[node.name] = dim
@@ -384,8 +413,12 @@ class _Walk:
         self.pending.append(node.name)
 
     def _attention(self, node: Node, source: str, dim: int) -> None:
-        if dim != 1:
-            raise _Refused(f"{node.name}: attention reads a shard along dimension {dim}, not heads")
+        self.attention = True
+        rank = len(self._shape(source))
+        if rank != 4 or dim != 1:
+            raise _Refused(
+                f"{node.name}: attention reads a shard along dimension {dim} of {rank}, not heads"
+            )
         for position in range(3):
             ref = node.args[position] if len(node.args) > position else None
             if not isinstance(ref, Ref) or ref.name not in self.reached:
@@ -395,16 +428,16 @@ class _Walk:
         mask = argument_value(node, "attn_mask")
         if isinstance(mask, Ref):
             shape = self._shape(mask.name)
-            if len(shape) == 4 and shape[1] != 1 and mask.name not in self.sharded:
-                raise _Refused(f"{node.name}: a mask per head ({list(shape)}) is not split")
+            heads_at = len(shape) - 3  # the mask's dimension broadcast over the heads
+            if heads_at >= 0 and shape[heads_at] != 1:
+                if mask.name not in self.reached:
+                    raise _Refused(f"{node.name}: a mask per head ({list(shape)}) is not split")
+                if self.sharded.get(mask.name, heads_at) != heads_at:
+                    raise _Refused(f"{node.name}: the mask is split along another dimension")
         query, key = (self._shape(node.args[i].name) for i in (0, 1))
         self.heads, self.kv_heads = query[1], key[1]
         self.sizes.update({query[1], key[1]})
         self._mark(node, 1, source)
-
-
-def _inner(shape: tuple[int, ...], dim: int) -> int:
-    return math.prod(shape[dim + 1 :])
 
 
 def _powers() -> Iterable[int]:
@@ -450,7 +483,9 @@ def _vocabulary_regions(
     heads = []
     for p in projections:
         meta = p.node.tensor_meta
-        if p.node.name in claimed or meta is None or not _feeds_loss(graph, p.node.name):
+        if p.node.name in claimed or meta is None or not meta.shape:
+            continue
+        if not _feeds_loss(graph, p.node.name):
             continue
         heads.append(_vocabulary(order, p.node, "head", p.weight, meta.shape[-1], p.out_dim))
     tables = []
@@ -490,15 +525,27 @@ def _vocabulary(
     )
 
 
-def _feeds_loss(graph: Graph, name: str, depth: int = 4) -> bool:
-    """Whether ``name`` reaches a cross-entropy loss through at most ``depth`` operators."""
+def _feeds_loss(graph: Graph, name: str, depth: int = 6) -> bool:
+    """Whether ``name`` is logits: it reaches a cross-entropy loss as its input (argument 0)
+    through at most ``depth`` operators that keep its last dimension (views, casts,
+    elementwise operators), no projection between."""
     frontier = [name]
     for _ in range(depth):
         following = []
         for value in frontier:
             for user in graph.users(value):
-                if graph[user].target in _LOSSES:
-                    return True
-                following.append(user)
+                node = graph[user]
+                if node.target in _LOSSES:
+                    first = node.args[0] if node.args else None
+                    if isinstance(first, Ref) and first.name == value:
+                        return True
+                elif node.target in _VIEWS or node.target in _ELEMENTWISE:
+                    meta, before = node.tensor_meta, graph[value].tensor_meta
+                    if (
+                        meta is not None
+                        and before is not None
+                        and meta.shape[-1:] == before.shape[-1:]
+                    ):
+                        following.append(user)
         frontier = following
     return False
