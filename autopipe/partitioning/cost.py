@@ -579,11 +579,13 @@ class CostModel:
             for b, moved in enumerate(crossing)
         ]
 
-    def tied(
+    def tie_rings(
         self, stage_of_unit: list[int], device_of_stage: list[int]
-    ) -> list[tuple[int, list[int]]]:
+    ) -> list[tuple[float, list[int], RingCost]]:
         """The trained parameters that stages on several pipeline ranks hold (GPT-2's tied
-        embedding and head): each one's bytes and the ranks holding it."""
+        embedding and head), each summed once per step: the bytes each rank's sum moves (its
+        shard when sharded), the pipeline ranks holding it, and the ring over their ranks."""
+        ranks = self._pipeline_size(device_of_stage)
         holders: dict[str, set[int]] = {}
         sizes: dict[str, int] = {}
         for unit, owned in enumerate(self.unit_params):
@@ -591,17 +593,20 @@ class CostModel:
                 if name not in self.frozen:
                     holders.setdefault(name, set()).add(device_of_stage[stage_of_unit[unit]])
                     sizes[name] = nbytes
-        return [(sizes[name], sorted(ranks)) for name, ranks in holders.items() if len(ranks) > 1]
+        ties = []
+        for name, held in holders.items():
+            if len(held) > 1:
+                group = [self.network.rank(p, 0, ranks, self.dp_shard) for p in sorted(held)]
+                ties.append((sizes[name] / self.dp_shard, sorted(held), self.network.ring(group)))
+        return ties
 
-    def tie_times(self, stage_of_unit: list[int], device_of_stage: list[int]) -> list[float]:
-        """Seconds each pipeline rank spends, once per step, summing the gradients of the tied
-        parameters it holds with the other holders (an all-reduce of each, shard by shard when
-        sharded, over the holders' ranks in the network)."""
-        ranks = self._pipeline_size(device_of_stage)
+    @staticmethod
+    def tie_times(ties: list[tuple[float, list[int], RingCost]], ranks: int) -> list[float]:
+        """Seconds each of ``ranks`` pipeline ranks spends summing the tied parameters'
+        gradients it holds (``tie_rings``): an all-reduce of each over its holders."""
         times = [0.0] * ranks
-        for nbytes, holders in self.tied(stage_of_unit, device_of_stage):
-            group = [self.network.rank(p, 0, ranks, self.dp_shard) for p in holders]
-            seconds = self.network.collective("all_reduce", nbytes / self.dp_shard, group)
+        for nbytes, holders, ring in ties:
+            seconds = ring.time("all_reduce", nbytes)
             for p in holders:
                 times[p] += seconds
         return times
@@ -823,10 +828,10 @@ class CostModel:
             for s in range(num_stages):
                 per_device[device_of_stage[s]] += gather[s] + reduce[s]
             once = max(per_device)
-        ties = self.tie_times(stage_of_unit, device_of_stage)
-        once += max(ties, default=0.0)
+        ties = self.tie_rings(stage_of_unit, device_of_stage)
+        once += max(self.tie_times(ties, self._pipeline_size(device_of_stage)), default=0.0)
         traffic = self._traffic(
-            stage_of_unit, device_of_stage, schedule, microbatches, params, trainable, calls
+            stage_of_unit, device_of_stage, schedule, microbatches, params, trainable, calls, ties
         )
         return Prediction(
             stages=stages,
@@ -853,6 +858,7 @@ class CostModel:
         params: list[float],
         trainable: list[float],
         calls: list[int],
+        ties: list[tuple[float, list[int], RingCost]],
     ) -> list[Traffic]:
         """A pipeline run's traffic by kind and link, on the rank that moves the most of each:
         activations and gradients between stages on other ranks, FSDP2's gathers and
@@ -879,11 +885,9 @@ class CostModel:
             seconds = (link.transfer(act[b]) + link.transfer(grad[b])) * microbatches
             for rank in (a, c):
                 add(("pipeline", link.name, crosses), rank, moved, seconds)
-        for nbytes, holders in self.tied(stage_of_unit, device_of_stage):
-            group = [self.network.rank(p, 0, ranks, self.dp_shard) for p in holders]
-            ring = self.network.ring(group)
-            seconds = ring.time("all_reduce", nbytes / self.dp_shard)
-            moved = 2 * (len(group) - 1) / len(group) * nbytes / self.dp_shard
+        for nbytes, holders, ring in ties:  # tie_rings: summed once per step
+            seconds = ring.time("all_reduce", nbytes)
+            moved = 2 * (ring.ranks - 1) / ring.ranks * nbytes
             for p in holders:
                 add(("tied", ring.link, ring.crosses_nodes), p, moved, seconds)
         if self.dp_shard > 1:
