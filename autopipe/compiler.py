@@ -31,7 +31,9 @@ from .partitioning.search import (
     unsearched_note,
 )
 from .profiling import DeviceSpec, Profile, profile, with_link
-from .tensor_parallel import find_regions
+from .partitioning.network import Network
+from .partitioning.tensor_parallel import TensorParallelCost, sharded_profile
+from .tensor_parallel import ShardingPlan, find_regions, sharding_plan
 from .profiling.calibrate import resolve_device_spec
 from .profiling.profile import PROFILE_KIND
 from .report import write_report
@@ -138,6 +140,7 @@ def plan_step(
         progress=progress,
         workers=options.search_workers or default_workers(),
         gpus_per_node=options.gpus_per_node,
+        tp_degrees=tensor_parallel_degrees(graph, options),
     )
 
 
@@ -146,7 +149,61 @@ def partition_step(
 ) -> Partition:
     """The partition the options ask for; with ``search``, the best plan's, which records the
     plans it was chosen from (``phases`` shows the search's progress and says when
-    ``--search-seconds`` stopped it)."""
+    ``--search-seconds`` stopped it); with ``--tp``, the degree it is sharded at."""
+    if not options.search or options.tp is not None:
+        check_tensor_parallel(graph, options.tp or 1)
+    return _partition(graph, prof, options, phases)
+
+
+def recorded_plans(plans: list[Plan]) -> list[Plan]:
+    """The plans a searched partition records: the best :data:`TOP_PLANS`, then the best of
+    each tensor-parallel degree not among them (the summary says why the degree was chosen)."""
+    recorded = plans[:TOP_PLANS]
+    for degree in sorted({plan.candidate.tp for plan in plans}):
+        best = next(p for p in plans if p.candidate.tp == degree)  # fitting ones first
+        if all(p is not best for p in recorded):
+            recorded.append(best)
+    return recorded
+
+
+def check_tensor_parallel(graph: Graph, degree: int) -> ShardingPlan:
+    """What ``graph`` shards at ``--tp degree``; refused where it shards nothing, naming the
+    degrees its regions allow and why they stay replicated."""
+    regions = find_regions(graph)
+    plan = sharding_plan(graph, regions, degree)
+    if degree > 1 and not plan.modules:
+        allowed = ", ".join(map(str, regions.degrees())) or "none"
+        why = "; ".join(f"{scope}: {reason}" for scope, reason in plan.replicated[:3])
+        raise PartitionError(
+            f"--tp {degree} shards no region of {graph.model.cls.rsplit('.', 1)[-1]} (the "
+            f"degrees its regions allow: {allowed}; {why or 'no attention or MLP region found'}); "
+            "use one of those degrees, or --tp 1"
+        )
+    return plan
+
+
+def tensor_parallel_degrees(graph: Graph, options: CompileOptions) -> tuple[int, ...]:
+    """The tensor-parallel degrees a plan search tries: ``--tp``'s, else 1 and each of 2, 4
+    and 8 up to ``--gpus-per-node`` that shards a region of ``graph``."""
+    if options.tp is not None:
+        return (options.tp,)
+    regions = find_regions(graph)
+    found = [t for t in (2, 4, 8) if t <= options.gpus_per_node and t in regions.degrees()]
+    return (1, *(t for t in found if sharding_plan(graph, regions, t).modules))
+
+
+def tensor_parallel_profile(
+    graph: Graph, prof: Profile, degree: int, gpus_per_node: int
+) -> tuple[Profile, TensorParallelCost]:
+    """``prof`` as each of ``degree`` tensor-parallel ranks runs it (itself at degree 1)."""
+    plan = sharding_plan(graph, find_regions(graph), degree)
+    return sharded_profile(graph, prof, plan, Network(prof.device, gpus_per_node))
+
+
+def _partition(
+    graph: Graph, prof: Profile, options: CompileOptions, phases: Phases | None = None
+) -> Partition:
+    """:func:`partition_step`'s partition."""
     if options.search:
         phases = phases or Phases(QUIET)
         plans = plan_step(graph, prof, options, progress=lambda done: phases.progress(str(done)))
@@ -168,12 +225,16 @@ def partition_step(
             )
         assert best.partition is not None  # a plan that fits has its partition
         return best.partition.with_settings(
+            gpus_per_node=options.gpus_per_node,
             accumulate=best.candidate.accumulate,
             global_batch=best.global_batch,
             memory_margin=options.memory_margin,
-            plans=tuple(plan.to_json() for plan in plans[:TOP_PLANS]),
+            plans=tuple(plan.to_json() for plan in recorded_plans(plans)),
         )
     asked = SplitPoints.parse(options.split_points) if options.split_points else None
+    tp = options.tp or 1
+    places = max(1, options.gpus_per_node // tp)  # a node's places of tp ranks each
+    prof, _ = tensor_parallel_profile(graph, prof, tp, options.gpus_per_node)
     part = partition(
         graph,
         prof,
@@ -185,12 +246,14 @@ def partition_step(
         optimizer=options.optimizer,
         dp_shard=options.dp_shard,
         split=None if asked is None else requested_split(graph, asked),
-        gpus_per_node=options.gpus_per_node,
+        gpus_per_node=places,
     )
     if asked is None and graph.model.split_markers:
         microbatches = part.settings.microbatches
         requested = markers_split(graph, prof, options, microbatches)
         part = dataclasses.replace(part, requested=requested)
+    if tp > 1:  # the node size of the cluster, not of its places
+        part = part.with_settings(tp=tp, gpus_per_node=options.gpus_per_node)
     return part.with_settings(accumulate=options.accumulate) if options.accumulate > 1 else part
 
 

@@ -500,6 +500,17 @@ class CompileOptions:
         rule=Count(1),
         metavar="N",
     )
+    #: tensor-parallel degree: ranks each stage's attention and MLP regions are sharded over
+    #: (None: 1, or with --search the degree the search chooses)
+    tp: int | None = option(
+        None,
+        help="shard each stage's attention and MLP regions (found in the graph) over N ranks "
+        "with torch's tensor parallelism; recorded in the package, whose train.py then runs "
+        "pipeline ranks x --dp x --dp-shard x N processes, the N ranks of a stage on one node "
+        "(default 1; with --search, the search tries 1, 2, 4 and 8 up to --gpus-per-node)",
+        rule=Count(1),
+        metavar="N",
+    )
     #: pipeline runs per optimizer step (train.py's default --accumulate)
     accumulate: int = option(
         1,
@@ -587,7 +598,13 @@ class CompileOptions:
                 f"--devices {self.devices} is more than --stages {self.stages}: every device "
                 f"runs at least one stage; use at most {self.stages} devices or more stages"
             )
-        self._check("microbatches", "dp_shard", "depth", "gpus_per_node")
+        self._check("microbatches", "dp_shard", "tp", "depth", "gpus_per_node")
+        if self.tp is not None and self.tp > self.gpus_per_node:
+            raise AutopipeError(
+                f"--tp {self.tp} is more than --gpus-per-node {self.gpus_per_node}: the ranks a "
+                "tensor-parallel region is sharded over exchange every layer's activations and "
+                f"share a node; use --tp {self.gpus_per_node} or less"
+            )
         self._check("profile", "method", "schedule", "optimizer")
         self._check("basic_blocks", "keep_whole", "dynamic", "batch_dims", "expected")
         self._check("inline_blocks", "link", "network")

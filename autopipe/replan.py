@@ -173,6 +173,7 @@ def replan(
     new = new.with_settings(
         accumulate=run.accumulate if run.accumulate > 1 else None,
         memory_margin=settings.memory_margin,
+        tp=settings.tp,  # the measured stages ran sharded; the new package is sharded alike
     )
     return Replan(package, trace, graph, old, data.profile, measured, before, new)
 

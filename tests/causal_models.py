@@ -236,6 +236,22 @@ def llama_plain():
     return model, (ids,), {"labels": ids.clone()}
 
 
+def llama_unpadded():
+    """llama_plain without a padding token: its embedding a plain lookup, which tensor
+    parallelism shards by vocabulary rows (tests/test_tensor_parallel_training.py)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = _ids()
+    model = _decoder(
+        LlamaConfig,
+        LlamaForCausalLM,
+        attention_dropout=0.0,
+        num_hidden_layers=4,
+        pad_token_id=None,
+    )
+    return model, (ids,), {"labels": ids.clone()}
+
+
 def llama_plain_batch(step: int, microbatches: int = 4):
     """A step's batch of ``microbatches`` example microbatches, labels the ids."""
     generator = torch.Generator().manual_seed(100 + step)

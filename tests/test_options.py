@@ -31,6 +31,7 @@ BAD = {
     "microbatches": 0,
     "optimizer": "adam",
     "dp_shard": 0,
+    "tp": 0,
     "accumulate": 0,
     "global_batch": 0,
     "memory_margin": 1.0,

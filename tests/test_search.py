@@ -42,7 +42,7 @@ from autopipe.verify import load_pipeline
 from conftest import ROOT, compile_model, spec, torchrun
 from pipelines import STEPS, assert_same_training, reference_training
 
-DEFAULT = dict(dp_shard=1, stages=2, ranks=2, schedule="1f1b", microbatches=4, accumulate=1)
+DEFAULT = dict(dp_shard=1, stages=2, ranks=2, schedule="1f1b", microbatches=4, accumulate=1, tp=1)
 
 
 def test_candidates_cover_the_plan_space():

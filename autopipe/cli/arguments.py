@@ -41,17 +41,8 @@ SPEC_HELP = (
 #: the compile options of each argument group, in the order --help lists them
 TRACING = ("depth", "basic_blocks", "keep_whole", "inline_blocks", "dynamic", "batch_dims")
 PROFILING = ("profile", "expected", "device_spec", "link", "network")
-PARTITIONING = (
-    "stages",
-    "devices",
-    "method",
-    "split_points",
-    "optimizer",
-    "schedule",
-    "microbatches",
-    "dp_shard",
-    "gpus_per_node",
-)
+PARTITIONING: tuple[str, ...] = ("stages", "devices", "method", "split_points", "optimizer")
+PARTITIONING += ("schedule", "microbatches", "dp_shard", "tp", "gpus_per_node")
 PLAN_SEARCH = (
     "global_batch",
     "memory_margin",

@@ -31,7 +31,8 @@ def add_parser(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "plan",
         help="print the candidate plans for a number of devices, best first",
-        description="Search every plan for --devices devices: --dp-shard degree, stages per "
+        description="Search every plan for --devices devices: tensor-parallel and --dp-shard "
+        "degrees, stages per "
         "device, schedule, microbatches and accumulation for --global-batch, and the "
         "recomputation that makes each fit; partition and simulate each, and print them "
         "side by side. `autopipe compile --search` generates the best.",
@@ -41,6 +42,7 @@ def add_parser(subparsers: Subparsers) -> None:
     add_options(p, ("method", "optimizer"))
     p.add_argument("--top", type=COUNT.parse, default=15, help="plans to print (default 15)")
     add_option(search_options(p), "gpus_per_node")
+    add_option(p, "tp")
     trace_options(p)
     profile_options(p)
     p.set_defaults(func=cmd_plan)
@@ -75,10 +77,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
         f"--devices {args.devices}"
         f"{f' --global-batch {args.global_batch}' if args.global_batch else ''}"
         f"{f' --gpus-per-node {options.gpus_per_node}' if options.gpus_per_node != 8 else ''}"
+        f"{f' --tp {options.tp}' if options.tp is not None else ''}"
         f"{f' --max-stages-per-device {options.max_stages_per_device}' if options.max_stages_per_device != 2 else ''}"
         f"  (= --stages "
         f"{c.stages} --devices {c.ranks} --schedule {c.schedule} --microbatches {c.microbatches} "
-        f"--accumulate {c.accumulate} --dp-shard {c.dp_shard})"
+        f"--accumulate {c.accumulate} --dp-shard {c.dp_shard}"
+        f"{f' --tp {c.tp}' if c.tp > 1 else ''})"
     )
     assert best.partition is not None  # a plan that fits has its partition
     for line in network_lines(best.partition):

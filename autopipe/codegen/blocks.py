@@ -27,6 +27,7 @@ from typing import Any
 
 from ..ir import COND, FUNCTION_TARGET, MODULE_TARGET, Graph, Node, Ref, TensorMeta
 from ..ir.analysis import BlockCall
+from ..tensor_parallel import ShardingPlan
 from . import emit
 from .names import identifier, namespace, operator_name
 from .sizes import size_lines, symbol_names, used_symbols
@@ -110,10 +111,12 @@ def class_source(
     state_names: dict[str, str],
     parameters: list[dict[str, Any]],
     buffers: list[dict[str, Any]],
+    sharding: ShardingPlan | None = None,
 ) -> str:
     """The source of the block's class body below its ``class`` line (docstring excepted): its
-    state tables (``parameters`` / ``buffers``: rows named within the block) and forward. The
-    same text for blocks that compute the same thing on the same state, whatever their names."""
+    state tables (``parameters`` / ``buffers``: rows named within the block), the ``nn.Linear``
+    modules a tensor-parallel ``sharding`` holds in it, and forward. The same text for blocks
+    that compute the same thing on the same state, whatever their names."""
     scope = submodule.call.scope
     local = _local_names(graph, submodule)
     prefix = scope.fqn + "."
@@ -136,14 +139,30 @@ def class_source(
         "#: Buffers: name within the block -> (shape, dtype, persistent, initialisation or value).",
         *_table("BUFFERS", buffers, "persistent", lambda row: row["init"]),
         "",
-        f"def forward(self, {', '.join(arguments)}):",
     ]
+    inside = {node.name for node in submodule.nodes}
+    modules = [m for m in (sharding.modules if sharding else ()) if m.node in inside]
+    if modules:
+        lines += [
+            'def __init__(self, device="cpu", meta_state=False):',
+            "    super().__init__(device, meta_state)",
+            "    # tensor-parallel projections: nn.Linear modules holding the parameters above",
+            *(
+                f"    keep_whole(self, {json.dumps(m.module.removeprefix(prefix))}, "
+                f"{m.constructor()})"
+                for m in modules
+            ),
+            "",
+        ]
+    lines.append(f"def forward(self, {', '.join(arguments)}):")
     if emit.uses_device(submodule.nodes):
         lines.append(f"    device = {arguments[0]}.device")
     needed = used_symbols(graph, submodule.nodes)
     given = [(local[name], graph[name].meta) for name in submodule.arguments]
     lines += [f"    {line}" for line in size_lines(needed, given, f"block {submodule.fqn}")]
-    body = emit.forward_body(graph, submodule.nodes, ref, label, base=8, target=local.__getitem__)
+    body = emit.forward_body(
+        graph, submodule.nodes, ref, label, base=8, target=local.__getitem__, sharding=sharding
+    )
     lines += [f"    {line}" if line else "" for line in body]
     returned = [local[name] for name in submodule.outputs]
     if len(returned) == 1:

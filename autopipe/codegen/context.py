@@ -22,7 +22,8 @@ class PackageContext:
 
     model_class: str  # the model's class name, without its module
     num_stages: int
-    num_processes: int  # pipeline ranks x data-parallel shards (torchrun's --nproc-per-node)
+    #: pipeline ranks x data-parallel shards x tensor-parallel ranks (torchrun's --nproc-per-node)
+    num_processes: int
     stage_classes: list[str]  # ``Stage0``, ``Stage1``, ...
 
     def variables(self) -> dict[str, Any]:
@@ -48,6 +49,11 @@ class StageContext:
     uses_device: bool  # whether the forward body names ``device``
     blocks: list[tuple[str, str]]  # submodules: (original name, block class)
     kept: list[tuple[str, str]]  # torch modules kept whole: (original name, constructor)
+    #: tensor parallelism: the stage's own nn.Linear projections (original name, constructor)
+    #: and every projection it shards, its blocks' too: (original name, torch style)
+    tensor_parallel_modules: list[tuple[str, str]]
+    tensor_parallel: list[tuple[str, str]]
+    tensor_parallel_imports: list[str]  # import lines of the torch styles it uses
     support: list[str]  # the runtime.support helpers it imports
     parameters: list[dict[str, Any]]  # its own parameter rows (its blocks hold the rest)
     buffers: list[dict[str, Any]]

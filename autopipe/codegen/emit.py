@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from ..ir.codec import decode_tensor
 from ..ir.eval_mode import mode_slots
 from ..ir.kinds import kind_of
 from ..ir.types import dtype_name
+from ..tensor_parallel import ShardingPlan
 
 BLACK_MODE = black.Mode(line_length=100)
 
@@ -219,10 +221,17 @@ def forward_body(
     label: Callable[[Node], str],
     base: int = 8,
     target: Callable[[str], str] = str,
+    sharding: ShardingPlan | None = None,
 ) -> list[str]:
     """Source lines of a forward pass over ``items`` (to be indented by ``base``): operators
     assigned to ``target(node.name)``, commented with ``label(node)`` (their module scope) and
-    wrapped in the grad / autocast modes they were traced under, and submodule calls."""
+    wrapped in the grad / autocast modes they were traced under, and submodule calls. With a
+    tensor-parallel ``sharding``, its projections call the ``nn.Linear`` holding their weight
+    and the sizes it frees are -1."""
+    modules = {m.node: m for m in sharding.modules} if sharding is not None else {}
+    free: dict[str, set[int]] = {}
+    for name, position in sharding.free_sizes if sharding is not None else ():
+        free.setdefault(name, set()).add(position)
     lines: list[str] = []
     current = None
     context: tuple = ()
@@ -246,7 +255,14 @@ def forward_body(
             lines.append(f"{indent}# {node_label}")
             current = node_label
         emitter = _EMITTERS.get(node.target)
-        if emitter is not None:  # torch.cond, a custom autograd function, ...
+        if node.name in free:
+            node = _freed(node, free[node.name])
+        if node.name in modules:  # linear(x, module.weight, ...) / embedding(...): module(x)
+            at = modules[node.name].weight_at
+            module = ref(node.args[at]).removesuffix(".weight")
+            given = [ref(node.args[1 - at])]
+            statement = assignment(target(node.name), module, given, base + len(indent))
+        elif emitter is not None:  # torch.cond, a custom autograd function, ...
             statement = emitter(graph, node, ref, base + len(indent), target(node.name))
         elif kind_of(node.target) is not None:
             raise TypeError(f"no emitter is registered for the node kind {node.target}")
@@ -256,6 +272,12 @@ def forward_body(
             statement = assignment(target(node.name), fn, call_args, base + len(indent))
         lines.extend(indent + line for line in statement)
     return lines
+
+
+def _freed(node: Node, positions: set[int]) -> Node:
+    """``node`` (a view or expansion) with its sizes at ``positions`` written -1."""
+    sizes = [-1 if i in positions else size for i, size in enumerate(node.args[1])]
+    return dataclasses.replace(node, args=(node.args[0], sizes, *node.args[2:]))
 
 
 def scope_label(node: Node, model_class: str) -> str:

@@ -26,6 +26,7 @@ from ..partitioning.cost import iteration_time
 from ..partitioning.partition import PredictedStep, costs_to_json
 from ..runtime.core.pipeline import Pipeline, default_microbatches
 from ..runtime.core.manifest import changed_files
+from ..tensor_parallel import ShardedModule, ShardingPlan, find_regions, sharding_plan
 from . import emit
 from .sizes import size_lines, used_symbols
 from ..ir.analysis import block_calls
@@ -101,10 +102,12 @@ def package_files(graph: Graph, part: Partition, gpus_per_node: int = 8) -> dict
     plans = plan_stages(graph, part.stage_of_unit, part.device_of_stage, part.recomputed_values)
     device_of_stage = part.device_of_stage
     model_class = graph.model.cls.rsplit(".", 1)[-1]
+    tp = part.settings.tp or 1
+    sharding = sharding_plan(graph, find_regions(graph), tp) if tp > 1 else None
     package = PackageContext(
         model_class=model_class,
         num_stages=len(plans),
-        num_processes=len(set(device_of_stage)) * (part.settings.dp_shard or 1),
+        num_processes=len(set(device_of_stage)) * (part.settings.dp_shard or 1) * tp,
         stage_classes=[f"Stage{plan.index}" for plan in plans],
     )
     common = package.variables()
@@ -121,7 +124,12 @@ def package_files(graph: Graph, part: Partition, gpus_per_node: int = 8) -> dict
         parameters, buffers = _parameter_rows(graph, plan), _buffer_rows(graph, plan)
         for sub in submodules[plan.index]:
             sub.source = class_source(
-                graph, sub, plan.state_names, _rows_of(parameters, sub), _rows_of(buffers, sub)
+                graph,
+                sub,
+                plan.state_names,
+                _rows_of(parameters, sub),
+                _rows_of(buffers, sub),
+                sharding,
             )
         prefixes = tuple(f"{sub.fqn}." for sub in submodules[plan.index])
         own_parameters, own_buffers = (
@@ -134,7 +142,7 @@ def package_files(graph: Graph, part: Partition, gpus_per_node: int = 8) -> dict
     sources: dict[str, str] = {}
     for plan in plans:
         context = _stage_context(
-            graph, plan, package, submodules[plan.index], names, rows[plan.index]
+            graph, plan, package, submodules[plan.index], names, rows[plan.index], sharding
         )
         bodies[f"stage{plan.index}.py"] = context.body
         sources[f"stage{plan.index}.py"] = render(
@@ -146,7 +154,11 @@ def package_files(graph: Graph, part: Partition, gpus_per_node: int = 8) -> dict
             for name, first in classes
         ]
         sources["blocks.py"] = render(
-            "blocks.py.j2", **common, classes=definitions, example=every[0].fqn
+            "blocks.py.j2",
+            **common,
+            classes=definitions,
+            example=every[0].fqn,
+            keeps=any("keep_whole(" in definition for definition in definitions),
         )
     sources["__init__.py"] = render(
         "__init__.py.j2", **common, modules=sorted(set(graph.model.operators.values()))
@@ -202,9 +214,10 @@ def _stage_context(
     submodules: list[Submodule],
     names: dict[str, str],
     rows: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+    sharding: ShardingPlan | None = None,
 ) -> StageContext:
     """Everything ``stage.py.j2`` renders one stage with; ``rows``: its own parameter and
-    buffer rows."""
+    buffer rows; ``sharding``: the package's tensor-parallel plan."""
     model_class = package.model_class
     state_refs = {name: emit.attribute_path(held) for name, held in plan.state_names.items()}
 
@@ -239,8 +252,13 @@ def _stage_context(
         [(rename(n), graph[n].meta) for n in plan.inputs],
         f"stage {plan.index}",
     )
-    body = constant_lines + emit.forward_body(graph, items, ref, label, target=rename)
+    body = constant_lines + emit.forward_body(
+        graph, items, ref, label, target=rename, sharding=sharding
+    )
     produced = {n.name for n in plan.nodes}
+    held = {n.name for n in plan.nodes}
+    sharded = [m for m in (sharding.modules if sharding else ()) if m.node in held]
+    own_modules = [(m.module, m.constructor()) for m in sharded if m.node not in inside]
     operators = _operators(graph, plan.nodes)
     first, final = plan.nodes[0], plan.nodes[-1]
     summary = (
@@ -263,16 +281,31 @@ def _stage_context(
         uses_device=emit.uses_device(plan.nodes) or bool(constant_lines),
         blocks=[(sub.fqn, sub.class_name) for sub in submodules],
         kept=kept_constructors(plan.nodes),
+        tensor_parallel_modules=own_modules,
+        tensor_parallel=[(m.module, m.style_source()) for m in sharded],
+        tensor_parallel_imports=_style_imports(sharded),
         support=sorted(
-            ["build_state", "init_state"]
-            + (["add_submodule"] if submodules else [])
-            + (["require_operators"] if operators else [])
-            + support_names(plan.nodes)
+            set(
+                ["build_state", "init_state"]
+                + (["add_submodule"] if submodules else [])
+                + (["require_operators"] if operators else [])
+                + (["keep_whole"] if own_modules else [])
+                + support_names(plan.nodes)
+            )
         ),
         parameters=rows[0],
         buffers=rows[1],
         body=body,
     )
+
+
+def _style_imports(modules: list[ShardedModule]) -> list[str]:
+    """The import lines of torch's tensor-parallel styles (and placements) ``modules`` use."""
+    styles = sorted({m.style_source().split("(")[0] for m in modules})
+    lines = [f"from torch.distributed.tensor.parallel import {', '.join(styles)}"] if styles else []
+    if any("Replicate()" in m.style_source() for m in modules):
+        lines.insert(0, "from torch.distributed.tensor import Replicate")
+    return lines
 
 
 def _memory_formats(graph: Graph, names: list[str]) -> dict[str, str]:
@@ -439,6 +472,8 @@ def pipeline_description(
         | (dict(graph.loss.model.input_ranges) if graph.loss is not None else {}),
         "dp_shard": part.settings.dp_shard or 1,
     }
+    if (part.settings.tp or 1) > 1:  # train.py's tensor-parallel degree; to_json leaves 1 out
+        description["tp"] = part.settings.tp
     if part.settings.mesh is not None:  # train.py's mesh order; to_json leaves the default out
         description["mesh"] = list(part.settings.mesh)
     if graph.model.fixed_inputs:

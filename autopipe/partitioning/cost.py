@@ -137,7 +137,7 @@ class Throughput:
 
     step_time: float  # seconds
     microbatches: int  # example microbatches per step, over all data-parallel ranks
-    devices: int  # pipeline ranks x data-parallel shards
+    devices: int  # pipeline ranks x data-parallel shards x tensor-parallel ranks
     mfu: float | None  # model FLOPs utilisation: the fraction of the devices' peak FLOP/s
 
     @classmethod
@@ -147,7 +147,7 @@ class Throughput:
         step = iteration_time(predicted, accumulate)
         per_run = 1 if settings.microbatches is None else settings.microbatches
         microbatches = per_run * accumulate * shards
-        devices = ranks * shards
+        devices = ranks * shards * (settings.tp or 1)
         flops = 0.0 if predicted.flops is None else predicted.flops
         peak = 0.0 if predicted.peak_flops is None else predicted.peak_flops
         return cls(

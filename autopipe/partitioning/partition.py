@@ -96,6 +96,8 @@ class PartitionSettings:
     gpus_per_node: int | None = None  # the node size the network was costed for
     #: whether the device spec held measured rates (None: a partition from before calibration)
     calibrated: bool | None = None
+    #: the tensor-parallel degree (``--tp``): ranks each stage's regions are sharded over
+    tp: int | None = None
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> PartitionSettings:
@@ -151,6 +153,8 @@ class PartitionSettings:
         require(is_int(gpus_per_node, 1), f"{where}.gpus_per_node", gpus_per_node, "1 or more")
         calibrated = data.get("calibrated", False)
         require(isinstance(calibrated, bool), f"{where}.calibrated", calibrated, "true or false")
+        tp = data.get("tp", 1)
+        require(is_int(tp, 1), f"{where}.tp", tp, "a tensor-parallel degree (1 or more)")
         _unknown(data, cls.__dataclass_fields__, where)
         special = ("timed_at", "plans", "mesh")
         return cls(

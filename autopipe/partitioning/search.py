@@ -39,7 +39,10 @@ from ..runtime.core.schedules import (
 from . import partition
 from .bounds import crossings, memory_floor
 from .cost import CostModel, graph_facts, iteration_time
+from .network import Network
 from .partition import Partition, PredictedStep
+from .tensor_parallel import sharded_profile
+from ..tensor_parallel import find_regions, sharding_plan
 from ..runtime.core.pipeline import PIPELINE_INNERMOST
 
 
@@ -53,6 +56,7 @@ class Candidate:
     schedule: str
     microbatches: int
     accumulate: int
+    tp: int = 1  # tensor-parallel ranks per pipeline rank and shard (devices = ranks x shards x tp)
 
     @property
     def stages_per_rank(self) -> int:
@@ -175,12 +179,28 @@ def divisors(n: int) -> list[int]:
 
 
 def candidates(
-    devices: int, global_batch: int, num_units: int, max_stages_per_rank: int = 2
+    devices: int,
+    global_batch: int,
+    num_units: int,
+    max_stages_per_rank: int = 2,
+    tp_degrees: tuple[int, ...] = (1,),
 ) -> list[Candidate]:
     """Every plan shape for ``devices`` devices and a step of ``global_batch`` microbatches:
-    sharding degrees dividing both, 1 .. ``max_stages_per_rank`` stages per rank, the schedules
-    of each placement, and the microbatch counts (at least one per rank) that divide a data-
-    parallel rank's share of the batch."""
+    the tensor-parallel degrees of ``tp_degrees`` dividing the devices, sharding degrees
+    dividing both the rest and the batch, 1 .. ``max_stages_per_rank`` stages per rank, the
+    schedules of each placement, and the microbatch counts (at least one per rank) that divide
+    a data-parallel rank's share of the batch."""
+    found = []
+    for tp in tp_degrees:
+        if devices % tp == 0:
+            found += _shapes(devices // tp, global_batch, num_units, max_stages_per_rank, tp)
+    return found
+
+
+def _shapes(
+    devices: int, global_batch: int, num_units: int, max_stages_per_rank: int, tp: int
+) -> list[Candidate]:
+    """:func:`candidates` of one tensor-parallel degree, ``devices`` its places."""
     found = []
     for shard in divisors(devices):
         if global_batch % shard:
@@ -202,7 +222,7 @@ def candidates(
                         continue
                     found.append(
                         Candidate(
-                            shard, stages, ranks, schedule, microbatches, share // microbatches
+                            shard, stages, ranks, schedule, microbatches, share // microbatches, tp
                         )
                     )
     return found
@@ -223,6 +243,7 @@ def search(
     prune: bool = True,
     workers: int = 1,
     gpus_per_node: int = 8,
+    tp_degrees: tuple[int, ...] = (1,),
 ) -> list[Plan]:
     """Every candidate plan, partitioned and simulated, best first: those that fit by
     throughput, then those that do not. Candidates are searched in the order of their lower
@@ -237,15 +258,29 @@ def search(
     With ``workers`` > 1 (on Linux), that many forked processes partition candidates at once,
     the next ones in the same order; the plans are those of one process (a candidate the one
     process would have pruned is listed as pruned, though a worker partitioned it while the
-    best plan was still being found), so the result does not depend on ``workers``."""
+    best plan was still being found), so the result does not depend on ``workers``.
+
+    Each degree of ``tp_degrees`` (tensor parallelism, within a node) is searched on the
+    profile each of its ranks runs (:func:`.tensor_parallel.sharded_profile`), its places on
+    nodes of ``gpus_per_node / tp`` of them."""
     capacity = profile.device.memory
     usable = dataclasses.replace(
         profile, device=dataclasses.replace(profile.device, memory=capacity * (1 - margin))
     )
-    listed = candidates(devices, global_batch, len(graph.units), max_stages_per_rank)
-    compute = sum(unit.forward + unit.backward for unit in profile.units)
-    bounds = [step_lower_bound(candidate, compute) for candidate in listed]
-    floors = _memory_floors(graph, usable, optimizer, listed) if prune else [0.0] * len(listed)
+    regions = find_regions(graph) if any(t > 1 for t in tp_degrees) else None
+    network = Network(usable.device, gpus_per_node)
+    profiles = {
+        t: (
+            usable
+            if t == 1 or regions is None
+            else sharded_profile(graph, usable, sharding_plan(graph, regions, t), network)[0]
+        )
+        for t in tp_degrees
+    }
+    listed = candidates(devices, global_batch, len(graph.units), max_stages_per_rank, tp_degrees)
+    compute = {t: sum(u.forward + u.backward for u in p.units) for t, p in profiles.items()}
+    bounds = [step_lower_bound(candidate, compute[candidate.tp]) for candidate in listed]
+    floors = _memory_floors(graph, profiles, optimizer, listed) if prune else [0.0] * len(listed)
     every = sorted(range(len(listed)), key=lambda c: (bounds[c], c))
     began, best = monotonic(), None
     settled: dict[int, Plan] = {}
@@ -263,7 +298,9 @@ def search(
                 progress(SearchProgress(searched, len(every), monotonic() - began, best))
 
     pool = (
-        _Workers(workers, graph, usable, method, optimizer, gpus_per_node) if workers > 1 else None
+        _Workers(workers, graph, profiles, method, optimizer, gpus_per_node)
+        if workers > 1
+        else None
     )
     try:
         for c in every:
@@ -284,7 +321,7 @@ def search(
                 pool.submit(c, plan)
                 continue
             else:
-                _partitioned(plan, graph, usable, method, optimizer, gpus_per_node)
+                _partitioned(plan, graph, profiles, method, optimizer, gpus_per_node)
             settle(c, plan)
         if pool is not None:
             pool.finish(settle)
@@ -356,7 +393,7 @@ class _Workers:
         self,
         workers: int,
         graph: Graph,
-        usable: Profile,
+        profiles: dict[int, Profile],
         method: str,
         optimizer: str,
         gpus_per_node: int,
@@ -367,7 +404,7 @@ class _Workers:
             workers,
             mp_context=multiprocessing.get_context("fork"),
             initializer=_start_worker,
-            initargs=(graph, usable, method, optimizer, gpus_per_node),
+            initargs=(graph, profiles, method, optimizer, gpus_per_node),
         )
         self.running: dict[Future[Plan], int] = {}
         self.submitted: set[int] = set()
@@ -409,16 +446,16 @@ class _Workers:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-#: what a worker partitions with: the graph, the usable profile, the method, the optimizer and
-#: the node size
-_WORK: tuple[Graph, Profile, str, str, int] | None = None
+#: what a worker partitions with: the graph, the usable profile of each tensor-parallel degree,
+#: the method, the optimizer and the node size
+_WORK: tuple[Graph, dict[int, Profile], str, str, int] | None = None
 
 
 def _start_worker(
-    graph: Graph, usable: Profile, method: str, optimizer: str, gpus_per_node: int
+    graph: Graph, profiles: dict[int, Profile], method: str, optimizer: str, gpus_per_node: int
 ) -> None:
     global _WORK
-    _WORK = (graph, usable, method, optimizer, gpus_per_node)
+    _WORK = (graph, profiles, method, optimizer, gpus_per_node)
     torch.set_num_threads(1)  # the workers are the parallelism
 
 
@@ -437,23 +474,23 @@ def default_workers() -> int:
 
 
 def _memory_floors(
-    graph: Graph, usable: Profile, optimizer: str, listed: list[Candidate]
+    graph: Graph, profiles: dict[int, Profile], optimizer: str, listed: list[Candidate]
 ) -> list[float]:
     """Each candidate's :func:`.bounds.memory_floor`: the least its fullest device needs."""
     if not listed:
         return []
     models = {
-        shard: CostModel(graph, usable, optimizer=optimizer, dp_shard=shard)
-        for shard in sorted({c.dp_shard for c in listed})
+        (shard, tp): CostModel(graph, profiles[tp], optimizer=optimizer, dp_shard=shard)
+        for shard, tp in sorted({(c.dp_shard, c.tp) for c in listed})
     }
-    model = models[listed[0].dp_shard]
+    model = models[listed[0].dp_shard, listed[0].tp]
     crossed = {
         kept: crossings(model, input_gradients_kept=kept)
         for kept in sorted({c.schedule not in INPUT_GRADIENTS_FREED for c in listed})
     }
     return [
         memory_floor(
-            models[c.dp_shard],
+            models[c.dp_shard, c.tp],
             c.stages,
             c.ranks,
             c.microbatches,
@@ -465,15 +502,20 @@ def _memory_floors(
 
 
 def _partitioned(
-    plan: Plan, graph: Graph, usable: Profile, method: str, optimizer: str, gpus_per_node: int
+    plan: Plan,
+    graph: Graph,
+    profiles: dict[int, Profile],
+    method: str,
+    optimizer: str,
+    gpus_per_node: int,
 ) -> None:
-    """``plan``'s candidate partitioned under ``usable`` (the profile less the memory margin),
-    its prediction and step time filled in, or its problem."""
+    """``plan``'s candidate partitioned under the usable profile of its tensor-parallel degree
+    (less the memory margin), its prediction and step time filled in, or its problem."""
     candidate = plan.candidate
     try:
         plan.partition = partition(
             graph,
-            usable,
+            profiles[candidate.tp],
             candidate.stages,
             num_devices=candidate.ranks,
             method=method,
@@ -483,8 +525,13 @@ def _partitioned(
             dp_shard=candidate.dp_shard,
             advise=False,  # the table shows what each rank needs; advice comes once
             compare=False,  # the table compares the candidates
-            gpus_per_node=gpus_per_node,
+            gpus_per_node=max(1, gpus_per_node // candidate.tp),
         )
+        if candidate.tp > 1:
+            # the node size of the cluster, not of its places of tp ranks
+            plan.partition = plan.partition.with_settings(
+                tp=candidate.tp, gpus_per_node=gpus_per_node
+            )
     except DeviceMemoryError as exc:
         plan.problem = f"a device needs at least {format_bytes(exc.peak)}, even recomputing"
         return
@@ -509,10 +556,11 @@ def unsearched_note(plans: list[Plan]) -> str | None:
 
 
 def plan_table(plans: list[dict[str, Any]]) -> str:
-    """Plans (``Plan.to_json()``, best first) side by side, as a text table; ``inner``: the
-    ranks next to each other (within a node), ``pp`` a pipeline's, ``dp`` a stage's shards."""
+    """Plans (``Plan.to_json()``, best first) side by side, as a text table; ``tp``: the
+    tensor-parallel degree (innermost, within a node); ``inner``: the ranks next to each other
+    after it (within a node), ``pp`` a pipeline's, ``dp`` a stage's shards."""
     header = (
-        f"{'#':>2} {'dp-shard':>8} {'stages':>6} {'per rank':>8} {'schedule':<23} "
+        f"{'#':>2} {'tp':>2} {'dp-shard':>8} {'stages':>6} {'per rank':>8} {'schedule':<23} "
         f"{'inner':>6} {'mb':>3} {'accum':>5} {'step ms':>9} {'mb/s':>8} {'bubble':>6} "
         f"{'peak':>10} {'of':>10}  recompute"
     )
@@ -530,7 +578,7 @@ def plan_table(plans: list[dict[str, Any]]) -> str:
         # which ranks sit next to each other (in a node): a pipeline's, or a stage's shards
         inner = "dp" if plan.get("mesh", ["pp"])[-1] != "pp" else "pp"
         rows.append(
-            f"{i:>2} {plan['dp_shard']:>8} {plan['stages']:>6} {per_rank:>8} "
+            f"{i:>2} {plan.get('tp', 1):>2} {plan['dp_shard']:>8} {plan['stages']:>6} {per_rank:>8} "
             f"{plan['schedule']:<23} {inner:>6} {plan['microbatches']:>3} "
             f"{plan['accumulate']:>5} {figures}"
         )

@@ -16,7 +16,7 @@ from ..partitioning import Partition
 from ..partitioning.cost import Throughput, block_costs
 from ..partitioning.recomputed_values import closures
 from ..partitioning.search import plan_table
-from ..tensor_parallel import find_regions
+from ..tensor_parallel import find_regions, sharding_plan
 from ..tracing.causal_mask import attention_masking
 from ..tracing.grouped_query import grouped_query
 
@@ -55,7 +55,11 @@ def format_partition(graph: Graph, part: Partition) -> str:
     rows += memory_lines(part)
     rows.append(throughput_line(graph, part))
     rows += network_lines(part)
-    rows.append(find_regions(graph).summary())
+    regions = find_regions(graph)
+    rows.append(regions.summary())
+    if (settings.tp or 1) > 1:
+        rows.append(sharding_plan(graph, regions, settings.tp or 1).summary())
+    rows += tensor_parallel_choice_lines(part)
     if graph.model.symbols:
         rows.append(f"dynamic dimensions: {dimensions_text(graph, part)}")
     rows += batch_dims_lines(graph)
@@ -210,6 +214,26 @@ def _dynamic_input(graph: Graph, path: str) -> bool:
     return False
 
 
+def tensor_parallel_choice_lines(part: Partition) -> list[str]:
+    """Why a searched plan has its tensor-parallel degree: the best step of each degree the
+    search tried (none without a search over more than one degree)."""
+    best: dict[int, str] = {}  # degree -> its best plan's step, or why none runs
+    for plan in part.settings.plans or ():  # best first
+        degree, step = int(plan.get("tp", 1)), plan.get("step_time")
+        if degree not in best:
+            best[degree] = (
+                f"{step * 1e3:.4g} ms" if step is not None else plan["problem"].split(",")[0]
+            )
+    if len(best) < 2:
+        return []
+    chosen = part.settings.tp or 1
+    others = ", ".join(f"tp {d}: {best[d]}" for d in sorted(best) if d != chosen)
+    return [
+        f"tensor-parallel degree {chosen} chosen: {best.get(chosen, '?')} per step; the best "
+        f"plan of each other degree searched: {others}"
+    ]
+
+
 def requested_lines(part: Partition) -> list[str]:
     """How the stages the model's pipe_split() markers ask for (one per device, so many
     devices) compare with the partition's (none where it has no markers, or its stages are
@@ -343,7 +367,7 @@ def network_lines(part: Partition) -> list[str]:
     assert predicted is not None  # a partition's summary needs its prediction
     if not predicted.traffic:
         return []
-    ranks = len(set(part.device_of_stage)) * (settings.dp_shard or 1)
+    ranks = len(set(part.device_of_stage)) * (settings.dp_shard or 1) * (settings.tp or 1)
     per_node = settings.gpus_per_node or 8
     nodes = -(-ranks // per_node)
     mesh = settings.mesh or PIPELINE_INNERMOST

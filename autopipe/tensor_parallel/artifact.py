@@ -68,6 +68,9 @@ class Region:
     sizes: tuple[int, ...]
     degrees: tuple[int, ...]
     reason: str  # why it is left replicated ("" when a degree splits it)
+    #: the views, reshapes and expansions of sharded values: (node, the dimension of its result
+    #: that is sharded), whose size there a rank computes locally (-1 in generated code)
+    reshapes: tuple[tuple[str, int], ...] = ()
 
     @property
     def splits(self) -> bool:
@@ -120,6 +123,7 @@ class Region:
             sizes=_ints(data.get("sizes", []), f"{where}.sizes", "a list of sizes"),
             degrees=_ints(data.get("degrees", []), f"{where}.degrees", "a list of degrees"),
             reason=data.get("reason", ""),
+            reshapes=_reshapes(data.get("reshapes", []), f"{where}.reshapes"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -127,6 +131,7 @@ class Region:
         data["columns"] = [c.to_json() for c in self.columns]
         for key in ("sizes", "degrees"):
             data[key] = list(data[key])
+        data["reshapes"] = [[node, dim] for node, dim in self.reshapes]
         return data
 
 
@@ -203,6 +208,19 @@ class TensorParallelRegions:
             data.get("model", ""),
             tuple(Region.from_json(r, f"{where}.regions[{i}]") for i, r in enumerate(regions)),
         )
+
+
+def _reshapes(value: Any, where: str) -> tuple[tuple[str, int], ...]:
+    require(
+        isinstance(value, list)
+        and all(
+            isinstance(p, list) and len(p) == 2 and is_text(p[0]) and is_int(p[1], 0) for p in value
+        ),
+        where,
+        value,
+        "a list of [node, dimension] pairs",
+    )
+    return tuple((node, dim) for node, dim in value)
 
 
 def _known(data: dict[str, Any], cls: Any, where: str, keys: set[str] | None = None) -> None:

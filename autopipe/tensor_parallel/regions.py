@@ -202,6 +202,7 @@ def _region(
         sizes=sizes,
         degrees=degrees,
         reason=reason,
+        reshapes=tuple(sorted(walk.reshapes.items(), key=lambda item: order[item[0]])),
     )
 
 
@@ -225,6 +226,8 @@ class _Walk:
         self.kv_heads = 0
         self.attention = False  # whether the region reaches an attention call
         self.origin: dict[str, str] = {}  # value -> the column projection it comes from
+        #: views and expansions of sharded values -> the sharded dimension of their result
+        self.reshapes: dict[str, int] = {}
         #: every value the columns reach before a projection: sharded too, once visited
         self.reached = _reached(graph, [c.node.name for c in columns], set(by_node))
 
@@ -338,17 +341,17 @@ class _Walk:
         for j, extent in enumerate(after):
             if running == outer:
                 if extent == size:
-                    self._mark(node, j, source)
+                    self._reshaped(node, j, source)
                     return
                 if extent < size and size % extent == 0:  # features into (heads, head size)
                     self.sizes.add(extent)
-                    self._mark(node, j, source)
+                    self._reshaped(node, j, source)
                     return
                 merged = size
                 for following in before[dim + 1 :]:  # (heads, head size) into features
                     merged *= following
                     if merged == extent:
-                        self._mark(node, j, source)
+                        self._reshaped(node, j, source)
                         return
                 break
             running *= extent
@@ -383,7 +386,13 @@ class _Walk:
         offset = len(after) - len(before)
         if after[dim + offset] != before[dim]:
             raise _Refused(f"{node.name} expands the sharded dimension")
-        self._mark(node, dim + offset, source)
+        self._reshaped(node, dim + offset, source)
+
+    def _reshaped(self, node: Node, dim: int, source: str) -> None:
+        """``node`` (a view or an expansion) gives its result's sharded dimension ``dim`` a
+        size: a rank's is its share."""
+        self.reshapes[node.name] = dim
+        self._mark(node, dim, source)
 
     def _split(self, node: Node, source: str, dim: int) -> None:
         axis = int(argument_value(node, "dim") or 0) % len(self._shape(source))

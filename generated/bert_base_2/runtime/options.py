@@ -695,21 +695,22 @@ def dry_run_problem(
         )
     if not args.dry_run:
         return
-    pp = pipeline.num_ranks
-    wanted = pp * args.dp * args.dp_shard
+    pp, tp = pipeline.num_ranks, pipeline.tp
+    wanted = pp * args.dp * args.dp_shard * tp
     world = args.world_size if args.world_size is not None else wanted
     if world < 1:
         parser.error(f"--world-size must be >= 1, got {world}")
     if world != wanted:
         fix = (
-            f", or choose --dp x --dp-shard = {world // pp}"
-            if world % pp == 0
-            else f" (a job runs whole pipelines of {pp} ranks)"
+            f", or choose --dp x --dp-shard = {world // (pp * tp)}"
+            if world % (pp * tp) == 0
+            else f" (a job runs whole pipelines of {pp * tp} ranks)"
         )
+        tensor = f" x tp {tp}" if tp > 1 else ""
         parser.error(
             f"--world-size {world}: this pipeline runs on {pp} ranks per pipeline x --dp "
-            f"{args.dp} x --dp-shard {args.dp_shard} = {wanted} processes; give --world-size "
-            f"{wanted}{fix}"
+            f"{args.dp} x --dp-shard {args.dp_shard}{tensor} = {wanted} processes; give "
+            f"--world-size {wanted}{fix}"
         )
     args.world_size = world
     if args.rank is not None and not 0 <= args.rank < world:

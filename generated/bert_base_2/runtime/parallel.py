@@ -32,6 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 from .activity import ACTIVITY, doing, recorded, transfer
 from .core.errors import PipelineRunError
@@ -57,11 +59,16 @@ class Layout:
     shard_group: Any = None  # the ranks this rank's shards are a part of
     #: the mesh's dimensions, outermost first: the package's order (``Pipeline.mesh``)
     order: tuple[str, ...] = PIPELINE_INNERMOST
+    tp_size: int = 1  # tensor-parallel ranks each place's projections are sharded over
+    tp_rank: int = 0
+    tp_mesh: DeviceMesh | None = None  # the 1-D "tp" mesh parallelize_module shards over
 
     @property
     def rank_mesh(self) -> RankMesh:
         """The run's mesh, which places every global rank."""
-        return RankMesh(self.pp_size, self.dp_size // self.dp_shard, self.dp_shard, self.order)
+        return RankMesh(
+            self.pp_size, self.dp_size // self.dp_shard, self.dp_shard, self.order, self.tp_size
+        )
 
     @property
     def rank(self) -> int:
@@ -69,8 +76,20 @@ class Layout:
         return self.global_rank(self.pp_rank, self.dp_rank)
 
     def global_rank(self, pp_rank: int, dp_rank: int) -> int:
-        """The global rank of pipeline rank ``pp_rank`` in data-parallel rank ``dp_rank``."""
-        return self.rank_mesh.global_rank(pp_rank, dp_rank)
+        """The global rank of pipeline rank ``pp_rank`` in data-parallel rank ``dp_rank`` at
+        this rank's tensor-parallel rank (its peer there)."""
+        return self.rank_mesh.global_rank(pp_rank, dp_rank, self.tp_rank)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the stages' projections are sharded over tensor-parallel ranks."""
+        return self.tp_size > 1
+
+    @property
+    def reports(self) -> bool:
+        """Whether this rank is the one of its place that speaks for it (tensor-parallel rank
+        0: the others compute the same losses)."""
+        return self.tp_rank == 0
 
     @property
     def place(self) -> int:
@@ -84,11 +103,15 @@ class Layout:
         return self.dp_size > 1
 
 
-def world_size_problem(world: int, pp: int, dp: int, dp_shard: int) -> str:
-    """Why ``world`` processes do not run ``pp`` pipeline ranks x ``dp`` x ``dp_shard``, and
-    which numbers to change: torchrun's (nodes x processes per node) or train.py's."""
-    wanted = pp * dp * dp_shard
+def world_size_problem(world: int, pp: int, dp: int, dp_shard: int, tp: int = 1) -> str:
+    """Why ``world`` processes do not run ``pp`` pipeline ranks x ``dp`` x ``dp_shard`` x the
+    package's tensor-parallel degree ``tp``, and which numbers to change: torchrun's (nodes x
+    processes per node) or train.py's."""
+    wanted = pp * dp * dp_shard * tp
     flags = f"--dp {dp}" + (f" --dp-shard {dp_shard}" if dp_shard > 1 else "")
+    if tp > 1:
+        flags += f" x tp {tp}"
+    pp_tp = pp * tp
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world
     nodes = world // per_node if per_node and world % per_node == 0 else 1
     started = (
@@ -100,14 +123,16 @@ def world_size_problem(world: int, pp: int, dp: int, dp_shard: int) -> str:
         launch = f"torchrun with --nnodes x --nproc-per-node = {wanted}"
     else:
         launch = f"torchrun --nproc-per-node={wanted}"
-    if world % pp:
+    tensor = f" (the package's tensor-parallel degree, autopipe compile --tp)" if tp > 1 else ""
+    if world % pp_tp:
         return (
-            f"this pipeline runs on {pp} ranks per pipeline (x {flags}), but torchrun started "
-            f"{started}, not a multiple of {pp}; use {launch}"
+            f"this pipeline runs on {pp} ranks per pipeline x {flags} = {wanted} processes"
+            f"{tensor}, but torchrun started {started}, not a multiple of {pp_tp}; use {launch}"
         )
     return (
-        f"this pipeline runs on {pp} ranks per pipeline x {flags} = {wanted} processes, but "
-        f"torchrun started {started}; use {launch}, or choose --dp x --dp-shard = {world // pp}"
+        f"this pipeline runs on {pp} ranks per pipeline x {flags} = {wanted} processes{tensor}, "
+        f"but torchrun started {started}; use {launch}, or choose --dp x --dp-shard = "
+        f"{world // pp_tp}"
     )
 
 
@@ -118,14 +143,14 @@ def init_distributed(
     in the package's order (:func:`_world_mesh`), checked to place this rank where
     ``RankMesh`` says."""
     world = int(os.environ.get("WORLD_SIZE", "0"))
-    pp = pipeline.num_ranks
-    wanted = pp * dp * dp_shard
+    pp, tp = pipeline.num_ranks, pipeline.tp
+    wanted = pp * dp * dp_shard * tp
     if world == 0:
         raise PipelineRunError(
             f"start train.py with torchrun: torchrun --nproc-per-node={wanted} train.py ..."
         )
     if world != wanted:
-        raise PipelineRunError(world_size_problem(world, pp, dp, dp_shard), every_rank=True)
+        raise PipelineRunError(world_size_problem(world, pp, dp, dp_shard, tp), every_rank=True)
     wait = timedelta(seconds=timeout)
     if device_kind == "cuda":
         if not torch.cuda.is_available():
@@ -137,7 +162,7 @@ def init_distributed(
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=wait)
-    if dp * dp_shard == 1:  # one pipeline: no data-parallel groups to make
+    if dp * dp_shard == 1 and tp == 1:  # one pipeline: no other groups to make
         mesh = init_device_mesh(device.type, (pp,), mesh_dim_names=("pp",))
         return Layout(
             device=device,
@@ -163,6 +188,9 @@ def init_distributed(
         dp_mesh=dp_mesh,
         shard_group=mesh.get_group("dp_shard"),
         order=pipeline.mesh,
+        tp_size=tp,
+        tp_rank=mesh.get_local_rank("tp"),
+        tp_mesh=mesh["tp"] if tp > 1 else None,
     )
     problem = _placement_problem(layout)
     if problem:
@@ -172,13 +200,14 @@ def init_distributed(
 
 def _world_mesh(device_type: str, ranks: RankMesh) -> DeviceMesh:
     """The world's DeviceMesh, its dimensions in ``MESH_DIMENSIONS``' order (replicas, shards,
-    pipeline ranks), each global rank where ``ranks``' order puts it: ``init_device_mesh``'s
-    numbering of a mesh of the dimensions in that order (row-major), transposed. Named in one
-    order whatever the package's, the mesh gives FSDP2 its (dp_replicate, dp_shard) mesh by
-    slicing, which torch allows only along the order the mesh has."""
-    numbered = torch.arange(ranks.world).view(ranks.sizes)
-    transposed = numbered.permute([ranks.order.index(d) for d in MESH_DIMENSIONS])
-    return DeviceMesh(device_type, transposed, mesh_dim_names=MESH_DIMENSIONS)
+    pipeline ranks) then ``tp``, each global rank where ``ranks``' order puts it:
+    ``init_device_mesh``'s numbering of a mesh of the dimensions in that order (row-major, tp
+    innermost), transposed. Named in one order whatever the package's, the mesh gives FSDP2
+    its (dp_replicate, dp_shard) mesh by slicing, which torch allows only along the order the
+    mesh has, and the tensor-parallel styles their "tp" mesh."""
+    numbered = torch.arange(ranks.world).view(*ranks.sizes, ranks.tp)
+    transposed = numbered.permute([ranks.order.index(d) for d in MESH_DIMENSIONS] + [3])
+    return DeviceMesh(device_type, transposed, mesh_dim_names=(*MESH_DIMENSIONS, "tp"))
 
 
 def _placement_problem(layout: Layout) -> str | None:
@@ -197,9 +226,12 @@ def _placement_problem(layout: Layout) -> str | None:
     wanted = {
         "global rank": layout.rank,
         "pipeline rank in its group": layout.pp_rank,
-        "pipeline": tuple(sorted(ranks.pipeline_ranks(layout.dp_rank))),
-        "data-parallel ranks": tuple(sorted(ranks.dp_ranks(layout.pp_rank))),
+        "pipeline": tuple(sorted(ranks.pipeline_ranks(layout.dp_rank, layout.tp_rank))),
+        "data-parallel ranks": tuple(sorted(ranks.dp_ranks(layout.pp_rank, layout.tp_rank))),
     }
+    if layout.tp_mesh is not None:
+        found["tensor-parallel ranks"] = group_ranks(layout.tp_mesh.get_group())
+        wanted["tensor-parallel ranks"] = ranks.tp_ranks(layout.pp_rank, layout.dp_rank)
     for what, value in found.items():
         if value != wanted[what]:
             return (
@@ -226,6 +258,16 @@ def shard_stage(
     )
     for module in [*blocks, runner]:
         fully_shard(module, mesh=layout.dp_mesh, reshard_after_forward=per_block, mp_policy=policy)
+
+
+def parallelize_stage(stage: nn.Module, layout: Layout) -> int:
+    """Shard ``stage``'s projections over the "tp" mesh by its generated plan
+    (``tensor_parallel_plan``: original name -> torch style), with torch's
+    ``parallelize_module``; returns how many were sharded."""
+    plan = getattr(stage, "tensor_parallel_plan", None) or {}
+    if plan:
+        parallelize_module(stage, layout.tp_mesh, dict(plan))
+    return len(plan)
 
 
 class DataParallelStage(PipelineStage):
@@ -382,6 +424,16 @@ class Tie:
     ranks: tuple[int, ...] = ()
 
 
+def sharded_over_tp(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (a parameter or its gradient) is split over the tensor-parallel
+    ranks: a DTensor sharded along the mesh's "tp" dimension (replicated parameters, FSDP2's
+    included, hold the same values on every tensor-parallel rank)."""
+    if not isinstance(tensor, DTensor):
+        return False
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return "tp" in names and tensor.placements[names.index("tp")].is_shard()
+
+
 def group_ranks(group: Any) -> tuple[int, ...]:
     """The global ranks of a process group (None: every rank), ascending."""
     if group is None:
@@ -418,11 +470,13 @@ class GradientSync:
             holding = pipeline.tie_ranks(tie)
             mine = None
             my_ranks: tuple[int, ...] = ()
+            mesh = layout.rank_mesh
             for dp_rank in range(layout.dp_size):  # every rank takes part in every new_group
-                ranks = [layout.global_rank(r, dp_rank) for r in holding]
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
-                if dp_rank == layout.dp_rank:
-                    mine, my_ranks = group, tuple(ranks)
+                for tp_rank in range(layout.tp_size):
+                    ranks = [mesh.global_rank(r, dp_rank, tp_rank) for r in holding]
+                    group = dist.new_group(ranks) if len(ranks) > 1 else None
+                    if (dp_rank, tp_rank) == (layout.dp_rank, layout.tp_rank):
+                        mine, my_ranks = group, tuple(ranks)
             copies = [
                 stages[stage].get_parameter(name)
                 for stage, name in tie.holders.items()
@@ -456,16 +510,27 @@ class GradientSync:
                     p.grad = torch.zeros_like(p)
                 local_shard(p.grad).copy_(total)
 
+    def _squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of the squares of this rank's parts of ``grads``, on its device."""
+        if not grads:
+            return torch.zeros((), device=self.layout.device)
+        parts = [local_shard(g).detach().float().pow(2).sum() for g in grads]
+        return torch.stack(parts).sum().to(self.layout.device)
+
     def clip(self, max_norm: float | None) -> float:
         """The global gradient norm over every stage and shard (each tied parameter once);
         gradients scaled down to ``max_norm`` when given, as ``clip_grad_norm_`` would."""
-        grads = [local_shard(p.grad) for p in self.norm_params if p.grad is not None]
-        local = (
-            torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
-            if grads
-            else torch.zeros((), device=self.layout.device)
-        )
-        local = local.to(self.layout.device)
+        grads = [p.grad for p in self.norm_params if p.grad is not None]
+        split = [g for g in grads if sharded_over_tp(g)]
+        whole = [g for g in grads if not sharded_over_tp(g)]
+        local = self._squares(whole)
+        if self.layout.tensor_parallel:  # each rank holds a part of each split gradient
+            parts = self._squares(split)
+            assert self.layout.tp_mesh is not None  # tensor parallel: init_distributed made it
+            tp_group = self.layout.tp_mesh.get_group()
+            with doing("norm", ranks=group_ranks(tp_group)):
+                dist.all_reduce(parts, group=tp_group)
+            local = local + parts
         for group, ranks in self.norm_groups:
             with doing("norm", ranks=ranks):
                 dist.all_reduce(local, group=group)

@@ -86,6 +86,7 @@ from .parallel import (
     Layout,
     group_ranks,
     init_distributed,
+    parallelize_stage,
     shard_stage,
 )
 from .sinks import open_sinks
@@ -575,11 +576,18 @@ def build_stages(
     filled, load = resumed_weights(config, resume, pipeline)
     # parameters stay on meta until a checkpoint fills them, or until they are sharded: a rank
     # never holds a whole stage it shards
-    meta = filled or load is not None or layout.sharded
+    split = layout.sharded or layout.tensor_parallel  # parameters held in parts (DTensors)
+    meta = filled or load is not None or split
     modules = {
         s.index: package.build_stage(s.index, device=device, seed=config.seed, meta_state=meta)
         for s in local
     }
+    if layout.tensor_parallel:
+        sharded = sum(parallelize_stage(modules[s.index], layout) for s in local)
+        say(
+            f"tensor parallelism: {sharded} projection(s) of this rank's stages sharded over "
+            f"{layout.tp_size} ranks (torch's ColwiseParallel / RowwiseParallel)"
+        )
     if config.compile:
         for s in local:
             compile_stage(modules[s.index], s.blocks, config.recompute_blocks)
@@ -587,7 +595,7 @@ def build_stages(
     if config.recompute_blocks:
         held = sum(recompute_blocks(m, config.recompute_blocks) for m in modules.values())
         say(f"recomputing {held} block(s) of this rank's stages in backward")
-    if load and not layout.sharded:
+    if load and not split:
         say(f"loading weights from {load}")
         loaded(load_weights(modules, load, pipeline, device, config.load_partial), load)
     autocast = device.type if config.bf16 else None
@@ -615,10 +623,10 @@ def build_stages(
             + (f", gathered per {config.gather})" if config.dp_shard > 1 else ")")
             + f"; ranks on the {layout.rank_mesh.describe()}"
         )
-    if filled or layout.sharded:  # allocated (only its shards, if sharded)
+    if filled or split:  # allocated (only its shards, if sharded)
         for runner in runners.values():
             materialise(runner, device)
-    if layout.sharded and not filled:
+    if split and not filled:
         if load:
             say(f"loading weights from {load} (each rank its shards)")
             loaded(load_weights(modules, load, pipeline, device, config.load_partial), load)
@@ -723,7 +731,7 @@ def run_training(
     """:func:`train`'s work, once the process group runs."""
     # dropout streams differ per rank, and follow its place whatever the mesh order
     torch.manual_seed(config.seed * 1_000_003 + layout.place)
-    reporting = layout.pp_rank == pipeline.last_rank and layout.dp_rank == 0
+    reporting = layout.pp_rank == pipeline.last_rank and layout.dp_rank == 0 and layout.reports
     problem = evaluated_checkpoint_problem(config)
     if problem:
         raise PipelineRunError(problem, every_rank=True)

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .checkpoint import (
@@ -174,8 +175,8 @@ def _load_weights(
                     f"--load: {source} in {path} has shape {list(tensor.shape)}, stage {index} "
                     f"expects {list(wanted[key].shape)}: it is a checkpoint of another model"
                 )
-            if isinstance(wanted[key], DTensor):  # sharded (FSDP2): fill this rank's shard
-                copy_whole(targets[key], tensor)
+            if isinstance(wanted[key], DTensor) or not targets[key].is_meta:
+                copy_whole(targets[key], tensor)  # allocated (this rank's shard when sharded)
                 continue
             # on CPU with the right dtype the first user gets the mapped tensor itself (private,
             # copy-on-write); a tied tensor held by several local stages is copied for the others
@@ -215,7 +216,7 @@ def gather_weights(
         for k, v in stage.state_dict().items():
             if k not in left_out:  # sharded tensors are gathered by all the ranks holding a part
                 local[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-    if layout.dp_rank != 0:
+    if layout.dp_rank != 0 or not layout.reports:  # the others hold the same tensors
         local = {}
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local, gathered, dst=0)
@@ -732,10 +733,48 @@ def materialise(module: nn.Module, device: torch.device) -> None:
     left on the meta device (FSDP2-managed ones: only this rank's shard), keeping the buffers
     that have values; a checkpoint fills the rest."""
     kept = {name: b for name, b in module.named_buffers() if not b.is_meta}
-    module.to_empty(device=device)
+    fsdp = any(isinstance(m, FSDPModule) for m in module.modules())  # FSDP2 allocates its own
+    if not fsdp and any(isinstance(p, DTensor) for p in module.parameters()):
+        _materialise_each(module, device)
+    else:
+        module.to_empty(device=device)
     with torch.no_grad():
         for name, value in kept.items():
             module.get_buffer(name).copy_(value)
+
+
+def _materialise_each(module: nn.Module, device: torch.device) -> None:
+    """``to_empty`` for a module holding tensor-parallel DTensor parameters: each parameter
+    and buffer on the meta device replaced by an uninitialised one on ``device`` (a DTensor by
+    one of this rank's shard), each once however many modules hold it. ``to_empty`` would swap
+    each DTensor in place, which torch refuses for a tensor something holds a weak reference
+    to (a fake tensor, in a dry run)."""
+    made: dict[int, torch.Tensor] = {}
+
+    def allocated(tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, DTensor):
+            local = torch.empty_like(tensor.to_local(), device=device)
+            return DTensor.from_local(
+                local,
+                tensor.device_mesh,
+                tensor.placements,
+                run_check=False,
+                shape=tensor.shape,
+                stride=tensor.stride(),
+            )
+        return torch.empty_like(tensor, device=device)
+
+    for owner in module.modules():
+        for name, param in list(owner.named_parameters(recurse=False)):
+            if id(param) not in made:
+                if not (param.to_local() if isinstance(param, DTensor) else param).is_meta:
+                    continue
+                made[id(param)] = nn.Parameter(allocated(param), param.requires_grad)
+            owner.register_parameter(name, cast(nn.Parameter, made[id(param)]))
+        for name, buffer in list(owner.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                made.setdefault(id(buffer), allocated(buffer))
+                owner._buffers[name] = made[id(buffer)]
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -587,6 +587,10 @@ class Pipeline:
     #: starts next to each other (see ``mesh.RankMesh``); the default in pipelines compiled
     #: before it, and left out of the JSON when it is the default
     mesh: tuple[str, ...] = PIPELINE_INNERMOST
+    #: the tensor-parallel degree the package was compiled for (``autopipe compile --tp``):
+    #: ranks each stage's sharded projections are split over, innermost in the mesh; 1 (left
+    #: out of the JSON) without tensor parallelism
+    tp: int = 1
 
     @classmethod
     def from_json(cls, data: Any) -> Pipeline:
@@ -597,7 +601,7 @@ class Pipeline:
         keys += ("values", "loss", "schedule", "tied", "aliases", "input_ranges", "dp_shard")
         optional: tuple[str, ...]
         optional = ("plan", "dimensions", "identity", "huggingface", "frozen", "fixed_inputs")
-        optional += ("batch_dims", "mesh")
+        optional += ("batch_dims", "mesh", "tp")
         _read.fields(data, where, keys, optional)
         if data["format"] != FORMAT:
             raise _read.fail(f"{where}.format", data["format"], repr(FORMAT))
@@ -683,6 +687,9 @@ class Pipeline:
                     _is_mesh_order,
                     f"an order of the mesh dimensions {', '.join(MESH_DIMENSIONS)}",
                 )
+            ),
+            tp=_read.check(
+                data.get("tp", 1), f"{where}.tp", lambda v: is_int(v) and v >= 1, "1 or more"
             ),
         )
         pipeline._check_references()
@@ -778,6 +785,7 @@ class Pipeline:
                 "dp_shard": self.dp_shard,
             }
             | ({"mesh": list(self.mesh)} if self.mesh != PIPELINE_INNERMOST else {})
+            | ({"tp": self.tp} if self.tp > 1 else {})
             | ({"plan": self.plan.to_json()} if self.plan else {})
             | (
                 {"dimensions": {n: d.to_json() for n, d in self.dimensions.items()}}

@@ -1,0 +1,294 @@
+"""Which regions a package shards at a tensor-parallel degree, and how its code does it (issue 45,
+item 2).
+
+A region found in the graph (:mod:`.regions`) is sharded at degree ``d`` when ``d`` divides it
+and torch's tensor-parallel styles can shard it: each of its projections is a ``linear`` of a
+weight (and bias) of its own, held by a module that holds nothing else, so that the generated
+stage can hold it as a real ``nn.Linear`` and ``parallelize_module`` applies ``ColwiseParallel``
+to the column projections and ``RowwiseParallel`` to the row projection; a fused projection
+(sections: GPT-2's ``c_attn``) or a transposed one (``addmm`` of a ``Conv1D`` weight) stays
+replicated, with its reason. The sizes a view or an expansion gives a sharded dimension become
+-1 in the generated code, so that one package runs at any degree (a view that fixes another
+size to -1 already keeps its region replicated). The embedding is sharded by vocabulary rows
+(torch's ``RowwiseParallel`` on an ``nn.Embedding``) and the output head by vocabulary columns,
+its logits gathered whole for the loss (``ColwiseParallel(output_layouts=Replicate())``), where
+their weights are their own (not tied) and the embedding has no padding index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import Graph, Node, Ref, Size
+from .artifact import Region, TensorParallelRegions
+
+__all__ = [
+    "COLWISE",
+    "EMBEDDING",
+    "LINEAR",
+    "ROWWISE",
+    "ShardedModule",
+    "ShardingPlan",
+    "sharding_plan",
+]
+
+#: the styles of :class:`ShardedModule`: torch's ColwiseParallel and RowwiseParallel
+COLWISE, ROWWISE = "colwise", "rowwise"
+#: the kinds of :class:`ShardedModule`: ``nn.Linear`` and ``nn.Embedding``
+LINEAR, EMBEDDING = "linear", "embedding"
+_LINEAR = "aten.linear.default"
+_EMBEDDING = "aten.embedding.default"
+_VIEWS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default"}
+_EXPAND = "aten.expand.default"
+
+
+@dataclass(frozen=True)
+class ShardedModule:
+    """A projection the generated stage holds as an ``nn.Linear`` at ``module`` (its original
+    name) and calls, sharded in the ``style`` its place in the region gives it."""
+
+    node: str  # the projection's node
+    module: str  # the module holding its weight (and bias): ``model.layers.0.self_attn.q_proj``
+    style: str  # COLWISE or ROWWISE
+    in_features: int  # an embedding's: its rows (the vocabulary)
+    out_features: int
+    bias: bool
+    region: str  # the region's scope
+    kind: str = LINEAR  # LINEAR or EMBEDDING
+    gathered: bool = False  # a column projection whose output every rank gets whole (the head)
+
+    @property
+    def weight_at(self) -> int:
+        """Where the node takes the weight (its input is the other of its first two)."""
+        return 0 if self.kind == EMBEDDING else 1
+
+    def constructor(self) -> str:
+        """The module as generated code builds it (on the meta device: ``keep_whole`` gives it
+        the stage's parameters)."""
+        if self.kind == EMBEDDING:
+            return f"nn.Embedding({self.in_features}, {self.out_features}, device='meta')"
+        return (
+            f"nn.Linear({self.in_features}, {self.out_features}, bias={self.bias}, "
+            "device='meta')"
+        )
+
+    def style_source(self) -> str:
+        """The torch style that shards it, as generated code writes it: a column projection's
+        output features split (whole heads), a row projection's (and the vocabulary-parallel
+        embedding's) partial sums all-reduced; the head's logits gathered whole."""
+        if self.kind == EMBEDDING:  # the token ids are whole on every rank
+            return "RowwiseParallel(input_layouts=Replicate())"
+        if self.style == ROWWISE:
+            return "RowwiseParallel()"
+        return (
+            "ColwiseParallel(output_layouts=Replicate())" if self.gathered else "ColwiseParallel()"
+        )
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """What a package shards at tensor-parallel degree ``degree``: its modules, the sizes its
+    code leaves to each rank (``(node, position in its sizes)`` written -1), and the regions
+    left replicated with their reasons."""
+
+    degree: int
+    modules: tuple[ShardedModule, ...]
+    free_sizes: tuple[tuple[str, int], ...]
+    replicated: tuple[tuple[str, str], ...]  # (region, why)
+
+    @property
+    def module_nodes(self) -> frozenset[str]:
+        """The projection nodes generated code calls as modules."""
+        return frozenset(m.node for m in self.modules)
+
+    @property
+    def sharded_regions(self) -> int:
+        return len({m.region for m in self.modules})
+
+    def summary(self) -> str:
+        """One line: ``tensor parallel 2: 8 regions sharded (24 projections); replicated: ...``."""
+        line = (
+            f"tensor parallel {self.degree}: {self.sharded_regions} region(s) sharded "
+            f"({len(self.modules)} projections, torch's ColwiseParallel / RowwiseParallel)"
+        )
+        if self.replicated:
+            shown = "; ".join(f"{scope}: {why}" for scope, why in self.replicated[:3])
+            more = f" (and {len(self.replicated) - 3} more)" if len(self.replicated) > 3 else ""
+            line += f"; replicated: {shown}{more}"
+        return line
+
+
+def sharding_plan(graph: Graph, regions: TensorParallelRegions, degree: int) -> ShardingPlan:
+    """The plan of ``graph`` at ``degree`` (1: nothing sharded, nothing said)."""
+    if degree == 1:
+        return ShardingPlan(1, (), (), ())
+    projections = _linear_projections(graph)
+    modules: list[ShardedModule] = []
+    free: list[tuple[str, int]] = []
+    replicated: list[tuple[str, str]] = []
+    for region in regions.regions:
+        scope = region.scope or region.kind
+        why = region.why_not(degree)
+        if not why:
+            try:
+                found = _modules(graph, region, projections)
+                sizes = _free_sizes(graph, region) if region.kind in ("attention", "mlp") else []
+            except _Replicated as reason:
+                why = str(reason)
+            else:
+                modules += found
+                free += sizes
+                continue
+        replicated.append((scope, why))
+    return ShardingPlan(degree, tuple(modules), tuple(free), tuple(replicated))
+
+
+class _Replicated(Exception):
+    """Why generated code keeps a region replicated."""
+
+
+def _linear_projections(graph: Graph) -> dict[str, Node]:
+    """Each weight (first name) read by exactly one ``linear`` or ``embedding`` (and nothing
+    else that projects), -> that node."""
+    found: dict[str, Node] = {}
+    seen: set[str] = set()
+    for node in graph.calls:
+        if node.target not in (_LINEAR, _EMBEDDING) or len(node.args) < 2:
+            continue
+        at = 0 if node.target == _EMBEDDING else 1
+        if not isinstance(node.args[at], Ref):
+            continue
+        weight = graph[node.args[at].name]
+        if weight.kind != "param":
+            continue
+        name = graph.param_of(weight.target).names[0]
+        if name in seen:
+            found.pop(name, None)
+        else:
+            found[name] = node
+        seen.add(name)
+    return found
+
+
+def _modules(graph: Graph, region: Region, projections: dict[str, Node]) -> list[ShardedModule]:
+    held = [name for info in graph.params.values() for name in info.names]
+    if region.kind in ("embedding", "head"):
+        return [_vocabulary(graph, region, projections, held)]
+    modules = []
+    for style, weight, sections in [
+        *((COLWISE, c.weight, c.sections) for c in region.columns),
+        (ROWWISE, region.row, ()),
+    ]:
+        if sections:
+            raise _Replicated(
+                f"{weight} is a fused projection ({len(sections)} sections), which torch's "
+                "ColwiseParallel would cut across its sections"
+            )
+        node = projections.get(weight)
+        if node is None or node.target != _LINEAR or not weight.endswith(".weight"):
+            raise _Replicated(
+                f"{weight} is not the weight of a linear projection of its own (torch's styles "
+                "shard nn.Linear)"
+            )
+        module = weight.removesuffix(".weight")
+        info = graph.param_of(graph[node.args[1].name].target)  # type: ignore[union-attr]
+        bias = node.args[2] if len(node.args) > 2 else None
+        names = {weight} | ({f"{module}.bias"} if isinstance(bias, Ref) else set())
+        if isinstance(bias, Ref):
+            bias_info = graph[bias.name]
+            if bias_info.kind != "param" or graph.param_of(bias_info.target).names != (
+                f"{module}.bias",
+            ):
+                raise _Replicated(f"{module}'s bias is not a parameter of its own")
+        inside = {name for name in held if name.startswith(f"{module}.")}
+        if len(info.names) > 1 or inside != names:
+            raise _Replicated(
+                f"{module} holds {sorted(inside)} or shares its weight, not an nn.Linear's "
+                "weight and bias alone"
+            )
+        out_features, in_features = info.shape
+        modules.append(
+            ShardedModule(
+                node.name,
+                module,
+                style,
+                in_features,
+                out_features,
+                isinstance(bias, Ref),
+                region.scope,
+            )
+        )
+    return modules
+
+
+def _vocabulary(
+    graph: Graph, region: Region, projections: dict[str, Node], held: list[str]
+) -> ShardedModule:
+    """The embedding (torch's RowwiseParallel on an ``nn.Embedding``: each rank looks up its
+    rows, the partial sums all-reduced) or the output head (ColwiseParallel on an ``nn.Linear``
+    of the vocabulary, the logits gathered whole for the loss)."""
+    weight = region.columns[0].weight
+    node = projections.get(weight)
+    wanted = _EMBEDDING if region.kind == "embedding" else _LINEAR
+    if node is None or node.target != wanted or not weight.endswith(".weight"):
+        raise _Replicated(f"{weight} is read by more than one operator (a tied weight)")
+    module = weight.removesuffix(".weight")
+    info = graph.param_of(graph[node.args[0 if wanted == _EMBEDDING else 1].name].target)  # type: ignore[union-attr]
+    inside = {name for name in held if name.startswith(f"{module}.")}
+    if len(info.names) > 1:
+        raise _Replicated(f"{weight} is tied to {', '.join(info.names[1:])}")
+    if wanted == _EMBEDDING:
+        # padding_idx, scale_grad_by_freq, sparse: only their defaults (-1, False, False)
+        defaults = (-1, False, False)
+        extra = [
+            a
+            for a, d in zip(node.args[2:], defaults)
+            if not (a is d or type(a) is type(d) and a == d)
+        ]
+        extra += [v for v in node.kwargs.values() if v not in (None, -1) and v is not False]
+        if inside != {weight} or extra:
+            raise _Replicated(
+                f"{module} is not a plain embedding (padding index, frequency scaling or sparse "
+                "gradients, which a vocabulary-parallel lookup would apply to each rank's rows)"
+            )
+        rows, width = info.shape
+        return ShardedModule(
+            node.name, module, ROWWISE, rows, width, False, region.scope, EMBEDDING
+        )
+    bias = node.args[2] if len(node.args) > 2 else None
+    if inside != {weight} | ({f"{module}.bias"} if isinstance(bias, Ref) else set()):
+        raise _Replicated(f"{module} holds more than a linear projection's weight and bias")
+    out_features, in_features = info.shape
+    return ShardedModule(
+        node.name,
+        module,
+        COLWISE,
+        in_features,
+        out_features,
+        isinstance(bias, Ref),
+        region.scope,
+        gathered=True,
+    )
+
+
+def _free_sizes(graph: Graph, region: Region) -> list[tuple[str, int]]:
+    """The (node, position) of each size a view or expansion gives a sharded dimension that is
+    not -1 already; refused where writing -1 there would make a second -1."""
+    free = []
+    for name, dim in region.reshapes:
+        node = graph[name]
+        sizes = node.args[1] if len(node.args) > 1 else None
+        if not isinstance(sizes, (list, tuple)) or dim >= len(sizes):
+            raise _Replicated(f"{name} ({node.target}) gives its sizes otherwise")
+        if sizes[dim] == -1:
+            continue
+        if isinstance(sizes[dim], Size) or not isinstance(sizes[dim], int):
+            raise _Replicated(f"{name} computes the sharded size")
+        if node.target in _VIEWS and -1 in sizes:
+            raise _Replicated(
+                f"{name} fixes the sharded size {sizes[dim]} and leaves another one to -1"
+            )
+        if node.target not in _VIEWS and node.target != _EXPAND:
+            raise _Replicated(f"{name} ({node.target}) is not a view or an expansion")
+        free.append((name, dim))
+    return free

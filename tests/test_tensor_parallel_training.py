@@ -1,0 +1,185 @@
+"""Tensor parallelism trained (issue 45, item 2): a package compiled with ``--tp 2`` shards its
+attention and MLP projections with torch's ``parallelize_module`` and trains a grouped-query
+Llama like plain PyTorch: tensor parallel alone, under a pipeline (PP 2 x TP 2) and under FSDP2
+(FSDP 2 x TP 2), over gloo with torchrun; its TP 2 checkpoint resumes at TP 1. The generated
+code, the plan in each stage file, the collectives torch runs per block against the regions, and
+the refusals of a world size or a degree that does not fit are checked in this process."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from autopipe.compiler import CompileOptions, check_tensor_parallel, load_graph
+from autopipe.errors import AutopipeError, PartitionError
+from autopipe.runtime.core.mesh import RankMesh
+from autopipe.runtime.parallel import world_size_problem
+from autopipe.spec import load_example
+from autopipe.tensor_parallel import sharding_plan, find_regions
+
+from conftest import compile_model, torchrun_failing
+from pipelines import assert_same_training, reference_training, run_pipeline, STEPS
+
+LLAMA = "tests/causal_models.py:llama_plain"  # 4 heads, 2 key/value heads, no dropout
+UNPADDED = "tests/causal_models.py:llama_unpadded"  # the same without a padding token
+BATCHES = "tests/causal_models.py:llama_plain_batch"
+TRAIN = ("--optimizer", "adamw", "--lr", "0.001")
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory):
+    """The Llama in 2 stages, tensor parallel 2: 4 processes."""
+    return compile_model(LLAMA, tmp_path_factory.mktemp("tp") / "pipe", 2, tp=2)
+
+
+@pytest.fixture(scope="module")
+def one_stage(tmp_path_factory):
+    """The Llama without a padding token in 1 stage, tensor parallel 2: its embedding and head
+    sharded over the vocabulary too."""
+    return compile_model(UNPADDED, tmp_path_factory.mktemp("tp1") / "pipe", 1, tp=2)
+
+
+def _reference(name):
+    causal_models = importlib.import_module("causal_models")
+    return reference_training(
+        load_example(name), causal_models.llama_plain_batch, STEPS, "adamw", 0.001
+    )
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference(LLAMA)
+
+
+def test_the_package_records_its_degree_and_its_plan(two_stages):
+    description = json.loads((two_stages.out / "pipeline.json").read_text())
+    assert description["tp"] == 2
+    stage = (two_stages.out / "stage0.py").read_text()
+    assert "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel" in stage
+    assert '"model.layers.0.self_attn.q_proj": ColwiseParallel(),' in stage
+    assert '"model.layers.0.mlp.down_proj": RowwiseParallel(),' in stage
+    blocks = (two_stages.out / "blocks.py").read_text()
+    assert 'keep_whole(self, "self_attn.k_proj", nn.Linear(32, 16, bias=False, device="meta"))' in (
+        blocks
+    )
+    assert "linear = self.self_attn.q_proj(mul_1)" in blocks  # called as a module
+    assert "aten.linear.default" not in blocks
+
+
+def test_the_stages_compute_the_same_at_tp_1(two_stages):
+    """The TP package's code is the same computation unsharded: ``autopipe verify``'s
+    in-process check (outputs and gradients against the original model) passes."""
+    from autopipe.verify import verify
+
+    report = verify(two_stages.out, load_example(LLAMA))
+    assert report.ok, report.summary()
+
+
+def test_pipeline_x_tensor_parallel_trains_like_pytorch(two_stages, tmp_path, reference):
+    pipe = run_pipeline(tmp_path, LLAMA, 2, BATCHES, *TRAIN, package=two_stages.out, nproc=4)
+    assert_same_training(pipe, reference)
+    said = (tmp_path / "train.out").read_text()
+    assert "14 projection(s) of this rank's stages sharded over 2 ranks" in said  # rank 0's
+
+
+def test_tensor_parallel_alone_and_under_fsdp2(one_stage, tmp_path):
+    """TP 2 alone, then FSDP2 over 2 shards x TP 2 (the parameters 2-D DTensors), the
+    embedding and head sharded over the vocabulary."""
+    stage = (one_stage.out / "stage0.py").read_text()
+    assert '"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),' in stage
+    assert '"lm_head": ColwiseParallel(output_layouts=Replicate()),' in stage
+    reference = _reference(UNPADDED)
+    for run in ("alone", "fsdp"):
+        (tmp_path / run).mkdir()
+    alone = run_pipeline(
+        tmp_path / "alone", UNPADDED, 1, BATCHES, *TRAIN, package=one_stage.out, nproc=2
+    )
+    assert_same_training(alone, reference)
+    sharded = run_pipeline(
+        tmp_path / "fsdp",
+        UNPADDED,
+        1,
+        BATCHES,
+        *TRAIN,
+        "--dp-shard",
+        "2",
+        "--microbatches",
+        "2",
+        package=one_stage.out,
+        nproc=4,
+    )
+    assert_same_training(sharded, reference)
+
+
+def test_a_world_that_does_not_fit_is_refused_naming_the_numbers(one_stage):
+    result = torchrun_failing(one_stage.out / "train.py", 3, "--steps", "1")
+    said = result.stdout + result.stderr
+    assert "1 ranks per pipeline x --dp 1 x tp 2 = 2 processes" in said, said[-3000:]
+    assert "torchrun started 3 processes" in said
+
+
+def test_world_size_problem_names_the_degree():
+    said = world_size_problem(6, 2, 1, 1, tp=2)
+    assert "2 ranks per pipeline x --dp 1 x tp 2 = 4 processes" in said
+    assert "tensor-parallel degree" in said and "--nproc-per-node=4" in said
+
+
+def test_the_mesh_puts_tensor_parallel_ranks_innermost():
+    mesh = RankMesh(pp=2, dp_replicate=1, dp_shard=2, tp=2)
+    assert mesh.world == 8
+    assert mesh.tp_ranks(1, 0) == (2, 3)  # consecutive: one node
+    assert mesh.pipeline_ranks(0, tp_rank=1) == (1, 3)
+    assert mesh.coordinates(7) == {"tp": 1, "pp": 1, "dp_shard": 1, "dp_replicate": 0}
+    assert mesh.place(1, 1) == RankMesh(2, 1, 2).place(1, 1)  # tensor-parallel ranks share it
+    assert mesh.describe().endswith("x tp 2, outermost first")
+
+
+def test_a_degree_that_shards_nothing_is_refused(tmp_path):
+    graph = load_graph("generated/gpt2_4/artifacts/graph.json")  # fused c_attn, Conv1D MLPs
+    with pytest.raises(PartitionError, match=r"--tp 2 shards no region of GPT2LMHeadModel"):
+        check_tensor_parallel(graph, 2)
+    with pytest.raises(AutopipeError, match="--tp 16 is more than --gpus-per-node 8"):
+        CompileOptions(stages=2, tp=16)
+
+
+def test_the_collectives_of_a_block_are_the_regions(two_stages):
+    """One block under torch's CommDebugMode on a fake 2-rank group: the forward all-reduces
+    once per region (its row projection's partial sums), the backward once per column
+    projection (the gradient of its replicated input), as the regions predict."""
+    sys.path.insert(0, str(two_stages.out.parent))
+    try:
+        package = importlib.import_module(two_stages.out.name)
+    finally:
+        sys.path.pop(0)
+    graph = load_graph(two_stages.out / "artifacts/graph.json")
+    plan = sharding_plan(graph, find_regions(graph), 2)
+    block_regions = {m.region for m in plan.modules if m.module.startswith("model.layers.0.")}
+    columns = [m for m in plan.modules if m.module.startswith("model.layers.0.")]
+    columns = [m for m in columns if m.style == "colwise"]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        stage = package.build_stage(0, device="cpu")
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(stage, mesh, dict(stage.tensor_parallel_plan))
+        block = stage.get_submodule("model.layers.0")
+        x = torch.randn(2, 12, 32, requires_grad=True)
+        cos, sin = torch.randn(2, 12, 8), torch.randn(2, 12, 8)
+        with CommDebugMode() as forward:
+            out = block(x, cos, sin)
+        with CommDebugMode() as backward:
+            out.sum().backward()
+    finally:
+        dist.destroy_process_group()
+    all_reduce = torch.ops.c10d_functional.all_reduce
+    assert forward.get_comm_counts()[all_reduce] == len(block_regions) == 2
+    assert backward.get_comm_counts()[all_reduce] == len(columns) == 5
