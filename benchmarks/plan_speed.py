@@ -142,6 +142,8 @@ def child(case: Case, reference: bool, workers: int | None) -> dict[str, object]
         "workers": workers,
         "candidates": len(plans),
         "fits": best.fits,
+        # the best plan of each tensor-parallel degree: its step, or why none runs
+        "degrees": _best_by_degree(plans),
     }
     if best.fits and best.prediction is not None and best.partition is not None:
         c, predicted = best.candidate, best.prediction
@@ -152,8 +154,9 @@ def child(case: Case, reference: bool, workers: int | None) -> dict[str, object]
             / (best.step_time * case.devices * predicted.peak_flops)
         )
         figures |= {
-            "plan": f"{c.stages}st/{c.ranks}r x {c.dp_shard}sh {c.schedule} "
-            f"{c.microbatches}mb x{c.accumulate}",
+            "plan": f"{c.stages}st/{c.ranks}r x {c.dp_shard}sh"
+            + (f" x tp{c.tp}" if c.tp > 1 else "")
+            + f" {c.schedule} {c.microbatches}mb x{c.accumulate}",
             "recompute": best.recompute,
             "step_time": best.step_time,
             "bottleneck": predicted.bottleneck,
@@ -162,6 +165,25 @@ def child(case: Case, reference: bool, workers: int | None) -> dict[str, object]
             "mfu": mfu,
         }
     return figures
+
+
+def _best_by_degree(plans: list) -> dict[str, str]:
+    """The best plan of each tensor-parallel degree searched, in words (plans best first)."""
+    found: dict[str, str] = {}
+    for plan in plans:
+        degree = str(plan.candidate.tp)
+        if degree in found:
+            continue
+        if plan.fits:
+            c = plan.candidate
+            tokens = plan.global_batch * 4096 / plan.step_time / (c.ranks * c.dp_shard * c.tp)
+            found[degree] = (
+                f"{plan.step_time:.2f} s ({c.stages}st/{c.ranks}r x {c.dp_shard}sh, "
+                f"{c.schedule}, {tokens:.0f} tokens/s/GPU)"
+            )
+        else:
+            found[degree] = plan.problem.split(",")[0]
+    return dict(sorted(found.items(), key=lambda item: int(item[0])))
 
 
 def run_case(
@@ -235,6 +257,12 @@ def main() -> None:
         assert figures is not None  # no timeout
         rows.append(_row(name, figures))
         print(rows[-1], flush=True)
+        degrees = figures.get("degrees") or {}
+        print(
+            f"{name}: best plan of each tensor-parallel degree: "
+            + "; ".join(f"tp {d}: {text}" for d, text in degrees.items()),  # type: ignore[union-attr]
+            flush=True,
+        )
         if name in reference:
             checked = run_case(
                 case, reference=True, timeout=args.reference_seconds, workers=args.workers

@@ -187,3 +187,22 @@ def test_what_no_split_makes_exact_is_refused():
     assert "a mask per head ([4, 5, 5]) is not split" in attention.reason
     classifier = find_regions(_traced(_Classifier(), torch.randn(2, 5, 32), torch.tensor([1, 2])))
     assert [(r.kind, r.row) for r in classifier.regions] == [("mlp", "out.weight")]
+
+
+def test_a_batch_of_one_keeps_the_heads_sharded():
+    """Views of a batch of one (``[1, -1, S, D]`` after attention) have a leading dimension of
+    1 that is not the shard's: the attention region of a Llama fed one sequence splits."""
+    config = tf.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (1, 16))
+    found = find_regions(_traced(tf.LlamaForCausalLM(config), ids, labels=ids))
+    (attention,) = [r for r in found.regions if r.kind == "attention"]
+    assert attention.degrees == (2,) and not attention.reason

@@ -339,6 +339,8 @@ class _Walk:
         outer, size = math.prod(before[:dim]), before[dim]
         running = 1
         for j, extent in enumerate(after):
+            if running == outer and extent == 1 and size != 1:
+                continue  # a dimension of 1 before the shard's (a batch of one)
             if running == outer:
                 if extent == size:
                     self._reshaped(node, j, source)
