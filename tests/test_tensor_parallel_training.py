@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
 import sys
 
 import pytest
@@ -18,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from autopipe.codegen.context import node_layout
 from autopipe.compiler import CompileOptions, check_tensor_parallel, load_graph
 from autopipe.errors import AutopipeError, PartitionError
 from autopipe.runtime.core.mesh import RankMesh
@@ -25,8 +27,14 @@ from autopipe.runtime.parallel import world_size_problem
 from autopipe.spec import load_example
 from autopipe.tensor_parallel import sharding_plan, find_regions
 
-from conftest import compile_model, torchrun_failing
-from pipelines import assert_same_training, reference_training, run_pipeline, STEPS
+from conftest import compile_model, torchrun, torchrun_failing
+from pipelines import (
+    MICROBATCHES,
+    STEPS,
+    assert_same_training,
+    reference_training,
+    run_pipeline,
+)
 
 LLAMA = "tests/causal_models.py:llama_plain"  # 4 heads, 2 key/value heads, no dropout
 UNPADDED = "tests/causal_models.py:llama_unpadded"  # the same without a padding token
@@ -72,6 +80,16 @@ def test_the_package_records_its_degree_and_its_plan(two_stages):
     )
     assert "linear = self.self_attn.q_proj(mul_1)" in blocks  # called as a module
     assert "aten.linear.default" not in blocks
+    launch = (two_stages.out / "launch/slurm.sbatch").read_text()
+    assert "= 4 processes, the plan's 2 pipeline ranks x --dp-shard 1 x tensor parallel 2" in (
+        launch
+    )
+
+
+def test_a_node_holds_whole_tensor_parallel_groups():
+    assert node_layout(12, 8) == (2, 6)
+    assert node_layout(12, 8, tp=4) == (3, 4)  # 6 per node would split a group of 4
+    assert node_layout(16, 8, tp=8) == (2, 8)
 
 
 def test_the_stages_compute_the_same_at_tp_1(two_stages):
@@ -183,3 +201,35 @@ def test_the_collectives_of_a_block_are_the_regions(two_stages):
     all_reduce = torch.ops.c10d_functional.all_reduce
     assert forward.get_comm_counts()[all_reduce] == len(block_regions) == 2
     assert backward.get_comm_counts()[all_reduce] == len(columns) == 5
+
+
+def test_a_tp2_checkpoint_resumes_at_tp1_and_back(two_stages, tmp_path, reference):
+    """Steps 0-1 at TP 2, step 2 at TP 1 (the same model compiled without --tp), step 3 at TP 2
+    again, through one checkpoint directory (DCP reshards the parameters and AdamW's state):
+    the losses and trained weights of plain PyTorch's 4 steps."""
+    assert STEPS == 4
+    plain = compile_model(LLAMA, tmp_path / "plain", 2)
+    torch.save(load_example(LLAMA).model.state_dict(), tmp_path / "init.pt")
+    common = ["--microbatches", str(MICROBATCHES), *TRAIN, "--data", BATCHES]
+    common += ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]
+    log = tmp_path / "log.jsonl"
+    torchrun(two_stages.out / "train.py", 4, *common, "--steps", "2", "--load",
+             str(tmp_path / "init.pt"), "--log-json", str(log))  # fmt: skip
+    torchrun(plain.out / "train.py", 2, *common, "--steps", "3", "--resume", "--log-json",
+             str(log))  # fmt: skip
+    torchrun(two_stages.out / "train.py", 4, *common, "--steps", "4", "--resume", "--log-json",
+             str(log), "--save", str(tmp_path / "trained.pt"))  # fmt: skip
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3]
+    assert_same_training((losses, torch.load(tmp_path / "trained.pt")), reference)
+    # the last checkpoint, written at TP 2, merged offline: the trained weights
+    merged = tmp_path / "merged.pt"
+    subprocess.run(
+        [sys.executable, "-m", "autopipe", "merge", str(tmp_path / "ck"), "-o", str(merged)],
+        check=True,
+        capture_output=True,
+    )
+    trained, whole = torch.load(tmp_path / "trained.pt"), torch.load(merged)
+    assert set(whole) == set(trained)
+    assert all(torch.equal(whole[k], trained[k]) for k in trained)

@@ -65,12 +65,13 @@ class StageContext:
         return self.package.variables() | own | {"body": body}
 
 
-def node_layout(processes: int, gpus_per_node: int) -> tuple[int, int]:
+def node_layout(processes: int, gpus_per_node: int, tp: int = 1) -> tuple[int, int]:
     """``(nodes, processes per node)`` for ``processes`` on nodes of ``gpus_per_node`` GPUs: the
     fewest nodes that hold them with the same number on each (torchrun starts as many on every
+    node), a multiple of ``tp`` (the tensor-parallel ranks of a place, consecutive, share a
     node)."""
     nodes = -(-processes // gpus_per_node)
-    while processes % nodes:
+    while processes % nodes or (processes // nodes) % tp:
         nodes += 1
     return nodes, processes // nodes
 
@@ -85,13 +86,19 @@ class LaunchContext:
     dp_shard: int  # the partition's planned --dp-shard
     nodes: int
     processes_per_node: int
+    tp: int = 1  # the package's tensor-parallel degree
 
     @classmethod
     def for_plan(
-        cls, package: PackageContext, num_ranks: int, dp_shard: int, gpus_per_node: int
+        cls,
+        package: PackageContext,
+        num_ranks: int,
+        dp_shard: int,
+        gpus_per_node: int,
+        tp: int = 1,
     ) -> LaunchContext:
-        nodes, per_node = node_layout(package.num_processes, gpus_per_node)
-        return cls(package, num_ranks, dp_shard, nodes, per_node)
+        nodes, per_node = node_layout(package.num_processes, gpus_per_node, tp)
+        return cls(package, num_ranks, dp_shard, nodes, per_node, tp)
 
     def variables(self) -> dict[str, Any]:
         """The template variables, by name."""
