@@ -106,6 +106,7 @@ def test_pipeline_x_tensor_parallel_trains_like_pytorch(two_stages, tmp_path, re
     assert_same_training(pipe, reference)
     said = (tmp_path / "train.out").read_text()
     assert "14 projection(s) of this rank's stages sharded over 2 ranks" in said  # rank 0's
+    assert "x tensor parallel 2 on 4 devices" in said and "another layout" not in said
 
 
 def test_tensor_parallel_alone_and_under_fsdp2(one_stage, tmp_path):

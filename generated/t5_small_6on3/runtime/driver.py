@@ -1391,7 +1391,7 @@ def plan_note(pipeline: Pipeline, config: TrainConfig, world: int) -> str:
     """What the compiled plan predicts, for the metrics to be read against."""
     plan = pipeline.plan
     assert plan is not None  # noted only for a pipeline with a plan
-    planned = pipeline.num_ranks * pipeline.dp_shard
+    planned = pipeline.num_ranks * pipeline.dp_shard * pipeline.tp
     per_step = plan.microbatches * plan.accumulate * pipeline.dp_shard
     mfu = plan.utilisation(plan.step_time, per_step, planned)
     same = (config.microbatches, config.accumulate, config.dp, config.dp_shard) == (
@@ -1403,7 +1403,9 @@ def plan_note(pipeline: Pipeline, config: TrainConfig, world: int) -> str:
     return (
         f"plan: {plan.step_time:.3f} s per step of {plan.microbatches} microbatches x "
         f"{plan.accumulate} accumulation x {pipeline.dp_shard} shard"
-        f"{'s' if pipeline.dp_shard > 1 else ''} on {planned} device{'s' if planned > 1 else ''}"
+        f"{'s' if pipeline.dp_shard > 1 else ''}"
+        + (f" x tensor parallel {pipeline.tp}" if pipeline.tp > 1 else "")
+        + f" on {planned} device{'s' if planned > 1 else ''}"
         + (f", MFU {mfu * 100:.3g}% of {plan.device}" if mfu is not None else "")
         + ("" if same else f" (this run: {world} processes, another layout)")
     )
