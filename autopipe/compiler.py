@@ -127,6 +127,8 @@ def plan_step(
     within ``--search-seconds``; ``progress`` is told after each candidate."""
     devices = options.devices
     assert devices is not None, "a plan is for --devices devices (CompileOptions checks it)"
+    if options.tp is not None:
+        check_tensor_parallel(graph, options.tp)
     return search(
         graph,
         prof,
@@ -172,11 +174,12 @@ def check_tensor_parallel(graph: Graph, degree: int) -> ShardingPlan:
     regions = find_regions(graph)
     plan = sharding_plan(graph, regions, degree)
     if degree > 1 and not plan.modules:
-        allowed = ", ".join(map(str, regions.degrees())) or "none"
+        sharding = [d for d in regions.degrees() if sharding_plan(graph, regions, d).modules]
+        allowed = ", ".join(map(str, sharding)) or "none"
         why = "; ".join(f"{scope}: {reason}" for scope, reason in plan.replicated[:3])
         raise PartitionError(
             f"--tp {degree} shards no region of {graph.model.cls.rsplit('.', 1)[-1]} (the "
-            f"degrees its regions allow: {allowed}; {why or 'no attention or MLP region found'}); "
+            f"degrees that shard one: {allowed}; {why or 'no attention or MLP region found'}); "
             "use one of those degrees, or --tp 1"
         )
     return plan

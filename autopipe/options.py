@@ -599,6 +599,11 @@ class CompileOptions:
                 f"runs at least one stage; use at most {self.stages} devices or more stages"
             )
         self._check("microbatches", "dp_shard", "tp", "depth", "gpus_per_node")
+        if self.search and self.tp is not None and self.devices and self.devices % self.tp:
+            raise AutopipeError(
+                f"--devices {self.devices} is not a multiple of --tp {self.tp}: each stage's "
+                f"tensor-parallel ranks are {self.tp} devices; use a multiple of {self.tp}"
+            )
         if self.tp is not None and self.tp > self.gpus_per_node:
             raise AutopipeError(
                 f"--tp {self.tp} is more than --gpus-per-node {self.gpus_per_node}: the ranks a "

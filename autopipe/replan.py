@@ -33,7 +33,7 @@ from pathlib import Path
 
 from .codegen import check_output_dir
 from .codegen.output_lock import output_lock
-from .compiler import generate_step, load_graph
+from .compiler import generate_step, load_graph, tensor_parallel_profile
 from .errors import ArtifactError, AutopipeError
 from .ir import Graph
 from .partitioning import DEFAULT_METHOD, METHODS, CostModel, Partition, partition
@@ -129,15 +129,20 @@ def replan(
     trace.check(data.pipeline, package)
     graph = load_graph(package / "artifacts" / "graph.json")
     old, run = data.partition, trace.run
-    measured = traced_profile(graph, old, data.profile, trace)
     settings = old.settings
+    tp = settings.tp or 1
+    cluster = settings.gpus_per_node or 8
+    # each tensor-parallel rank's profile: its share of the sharded units' times and memory,
+    # over which the measured stage times are spread
+    profiled = tensor_parallel_profile(graph, data.profile, tp, cluster)[0] if tp > 1 else None
+    measured = traced_profile(graph, old, profiled or data.profile, trace)
     margin = settings.memory_margin or 0.0
     usable = dataclasses.replace(  # the memory the old partition was made to fit
         measured,
         device=dataclasses.replace(measured.device, memory=measured.device.memory * (1 - margin)),
     )
     optimizer, dp_shard = settings.optimizer or "adamw", settings.dp_shard or 1
-    gpus_per_node = settings.gpus_per_node or 8
+    gpus_per_node = max(1, cluster // tp)  # a node's places of tp ranks each
     mesh = settings.mesh or PIPELINE_INNERMOST
     model = CostModel(
         graph,
@@ -175,6 +180,8 @@ def replan(
         memory_margin=settings.memory_margin,
         tp=settings.tp,  # the measured stages ran sharded; the new package is sharded alike
     )
+    if tp > 1:  # the cluster's node size, not its places'
+        new = new.with_settings(gpus_per_node=cluster)
     return Replan(package, trace, graph, old, data.profile, measured, before, new)
 
 

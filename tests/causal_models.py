@@ -274,3 +274,43 @@ def llama_seeded_batches(seed: int):
             return llama_unseeded_batch(step, microbatches)
 
     return batches
+
+
+class _ExplicitHeads(nn.Module):
+    """A decoder block written by hand: biased projections, heads split and merged by views
+    that name their sizes (4 heads of 8), a GELU MLP, an untied head (tests/
+    test_tensor_parallel_training.py: the sizes become -1 under tensor parallelism)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.norm1, self.norm2 = nn.LayerNorm(32), nn.LayerNorm(32)
+        # the keys' bias has no gradient (softmax ignores what it adds to each query's
+        # scores): AdamW would turn its rounding noise into updates, so the keys have none
+        self.q, self.v, self.o = (nn.Linear(32, 32) for _ in range(3))
+        self.k = nn.Linear(32, 32, bias=False)
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        b, s, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(b, s, 4, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, 32))
+        x = x + self.down(F.gelu(self.up(self.norm2(x))))
+        return F.cross_entropy(self.head(x).view(-1, VOCAB), labels.view(-1))
+
+
+def explicit_heads():
+    torch.manual_seed(0)
+    ids = _ids()
+    return _ExplicitHeads(), (ids, ids.clone()), {}
+
+
+def explicit_heads_batch(step: int, microbatches: int = 4):
+    """A step's batch of ``microbatches`` example microbatches for explicit_heads."""
+    generator = torch.Generator().manual_seed(200 + step)
+    ids = torch.randint(3, VOCAB, (BATCH * microbatches, SEQ), generator=generator)
+    return (ids, ids.clone()), {}

@@ -13,7 +13,7 @@ from torch import nn
 from autopipe.compiler import CompileOptions, load_graph, trace_step
 from autopipe.errors import ArtifactError
 from autopipe.spec import Example
-from autopipe.tensor_parallel import TensorParallelRegions, find_regions
+from autopipe.tensor_parallel import TensorParallelRegions, find_regions, sharding_plan
 
 
 def _traced(model: nn.Module, *args, **kwargs):
@@ -206,3 +206,27 @@ def test_a_batch_of_one_keeps_the_heads_sharded():
     found = find_regions(_traced(tf.LlamaForCausalLM(config), ids, labels=ids))
     (attention,) = [r for r in found.regions if r.kind == "attention"]
     assert attention.degrees == (2,) and not attention.reason
+
+
+def test_a_weight_another_operator_reads_stays_replicated():
+    """An embedding whose table also computes the logits (``h @ table.T``): sharding it would
+    hand a DTensor to the product, so the plan keeps it whole, saying why."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(64, 16)
+            self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, ids, labels):
+            h = self.tok(ids)
+            h = h + self.down(torch.relu(self.up(h)))
+            logits = h @ self.tok.weight.T
+            return nn.functional.cross_entropy(logits.view(-1, 64), labels.view(-1))
+
+    ids = torch.randint(0, 64, (2, 8))
+    graph = _traced(Tied(), ids, ids.clone())
+    plan = sharding_plan(graph, find_regions(graph), 2)
+    assert [m.module for m in plan.modules] == ["up", "down"]
+    assert any(scope == "tok" and "read by more than one operator" in why
+               for scope, why in plan.replicated)  # fmt: skip

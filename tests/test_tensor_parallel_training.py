@@ -36,8 +36,10 @@ from pipelines import (
     run_pipeline,
 )
 
+VIEWS = ("aten.view.default", "aten.reshape.default")
 LLAMA = "tests/causal_models.py:llama_plain"  # 4 heads, 2 key/value heads, no dropout
 UNPADDED = "tests/causal_models.py:llama_unpadded"  # the same without a padding token
+EXPLICIT = "tests/causal_models.py:explicit_heads"  # biased projections, views naming sizes
 BATCHES = "tests/causal_models.py:llama_plain_batch"
 TRAIN = ("--optimizer", "adamw", "--lr", "0.001")
 
@@ -234,3 +236,26 @@ def test_a_tp2_checkpoint_resumes_at_tp1_and_back(two_stages, tmp_path, referenc
     trained, whole = torch.load(tmp_path / "trained.pt"), torch.load(merged)
     assert set(whole) == set(trained)
     assert all(torch.equal(whole[k], trained[k]) for k in trained)
+
+
+def test_biased_projections_and_views_that_name_their_sizes(tmp_path):
+    """A hand-written block: its views name the 4 heads and the 32 features they merge back
+    into, which generated code writes -1 at TP 2 (the graph keeps them); its projections have
+    biases (ColwiseParallel shards a column's, RowwiseParallel adds a row's once). Trains like
+    PyTorch on 2 ranks."""
+    compiled = compile_model(EXPLICIT, tmp_path / "pipe", 1, tp=2)
+    graph = load_graph(compiled.out / "artifacts/graph.json")
+    sizes = [n.args[1] for n in graph.calls if n.target in VIEWS]
+    assert [2, 12, 4, 8] in sizes and [2, 12, 32] in sizes
+    stage = (compiled.out / "stage0.py").read_text()
+    assert "aten.view.default(linear, [2, 12, -1, 8])" in stage
+    assert "aten.reshape.default(transpose_3, [2, 12, -1])" in stage
+    causal_models = importlib.import_module("causal_models")
+    reference = reference_training(
+        load_example(EXPLICIT), causal_models.explicit_heads_batch, STEPS, "adamw", 0.001
+    )
+    pipe = run_pipeline(
+        tmp_path, EXPLICIT, 1, "tests/causal_models.py:explicit_heads_batch", *TRAIN,
+        package=compiled.out, nproc=2,
+    )  # fmt: skip
+    assert_same_training(pipe, reference)

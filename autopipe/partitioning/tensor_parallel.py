@@ -7,8 +7,9 @@ once, each a ``1/t`` share, and its other operators (norms, residual additions, 
 regions) on each of them whole: the unit's times scale by ``1 - s + s / t``, ``s`` the share of
 its FLOPs that is sharded (its products and attention dominate a transformer block's time). Its
 collectives are added where torch's styles run them: in the forward, one all-reduce of each row
-projection's output; in the backward, one all-reduce of each column projection's input gradient
-(torch's ``ColwiseParallel`` reduces each one's own). They run within a node over the spec's
+projection's (and the embedding's) output and an all-gather of the head's logits, which every
+rank then holds whole; in the backward, one all-reduce of each column projection's input
+gradient (torch's ``ColwiseParallel`` reduces each one's own). They run within a node over the spec's
 link, costed by :class:`~.network.Network` and not overlapped. Each rank holds ``1/t`` of the
 sharded projections' parameters (gradients and optimizer state follow) and of the activations
 of the sharded work. FLOPs stay the model's (what model FLOPs utilisation counts, over every
@@ -21,9 +22,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ..ir import Graph, Node, Ref
+from ..ir import Graph, Node, Ref, TensorMeta
 from ..profiling import Profile
-from ..tensor_parallel import ROWWISE, ShardingPlan
+from ..tensor_parallel import EMBEDDING, ROWWISE, ShardingPlan
 from .network import Network
 
 __all__ = ["TensorParallelCost", "sharded_profile"]
@@ -66,26 +67,36 @@ def sharded_profile(
     for unit, cost in zip(graph.units, profile.units):
         sharded_flops = 0.0
         forward_comm = backward_comm = 0.0
-        held = 0.0
+        held = gathered = 0.0
         for name in unit.nodes:
             node = graph[name]
             module = by_node.get(name)
             if module is not None:
+                weight = node.args[module.weight_at]
+                held += _bytes_of(graph, weight)
+                if module.kind == EMBEDDING:  # a lookup: no FLOPs; its partial sums reduced
+                    forward_comm += network.collective("all_reduce", _bytes_of(graph, node), group)
+                    continue
                 sharded_flops += _product_flops(graph, node)
-                held += _bytes_of(graph, node.args[1]) + _bytes_of(
-                    graph, node.args[2] if len(node.args) > 2 else None
-                )
+                held += _bytes_of(graph, node.args[2] if len(node.args) > 2 else None)
                 if module.style == ROWWISE:
                     forward_comm += network.collective("all_reduce", _bytes_of(graph, node), group)
-                else:
-                    moved = _bytes_of(graph, node.args[0])
-                    backward_comm += network.collective("all_reduce", moved, group)
+                    continue
+                moved = _bytes_of(graph, node.args[0])
+                backward_comm += network.collective("all_reduce", moved, group)
+                if module.gathered:  # the head's logits, gathered whole on every rank
+                    logits = _bytes_of(graph, node)
+                    gathered += logits
+                    forward_comm += network.collective("all_gather", logits, group)
             elif node.target == _ATTENTION and node.scope:
                 inner = node.scope[-1].fqn
                 if inner in scopes or any(inner.startswith(s) for s in scopes if s.endswith(".")):
                     sharded_flops += _attention_flops(graph, node)
         share = min(1.0, sharded_flops / cost.flops_forward) if cost.flops_forward > 0 else 0.0
         keep = 1 - share + share / t
+        # memory: the unit's sharded share, but gathered logits are whole on every rank
+        whole = min(1.0, gathered / cost.activations) if cost.activations else 0.0
+        kept = max(keep, whole)
         forward, backward = cost.forward * keep, cost.backward * keep
         saved += cost.forward + cost.backward - forward - backward
         communication += forward_comm + backward_comm
@@ -95,9 +106,9 @@ def sharded_profile(
                 cost,
                 forward=forward + forward_comm,
                 backward=backward + backward_comm,
-                activations=int(cost.activations * keep),
-                temporaries=int(cost.temporaries * keep),
-                backward_memory=int(cost.backward_memory * keep),
+                activations=int(cost.activations * kept),
+                temporaries=int(cost.temporaries * kept),
+                backward_memory=int(cost.backward_memory * kept),
                 parameters=max(0, int(cost.parameters - held * (1 - 1 / t))),
             )
         )
@@ -117,9 +128,18 @@ def _bytes_of(graph: Graph, value: object) -> float:
     return float(math.prod(meta.shape) * meta.dtype.itemsize)
 
 
+def _metas(graph: Graph, node: Node) -> tuple[TensorMeta | None, TensorMeta | None]:
+    """The tensor facts of ``node``'s first two arguments (None where one is not a value)."""
+    first, second = (
+        graph[a.name].tensor_meta if isinstance(a, Ref) else None
+        for a in (*node.args, None, None)[:2]
+    )
+    return first, second
+
+
 def _product_flops(graph: Graph, node: Node) -> float:
     """FLOPs of ``linear(x, weight)``: 2 x rows of x x the weight's elements."""
-    x, weight = (graph[r.name].tensor_meta for r in node.args[:2] if isinstance(r, Ref))
+    x, weight = _metas(graph, node)
     if x is None or weight is None:
         return 0.0
     return 2.0 * math.prod(x.shape[:-1]) * math.prod(weight.shape)
@@ -127,7 +147,7 @@ def _product_flops(graph: Graph, node: Node) -> float:
 
 def _attention_flops(graph: Graph, node: Node) -> float:
     """FLOPs of attention's two products: 4 x batch x heads x queries x keys x head size."""
-    query, key = (graph[r.name].tensor_meta for r in node.args[:2] if isinstance(r, Ref))
+    query, key = _metas(graph, node)
     if query is None or key is None or len(query.shape) != 4:
         return 0.0
     batch, heads, queries, size = query.shape

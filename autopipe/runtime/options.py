@@ -111,8 +111,10 @@ def parse_config(argv: list[str], pipeline: Pipeline, package: Path | None = Non
     parser = argparse.ArgumentParser(
         prog="train.py",
         description=f"Train {pipeline.model_class} as a {pipeline.num_stages}-stage pipeline "
-        f"(torchrun --nproc-per-node={pipeline.num_ranks * pipeline.dp_shard} train.py; with --dp "
-        f"M --dp-shard N, {pipeline.num_ranks} x M x N processes).",
+        f"(torchrun --nproc-per-node={pipeline.num_ranks * pipeline.dp_shard * pipeline.tp} "
+        f"train.py; with --dp M --dp-shard N, {pipeline.num_ranks} x M x N"
+        + (f" x tp {pipeline.tp}" if pipeline.tp > 1 else "")
+        + " processes).",
     )
     for add_options in OPTION_GROUPS:
         add_options(parser, pipeline)

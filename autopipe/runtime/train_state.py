@@ -476,7 +476,8 @@ class TrainingCheckpoints:
     ) -> None:
         state = training_state(stages, optimizers, self.trainable_only is not None)
         dcp.save(state, storage_writer=FileSystemWriter(partial))
-        _save({"rng": _rng_state(self.layout.device)}, partial / f"rank{self.layout.place}.pt")
+        if self.layout.reports:  # a place's tensor-parallel ranks share its random state
+            _save({"rng": _rng_state(self.layout.device)}, partial / f"rank{self.layout.place}.pt")
 
     def _publish(self, step: int, partial: Path, final: Path) -> None:
         """Rank 0: the manifest (with every file's size), then ``partial`` -> ``final`` and

@@ -148,8 +148,14 @@ class _Replicated(Exception):
 
 
 def _linear_projections(graph: Graph) -> dict[str, Node]:
-    """Each weight (first name) read by exactly one ``linear`` or ``embedding`` (and nothing
-    else that projects), -> that node."""
+    """Each weight (first name) whose one reader is a ``linear`` or an ``embedding``, -> that
+    node: a weight another operator reads too (a transposed copy, a renormalisation) would
+    meet a DTensor there, and stays replicated."""
+    readers: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.kind == "param":
+            name = graph.param_of(node.target).names[0]
+            readers[name] = readers.get(name, 0) + len(graph.users(node.name))
     found: dict[str, Node] = {}
     seen: set[str] = set()
     for node in graph.calls:
@@ -162,7 +168,7 @@ def _linear_projections(graph: Graph) -> dict[str, Node]:
         if weight.kind != "param":
             continue
         name = graph.param_of(weight.target).names[0]
-        if name in seen:
+        if name in seen or readers.get(name, 0) != 1:
             found.pop(name, None)
         else:
             found[name] = node
@@ -231,7 +237,10 @@ def _vocabulary(
     node = projections.get(weight)
     wanted = _EMBEDDING if region.kind == "embedding" else _LINEAR
     if node is None or node.target != wanted or not weight.endswith(".weight"):
-        raise _Replicated(f"{weight} is read by more than one operator (a tied weight)")
+        raise _Replicated(
+            f"{weight} is read by more than one operator (a tied weight) or not by an "
+            f"nn.{'Embedding' if wanted == _EMBEDDING else 'Linear'}'s operator"
+        )
     module = weight.removesuffix(".weight")
     info = graph.param_of(graph[node.args[0 if wanted == _EMBEDDING else 1].name].target)  # type: ignore[union-attr]
     inside = {name for name in held if name.startswith(f"{module}.")}

@@ -503,8 +503,10 @@ def _vocabulary_regions(
     for node in graph.calls:
         if node.target != _EMBEDDING or not isinstance(node.args[0], Ref):
             continue
-        param = graph[node.args[0].name]
-        if param.kind == "param":
+        param, ids = graph[node.args[0].name], node.args[1]
+        # the token embedding looks up the model's input ids; positions and token types are
+        # computed (or absent), whatever their table's size
+        if param.kind == "param" and isinstance(ids, Ref) and graph[ids.name].kind == "input":
             tables.append((node, graph.param_of(param.target)))
     # the token embedding: the table of the head's vocabulary (tied or not), else the largest;
     # positions, token types and relative-position buckets stay replicated

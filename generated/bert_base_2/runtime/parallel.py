@@ -189,7 +189,7 @@ def init_distributed(
         shard_group=mesh.get_group("dp_shard"),
         order=pipeline.mesh,
         tp_size=tp,
-        tp_rank=mesh.get_local_rank("tp"),
+        tp_rank=mesh.get_local_rank("tp") if tp > 1 else 0,
         tp_mesh=mesh["tp"] if tp > 1 else None,
     )
     problem = _placement_problem(layout)
@@ -205,9 +205,12 @@ def _world_mesh(device_type: str, ranks: RankMesh) -> DeviceMesh:
     innermost), transposed. Named in one order whatever the package's, the mesh gives FSDP2
     its (dp_replicate, dp_shard) mesh by slicing, which torch allows only along the order the
     mesh has, and the tensor-parallel styles their "tp" mesh."""
-    numbered = torch.arange(ranks.world).view(*ranks.sizes, ranks.tp)
-    transposed = numbered.permute([ranks.order.index(d) for d in MESH_DIMENSIONS] + [3])
-    return DeviceMesh(device_type, transposed, mesh_dim_names=(*MESH_DIMENSIONS, "tp"))
+    order = [ranks.order.index(d) for d in MESH_DIMENSIONS]
+    if ranks.tp == 1:  # no tensor parallelism: no "tp" dimension (and no groups for it)
+        numbered = torch.arange(ranks.world).view(ranks.sizes).permute(order)
+        return DeviceMesh(device_type, numbered, mesh_dim_names=MESH_DIMENSIONS)
+    numbered = torch.arange(ranks.world).view(*ranks.sizes, ranks.tp).permute([*order, 3])
+    return DeviceMesh(device_type, numbered, mesh_dim_names=(*MESH_DIMENSIONS, "tp"))
 
 
 def _placement_problem(layout: Layout) -> str | None:

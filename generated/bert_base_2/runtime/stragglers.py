@@ -271,7 +271,7 @@ class Stragglers:
     def peers(self, rank: int) -> list[int]:
         """The global ranks global rank ``rank`` is compared with, ascending."""
         if self.dp_size > 1:
-            replicas = self.ranks.dp_ranks(self.ranks.pp_rank_of(rank))
+            replicas = self.ranks.dp_ranks(self.ranks.pp_rank_of(rank), self.ranks.tp_rank_of(rank))
             return sorted(r for r in replicas if r != rank)
         return [r for r in range(self.ranks.world) if r != rank]
 

@@ -1011,8 +1011,9 @@ def play_ranks(
     package_dir = Path(package.__file__ or ".").resolve().parent
     layout = (
         f"{pipeline.num_ranks} pipeline ranks x --dp {config.dp} x --dp-shard {config.dp_shard}"
+        + (f" x tp {pipeline.tp}" if pipeline.tp > 1 else "")
     )
-    if config.dp * config.dp_shard > 1:  # where the data-parallel ranks sit
+    if config.dp * config.dp_shard * pipeline.tp > 1:  # where the data-parallel ranks sit
         layout += f"; {RankMesh.of(pipeline, config.dp, config.dp_shard).describe()}"
     which = f"rank {ranks[0]}" if len(ranks) == 1 else f"each of its {world} ranks in turn"
     say(
