@@ -230,3 +230,11 @@ def test_a_weight_another_operator_reads_stays_replicated():
     assert [m.module for m in plan.modules] == ["up", "down"]
     assert any(scope == "tok" and "read by more than one operator" in why
                for scope, why in plan.replicated)  # fmt: skip
+
+
+def test_the_token_embedding_is_the_table_that_looks_up_the_input():
+    """examples/finetune.py's GPT-2 has as many positions as tokens (256): the position table,
+    which looks up computed positions, is not the vocabulary's."""
+    graph = load_graph("generated/finetune_2/artifacts/graph.json")
+    tables = [r.scope for r in find_regions(graph).regions if r.kind == "embedding"]
+    assert tables == ["transformer.wte"]

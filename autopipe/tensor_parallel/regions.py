@@ -506,7 +506,7 @@ def _vocabulary_regions(
         param, ids = graph[node.args[0].name], node.args[1]
         # the token embedding looks up the model's input ids; positions and token types are
         # computed (or absent), whatever their table's size
-        if param.kind == "param" and isinstance(ids, Ref) and graph[ids.name].kind == "input":
+        if param.kind == "param" and _reads_an_input(graph, ids):
             tables.append((node, graph.param_of(param.target)))
     # the token embedding: the table of the head's vocabulary (tied or not), else the largest;
     # positions, token types and relative-position buckets stay replicated
@@ -517,6 +517,18 @@ def _vocabulary_regions(
         if rows in vocabularies or (not vocabularies and rows == largest):
             regions.append(_vocabulary(order, node, "embedding", info.names[0], rows, 0))
     return regions + heads
+
+
+def _reads_an_input(graph: Graph, value: object) -> bool:
+    """Whether ``value`` is a model input, or a view of one (GPT-2 flattens its ids)."""
+    while isinstance(value, Ref):
+        node = graph[value.name]
+        if node.kind == "input":
+            return True
+        if node.kind != "call" or node.target not in _VIEWS | {"aten.contiguous.default"}:
+            return False
+        value = node.args[0] if node.args else None
+    return False
 
 
 def _vocabulary(
