@@ -207,11 +207,13 @@ def test_the_collectives_of_a_block_are_the_regions(two_stages):
 
 
 def test_a_tp2_checkpoint_resumes_at_tp1_and_back(two_stages, tmp_path, reference):
-    """Steps 0-1 at TP 2, step 2 at TP 1 (the same model compiled without --tp), step 3 at TP 2
-    again, through one checkpoint directory (DCP reshards the parameters and AdamW's state):
-    the losses and trained weights of plain PyTorch's 4 steps."""
+    """Steps 0-1 at 2 stages x TP 2, step 2 at TP 1 (the same model compiled without --tp),
+    step 3 at TP 2 again in 1 stage, through one checkpoint directory (DCP reshards the
+    parameters and AdamW's state): the losses and trained weights of plain PyTorch's 4
+    steps."""
     assert STEPS == 4
     plain = compile_model(LLAMA, tmp_path / "plain", 2)
+    whole = compile_model(LLAMA, tmp_path / "whole", 1, tp=2)
     torch.save(load_example(LLAMA).model.state_dict(), tmp_path / "init.pt")
     common = ["--microbatches", str(MICROBATCHES), *TRAIN, "--data", BATCHES]
     common += ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]
@@ -220,13 +222,13 @@ def test_a_tp2_checkpoint_resumes_at_tp1_and_back(two_stages, tmp_path, referenc
              str(tmp_path / "init.pt"), "--log-json", str(log))  # fmt: skip
     torchrun(plain.out / "train.py", 2, *common, "--steps", "3", "--resume", "--log-json",
              str(log))  # fmt: skip
-    torchrun(two_stages.out / "train.py", 4, *common, "--steps", "4", "--resume", "--log-json",
+    torchrun(whole.out / "train.py", 2, *common, "--steps", "4", "--resume", "--log-json",
              str(log), "--save", str(tmp_path / "trained.pt"))  # fmt: skip
     records = [json.loads(line) for line in log.read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3]
     assert_same_training((losses, torch.load(tmp_path / "trained.pt")), reference)
-    # the last checkpoint, written at TP 2, merged offline: the trained weights
+    # the last checkpoint, written by 1 stage at TP 2, merged offline: the trained weights
     merged = tmp_path / "merged.pt"
     subprocess.run(
         [sys.executable, "-m", "autopipe", "merge", str(tmp_path / "ck"), "-o", str(merged)],
