@@ -60,7 +60,7 @@ def sharded_profile(
     if t == 1 or not plan.modules:
         return profile, TensorParallelCost(t, 0.0, 0.0, 0.0)
     by_node = {m.node: m for m in plan.modules}
-    scopes = tuple(f"{m.region}." for m in plan.modules) + tuple(m.region for m in plan.modules)
+    regions = {m.region for m in plan.modules}  # the scopes of the sharded regions
     group = list(range(t))  # within a node: tensor-parallel ranks are innermost
     units = []
     saved = communication = parameters_saved = 0.0
@@ -72,25 +72,24 @@ def sharded_profile(
             node = graph[name]
             module = by_node.get(name)
             if module is not None:
-                weight = node.args[module.weight_at]
-                held += _bytes_of(graph, weight)
+                out = float(graph.value_bytes(name))  # its output
+                held += _bytes_of(graph, node.args[module.weight_at])
                 if module.kind == EMBEDDING:  # a lookup: no FLOPs; its partial sums reduced
-                    forward_comm += network.collective("all_reduce", _bytes_of(graph, node), group)
+                    forward_comm += network.collective("all_reduce", out, group)
                     continue
                 sharded_flops += _product_flops(graph, node)
                 held += _bytes_of(graph, node.args[2] if len(node.args) > 2 else None)
                 if module.style == ROWWISE:
-                    forward_comm += network.collective("all_reduce", _bytes_of(graph, node), group)
+                    forward_comm += network.collective("all_reduce", out, group)
                     continue
                 moved = _bytes_of(graph, node.args[0])
                 backward_comm += network.collective("all_reduce", moved, group)
                 if module.gathered:  # the head's logits, gathered whole on every rank
-                    logits = _bytes_of(graph, node)
-                    gathered += logits
-                    forward_comm += network.collective("all_gather", logits, group)
+                    gathered += out
+                    forward_comm += network.collective("all_gather", out, group)
             elif node.target == _ATTENTION and node.scope:
                 inner = node.scope[-1].fqn
-                if inner in scopes or any(inner.startswith(s) for s in scopes if s.endswith(".")):
+                if any(inner == r or inner.startswith(f"{r}.") for r in regions):
                     sharded_flops += _attention_flops(graph, node)
         share = min(1.0, sharded_flops / cost.flops_forward) if cost.flops_forward > 0 else 0.0
         keep = 1 - share + share / t
@@ -117,15 +116,8 @@ def sharded_profile(
 
 
 def _bytes_of(graph: Graph, value: object) -> float:
-    if isinstance(value, Node):
-        meta = value.tensor_meta
-    elif isinstance(value, Ref):
-        meta = graph[value.name].tensor_meta
-    else:
-        return 0.0
-    if meta is None:
-        return 0.0
-    return float(math.prod(meta.shape) * meta.dtype.itemsize)
+    """Bytes of the value a node argument refers to (0 for anything else)."""
+    return float(graph.value_bytes(value.name)) if isinstance(value, Ref) else 0.0
 
 
 def _metas(graph: Graph, node: Node) -> tuple[TensorMeta | None, TensorMeta | None]:
