@@ -42,7 +42,7 @@ from .tracing import trace
 from .tracing.loss import trace_loss
 from .ir.analysis import check_replay
 from .ir.batch_dims import batch_dims_of
-from .options import CompileOptions
+from .options import SEQUENCE_PARALLEL_MODES, CompileOptions
 
 ARTIFACTS = "artifacts"
 TOP_PLANS = 10  # plans a searched partition records (the report shows them)
@@ -127,8 +127,9 @@ def plan_step(
     within ``--search-seconds``; ``progress`` is told after each candidate."""
     devices = options.devices
     assert devices is not None, "a plan is for --devices devices (CompileOptions checks it)"
+    sequence = SEQUENCE_PARALLEL_MODES[options.sequence_parallel]
     if options.tp is not None:
-        check_tensor_parallel(graph, options.tp)
+        check_tensor_parallel(graph, options.tp, sequence)
     return search(
         graph,
         prof,
@@ -143,6 +144,7 @@ def plan_step(
         workers=options.search_workers or default_workers(),
         gpus_per_node=options.gpus_per_node,
         tp_degrees=tensor_parallel_degrees(graph, options),
+        sequence_parallel=sequence,
     )
 
 
@@ -153,7 +155,9 @@ def partition_step(
     plans it was chosen from (``phases`` shows the search's progress and says when
     ``--search-seconds`` stopped it); with ``--tp``, the degree it is sharded at."""
     if not options.search or options.tp is not None:
-        check_tensor_parallel(graph, options.tp or 1)
+        check_tensor_parallel(
+            graph, options.tp or 1, SEQUENCE_PARALLEL_MODES[options.sequence_parallel]
+        )
     return _partition(graph, prof, options, phases)
 
 
@@ -168,11 +172,14 @@ def recorded_plans(plans: list[Plan]) -> list[Plan]:
     return recorded
 
 
-def check_tensor_parallel(graph: Graph, degree: int) -> ShardingPlan:
+def check_tensor_parallel(
+    graph: Graph, degree: int, sequence_parallel: bool | None = None
+) -> ShardingPlan:
     """What ``graph`` shards at ``--tp degree``; refused where it shards nothing, naming the
-    degrees its regions allow and why they stay replicated."""
+    degrees its regions allow and why they stay replicated, or where ``--sequence-parallel
+    on`` (``sequence_parallel`` True) cannot be."""
     regions = find_regions(graph)
-    plan = sharding_plan(graph, regions, degree)
+    plan = sharding_plan(graph, regions, degree, sequence_parallel)
     if degree > 1 and not plan.modules:
         sharding = [d for d in regions.degrees() if sharding_plan(graph, regions, d).modules]
         allowed = ", ".join(map(str, sharding)) or "none"
@@ -196,11 +203,17 @@ def tensor_parallel_degrees(graph: Graph, options: CompileOptions) -> tuple[int,
 
 
 def tensor_parallel_profile(
-    graph: Graph, prof: Profile, degree: int, gpus_per_node: int
-) -> tuple[Profile, TensorParallelCost]:
-    """``prof`` as each of ``degree`` tensor-parallel ranks runs it (itself at degree 1)."""
-    plan = sharding_plan(graph, find_regions(graph), degree)
-    return sharded_profile(graph, prof, plan, Network(prof.device, gpus_per_node))
+    graph: Graph,
+    prof: Profile,
+    degree: int,
+    gpus_per_node: int,
+    sequence_parallel: bool | None = None,
+) -> tuple[Profile, TensorParallelCost, ShardingPlan]:
+    """``prof`` as each of ``degree`` tensor-parallel ranks runs it (itself at degree 1), what
+    that costs and the plan it runs."""
+    plan = sharding_plan(graph, find_regions(graph), degree, sequence_parallel)
+    changed, cost = sharded_profile(graph, prof, plan, Network(prof.device, gpus_per_node))
+    return changed, cost, plan
 
 
 def _partition(
@@ -227,7 +240,11 @@ def _partition(
                 "with more memory (--device-spec)"
             )
         assert best.partition is not None  # a plan that fits has its partition
+        tp = best.candidate.tp
+        sequence = SEQUENCE_PARALLEL_MODES[options.sequence_parallel]
+        sliced = tp > 1 and sharding_plan(graph, find_regions(graph), tp, sequence).sequence
         return best.partition.with_settings(
+            sequence_parallel=True if sliced else None,
             gpus_per_node=options.gpus_per_node,
             accumulate=best.candidate.accumulate,
             global_batch=best.global_batch,
@@ -237,7 +254,8 @@ def _partition(
     asked = SplitPoints.parse(options.split_points) if options.split_points else None
     tp = options.tp or 1
     places = max(1, options.gpus_per_node // tp)  # a node's places of tp ranks each
-    prof, _ = tensor_parallel_profile(graph, prof, tp, options.gpus_per_node)
+    sequence = SEQUENCE_PARALLEL_MODES[options.sequence_parallel]
+    prof, _, sharded = tensor_parallel_profile(graph, prof, tp, options.gpus_per_node, sequence)
     part = partition(
         graph,
         prof,
@@ -256,7 +274,11 @@ def _partition(
         requested = markers_split(graph, prof, options, microbatches)
         part = dataclasses.replace(part, requested=requested)
     if tp > 1:  # the node size of the cluster, not of its places
-        part = part.with_settings(tp=tp, gpus_per_node=options.gpus_per_node)
+        part = part.with_settings(
+            tp=tp,
+            gpus_per_node=options.gpus_per_node,
+            sequence_parallel=True if sharded.sequence is not None else None,
+        )
     return part.with_settings(accumulate=options.accumulate) if options.accumulate > 1 else part
 
 

@@ -29,6 +29,7 @@ from .tracing.dynamic import parse_dynamic, dynamic_dims
 __all__ = [
     "COUNT",
     "OPTIONS",
+    "SEQUENCE_PARALLEL_MODES",
     "TOLERANCE",
     "BatchDims",
     "Choice",
@@ -47,6 +48,10 @@ __all__ = [
     "flag_of",
     "name_of",
 ]
+
+
+#: ``--sequence-parallel`` -> what :func:`~autopipe.tensor_parallel.sharding_plan` is asked
+SEQUENCE_PARALLEL_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 
 
 def flag_of(name: str) -> str:
@@ -511,6 +516,15 @@ class CompileOptions:
         rule=Count(1),
         metavar="N",
     )
+    #: with tensor parallelism: slice the values between regions along the sequence
+    sequence_parallel: str = option(
+        "auto",
+        help="with --tp: run the code between tensor-parallel regions (norms, residual "
+        "additions, dropout) on each rank's 1/N of the sequence, the regions' all-reduces "
+        "becoming reduce-scatters and all-gathers: auto (default: where the graph allows it), "
+        "on (refused, with the operator that prevents it, where it does not) or off",
+        rule=Choice(tuple(SEQUENCE_PARALLEL_MODES)),
+    )
     #: pipeline runs per optimizer step (train.py's default --accumulate)
     accumulate: int = option(
         1,
@@ -610,7 +624,7 @@ class CompileOptions:
                 "tensor-parallel region is sharded over exchange every layer's activations and "
                 f"share a node; use --tp {self.gpus_per_node} or less"
             )
-        self._check("profile", "method", "schedule", "optimizer")
+        self._check("profile", "method", "schedule", "optimizer", "sequence_parallel")
         self._check("basic_blocks", "keep_whole", "dynamic", "batch_dims", "expected")
         self._check("inline_blocks", "link", "network")
 

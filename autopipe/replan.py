@@ -134,7 +134,10 @@ def replan(
     cluster = settings.gpus_per_node or 8
     # each tensor-parallel rank's profile: its share of the sharded units' times and memory,
     # over which the measured stage times are spread
-    profiled = tensor_parallel_profile(graph, data.profile, tp, cluster)[0] if tp > 1 else None
+    sequence = bool(settings.sequence_parallel)
+    profiled = (
+        tensor_parallel_profile(graph, data.profile, tp, cluster, sequence)[0] if tp > 1 else None
+    )
     measured = traced_profile(graph, old, profiled or data.profile, trace)
     margin = settings.memory_margin or 0.0
     usable = dataclasses.replace(  # the memory the old partition was made to fit
@@ -179,6 +182,7 @@ def replan(
         accumulate=run.accumulate if run.accumulate > 1 else None,
         memory_margin=settings.memory_margin,
         tp=settings.tp,  # the measured stages ran sharded; the new package is sharded alike
+        sequence_parallel=settings.sequence_parallel,
     )
     if tp > 1:  # the cluster's node size, not its places'
         new = new.with_settings(gpus_per_node=cluster)

@@ -314,3 +314,27 @@ def explicit_heads_batch(step: int, microbatches: int = 4):
     generator = torch.Generator().manual_seed(200 + step)
     ids = torch.randint(3, VOCAB, (BATCH * microbatches, SEQ), generator=generator)
     return (ids, ids.clone()), {}
+
+
+def llama_70b_shaped():
+    """Llama-3-70B's layer (width 8192, 64 query / 8 key-value heads, MLP 28672, vocabulary
+    128256), 8 of its 80 layers, sequence 1024, bf16, on meta weights (``autopipe.empty_weights``:
+    nothing allocated): the fake-CUDA dry run of one rank of TP 8 x PP 4 x FSDP 2
+    (tests/test_tensor_parallel_training.py)."""
+    import autopipe
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=8,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=1024,
+        use_cache=False,
+    )
+    with autopipe.empty_weights():
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.randint(0, 128256, (1, 1024))
+    return model, (ids,), {"labels": ids}

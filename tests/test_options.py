@@ -32,6 +32,7 @@ BAD = {
     "optimizer": "adam",
     "dp_shard": 0,
     "tp": 0,
+    "sequence_parallel": "sometimes",
     "accumulate": 0,
     "global_batch": 0,
     "memory_margin": 1.0,

@@ -5,6 +5,7 @@ parameters divided) against hand-computed figures; the search over degrees; the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -15,12 +16,13 @@ from autopipe.partitioning.network import Network
 from autopipe.partitioning.search import candidates, plan_table, search
 from autopipe.partitioning.tensor_parallel import sharded_profile
 from autopipe.profiling import profile
-from autopipe.profiling.devices import device_spec
+from autopipe.profiling.devices import RateTable, device_spec
 from autopipe.tensor_parallel import find_regions, sharding_plan
 
 from conftest import compile_model
 
 LLAMA = "tests/causal_models.py:llama_plain"
+UNPADDED = "tests/causal_models.py:llama_unpadded"  # its embedding sharded too
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +47,15 @@ def test_a_rank_runs_its_share_and_the_all_reduces(llama):
         for p in (base, sharded)
     )
     # the block's row projections' outputs (o_proj, down_proj: 2 x 12 x 32 float32) are
-    # all-reduced in the forward, its 5 column projections' inputs in the backward
+    # all-reduced in the forward, its 2 region inputs' gradients in the backward (one for the
+    # 3 projections of attention, one for the 2 of the MLP)
     hidden = 2 * 12 * 32 * 4
     reduce = network.collective("all_reduce", hidden, [0, 1])
     assert before["forward"] / 2 < after["forward"] - 2 * reduce < before["forward"]
-    assert before["backward"] / 2 < after["backward"] - 5 * reduce < before["backward"]
+    assert before["backward"] / 2 < after["backward"] - 2 * reduce < before["backward"]
+    # 4 blocks; the head's input gradient all-reduced, its logits (2 x 12 x 100) all-gathered
+    logits = network.collective("all_gather", 2 * 12 * 100 * 4, [0, 1])
+    assert math.isclose(cost.communication, 4 * 4 * reduce + reduce + logits)
     # q 32x32, k 16x32, v 16x32, o 32x32, gate/up 64x32, down 32x64: float32, half on each rank
     projections = (32 * 32 * 2 + 16 * 32 * 2 + 64 * 32 * 3) * 4
     assert before["parameters"] - after["parameters"] == projections // 2
@@ -58,6 +64,53 @@ def test_a_rank_runs_its_share_and_the_all_reduces(llama):
     assert math.isclose(cost.parameters_saved, (4 * projections + head) / 2)  # 4 blocks
     assert cost.communication > 0 and cost.compute_saved > 0
     assert "tensor parallel 2 saves" in cost.describe()
+
+
+def test_sequence_parallel_trades_all_reduces_for_halves_and_divides_the_rest(tmp_path):
+    """The Llama without a padding token, sequence parallel: each all-reduce becomes a
+    reduce-scatter and an all-gather (the same bytes over the ring, in two collectives), the
+    norms and residual additions run on half the positions, their activations halved too."""
+    compiled = compile_model(UNPADDED, tmp_path / "pipe", 1, tp=2)
+    graph = load_graph(compiled.out / "artifacts/graph.json")
+    base = profile(graph, "analytic", device_spec("H100"))
+    network = Network(base.device, 8)
+    regions = find_regions(graph)
+    (on, on_cost), (off, off_cost) = (
+        sharded_profile(graph, base, sharding_plan(graph, regions, 2, sequence), network)
+        for sequence in (True, False)
+    )
+    hidden, logits = 2 * 12 * 32 * 4, 2 * 12 * 100 * 4
+    scatter, gather = (
+        network.collective(k, hidden, [0, 1]) for k in ("reduce_scatter", "all_gather")
+    )
+    reduce = network.collective("all_reduce", hidden, [0, 1])
+    logits_gather = network.collective("all_gather", logits, [0, 1])
+    # per block, 2 region inputs and 2 rows, each a collective forward and one backward
+    # (4 x 4), the embedding's output and the head's input: 18 each way
+    assert math.isclose(on_cost.communication, 18 * (scatter + gather) + logits_gather)
+    assert math.isclose(off_cost.communication, 18 * reduce + logits_gather)
+    assert on_cost.compute_saved > off_cost.compute_saved
+    assert sum(u.activations for u in on.units) < sum(u.activations for u in off.units)
+
+
+def test_smaller_products_run_at_the_calibrated_rate_of_their_size(llama):
+    """A spec whose matmul table falls with the product's size: each rank's half of a
+    projection takes more than half its time, as the table says (the sharded profile without
+    tables halves it)."""
+    graph = load_graph(llama.out / "artifacts/graph.json")
+    base = profile(graph, "analytic", device_spec("H100"))
+    plan = sharding_plan(graph, find_regions(graph), 2)
+    falling = RateTable(((1e3, 1e11), (1e6, 1e12)))  # 10x the rate for 1000x the FLOPs
+    tables = dataclasses.replace(base.device, tables={"matmul.float32": falling})
+    network = Network(base.device, 8)
+    plain, _ = sharded_profile(graph, base, plan, network)
+    slower, _ = sharded_profile(graph, dataclasses.replace(base, device=tables), plan, network)
+    projections = [i for i, u in enumerate(graph.units) if u.label.endswith("_proj (Linear)")]
+    assert len(projections) == 4 * 7
+    assert all(slower.units[i].forward > plain.units[i].forward for i in projections)
+    # a 2 x 12 x 32 x 64 product: half its FLOPs run 2 ** (1/3) times slower (log-linear)
+    flops = 2 * 2 * 12 * 32 * 64
+    assert math.isclose(falling.at(flops) / falling.at(flops / 2), 2 ** (1 / 3))
 
 
 def test_degree_one_is_the_profile_itself(llama):

@@ -17,21 +17,26 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopipe.codegen.context import node_layout
 from autopipe.compiler import CompileOptions, check_tensor_parallel, load_graph
 from autopipe.errors import AutopipeError, PartitionError
+from autopipe.report.summary import format_partition
 from autopipe.runtime.core.mesh import RankMesh
 from autopipe.runtime.parallel import world_size_problem
 from autopipe.spec import load_example
 from autopipe.tensor_parallel import sharding_plan, find_regions
+from autopipe.verify import load_pipeline
 
 from conftest import compile_model, torchrun, torchrun_failing
 from pipelines import (
     MICROBATCHES,
     STEPS,
     assert_same_training,
+    play,
+    problems,
     reference_training,
     run_pipeline,
 )
@@ -41,6 +46,7 @@ LLAMA = "tests/causal_models.py:llama_plain"  # 4 heads, 2 key/value heads, no d
 UNPADDED = "tests/causal_models.py:llama_unpadded"  # the same without a padding token
 EXPLICIT = "tests/causal_models.py:explicit_heads"  # biased projections, views naming sizes
 BATCHES = "tests/causal_models.py:llama_plain_batch"
+LLAMA_70B = "tests/causal_models.py:llama_70b_shaped"  # 8 of its layers, meta weights
 TRAIN = ("--optimizer", "adamw", "--lr", "0.001")
 
 
@@ -72,15 +78,25 @@ def reference():
 def test_the_package_records_its_degree_and_its_plan(two_stages):
     description = json.loads((two_stages.out / "pipeline.json").read_text())
     assert description["tp"] == 2
+    assert "sequence_parallel" not in description  # its embedding has a padding index
     stage = (two_stages.out / "stage0.py").read_text()
-    assert "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel" in stage
+    assert "import ColwiseParallel, PrepareModuleInput, RowwiseParallel" in stage
     assert '"model.layers.0.self_attn.q_proj": ColwiseParallel(),' in stage
     assert '"model.layers.0.mlp.down_proj": RowwiseParallel(),' in stage
+    assert (
+        '"model.layers.0.self_attn.tensor_parallel_input": PrepareModuleInput(\n'
+        "        input_layouts=(Replicate(),),"
+    ) in stage
+    assert "SEQUENCE_PARALLEL_PARAMETERS" not in stage
     blocks = (two_stages.out / "blocks.py").read_text()
     assert 'keep_whole(self, "self_attn.k_proj", nn.Linear(32, 16, bias=False, device="meta"))' in (
         blocks
     )
-    assert "linear = self.self_attn.q_proj(mul_1)" in blocks  # called as a module
+    assert 'keep_whole(self, "self_attn.tensor_parallel_input", nn.Identity())' in blocks
+    # the projections are called as modules, through the region's input module
+    assert "mul_1_tp = self.self_attn.tensor_parallel_input(mul_1)" in blocks
+    assert "linear = self.self_attn.q_proj(mul_1_tp)" in blocks
+    assert "linear_1 = self.self_attn.k_proj(mul_1_tp)" in blocks
     assert "aten.linear.default" not in blocks
     launch = (two_stages.out / "launch/slurm.sbatch").read_text()
     assert "= 4 processes, the plan's 2 pipeline ranks x --dp-shard 1 x tensor parallel 2" in (
@@ -107,16 +123,26 @@ def test_pipeline_x_tensor_parallel_trains_like_pytorch(two_stages, tmp_path, re
     pipe = run_pipeline(tmp_path, LLAMA, 2, BATCHES, *TRAIN, package=two_stages.out, nproc=4)
     assert_same_training(pipe, reference)
     said = (tmp_path / "train.out").read_text()
-    assert "14 projection(s) of this rank's stages sharded over 2 ranks" in said  # rank 0's
+    # rank 0's: 14 projections and 4 region inputs
+    assert "18 module(s) of this rank's stages sharded over 2 ranks" in said
+    assert "sequence parallel" not in said
     assert "x tensor parallel 2 on 4 devices" in said and "another layout" not in said
 
 
 def test_tensor_parallel_alone_and_under_fsdp2(one_stage, tmp_path):
     """TP 2 alone, then FSDP2 over 2 shards x TP 2 (the parameters 2-D DTensors), the
-    embedding and head sharded over the vocabulary."""
+    embedding and head sharded over the vocabulary, sequence parallel: the norms and residual
+    additions on each rank's half of the sequence."""
     stage = (one_stage.out / "stage0.py").read_text()
-    assert '"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),' in stage
-    assert '"lm_head": ColwiseParallel(output_layouts=Replicate()),' in stage
+    assert (
+        '"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),'
+        in stage
+    )
+    assert '"model.layers.0.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),' in stage
+    assert (
+        '"lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),' in stage
+    )
+    assert '    "model.norm.weight",\n)' in stage  # SEQUENCE_PARALLEL_PARAMETERS's last
     reference = _reference(UNPADDED)
     for run in ("alone", "fsdp"):
         (tmp_path / run).mkdir()
@@ -138,6 +164,96 @@ def test_tensor_parallel_alone_and_under_fsdp2(one_stage, tmp_path):
         nproc=4,
     )
     assert_same_training(sharded, reference)
+
+
+def test_sequence_parallel_across_stages_and_off(tmp_path):
+    """2 stages x TP 2, sequence parallel: the hidden state crosses the stage boundary as each
+    rank's half of the sequence (pipeline.json's ``tp_dim``; the rotary tables whole), the
+    norms' gradients summed over the ranks: trains like PyTorch. ``--sequence-parallel off``
+    compiles the same model with whole values and all-reduces. Its held-out evaluation, run
+    sequence parallel in eval mode, is the trained model's loss."""
+    sliced = compile_model(UNPADDED, tmp_path / "sliced", 2, tp=2)
+    description = json.loads((sliced.out / "pipeline.json").read_text())
+    assert description["sequence_parallel"] is True
+    crossing = {v: description["values"][v] for v in description["stages"][0]["outputs"]}
+    assert [v.get("tp_dim") for v in crossing.values()].count(1) == 1
+    hidden = next(v for v in crossing.values() if v.get("tp_dim") == 1)
+    assert hidden["shape"] == [2, 12, 32]  # the whole value's; each rank holds [2, 6, 32]
+    stage = (sliced.out / "stage1.py").read_text()
+    assert "sequence_parallel_parameters = SEQUENCE_PARALLEL_PARAMETERS" in stage
+    evaluate = ("--eval-data", BATCHES, "--eval-batches", "1", "--eval-every", "2")
+    pipe = run_pipeline(
+        tmp_path, UNPADDED, 2, BATCHES, *TRAIN, *evaluate, package=sliced.out, nproc=4
+    )
+    assert_same_training(pipe, _reference(UNPADDED))
+    assert "sequence parallel" in (tmp_path / "train.out").read_text()
+    # the last evaluation (held-out batch 0 after the last step) is the trained model's mean
+    # microbatch loss in eval mode
+    model = load_example(UNPADDED).model
+    model.load_state_dict(torch.load(tmp_path / "trained.pt"))
+    model.eval()
+    (ids,), labels = importlib.import_module("causal_models").llama_plain_batch(0, MICROBATCHES)
+    with torch.no_grad():
+        held_out = torch.stack(
+            [model(i, labels=l).loss for i, l in zip(ids.chunk(MICROBATCHES),
+                                                     labels["labels"].chunk(MICROBATCHES))]
+        ).mean()  # fmt: skip
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert len(evals) == 2 and evals[-1] == pytest.approx(held_out.item(), rel=1e-5)
+
+    whole = compile_model(UNPADDED, tmp_path / "whole", 2, tp=2, sequence_parallel="off")
+    description = json.loads((whole.out / "pipeline.json").read_text())
+    assert "sequence_parallel" not in description
+    assert all("tp_dim" not in v for v in description["values"].values())
+    assert (
+        '"model.layers.0.mlp.down_proj": RowwiseParallel(),'
+        in (whole.out / "stage0.py").read_text()
+    )
+    summary = format_partition(whole.graph, whole.partition)
+    assert "not sequence parallel: --sequence-parallel off" in summary
+
+
+def test_sequence_parallel_on_is_refused_naming_the_operator(two_stages):
+    """The Llama with a padding token keeps its embedding replicated, whose whole output the
+    first residual addition would add to a slice: ``on`` is refused saying so; ``auto``
+    leaves it off with the same reason."""
+    graph = load_graph(two_stages.out / "artifacts/graph.json")
+    with pytest.raises(PartitionError, match=r"--sequence-parallel on: .* whole along it \(a "
+                       r"replicated region, model.embed_tokens, computes it whole"):  # fmt: skip
+        check_tensor_parallel(graph, 2, True)
+    assert "combines a value sliced along the sequence" in check_tensor_parallel(graph, 2).summary()
+    with pytest.raises(AutopipeError, match="--sequence-parallel 'sometimes' is unknown"):
+        CompileOptions(stages=2, tp=2, sequence_parallel="sometimes")
+
+
+def test_the_fake_cuda_dry_run_of_a_70b_shaped_rank(tmp_path):
+    """One rank of TP 8 x PP 4 x FSDP 2 (64 GPUs) of Llama-3-70B's layers on meta weights,
+    played on a fake GPU: its tensor-parallel and sequence-parallel collectives (2 gathers
+    along the sequence and 2 reduce-scatters per block each way, per microbatch), FSDP2's
+    2-D sharding over the DTensors, and the other stages' ranks (one of every stage)."""
+    compiled = compile_model(LLAMA_70B, tmp_path / "pipe", 4, tp=8, dp_shard=2)
+    description = json.loads((compiled.out / "pipeline.json").read_text())
+    assert description["tp"] == 8 and description["sequence_parallel"] is True
+    package = load_pipeline(compiled.out)
+    blocks = [len(stage["blocks"]) for stage in description["stages"]]
+    # rank ((dp_shard * 4) + pp) * 8 + tp: each stage's first rank, and the job's last
+    ranks = [str(pp * 8) for pp in range(4)] + ["63"]
+    args = ("--device", "cuda", "--dp-shard", "2", "--world-size", "64", "--steps", "1")
+    results = [play(package, *args, "--rank", rank)[0][0] for rank in ranks]
+    assert not problems(results), problems(results)
+    assert [r.stages for r in results] == [(0,), (1,), (2,), (3,), (3,)]
+    assert results[-1].device == "cuda:7"
+    microbatches = description["plan"]["microbatches"]
+    for result in results:
+        per_block = 2 * blocks[result.stages[0]] * microbatches
+        gathered = result.collectives["all_gather_into_tensor"]
+        scattered = result.collectives["reduce_scatter_tensor"]
+        head = 2 * microbatches if result.stages == (3,) else 0  # its input and its logits
+        embedding = microbatches if result.stages == (0,) else 0
+        assert gathered["forward"] == per_block + head
+        assert scattered["forward"] == per_block + embedding
+        assert result.collectives["allreduce"]["sequence_sum"] == 1
 
 
 def test_a_world_that_does_not_fit_is_refused_naming_the_numbers(one_stage):
@@ -171,29 +287,27 @@ def test_a_degree_that_shards_nothing_is_refused(tmp_path):
         CompileOptions(stages=2, tp=16)
 
 
-def test_the_collectives_of_a_block_are_the_regions(two_stages):
-    """One block under torch's CommDebugMode on a fake 2-rank group: the forward all-reduces
-    once per region (its row projection's partial sums), the backward once per column
-    projection (the gradient of its replicated input), as the regions predict."""
-    sys.path.insert(0, str(two_stages.out.parent))
+def _block_collectives(compiled, sequence_length):
+    """The collectives one block of ``compiled``'s stage 0 runs under torch's CommDebugMode on
+    a fake 2-rank group, forward and backward, by torch's name (the block's input holds
+    ``sequence_length`` positions), and the plan its regions predict them from."""
+    for name in [n for n in sys.modules if n.split(".")[0] == compiled.out.name]:
+        del sys.modules[name]  # another fixture's package of the same name
+    sys.path.insert(0, str(compiled.out.parent))
     try:
-        package = importlib.import_module(two_stages.out.name)
+        package = importlib.import_module(compiled.out.name)
     finally:
         sys.path.pop(0)
-    graph = load_graph(two_stages.out / "artifacts/graph.json")
-    plan = sharding_plan(graph, find_regions(graph), 2)
-    block_regions = {m.region for m in plan.modules if m.module.startswith("model.layers.0.")}
-    columns = [m for m in plan.modules if m.module.startswith("model.layers.0.")]
-    columns = [m for m in columns if m.style == "colwise"]
+    graph = load_graph(compiled.out / "artifacts/graph.json")
+    settings = json.loads((compiled.out / "artifacts/partition.json").read_text())["settings"]
+    plan = sharding_plan(graph, find_regions(graph), 2, settings.get("sequence_parallel", False))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         stage = package.build_stage(0, device="cpu")
-        from torch.distributed.tensor.parallel import parallelize_module
-
         parallelize_module(stage, mesh, dict(stage.tensor_parallel_plan))
         block = stage.get_submodule("model.layers.0")
-        x = torch.randn(2, 12, 32, requires_grad=True)
+        x = torch.randn(2, sequence_length, 32, requires_grad=True)
         cos, sin = torch.randn(2, 12, 8), torch.randn(2, 12, 8)
         with CommDebugMode() as forward:
             out = block(x, cos, sin)
@@ -201,9 +315,28 @@ def test_the_collectives_of_a_block_are_the_regions(two_stages):
             out.sum().backward()
     finally:
         dist.destroy_process_group()
-    all_reduce = torch.ops.c10d_functional.all_reduce
-    assert forward.get_comm_counts()[all_reduce] == len(block_regions) == 2
-    assert backward.get_comm_counts()[all_reduce] == len(columns) == 5
+    counts = [
+        {op.__name__.split(".")[0]: n for op, n in mode.get_comm_counts().items() if n}
+        for mode in (forward, backward)
+    ]
+    return plan, counts
+
+
+def test_the_collectives_of_a_block_are_the_regions(two_stages, one_stage):
+    """Without sequence parallelism the forward all-reduces once per region (its row
+    projection's partial sums) and the backward once per region too (the gradient of its
+    input, summed over its column projections by its input module: not once per column);
+    sequence parallel, each all-reduce is an all-gather and a reduce-scatter along the
+    sequence, the block's input and output half of it. As the regions predict."""
+    plan, (forward, backward) = _block_collectives(two_stages, 12)
+    regions = {m.region for m in plan.modules if m.module.startswith("model.layers.0.")}
+    inputs = [i for i in plan.inputs if i.module.startswith("model.layers.0.")]
+    assert plan.sequence is None and len(regions) == len(inputs) == 2
+    assert forward == {"all_reduce": 2} and backward == {"all_reduce": 2}
+    plan, (forward, backward) = _block_collectives(one_stage, 6)  # 12 positions, 6 a rank
+    assert plan.sequence is not None
+    assert forward == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+    assert backward == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
 
 
 def test_a_tp2_checkpoint_resumes_at_tp1_and_back(two_stages, tmp_path, reference):

@@ -42,7 +42,7 @@ SPEC_HELP = (
 TRACING = ("depth", "basic_blocks", "keep_whole", "inline_blocks", "dynamic", "batch_dims")
 PROFILING = ("profile", "expected", "device_spec", "link", "network")
 PARTITIONING: tuple[str, ...] = ("stages", "devices", "method", "split_points", "optimizer")
-PARTITIONING += ("schedule", "microbatches", "dp_shard", "tp", "gpus_per_node")
+PARTITIONING += ("schedule", "microbatches", "dp_shard", "tp", "sequence_parallel", "gpus_per_node")
 PLAN_SEARCH = (
     "global_batch",
     "memory_margin",

@@ -42,7 +42,7 @@ def add_parser(subparsers: Subparsers) -> None:
     add_options(p, ("method", "optimizer"))
     p.add_argument("--top", type=COUNT.parse, default=15, help="plans to print (default 15)")
     add_option(search_options(p), "gpus_per_node")
-    add_option(p, "tp")
+    add_options(p, ("tp", "sequence_parallel"))
     trace_options(p)
     profile_options(p)
     p.set_defaults(func=cmd_plan)

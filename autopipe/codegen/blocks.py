@@ -32,6 +32,9 @@ from . import emit
 from .names import identifier, namespace, operator_name
 from .sizes import size_lines, symbol_names, used_symbols
 
+#: the comment above the tensor-parallel modules a block or stage holds
+TENSOR_PARALLEL_MODULES = "tensor-parallel modules over the parameters above (and region inputs)"
+
 
 @dataclass
 class Submodule:
@@ -141,16 +144,15 @@ def class_source(
         "",
     ]
     inside = {node.name for node in submodule.nodes}
-    modules = [m for m in (sharding.modules if sharding else ()) if m.node in inside]
+    modules = sharding.held(inside) if sharding else []
     if modules:
         lines += [
             'def __init__(self, device="cpu", meta_state=False):',
             "    super().__init__(device, meta_state)",
-            "    # tensor-parallel projections: nn.Linear modules holding the parameters above",
+            f"    # {TENSOR_PARALLEL_MODULES}",
             *(
-                f"    keep_whole(self, {json.dumps(m.module.removeprefix(prefix))}, "
-                f"{m.constructor()})"
-                for m in modules
+                f"    keep_whole(self, {json.dumps(fqn.removeprefix(prefix))}, {constructor})"
+                for fqn, constructor in modules
             ),
             "",
         ]

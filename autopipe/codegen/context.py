@@ -49,11 +49,13 @@ class StageContext:
     uses_device: bool  # whether the forward body names ``device``
     blocks: list[tuple[str, str]]  # submodules: (original name, block class)
     kept: list[tuple[str, str]]  # torch modules kept whole: (original name, constructor)
-    #: tensor parallelism: the stage's own nn.Linear projections (original name, constructor)
-    #: and every projection it shards, its blocks' too: (original name, torch style)
+    #: tensor parallelism: the stage's own modules (original name, constructor) and every
+    #: module it shards, its blocks' too: (original name, torch style), region inputs first
     tensor_parallel_modules: list[tuple[str, str]]
     tensor_parallel: list[tuple[str, str]]
     tensor_parallel_imports: list[str]  # import lines of the torch styles it uses
+    #: sequence parallelism: the parameters whose gradients train.py sums over the "tp" ranks
+    sequence_parallel_parameters: list[str]
     support: list[str]  # the runtime.support helpers it imports
     parameters: list[dict[str, Any]]  # its own parameter rows (its blocks hold the rest)
     buffers: list[dict[str, Any]]

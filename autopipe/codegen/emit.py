@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Sequence
@@ -229,6 +230,7 @@ def forward_body(
     tensor-parallel ``sharding``, its projections call the ``nn.Linear`` holding their weight
     and the sizes it frees are -1."""
     modules = {m.node: m for m in sharding.modules} if sharding is not None else {}
+    entered: set[str] = set()  # the region input modules called so far
     free: dict[str, set[int]] = {}
     for name, position in sharding.free_sizes if sharding is not None else ():
         free.setdefault(name, set()).add(position)
@@ -258,10 +260,19 @@ def forward_body(
         if node.name in free:
             node = _freed(node, free[node.name])
         if node.name in modules:  # linear(x, module.weight, ...) / embedding(...): module(x)
-            at = modules[node.name].weight_at
+            sharded = modules[node.name]
+            at = sharded.weight_at
             module = ref(node.args[at]).removesuffix(".weight")
             given = [ref(node.args[1 - at])]
-            statement = assignment(target(node.name), module, given, base + len(indent))
+            statement = []
+            if sharded.entry:  # through the region's input module, called once
+                entry = _sibling(module, sharded.entry.rpartition(".")[2])
+                value, given = given[0], [f"{given[0]}_tp"]
+                if sharded.entry not in entered:
+                    entered.add(sharded.entry)
+                    statement += [f"# {sharded.entry} (tensor-parallel region input)"]
+                    statement += assignment(given[0], entry, [value], base + len(indent))
+            statement += assignment(target(node.name), module, given, base + len(indent))
         elif emitter is not None:  # torch.cond, a custom autograd function, ...
             statement = emitter(graph, node, ref, base + len(indent), target(node.name))
         elif kind_of(node.target) is not None:
@@ -272,6 +283,11 @@ def forward_body(
             statement = assignment(target(node.name), fn, call_args, base + len(indent))
         lines.extend(indent + line for line in statement)
     return lines
+
+
+def _sibling(path: str, leaf: str) -> str:
+    """``self.attn.q_proj`` / ``self.mlp[0]`` -> ``self.attn.<leaf>`` / ``self.<leaf>``."""
+    return re.sub(r"(\.\w+|\[[^\]]*\])$", "", path) + f".{leaf}"
 
 
 def _freed(node: Node, positions: set[int]) -> Node:

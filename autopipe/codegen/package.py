@@ -26,7 +26,7 @@ from ..partitioning.cost import iteration_time
 from ..partitioning.partition import PredictedStep, costs_to_json
 from ..runtime.core.pipeline import Pipeline, default_microbatches
 from ..runtime.core.manifest import changed_files
-from ..tensor_parallel import ShardedModule, ShardingPlan, find_regions, sharding_plan
+from ..tensor_parallel import SEQUENCE_DIM, ShardingPlan, find_regions, sharding_plan
 from . import emit
 from .sizes import size_lines, used_symbols
 from ..ir.analysis import block_calls
@@ -103,7 +103,8 @@ def package_files(graph: Graph, part: Partition, gpus_per_node: int = 8) -> dict
     device_of_stage = part.device_of_stage
     model_class = graph.model.cls.rsplit(".", 1)[-1]
     tp = part.settings.tp or 1
-    sharding = sharding_plan(graph, find_regions(graph), tp) if tp > 1 else None
+    sequence = bool(part.settings.sequence_parallel)
+    sharding = sharding_plan(graph, find_regions(graph), tp, sequence) if tp > 1 else None
     package = PackageContext(
         model_class=model_class,
         num_stages=len(plans),
@@ -183,7 +184,10 @@ def package_files(graph: Graph, part: Partition, gpus_per_node: int = 8) -> dict
         )
     blocks_of_stage = {i: [sub.fqn for sub in subs] for i, subs in submodules.items()}
     files["launch/slurm.sbatch"] = launch_script
-    files["pipeline.json"] = dumps(pipeline_description(graph, plans, part, names, blocks_of_stage))
+    sliced = sharding.sequence_values if sharding else frozenset()
+    files["pipeline.json"] = dumps(
+        pipeline_description(graph, plans, part, names, blocks_of_stage, sliced)
+    )
     for module in RUNTIME_MODULES:
         files[f"runtime/{module}"] = (RUNTIME / module).read_text(encoding="utf-8")
     return files
@@ -258,7 +262,11 @@ def _stage_context(
     produced = {n.name for n in plan.nodes}
     held = {n.name for n in plan.nodes}
     sharded = [m for m in (sharding.modules if sharding else ()) if m.node in held]
-    own_modules = [(m.module, m.constructor()) for m in sharded if m.node not in inside]
+    own_modules = sharding.held(held - inside) if sharding else []
+    entries = {m.entry for m in sharded}
+    styles = [s for s in (sharding.styles if sharding else ()) if s[0] in entries] + [
+        (m.module, m.style_source()) for m in sharded
+    ]
     operators = _operators(graph, plan.nodes)
     first, final = plan.nodes[0], plan.nodes[-1]
     summary = (
@@ -282,8 +290,13 @@ def _stage_context(
         blocks=[(sub.fqn, sub.class_name) for sub in submodules],
         kept=kept_constructors(plan.nodes),
         tensor_parallel_modules=own_modules,
-        tensor_parallel=[(m.module, m.style_source()) for m in sharded],
-        tensor_parallel_imports=_style_imports(sharded),
+        tensor_parallel=styles,
+        tensor_parallel_imports=_style_imports([style for _, style in styles]),
+        sequence_parallel_parameters=[
+            name
+            for name in (sharding.sequence.parameters if sharding and sharding.sequence else ())
+            if name in set(plan.state_names.values())
+        ],
         support=sorted(
             set(
                 ["build_state", "init_state"]
@@ -299,12 +312,14 @@ def _stage_context(
     )
 
 
-def _style_imports(modules: list[ShardedModule]) -> list[str]:
-    """The import lines of torch's tensor-parallel styles (and placements) ``modules`` use."""
-    styles = sorted({m.style_source().split("(")[0] for m in modules})
-    lines = [f"from torch.distributed.tensor.parallel import {', '.join(styles)}"] if styles else []
-    if any("Replicate()" in m.style_source() for m in modules):
-        lines.insert(0, "from torch.distributed.tensor import Replicate")
+def _style_imports(styles: list[str]) -> list[str]:
+    """The import lines of torch's tensor-parallel styles (and placements) ``styles`` (as
+    generated code writes them) use."""
+    names = sorted({style.split("(")[0] for style in styles})
+    lines = [f"from torch.distributed.tensor.parallel import {', '.join(names)}"] if names else []
+    placements = sorted({p for p in ("Replicate", "Shard") if any(f"{p}(" in s for s in styles)})
+    if placements:
+        lines.insert(0, f"from torch.distributed.tensor import {', '.join(placements)}")
     return lines
 
 
@@ -413,9 +428,11 @@ def pipeline_description(
     part: Partition,
     names: dict[str, str],
     blocks_of_stage: dict[int, list[str]],
+    sliced: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """The JSON-compatible ``PIPELINE`` dict of a generated package (values under their
-    generated ``names``)."""
+    generated ``names``; those of ``sliced`` sliced along the sequence over the tensor-parallel
+    ranks, ``"tp_dim"``)."""
     exchanged = dict.fromkeys(
         graph.inputs + [n for p in plans for n in p.inputs + p.outputs] + graph.outputs
     )
@@ -428,6 +445,8 @@ def pipeline_description(
             "dtype": dtype_name(meta.dtype),
             "requires_grad": meta.requires_grad,
         } | ({"sizes": list(meta.formulas)} if meta.sizes else {})
+        if name in sliced:
+            values[names.get(name, name)]["tp_dim"] = SEQUENCE_DIM
     holders: dict[str, dict[str, str]] = {}
     for plan in plans:
         for name in plan.held_names:
@@ -474,6 +493,8 @@ def pipeline_description(
     }
     if (part.settings.tp or 1) > 1:  # train.py's tensor-parallel degree; to_json leaves 1 out
         description["tp"] = part.settings.tp
+        if part.settings.sequence_parallel:
+            description["sequence_parallel"] = True
     if part.settings.mesh is not None:  # train.py's mesh order; to_json leaves the default out
         description["mesh"] = list(part.settings.mesh)
     if graph.model.fixed_inputs:

@@ -20,6 +20,7 @@ weights only: no gradient, no optimizer state, no reduce-scatter, no optimizer s
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 from dataclasses import asdict, dataclass, field
 
@@ -294,6 +295,35 @@ def _parameter_bytes(graph: Graph) -> tuple[list[dict[str, int]], list[int], lis
     return unit_params, param_bytes, trainable_bytes
 
 
+def _first_readers(
+    unit_params: list[dict[str, int]], frozen: frozenset[str]
+) -> tuple[list[int], list[int]]:
+    """Parameter bytes per unit, each parameter counted in the first unit that reads it, and
+    of those the trainable parameters' (see :func:`_parameter_bytes`)."""
+    param_bytes, trainable_bytes = [0] * len(unit_params), [0] * len(unit_params)
+    seen: set[str] = set()
+    for unit, held in enumerate(unit_params):
+        for name, nbytes in held.items():
+            if name not in seen:
+                seen.add(name)
+                param_bytes[unit] += nbytes
+                if name not in frozen:
+                    trainable_bytes[unit] += nbytes
+    return param_bytes, trainable_bytes
+
+
+def _divided(exchange: Exchange, degree: int) -> Exchange:
+    """``exchange`` as each of ``degree`` tensor-parallel ranks holding ``1/degree`` of it
+    passes it."""
+    if degree == 1:
+        return exchange
+    return dataclasses.replace(
+        exchange,
+        activation=exchange.activation // degree,
+        gradient=exchange.gradient // degree,
+    )
+
+
 def _exchanges(graph: Graph) -> list[Exchange]:
     """The values units pass to later units (or out of the model). A model input is none:
     each stage reading it reads it from the batch (autopipe/codegen/plan.py), unless the model
@@ -395,6 +425,12 @@ class CostModel:
         self.frozen = facts.frozen
         self.param_bytes, self.trainable_bytes = facts.param_bytes, facts.trainable_bytes
         self.unit_params = facts.unit_params
+        if profile.divided:  # tensor parallelism: each rank's part of the sharded parameters
+            self.unit_params = [
+                {name: nbytes // profile.divided.get(name, 1) for name, nbytes in held.items()}
+                for held in facts.unit_params
+            ]
+            self.param_bytes, self.trainable_bytes = _first_readers(self.unit_params, self.frozen)
         #: parameters, gradients and optimizer state per unit, this rank's share when sharded
         self.unit_state = [
             self.state_bytes(p, t) for p, t in zip(self.param_bytes, self.trainable_bytes)
@@ -405,7 +441,11 @@ class CostModel:
         #: device than sending them): they cross no boundary
         self.recomputed_values = recomputed_values(graph, self.device, self.link_bandwidth)
         recomputed = set(self.recomputed_values)
-        self.exchanges = [e for e in facts.exchanges if e.name not in recomputed]
+        self.exchanges = [
+            _divided(e, profile.divided.get(e.name, 1))
+            for e in facts.exchanges
+            if e.name not in recomputed
+        ]
         #: each block's parameter and gradient bytes
         self.block_state = {
             block.fqn: sum(self.param_bytes[u] + self.trainable_bytes[u] for u in block.units)

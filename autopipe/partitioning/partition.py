@@ -98,6 +98,8 @@ class PartitionSettings:
     calibrated: bool | None = None
     #: the tensor-parallel degree (``--tp``): ranks each stage's regions are sharded over
     tp: int | None = None
+    #: with ``tp``: whether the values between regions are sliced along the sequence
+    sequence_parallel: bool | None = None
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> PartitionSettings:
@@ -155,6 +157,8 @@ class PartitionSettings:
         require(isinstance(calibrated, bool), f"{where}.calibrated", calibrated, "true or false")
         tp = data.get("tp", 1)
         require(is_int(tp, 1), f"{where}.tp", tp, "a tensor-parallel degree (1 or more)")
+        sequence = data.get("sequence_parallel", False)
+        require(isinstance(sequence, bool), f"{where}.sequence_parallel", sequence, "true or false")
         _unknown(data, cls.__dataclass_fields__, where)
         special = ("timed_at", "plans", "mesh")
         return cls(

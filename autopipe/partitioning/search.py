@@ -244,6 +244,7 @@ def search(
     workers: int = 1,
     gpus_per_node: int = 8,
     tp_degrees: tuple[int, ...] = (1,),
+    sequence_parallel: bool | None = None,
 ) -> list[Plan]:
     """Every candidate plan, partitioned and simulated, best first: those that fit by
     throughput, then those that do not. Candidates are searched in the order of their lower
@@ -262,7 +263,8 @@ def search(
 
     Each degree of ``tp_degrees`` (tensor parallelism, within a node) is searched on the
     profile each of its ranks runs (:func:`.tensor_parallel.sharded_profile`), its places on
-    nodes of ``gpus_per_node / tp`` of them."""
+    nodes of ``gpus_per_node / tp`` of them, sequence parallel as ``sequence_parallel`` asks
+    (:func:`~autopipe.tensor_parallel.sharding_plan`)."""
     capacity = profile.device.memory
     usable = dataclasses.replace(
         profile, device=dataclasses.replace(profile.device, memory=capacity * (1 - margin))
@@ -273,7 +275,9 @@ def search(
         t: (
             usable
             if t == 1 or regions is None
-            else sharded_profile(graph, usable, sharding_plan(graph, regions, t), network)[0]
+            else sharded_profile(
+                graph, usable, sharding_plan(graph, regions, t, sequence_parallel), network
+            )[0]
         )
         for t in tp_degrees
     }

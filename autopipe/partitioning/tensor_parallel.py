@@ -3,17 +3,27 @@
 
 At degree ``t`` a unit's sharded work (its sharded projections' products and the attention of
 the heads they split: :class:`~autopipe.tensor_parallel.ShardingPlan`) runs on ``t`` ranks at
-once, each a ``1/t`` share, and its other operators (norms, residual additions, replicated
-regions) on each of them whole: the unit's times scale by ``1 - s + s / t``, ``s`` the share of
-its FLOPs that is sharded (its products and attention dominate a transformer block's time). Its
-collectives are added where torch's styles run them: in the forward, one all-reduce of each row
-projection's (and the embedding's) output and an all-gather of the head's logits, which every
-rank then holds whole; in the backward, one all-reduce of each column projection's input
-gradient (torch's ``ColwiseParallel`` reduces each one's own). They run within a node over the spec's
-link, costed by :class:`~.network.Network` and not overlapped. Each rank holds ``1/t`` of the
-sharded projections' parameters (gradients and optimizer state follow) and of the activations
-of the sharded work. FLOPs stay the model's (what model FLOPs utilisation counts, over every
-device of the plan).
+once, each a ``1/t`` share; of its other operators, those inside sharded regions work on each
+rank's heads or features and, sequence parallel, those between regions on ``1/t`` of the
+positions, while the rest (replicated regions; norms and residual additions without sequence
+parallelism) run whole on every rank. The unit's times scale by ``s r/t + (1-s)(1 - q + q/t)``:
+``s`` the share of its FLOPs that is sharded (products and attention dominate a transformer
+block's time), ``r`` how much slower a ``1/t`` share of those products runs than ``1/t`` of
+their time (the device spec's calibrated GEMM and attention rates at the smaller size; 1 on a
+spec without tables), ``q`` the share of the rest's written bytes that is divided.
+
+Its collectives are added where torch's styles run them. Without sequence parallelism: in the
+forward, an all-reduce of each row projection's (and the embedding's) output and an all-gather
+of the head's logits, which every rank then holds whole; in the backward, an all-reduce of each
+region input's gradient (one per region input module, however many column projections read it;
+the head's own). Sequence parallel, each of those all-reduces is a reduce-scatter one way and an
+all-gather the other: row projections and the embedding reduce-scatter their output (all-gather
+its gradient), region inputs and the head all-gather their input (reduce-scatter its gradient).
+They run within a node over the spec's link, costed by :class:`~.network.Network` and not
+overlapped. Each rank holds ``1/t`` of the sharded projections' parameters (gradients and
+optimizer state follow) and of the activations of the sharded work (and of those between
+regions, sequence parallel). FLOPs stay the model's (what model FLOPs utilisation counts, over
+every device of the plan).
 """
 
 from __future__ import annotations
@@ -61,58 +71,132 @@ def sharded_profile(
         return profile, TensorParallelCost(t, 0.0, 0.0, 0.0)
     by_node = {m.node: m for m in plan.modules}
     regions = {m.region for m in plan.modules}  # the scopes of the sharded regions
+    sliced = plan.sequence_values
+    entry_sliced = {i.module: i.sequence for i in plan.inputs}
     group = list(range(t))  # within a node: tensor-parallel ranks are innermost
+
+    def collective(kind: str, nbytes: float) -> float:
+        return network.collective(kind, nbytes, group)
+
+    # sequence parallel, an all-reduce is a reduce-scatter (forward) and an all-gather
+    # (backward), or the other way round; the forward's and the backward's kinds
+    split = ("reduce_scatter", "all_gather") if plan.sequence else ("all_reduce", "")
+    gather = ("all_gather", "reduce_scatter") if plan.sequence else ("", "all_reduce")
+    entered: set[str] = set()
+    divided: dict[str, int] = dict.fromkeys(sliced, t)  # what each rank holds 1/t of
     units = []
     saved = communication = parameters_saved = 0.0
     for unit, cost in zip(graph.units, profile.units):
         sharded_flops = 0.0
-        forward_comm = backward_comm = 0.0
+        slower = 0.0  # the sharded FLOPs, each weighted by how much slower its 1/t share runs
+        comm = [0.0, 0.0]  # forward, backward
         held = gathered = 0.0
+        between = rest = 0.0  # bytes written by the other operators: on a share, all
+
+        def add(kinds: tuple[str, str], nbytes: float) -> None:
+            for i, kind in enumerate(kinds):
+                comm[i] += collective(kind, nbytes) if kind else 0.0
+
         for name in unit.nodes:
             node = graph[name]
             module = by_node.get(name)
             if module is not None:
                 out = float(graph.value_bytes(name))  # its output
                 held += _bytes_of(graph, node.args[module.weight_at])
+                divided.update(dict.fromkeys(_parameters(graph, node, module.weight_at), t))
+                if module.style != ROWWISE and not module.gathered:
+                    divided[name] = t  # a column's features
                 if module.kind == EMBEDDING:  # a lookup: no FLOPs; its partial sums reduced
-                    forward_comm += network.collective("all_reduce", out, group)
+                    add(split, out)
                     continue
-                sharded_flops += _product_flops(graph, node)
+                flops = _product_flops(graph, node)
+                sharded_flops += flops
+                slower += flops * _slowdown(profile, "matmul", node, flops, t)
                 held += _bytes_of(graph, node.args[2] if len(node.args) > 2 else None)
                 if module.style == ROWWISE:
-                    forward_comm += network.collective("all_reduce", out, group)
-                    continue
-                moved = _bytes_of(graph, node.args[0])
-                backward_comm += network.collective("all_reduce", moved, group)
-                if module.gathered:  # the head's logits, gathered whole on every rank
+                    add(split, out)
+                elif module.gathered:  # the head: its input gathered, its logits too
+                    add(gather if module.sequence else ("", "all_reduce"), _input(graph, node))
                     gathered += out
-                    forward_comm += network.collective("all_gather", out, group)
-            elif node.target == _ATTENTION and node.scope:
-                inner = node.scope[-1].fqn
-                if any(inner == r or inner.startswith(f"{r}.") for r in regions):
-                    sharded_flops += _attention_flops(graph, node)
+                    comm[0] += collective("all_gather", out)
+                elif module.entry not in entered:  # a region input: once for its columns
+                    entered.add(module.entry)
+                    kinds = gather if entry_sliced.get(module.entry) else ("", "all_reduce")
+                    add(kinds, _input(graph, node))
+                continue
+            inside = bool(node.scope) and any(
+                node.scope[-1].fqn == r or node.scope[-1].fqn.startswith(f"{r}.") for r in regions
+            )
+            if node.target == _ATTENTION and inside:
+                flops = _attention_flops(graph, node)
+                sharded_flops += flops
+                kind = "causal_attention" if _causal(node) else "attention"
+                slower += flops * _slowdown(profile, kind, node, flops, t)
+                continue
+            written = float(graph.value_bytes(name))
+            rest += written
+            # a sharded region's heads or features, or a slice of the sequence between them
+            between += written if inside or name in sliced else 0.0
+            if inside:
+                divided[name] = t
         share = min(1.0, sharded_flops / cost.flops_forward) if cost.flops_forward > 0 else 0.0
-        keep = 1 - share + share / t
+        slices = between / rest if rest else 0.0  # of the rest, the part each rank shares
+        # a smaller product runs at the device table's lower rate (1 on a spec without tables)
+        slowdown = slower / sharded_flops if sharded_flops else 1.0
+        keep = share * slowdown / t + (1 - share) * (1 - slices + slices / t)
         # memory: the unit's sharded share, but gathered logits are whole on every rank
         whole = min(1.0, gathered / cost.activations) if cost.activations else 0.0
         kept = max(keep, whole)
         forward, backward = cost.forward * keep, cost.backward * keep
         saved += cost.forward + cost.backward - forward - backward
-        communication += forward_comm + backward_comm
+        communication += sum(comm)
         parameters_saved += held * (1 - 1 / t)
         units.append(
             dataclasses.replace(
                 cost,
-                forward=forward + forward_comm,
-                backward=backward + backward_comm,
+                forward=forward + comm[0],
+                backward=backward + comm[1],
                 activations=int(cost.activations * kept),
                 temporaries=int(cost.temporaries * kept),
                 backward_memory=int(cost.backward_memory * kept),
                 parameters=max(0, int(cost.parameters - held * (1 - 1 / t))),
             )
         )
-    changed = dataclasses.replace(profile, units=units)
+    changed = dataclasses.replace(profile, units=units, divided=divided)
     return changed, TensorParallelCost(t, saved, communication, parameters_saved)
+
+
+def _slowdown(profile: Profile, kind: str, node: Node, flops: float, t: int) -> float:
+    """How much longer than ``1/t`` of the time a ``1/t`` share of ``flops`` of ``kind`` takes
+    at the device's rates (its calibrated table's rate falls with the size of a product)."""
+    meta = node.tensor_meta
+    dtype = meta.dtype if meta is not None else None
+    device = profile.device
+    if not flops:
+        return 1.0
+    return device.compute_rate(kind, dtype, flops) / device.compute_rate(kind, dtype, flops / t)
+
+
+def _causal(node: Node) -> bool:
+    """Whether an attention node is called causally (its ``is_causal`` argument)."""
+    value = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+    return value is True
+
+
+def _parameters(graph: Graph, node: Node, weight_at: int) -> list[str]:
+    """The first names of a sharded module's weight and bias (what each rank holds a part
+    of)."""
+    refs = [node.args[weight_at], *(node.args[2:3] if weight_at == 1 else ())]
+    return [
+        graph.param_of(graph[r.name].target).names[0]
+        for r in refs
+        if isinstance(r, Ref) and graph[r.name].kind == "param"
+    ]
+
+
+def _input(graph: Graph, node: Node) -> float:
+    """Bytes of a projection's input (its whole value, gathered or reduced)."""
+    return _bytes_of(graph, node.args[0])
 
 
 def _bytes_of(graph: Graph, value: object) -> float:

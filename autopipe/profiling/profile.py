@@ -74,6 +74,9 @@ class Profile:
     #: the dynamic dimensions' sizes its times are for (--expected); memory is at their upper
     #: bounds, as are times of dimensions not named here
     timed_at: dict[str, int] = field(default_factory=dict)
+    #: tensor parallelism: each parameter (first name) and value (node name) of the graph that
+    #: every rank holds ``1/N`` of, -> N (the cost model divides their bytes); empty without
+    divided: dict[str, int] = field(default_factory=dict)
 
     @property
     def source(self) -> str:
@@ -88,13 +91,17 @@ class Profile:
             )
 
     def to_json(self) -> dict:
-        return {
-            "mode": self.mode,
-            "measured_on": self.measured_on,
-            "graph_digest": self.graph_digest,
-            "device": self.device.to_json(),
-            "units": [asdict(u) for u in self.units],
-        } | ({"timed_at": dict(self.timed_at)} if self.timed_at else {})
+        return (
+            {
+                "mode": self.mode,
+                "measured_on": self.measured_on,
+                "graph_digest": self.graph_digest,
+                "device": self.device.to_json(),
+                "units": [asdict(u) for u in self.units],
+            }
+            | ({"timed_at": dict(self.timed_at)} if self.timed_at else {})
+            | ({"divided": dict(self.divided)} if self.divided else {})
+        )
 
     @classmethod
     def from_json(cls, data: dict) -> Profile:
@@ -130,6 +137,14 @@ class Profile:
                 timed_at,
                 "sizes of dynamic dimensions by name",
             )
+            divided = data.get("divided", {})
+            require(
+                isinstance(divided, dict)
+                and all(is_text(k) and isinstance(v, int) and v >= 1 for k, v in divided.items()),
+                "divided",
+                divided,
+                "tensor-parallel degrees (1 or more) by parameter or value name",
+            )
         except KeyError as exc:
             raise ArtifactError(
                 f"the profile artefact has no {exc}; run `autopipe profile` again"
@@ -145,6 +160,7 @@ class Profile:
             graph_digest=data["graph_digest"],
             measured_on=measured_on,
             timed_at={k: int(v) for k, v in timed_at.items()},
+            divided=dict(divided),
         )
 
     def save(self, path) -> None:

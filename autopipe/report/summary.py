@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections import Counter
 
@@ -58,7 +60,10 @@ def format_partition(graph: Graph, part: Partition) -> str:
     regions = find_regions(graph)
     rows.append(regions.summary())
     if (settings.tp or 1) > 1:
-        rows.append(sharding_plan(graph, regions, settings.tp or 1).summary())
+        plan = sharding_plan(graph, regions, settings.tp or 1, settings.sequence_parallel or None)
+        if plan.sequence is not None and not settings.sequence_parallel:
+            plan = dataclasses.replace(plan, sequence=None, sequence_off="--sequence-parallel off")
+        rows.append(plan.summary())
     rows += tensor_parallel_choice_lines(part)
     if graph.model.symbols:
         rows.append(f"dynamic dimensions: {dimensions_text(graph, part)}")

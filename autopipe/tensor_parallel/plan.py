@@ -13,20 +13,32 @@ size to -1 already keeps its region replicated). The embedding is sharded by voc
 (torch's ``RowwiseParallel`` on an ``nn.Embedding``) and the output head by vocabulary columns,
 its logits gathered whole for the loss (``ColwiseParallel(output_layouts=Replicate())``), where
 their weights are their own (not tied) and the embedding has no padding index.
+
+A region's column projections read their input through a module of its own, an ``nn.Identity``
+at ``<scope>.tensor_parallel_input`` that torch's ``PrepareModuleInput`` turns into one
+replicated DTensor, so that the backward sums the projections' input gradients in one
+collective, not one each. With sequence parallelism (:mod:`.sequence`) that module gathers the
+input whole along the sequence, the row projections and the embedding reduce-scatter along it
+and the head gathers its input.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
 
+from ..errors import PartitionError
 from ..ir import Graph, Node, Ref, Size
 from .artifact import Region, TensorParallelRegions
+from .sequence import SequenceRefused, SequenceSharding, sequence_sharding
 
 __all__ = [
     "COLWISE",
     "EMBEDDING",
     "LINEAR",
     "ROWWISE",
+    "INPUT_MODULE",
+    "RegionInput",
     "ShardedModule",
     "ShardingPlan",
     "sharding_plan",
@@ -40,6 +52,10 @@ _LINEAR = "aten.linear.default"
 _EMBEDDING = "aten.embedding.default"
 _VIEWS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default"}
 _EXPAND = "aten.expand.default"
+#: the leaf name of a region's input module
+INPUT_MODULE = "tensor_parallel_input"
+#: torch's placement of a value sliced along the sequence
+_SEQUENCE = "Shard(1)"
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,11 @@ class ShardedModule:
     region: str  # the region's scope
     kind: str = LINEAR  # LINEAR or EMBEDDING
     gathered: bool = False  # a column projection whose output every rank gets whole (the head)
+    #: the region input module it reads its input through (a column projection's), or ""
+    entry: str = ""
+    #: sequence parallel: its output reduce-scattered along the sequence (a row projection's,
+    #: the embedding's), or its input gathered along it (the head's)
+    sequence: bool = False
 
     @property
     def weight_at(self) -> int:
@@ -76,13 +97,40 @@ class ShardedModule:
         """The torch style that shards it, as generated code writes it: a column projection's
         output features split (whole heads), a row projection's (and the vocabulary-parallel
         embedding's) partial sums all-reduced; the head's logits gathered whole."""
+        sliced = f"output_layouts={_SEQUENCE}" if self.sequence else ""
         if self.kind == EMBEDDING:  # the token ids are whole on every rank
-            return "RowwiseParallel(input_layouts=Replicate())"
+            return f"RowwiseParallel({_arguments('input_layouts=Replicate()', sliced)})"
         if self.style == ROWWISE:
-            return "RowwiseParallel()"
+            return f"RowwiseParallel({sliced})"
+        if self.gathered:
+            gather = f"input_layouts={_SEQUENCE}" if self.sequence else ""
+            return f"ColwiseParallel({_arguments(gather, 'output_layouts=Replicate()')})"
+        return "ColwiseParallel()"
+
+
+@dataclass(frozen=True)
+class RegionInput:
+    """The ``nn.Identity`` at ``module`` a region's column projections read ``value`` through:
+    torch's ``PrepareModuleInput`` makes it one replicated DTensor (gathered whole along the
+    sequence where ``sequence``), so the projections' input gradients are summed once."""
+
+    value: str  # the node it reads
+    module: str  # its original-looking name: ``model.layers.0.self_attn.tensor_parallel_input``
+    sequence: bool = False
+
+    def constructor(self) -> str:
+        return "nn.Identity()"
+
+    def style_source(self) -> str:
+        given = _SEQUENCE if self.sequence else "Replicate()"
         return (
-            "ColwiseParallel(output_layouts=Replicate())" if self.gathered else "ColwiseParallel()"
+            f"PrepareModuleInput(input_layouts=({given},), desired_input_layouts=(Replicate(),),"
+            " use_local_output=False)"
         )
+
+
+def _arguments(*given: str) -> str:
+    return ", ".join(a for a in given if a)
 
 
 @dataclass(frozen=True)
@@ -95,6 +143,31 @@ class ShardingPlan:
     modules: tuple[ShardedModule, ...]
     free_sizes: tuple[tuple[str, int], ...]
     replicated: tuple[tuple[str, str], ...]  # (region, why)
+    inputs: tuple[RegionInput, ...] = ()
+    #: sequence parallelism: the values sliced along the sequence, or None (off)
+    sequence: SequenceSharding | None = None
+    #: why sequence parallelism is off where it was not turned off ("" otherwise)
+    sequence_off: str = ""
+
+    @property
+    def styles(self) -> list[tuple[str, str]]:
+        """(module, torch style as generated code writes it), region inputs first."""
+        return [(i.module, i.style_source()) for i in self.inputs] + [
+            (m.module, m.style_source()) for m in self.modules
+        ]
+
+    def held(self, nodes: Collection[str]) -> list[tuple[str, str]]:
+        """(name, constructor) of the modules the code of ``nodes`` holds: the projections
+        among them, each region input first."""
+        modules = [m for m in self.modules if m.node in nodes]
+        entries = {m.entry for m in modules if m.entry}
+        return [(i.module, i.constructor()) for i in self.inputs if i.module in entries] + [
+            (m.module, m.constructor()) for m in modules
+        ]
+
+    @property
+    def sequence_values(self) -> frozenset[str]:
+        return self.sequence.values if self.sequence is not None else frozenset()
 
     @property
     def module_nodes(self) -> frozenset[str]:
@@ -115,11 +188,25 @@ class ShardingPlan:
             shown = "; ".join(f"{scope}: {why}" for scope, why in self.replicated[:3])
             more = f" (and {len(self.replicated) - 3} more)" if len(self.replicated) > 3 else ""
             line += f"; replicated: {shown}{more}"
+        if self.sequence is not None:
+            line += (
+                "; sequence parallel: the values between regions sliced along the sequence "
+                f"({len(self.sequence.parameters)} parameters' gradients summed over the ranks)"
+            )
+        elif self.sequence_off:
+            line += f"; not sequence parallel: {self.sequence_off}"
         return line
 
 
-def sharding_plan(graph: Graph, regions: TensorParallelRegions, degree: int) -> ShardingPlan:
-    """The plan of ``graph`` at ``degree`` (1: nothing sharded, nothing said)."""
+def sharding_plan(
+    graph: Graph,
+    regions: TensorParallelRegions,
+    degree: int,
+    sequence_parallel: bool | None = None,
+) -> ShardingPlan:
+    """The plan of ``graph`` at ``degree`` (1: nothing sharded, nothing said), sequence
+    parallel where the graph allows it (``sequence_parallel`` None), asked (True: refused
+    with the reason where it does not) or not (False)."""
     if degree == 1:
         return ShardingPlan(1, (), (), ())
     projections = _linear_projections(graph)
@@ -140,7 +227,70 @@ def sharding_plan(graph: Graph, regions: TensorParallelRegions, degree: int) -> 
                 free += sizes
                 continue
         replicated.append((scope, why))
-    return ShardingPlan(degree, tuple(modules), tuple(free), tuple(replicated))
+    modules, inputs = _region_inputs(graph, modules)
+    plan = ShardingPlan(degree, tuple(modules), tuple(free), tuple(replicated), tuple(inputs))
+    if sequence_parallel is False or not modules:
+        return plan
+    try:
+        return _sequence_parallel(graph, plan)
+    except SequenceRefused as refused:
+        off = str(refused)
+        if plan.replicated:  # what usually feeds a whole value into the sliced ones
+            scope, why = plan.replicated[0]
+            off += f" (a replicated region, {scope}, computes it whole: {why})"
+        if sequence_parallel:
+            raise PartitionError(
+                f"--sequence-parallel on: {graph.model.cls.rsplit('.', 1)[-1]} cannot run "
+                f"sequence parallel at --tp {degree}: {off}; use --sequence-parallel auto "
+                "or off"
+            ) from None
+        return replace(plan, sequence_off=off)
+
+
+def _region_inputs(
+    graph: Graph, modules: Sequence[ShardedModule]
+) -> tuple[list[ShardedModule], list[RegionInput]]:
+    """The column projections of the attention and MLP regions, reading their input through
+    one :class:`RegionInput` per value they read (its module beside the first of them)."""
+    inputs: dict[str, RegionInput] = {}
+    taken: set[str] = set()
+    out = []
+    for module in modules:
+        if module.style != COLWISE or module.gathered:
+            out.append(module)
+            continue
+        value = graph[module.node].args[0]
+        assert isinstance(value, Ref)  # a linear of a value (_linear_projections)
+        if value.name not in inputs:
+            parent = module.module.rpartition(".")[0]
+            name = f"{parent}.{INPUT_MODULE}" if parent else INPUT_MODULE
+            base, n = name, 0
+            while name in taken:
+                n += 1
+                name = f"{base}_{n}"
+            taken.add(name)
+            inputs[value.name] = RegionInput(value.name, name)
+        out.append(replace(module, entry=inputs[value.name].module))
+    return out, list(inputs.values())
+
+
+def _sequence_parallel(graph: Graph, plan: ShardingPlan) -> ShardingPlan:
+    """``plan`` sequence parallel (raises :class:`SequenceRefused` where it cannot be)."""
+    sources = [m.node for m in plan.modules if m.style == ROWWISE]
+    readers = [m.node for m in plan.modules if m.style == COLWISE]
+    sharding = sequence_sharding(graph, sources, readers, plan.degree)
+    values = sharding.values
+    modules = tuple(
+        replace(m, sequence=m.style == ROWWISE or _reads(graph, m.node, values))
+        for m in plan.modules
+    )
+    inputs = tuple(replace(i, sequence=i.value in values) for i in plan.inputs)
+    return replace(plan, modules=modules, inputs=inputs, sequence=sharding)
+
+
+def _reads(graph: Graph, node: str, values: frozenset[str]) -> bool:
+    value = graph[node].args[0]
+    return isinstance(value, Ref) and value.name in values
 
 
 class _Replicated(Exception):

@@ -54,6 +54,8 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     unset_fake_temporarily,
 )
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_flatten, tree_map
@@ -107,6 +109,7 @@ _WRAPPERS = frozenset(
 )
 _DEVICE_OP = torch.ops.prim.device.default
 _ITEM_OP = torch.ops.aten._local_scalar_dense.default
+_WAIT_OP = torch.ops._c10d_functional.wait_tensor.default
 _HALF = (torch.bfloat16, torch.float16)
 #: c10d's point-to-point operators, by what they do
 _TRANSFERS = {"send": "sends", "recv": "receives", "recv_any_source": "receives"}
@@ -345,6 +348,8 @@ class Rehearsal(LiveTensorBytes):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func is _DEVICE_OP and isinstance(args[0], DTensor):  # see _dtensor_with_device
+            return _META if self.backward_meta and _engine_asks() else args[0]._local_tensor.device
         if self.backward_meta:
             if func is _DEVICE_OP and _engine_asks():
                 return _META
@@ -369,6 +374,8 @@ class Rehearsal(LiveTensorBytes):
         if func.namespace == "c10d":
             self.collective(func, args)
         else:
+            if func.namespace == "_c10d_functional" and func is not _WAIT_OP:  # DTensor's
+                self.count_collective(func._schema.name.split("::")[-1])
             self.follow(func, args, kwargs, out)
         return out
 
@@ -489,6 +496,9 @@ class Rehearsal(LiveTensorBytes):
 
     # -- values --------------------------------------------------------------------------------
     def read(self, tensor: torch.Tensor) -> bool | int | float:
+        if not isinstance(tensor, FakeTensor):  # a real one (a device mesh's rank numbers)
+            with unset_fake_temporarily():
+                return tensor.item()
         value = self.values.get(tensor)
         if value is not None:
             with unset_fake_temporarily():  # a real tensor, read as such
@@ -509,14 +519,18 @@ class Rehearsal(LiveTensorBytes):
 
         return nested(tuple(tensor.shape))
 
+    def count_collective(self, name: str) -> None:
+        """One collective ``name`` more, in the action running."""
+        now = ACTIVITY.now
+        kind = now[0].kind if now is not None else "setup"
+        self.collectives.setdefault(name, Counter())[kind] += 1
+
     def collective(self, func: Any, args: tuple[Any, ...]) -> None:
         name = func._schema.name.split("::")[-1].strip("_")
         if name in _TRANSFERS:  # batched by torch's schedule: counted, not placed in actions
             self.transfers[_TRANSFERS[name]] += 1
         else:
-            now = ACTIVITY.now
-            kind = now[0].kind if now is not None else "setup"
-            self.collectives.setdefault(name, Counter())[kind] += 1
+            self.count_collective(name)
         if name in ("allreduce", "broadcast"):
             return  # this rank's values stand for every rank's
         if name == "allgather":
@@ -715,6 +729,8 @@ class Fakes:
             )
             self.patch(dist, "all_gather_object", self.all_gather_object)
             self.patch(dist, "broadcast_object_list", self.broadcast_object_list)
+            self.patch(DeviceMesh, "mesh", property(_real_mesh))
+            self.patch(DeviceMesh, "__init__", _real_mesh_init)
             self.faked.append(
                 "collectives of Python objects (fake tensors cannot carry their bytes): each "
                 "rank's object is this rank's"
@@ -840,6 +856,7 @@ class Fakes:
         before = spare.value
         torch._C._acc.register_python_privateuseone_device_guard(_GUARD)
         cuda_slot.value, spare.value = spare.value, before
+        self.patch(DTensor, "__new__", _dtensor_with_device)
 
         def restore() -> None:
             cuda_slot.value = None
@@ -852,12 +869,67 @@ class Fakes:
             "autograd on CUDA, which a torch built without CUDA cannot run: a device guard "
             "that says it is CUDA's in c10's registry, autograd's engine on the calling "
             "thread, and fake tensors telling the engine, when it asks as it runs a backward, "
-            "that they are on meta (it would look for a CUDA stream)"
+            "that they are on meta (it would look for a CUDA stream); DTensors (tensor "
+            "parallelism) made to answer the same way"
         )
 
 
 #: the device guard Fakes.cuda_guard registers (c10 keeps a pointer to it: it must live on)
 _GUARD = _CudaGuard()
+
+
+_MESH, _MESH_INIT = DeviceMesh.mesh, DeviceMesh.__init__
+
+
+def _real_mesh(mesh: DeviceMesh) -> torch.Tensor:
+    """``DeviceMesh.mesh`` computed from the mesh's real rank numbers outside the fake tensor
+    mode (a mesh FSDP2 makes for tensor-parallel parameters in a played rank's setup would
+    otherwise look up its ranks in fake tensors, whose values are unknown)."""
+    with unset_fake_temporarily():
+        return cast(torch.Tensor, _MESH.fget(mesh))  # type: ignore[attr-defined]
+
+
+def _real_mesh_init(mesh: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+    """``DeviceMesh.__init__`` outside the fake tensor mode, for :func:`_real_mesh`'s reason
+    (it finds this rank's coordinates in the mesh's rank numbers)."""
+    with unset_fake_temporarily():
+        _MESH_INIT(mesh, *args, **kwargs)
+
+
+def _forget_dtensor_shardings() -> None:
+    """Empty DTensor's caches of sharding propagation (its C++ one and its Python one). The
+    ranks a dry run plays one after another in one process each make their process groups
+    and device mesh anew, and torch compares two meshes of the same shape and names as equal
+    whatever their groups: a cached result would hand a rank's new DTensors the mesh of a rank
+    played before, whose groups are gone."""
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+    propagator: Any = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+
+
+def _dtensor_with_device(
+    cls: type, local_tensor: torch.Tensor, spec: Any, *, requires_grad: bool
+) -> DTensor:
+    """``DTensor.__new__`` during a fake-CUDA dry run on a torch built without CUDA: the same
+    wrapper around ``local_tensor``, but one that asks the dispatch modes for its device (as
+    fake tensors do), so that :class:`Rehearsal` can tell autograd's engine it is on ``meta``
+    (the engine would look for the stream of the CUDA device a DTensor otherwise stores)."""
+    meta = spec.tensor_meta
+    made: Any = torch.Tensor._make_wrapper_subclass(
+        cls,
+        meta.shape,
+        strides=meta.stride,
+        dtype=local_tensor.dtype,
+        device=local_tensor.device,
+        layout=local_tensor.layout,
+        requires_grad=requires_grad,
+        dispatch_device=True,
+    )
+    made._spec = spec
+    made._local_tensor = local_tensor
+    return cast(DTensor, made)
 
 
 # -- playing ranks ----------------------------------------------------------------------------
@@ -948,6 +1020,7 @@ def play_rank(
     fakes.peak = lambda: mode.peak
     schedule = None
     ACTIVITY.reset()
+    _forget_dtensor_shardings()  # made with the ranks played before
     try:
         with _environment(rank, world):
             fakes.local_device = 0  # a fresh process's current device

@@ -445,13 +445,22 @@ def group_ranks(group: Any) -> tuple[int, ...]:
 
 
 class GradientSync:
-    """Tied gradients and the global norm of this rank's stages, after the backward passes:
-    of the parameters that train only (frozen ones have no gradient to sum or count)."""
+    """Tied gradients, the gradients sequence parallelism leaves partial and the global norm
+    of this rank's stages, after the backward passes: of the parameters that train only
+    (frozen ones have no gradient to sum or count)."""
 
     def __init__(self, pipeline: Pipeline, layout: Layout, stages: dict[int, nn.Module]):
         self.layout = layout
         self.params = [p for m in stages.values() for p in m.parameters() if p.requires_grad]
         self.ties = self._ties(pipeline, layout, stages)
+        #: sequence parallelism: the parameters each tensor-parallel rank took a gradient of
+        #: over its slice of the sequence (the stages' ``sequence_parallel_parameters``)
+        self.sliced = [
+            parameter
+            for module in stages.values()
+            for name in getattr(module, "sequence_parallel_parameters", ())
+            if (parameter := module.get_parameter(name)).requires_grad
+        ]
         # copies of a tied parameter past its first holder do not count towards the norm
         duplicate = {
             id(stages[stage].get_parameter(name))
@@ -497,7 +506,8 @@ class GradientSync:
 
     def reduce(self) -> None:
         """Sum the copies of each tied parameter (shard by shard when sharded; FSDP2 already
-        averaged every gradient over the data-parallel ranks)."""
+        averaged every gradient over the data-parallel ranks), then the sequence-parallel
+        gradients over the tensor-parallel ranks (in one all-reduce)."""
         for tie in self.ties:
             present = [local_shard(p.grad) for p in tie.copies if p.grad is not None]
             total = (
@@ -512,6 +522,14 @@ class GradientSync:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 local_shard(p.grad).copy_(total)
+        present = [local_shard(p.grad) for p in self.sliced if p.grad is not None]
+        if present and self.layout.tp_mesh is not None:
+            tp_group = self.layout.tp_mesh.get_group()
+            flat = torch.cat([g.reshape(-1) for g in present])
+            with doing("sequence_sum", ranks=group_ranks(tp_group)):
+                dist.all_reduce(flat, group=tp_group)
+            for grad, summed in zip(present, torch.split(flat, [g.numel() for g in present])):
+                grad.copy_(summed.view_as(grad))
 
     def _squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The sum of the squares of this rank's parts of ``grads``, on its device."""

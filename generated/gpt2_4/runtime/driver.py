@@ -584,9 +584,15 @@ def build_stages(
     }
     if layout.tensor_parallel:
         sharded = sum(parallelize_stage(modules[s.index], layout) for s in local)
+        sliced = (
+            ", the values between regions sliced along the sequence (sequence parallel)"
+            if pipeline.sequence_parallel
+            else ""
+        )
         say(
-            f"tensor parallelism: {sharded} projection(s) of this rank's stages sharded over "
-            f"{layout.tp_size} ranks (torch's ColwiseParallel / RowwiseParallel)"
+            f"tensor parallelism: {sharded} module(s) of this rank's stages sharded over "
+            f"{layout.tp_size} ranks (torch's ColwiseParallel / RowwiseParallel / "
+            f"PrepareModuleInput){sliced}"
         )
     if config.compile:
         for s in local:
@@ -1033,14 +1039,15 @@ class TrainingRun:
         schedule of their own (torch's schedules keep their stages' buffers per mode) that
         only ever run ``eval``, which skips every backward action and its transfers."""
         config, pipeline = self.config, self.pipeline
+        tp = self.layout.tp_size
         stages = [
             DataParallelStage(
                 self.runners[s.index],
                 s.index,
                 pipeline.num_stages,
                 self.device,
-                input_args=tuple(value.meta_tensor(sizes) for value in pipeline.received(s)),
-                output_args=tuple(value.meta_tensor(sizes) for value in pipeline.returned(s)),
+                input_args=tuple(value.meta_tensor(sizes, tp) for value in pipeline.received(s)),
+                output_args=tuple(value.meta_tensor(sizes, tp) for value in pipeline.returned(s)),
                 group=self.layout.pp_group,
             )
             for s in pipeline.stages_on(self.layout.pp_rank)
@@ -1057,7 +1064,7 @@ class TrainingRun:
                 stage.feed = runner.select
             if s.index != pipeline.num_stages - 1:  # its outputs are sent on: checked first
                 stage.planned_outputs = tuple(
-                    (value.name, value.shape_for(sizes), value.torch_dtype)
+                    (value.name, value.local_shape(sizes, tp), value.torch_dtype)
                     for value in pipeline.returned(s)
                 )
         if config.microbatches * pipeline.num_stages >= LARGE_SCHEDULE and not forward_only:

@@ -131,10 +131,13 @@ class Value:
     dtype: str  # a torch dtype's name: "float32"
     requires_grad: bool
     sizes: tuple[str | int, ...] | None = None
+    #: sequence parallelism: the dimension each tensor-parallel rank holds ``1/tp`` of (its
+    #: slice of the sequence) where the value crosses a stage boundary; None: whole
+    tp_dim: int | None = None
 
     @classmethod
     def from_json(cls, data: Any, name: str, where: str) -> Value:
-        _read.fields(data, where, ("shape", "dtype", "requires_grad"), ("sizes",))
+        _read.fields(data, where, ("shape", "dtype", "requires_grad"), ("sizes", "tp_dim"))
         shape = _read.items(data["shape"], f"{where}.shape", lambda v: is_int(v) and v >= 0, "size")
         sizes = None
         if "sizes" in data:
@@ -155,11 +158,20 @@ class Value:
         requires_grad = _read.check(
             data["requires_grad"], f"{where}.requires_grad", lambda v: isinstance(v, bool), "a bool"
         )
-        return cls(name, shape, dtype, requires_grad, sizes)
+        tp_dim = None
+        if "tp_dim" in data:
+            tp_dim = _read.check(
+                data["tp_dim"],
+                f"{where}.tp_dim",
+                lambda v: is_int(v) and 0 <= v < len(shape),
+                f"a dimension of its shape (0 to {len(shape) - 1})",
+            )
+        return cls(name, shape, dtype, requires_grad, sizes, tp_dim)
 
     def to_json(self) -> dict[str, Any]:
         data = {"shape": list(self.shape), "dtype": self.dtype, "requires_grad": self.requires_grad}
-        return data | ({"sizes": list(self.sizes)} if self.sizes is not None else {})
+        data |= {"sizes": list(self.sizes)} if self.sizes is not None else {}
+        return data | ({"tp_dim": self.tp_dim} if self.tp_dim is not None else {})
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -172,10 +184,28 @@ class Value:
             return self.shape
         return shape(self.sizes, dimensions)
 
-    def meta_tensor(self, dimensions: dict[str, int] | None = None) -> torch.Tensor:
+    def local_shape(self, dimensions: dict[str, int] | None = None, tp: int = 1) -> tuple[int, ...]:
+        """:meth:`shape_for`, as each of ``tp`` tensor-parallel ranks holds it (its slice along
+        ``tp_dim``). Raises ValueError where the slices would not be equal."""
+        shape = self.shape_for(dimensions)
+        if self.tp_dim is None or tp == 1:
+            return shape
+        size = shape[self.tp_dim]
+        if size % tp:
+            raise ValueError(
+                f"{self.name} is sliced along dimension {self.tp_dim} over the {tp} "
+                f"tensor-parallel ranks (sequence parallelism), but has {size} there, which "
+                f"{tp} does not divide; use sizes that are multiples of {tp}, or compile with "
+                "--sequence-parallel off"
+            )
+        return shape[: self.tp_dim] + (size // tp,) + shape[self.tp_dim + 1 :]
+
+    def meta_tensor(self, dimensions: dict[str, int] | None = None, tp: int = 1) -> torch.Tensor:
         """An empty tensor of this value's shape (for the dynamic dimensions' sizes
-        ``dimensions``), dtype and autograd flag on the meta device."""
-        tensor = torch.empty(self.shape_for(dimensions), dtype=self.torch_dtype, device="meta")
+        ``dimensions``, on each of ``tp`` tensor-parallel ranks), dtype and autograd flag on
+        the meta device."""
+        shape = self.local_shape(dimensions, tp)
+        tensor = torch.empty(shape, dtype=self.torch_dtype, device="meta")
         return tensor.requires_grad_(self.requires_grad)
 
 
@@ -591,6 +621,9 @@ class Pipeline:
     #: ranks each stage's sharded projections are split over, innermost in the mesh; 1 (left
     #: out of the JSON) without tensor parallelism
     tp: int = 1
+    #: with ``tp``: the values between regions sliced along the sequence over the
+    #: tensor-parallel ranks (those crossing a stage boundary say so by their ``tp_dim``)
+    sequence_parallel: bool = False
 
     @classmethod
     def from_json(cls, data: Any) -> Pipeline:
@@ -601,7 +634,7 @@ class Pipeline:
         keys += ("values", "loss", "schedule", "tied", "aliases", "input_ranges", "dp_shard")
         optional: tuple[str, ...]
         optional = ("plan", "dimensions", "identity", "huggingface", "frozen", "fixed_inputs")
-        optional += ("batch_dims", "mesh", "tp")
+        optional += ("batch_dims", "mesh", "tp", "sequence_parallel")
         _read.fields(data, where, keys, optional)
         if data["format"] != FORMAT:
             raise _read.fail(f"{where}.format", data["format"], repr(FORMAT))
@@ -690,6 +723,12 @@ class Pipeline:
             ),
             tp=_read.check(
                 data.get("tp", 1), f"{where}.tp", lambda v: is_int(v) and v >= 1, "1 or more"
+            ),
+            sequence_parallel=_read.check(
+                data.get("sequence_parallel", False),
+                f"{where}.sequence_parallel",
+                lambda v: isinstance(v, bool),
+                "true or false",
             ),
         )
         pipeline._check_references()
@@ -786,6 +825,7 @@ class Pipeline:
             }
             | ({"mesh": list(self.mesh)} if self.mesh != PIPELINE_INNERMOST else {})
             | ({"tp": self.tp} if self.tp > 1 else {})
+            | ({"sequence_parallel": True} if self.sequence_parallel else {})
             | ({"plan": self.plan.to_json()} if self.plan else {})
             | (
                 {"dimensions": {n: d.to_json() for n, d in self.dimensions.items()}}
