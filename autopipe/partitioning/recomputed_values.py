@@ -18,6 +18,7 @@ random numbers, and no size is dynamic (a stage could not always derive it).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 from ..ir import Graph, Node, TensorMeta
@@ -38,24 +39,41 @@ def recomputed_values(
     reading them recomputes rather than receives on ``device`` (in program order), its stages
     joined by links of ``bandwidth`` bytes/s (default: the device's link within a node)."""
     bandwidth = device.link_bandwidth if bandwidth is None else bandwidth
-    derived = _from_constants(graph)
-    unit_of = {node.name: node.unit for node in graph.calls}
-    candidates = [
-        node
-        for node in graph.calls
-        if node.name in derived
-        and isinstance(node.meta, TensorMeta)
-        and node.name not in graph.outputs
-        # read by another unit: it may cross a boundary
-        and any(unit_of.get(user) != node.unit for user in graph.users(node.name))
-    ]
-    found = _closures(graph, [node.name for node in candidates], derived)
+    candidates, found = _candidates(graph)
     return [
         node.name
         for node in candidates
         if (nodes := found[node.name]) is not None
         and recompute_time(graph, nodes, device) < transfer_time(node.meta, bandwidth)
     ]
+
+
+#: each graph's candidates and their closures, while the graph lives (a plan search builds a
+#: cost model per candidate; the graph alone decides them)
+_CANDIDATES: weakref.WeakKeyDictionary[Graph, tuple[list[Node], dict[str, list[str] | None]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _candidates(graph: Graph) -> tuple[list[Node], dict[str, list[str] | None]]:
+    """The values computed from constants that another unit reads (they may cross a
+    boundary), and their closures (:func:`closures`), computed once per graph."""
+    known = _CANDIDATES.get(graph)
+    if known is None:
+        derived = _from_constants(graph)
+        unit_of = {node.name: node.unit for node in graph.calls}
+        candidates = [
+            node
+            for node in graph.calls
+            if node.name in derived
+            and isinstance(node.meta, TensorMeta)
+            and node.name not in graph.outputs
+            # read by another unit: it may cross a boundary
+            and any(unit_of.get(user) != node.unit for user in graph.users(node.name))
+        ]
+        known = candidates, _closures(graph, [node.name for node in candidates], derived)
+        _CANDIDATES[graph] = known
+    return known
 
 
 def closures(graph: Graph, names: Iterable[str]) -> dict[str, list[str] | None]:
