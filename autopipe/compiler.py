@@ -33,7 +33,7 @@ from .partitioning.search import (
 from .profiling import DeviceSpec, Profile, profile, with_link
 from .partitioning.network import Network
 from .partitioning.tensor_parallel import TensorParallelCost, sharded_profile
-from .tensor_parallel import ShardingPlan, find_regions, sharding_plan
+from .tensor_parallel import ShardingPlan, TensorParallelRegions, find_regions, sharding_plan
 from .profiling.calibrate import resolve_device_spec
 from .profiling.profile import PROFILE_KIND
 from .report import write_report
@@ -194,12 +194,24 @@ def check_tensor_parallel(
 
 def tensor_parallel_degrees(graph: Graph, options: CompileOptions) -> tuple[int, ...]:
     """The tensor-parallel degrees a plan search tries: ``--tp``'s, else 1 and each of 2, 4
-    and 8 up to ``--gpus-per-node`` that shards a region of ``graph``."""
+    and 8 up to ``--gpus-per-node`` that shards a region of ``graph`` (and with
+    ``--sequence-parallel on``, runs sequence parallel)."""
     if options.tp is not None:
         return (options.tp,)
     regions = find_regions(graph)
     found = [t for t in (2, 4, 8) if t <= options.gpus_per_node and t in regions.degrees()]
-    return (1, *(t for t in found if sharding_plan(graph, regions, t).modules))
+    sequence = SEQUENCE_PARALLEL_MODES[options.sequence_parallel]
+    return (1, *(t for t in found if _shards(graph, regions, t, sequence)))
+
+
+def _shards(
+    graph: Graph, regions: TensorParallelRegions, degree: int, sequence: bool | None
+) -> bool:
+    """Whether ``degree`` shards a region of ``graph`` (sequence parallel, if asked on)."""
+    try:
+        return bool(sharding_plan(graph, regions, degree, sequence).modules)
+    except PartitionError:  # --sequence-parallel on, which this degree cannot be
+        return False
 
 
 def tensor_parallel_profile(

@@ -625,6 +625,11 @@ class CompileOptions:
                 f"share a node; use --tp {self.gpus_per_node} or less"
             )
         self._check("profile", "method", "schedule", "optimizer", "sequence_parallel")
+        if self.sequence_parallel == "on" and not self.search and (self.tp or 1) == 1:
+            raise AutopipeError(
+                "--sequence-parallel on slices the values between tensor-parallel regions, "
+                "which --tp 1 has none of; give --tp N (N > 1), or --search to try the degrees"
+            )
         self._check("basic_blocks", "keep_whole", "dynamic", "batch_dims", "expected")
         self._check("inline_blocks", "link", "network")
 

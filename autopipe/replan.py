@@ -221,6 +221,7 @@ def traced_profile(graph: Graph, part: Partition, profile: Profile, trace: RunTr
         graph_digest=profile.graph_digest,
         measured_on=_run_text(trace),
         timed_at=dict(profile.timed_at),
+        divided=dict(profile.divided),  # the parts of tensor-parallel ranks
     )
 
 

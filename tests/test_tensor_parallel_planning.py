@@ -108,6 +108,8 @@ def test_smaller_products_run_at_the_calibrated_rate_of_their_size(llama):
     projections = [i for i, u in enumerate(graph.units) if u.label.endswith("_proj (Linear)")]
     assert len(projections) == 4 * 7
     assert all(slower.units[i].forward > plain.units[i].forward for i in projections)
+    # what a rank holds is not slower: its activations are the same
+    assert [u.activations for u in slower.units] == [u.activations for u in plain.units]
     # a 2 x 12 x 32 x 64 product: half its FLOPs run 2 ** (1/3) times slower (log-linear)
     flops = 2 * 2 * 12 * 32 * 64
     assert math.isclose(falling.at(flops) / falling.at(flops / 2), 2 ** (1 / 3))

@@ -93,6 +93,9 @@ def test_the_package_records_its_degree_and_its_plan(two_stages):
         blocks
     )
     assert 'keep_whole(self, "self_attn.tensor_parallel_input", nn.Identity())' in blocks
+    # the region input's comment names it within the block: the 2 blocks share one class
+    assert blocks.count("class LlamaDecoderLayer") == 1
+    assert "# self_attn.tensor_parallel_input (tensor-parallel region input)" in blocks
     # the projections are called as modules, through the region's input module
     assert "mul_1_tp = self.self_attn.tensor_parallel_input(mul_1)" in blocks
     assert "linear = self.self_attn.q_proj(mul_1_tp)" in blocks
@@ -225,6 +228,21 @@ def test_sequence_parallel_on_is_refused_naming_the_operator(two_stages):
     assert "combines a value sliced along the sequence" in check_tensor_parallel(graph, 2).summary()
     with pytest.raises(AutopipeError, match="--sequence-parallel 'sometimes' is unknown"):
         CompileOptions(stages=2, tp=2, sequence_parallel="sometimes")
+    with pytest.raises(AutopipeError, match="which --tp 1 has none of; give --tp N"):
+        CompileOptions(stages=2, sequence_parallel="on")
+
+
+def test_a_dynamic_sequence_is_not_sliced(tmp_path):
+    """Generated code reads a dynamic sequence's size from its inputs, which sequence
+    parallelism would slice: with ``--dynamic`` the package is tensor parallel without it,
+    and says why."""
+    compiled = compile_model(
+        UNPADDED, tmp_path / "pipe", 1, tp=2, dynamic=["seq=input_ids:1,labels:1"]
+    )
+    assert not compiled.partition.settings.sequence_parallel
+    summary = format_partition(compiled.graph, compiled.partition)
+    assert "not sequence parallel: the sequence (" in summary
+    assert "is a dynamic dimension (seq)" in summary
 
 
 def test_the_fake_cuda_dry_run_of_a_70b_shaped_rank(tmp_path):

@@ -270,7 +270,8 @@ def forward_body(
                 value, given = given[0], [f"{given[0]}_tp"]
                 if sharded.entry not in entered:
                     entered.add(sharded.entry)
-                    statement += [f"# {sharded.entry} (tensor-parallel region input)"]
+                    where = entry.removeprefix("self.")
+                    statement += [f"# {where} (tensor-parallel region input)"]
                     statement += assignment(given[0], entry, [value], base + len(indent))
             statement += assignment(target(node.name), module, given, base + len(indent))
         elif emitter is not None:  # torch.cond, a custom autograd function, ...

@@ -119,6 +119,8 @@ def sharded_profile(
                     add(gather if module.sequence else ("", "all_reduce"), _input(graph, node))
                     gathered += out
                     comm[0] += collective("all_gather", out)
+                elif not module.entry:  # a column reading its input on its own
+                    add(gather if module.sequence else ("", "all_reduce"), _input(graph, node))
                 elif module.entry not in entered:  # a region input: once for its columns
                     entered.add(module.entry)
                     kinds = gather if entry_sliced.get(module.entry) else ("", "all_reduce")
@@ -143,10 +145,12 @@ def sharded_profile(
         slices = between / rest if rest else 0.0  # of the rest, the part each rank shares
         # a smaller product runs at the device table's lower rate (1 on a spec without tables)
         slowdown = slower / sharded_flops if sharded_flops else 1.0
-        keep = share * slowdown / t + (1 - share) * (1 - slices + slices / t)
-        # memory: the unit's sharded share, but gathered logits are whole on every rank
+        others = (1 - share) * (1 - slices + slices / t)
+        keep = share * slowdown / t + others
+        # memory: the unit's sharded share (not slowed), but gathered logits are whole on
+        # every rank
         whole = min(1.0, gathered / cost.activations) if cost.activations else 0.0
-        kept = max(keep, whole)
+        kept = max(share / t + others, whole)
         forward, backward = cost.forward * keep, cost.backward * keep
         saved += cost.forward + cost.backward - forward - backward
         communication += sum(comm)

@@ -75,7 +75,8 @@ class ShardedModule:
     #: the region input module it reads its input through (a column projection's), or ""
     entry: str = ""
     #: sequence parallel: its output reduce-scattered along the sequence (a row projection's,
-    #: the embedding's), or its input gathered along it (the head's)
+    #: the embedding's), or its input gathered along it (the head's, or a column projection's
+    #: that reads it without a region input module)
     sequence: bool = False
 
     @property
@@ -102,10 +103,10 @@ class ShardedModule:
             return f"RowwiseParallel({_arguments('input_layouts=Replicate()', sliced)})"
         if self.style == ROWWISE:
             return f"RowwiseParallel({sliced})"
+        gather = f"input_layouts={_SEQUENCE}" if self.sequence else ""
         if self.gathered:
-            gather = f"input_layouts={_SEQUENCE}" if self.sequence else ""
             return f"ColwiseParallel({_arguments(gather, 'output_layouts=Replicate()')})"
-        return "ColwiseParallel()"
+        return f"ColwiseParallel({gather})"  # through its region's input module: replicated
 
 
 @dataclass(frozen=True)
@@ -250,28 +251,34 @@ def sharding_plan(
 def _region_inputs(
     graph: Graph, modules: Sequence[ShardedModule]
 ) -> tuple[list[ShardedModule], list[RegionInput]]:
-    """The column projections of the attention and MLP regions, reading their input through
-    one :class:`RegionInput` per value they read (its module beside the first of them)."""
-    inputs: dict[str, RegionInput] = {}
-    taken: set[str] = set()
-    out = []
+    """The column projections of each attention and MLP region, reading their input through
+    one :class:`RegionInput` per region and value they read, beside them (where they are
+    submodules of one module; otherwise each reads it on its own, as torch's
+    ``ColwiseParallel`` alone does)."""
+    readers: dict[tuple[str, str], list[ShardedModule]] = {}
     for module in modules:
-        if module.style != COLWISE or module.gathered:
-            out.append(module)
+        if module.style == COLWISE and not module.gathered:
+            value = graph[module.node].args[0]
+            assert isinstance(value, Ref)  # a linear of a value (_linear_projections)
+            readers.setdefault((value.name, module.region), []).append(module)
+    entry_of: dict[str, str] = {}
+    inputs: list[RegionInput] = []
+    taken: set[str] = set()
+    for (value, _), columns in readers.items():
+        parents = {c.module.rpartition(".")[0] for c in columns}
+        if len(parents) != 1:
             continue
-        value = graph[module.node].args[0]
-        assert isinstance(value, Ref)  # a linear of a value (_linear_projections)
-        if value.name not in inputs:
-            parent = module.module.rpartition(".")[0]
-            name = f"{parent}.{INPUT_MODULE}" if parent else INPUT_MODULE
-            base, n = name, 0
-            while name in taken:
-                n += 1
-                name = f"{base}_{n}"
-            taken.add(name)
-            inputs[value.name] = RegionInput(value.name, name)
-        out.append(replace(module, entry=inputs[value.name].module))
-    return out, list(inputs.values())
+        (parent,) = parents
+        name = f"{parent}.{INPUT_MODULE}" if parent else INPUT_MODULE
+        base, n = name, 0
+        while name in taken:
+            n += 1
+            name = f"{base}_{n}"
+        taken.add(name)
+        inputs.append(RegionInput(value, name))
+        entry_of.update(dict.fromkeys((c.node for c in columns), name))
+    out = [replace(m, entry=entry_of[m.node]) if m.node in entry_of else m for m in modules]
+    return out, inputs
 
 
 def _sequence_parallel(graph: Graph, plan: ShardingPlan) -> ShardingPlan:
@@ -281,7 +288,7 @@ def _sequence_parallel(graph: Graph, plan: ShardingPlan) -> ShardingPlan:
     sharding = sequence_sharding(graph, sources, readers, plan.degree)
     values = sharding.values
     modules = tuple(
-        replace(m, sequence=m.style == ROWWISE or _reads(graph, m.node, values))
+        replace(m, sequence=m.style == ROWWISE or (not m.entry and _reads(graph, m.node, values)))
         for m in plan.modules
     )
     inputs = tuple(replace(i, sequence=i.value in values) for i in plan.inputs)

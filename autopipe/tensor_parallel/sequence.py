@@ -114,6 +114,12 @@ def sequence_sharding(
         if meta is None or len(meta.shape) < 3:
             raise SequenceRefused(f"{name} is not a [batch, sequence, ...] value")
         size = meta.shape[SEQUENCE_DIM]
+        if meta.sizes and not meta.sizes[SEQUENCE_DIM].isdigit():
+            raise SequenceRefused(
+                f"the sequence ({name}'s dimension {SEQUENCE_DIM}) is a dynamic dimension "
+                f"({meta.sizes[SEQUENCE_DIM]}), whose size generated code reads from values "
+                "that would hold a slice of it"
+            )
         if size % degree:
             raise SequenceRefused(
                 f"the sequence ({size} positions at {name}) does not divide by {degree}"
@@ -148,7 +154,11 @@ def _reached(graph: Graph, sources: Collection[str], readers: set[str]) -> set[s
 def _check(graph: Graph, node: Node, sharded: set[str]) -> None:
     """Refuse ``node`` unless it works position by position on its sliced operands."""
     target = node.target
+    if target == "getitem":  # one of a sliced operator's outputs (checked with it)
+        return
     out = node.tensor_meta
+    if target in _NORMS and isinstance(node.meta, tuple):  # native_layer_norm: (out, mean, rstd)
+        out = node.meta[0]
     first = next((a for a in node.args if isinstance(a, Ref) and a.name in sharded), None)
     if first is None:  # only a keyword operand is sliced: not one of ours
         raise SequenceRefused(f"{node.name} ({target}) reads a sliced value as a keyword")
@@ -168,10 +178,10 @@ def _check(graph: Graph, node: Node, sharded: set[str]) -> None:
             f"{node.name} ({target}) reads a value sliced along the sequence and is not known "
             "to work position by position"
         )
-    if target != "getitem" and (out is None or len(out.shape) != len(shape)):
-        if not (target in _NORMS and isinstance(node.meta, tuple)):
-            raise SequenceRefused(f"{node.name} ({target}) moves the sequence dimension")
-    for ref in (a for a in node.args if isinstance(a, Ref)):
+    if out is None or len(out.shape) != len(shape):
+        raise SequenceRefused(f"{node.name} ({target}) moves the sequence dimension")
+    operands = node.args[:1] if target in _PROJECTIONS else node.args  # not its weight, bias
+    for ref in (a for a in operands if isinstance(a, Ref)):
         if ref.name in sharded:
             if len(_shape(graph, ref.name)) != len(shape):
                 raise SequenceRefused(f"{node.name} ({target}) broadcasts a sliced value")
