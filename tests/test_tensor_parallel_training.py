@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections import Counter
 import subprocess
 import sys
 
@@ -149,10 +150,25 @@ def test_tensor_parallel_alone_and_under_fsdp2(one_stage, tmp_path):
     reference = _reference(UNPADDED)
     for run in ("alone", "fsdp"):
         (tmp_path / run).mkdir()
+    trace = ("--trace", str(tmp_path / "trace"), "--trace-steps", "1:2")
     alone = run_pipeline(
-        tmp_path / "alone", UNPADDED, 1, BATCHES, *TRAIN, package=one_stage.out, nproc=2
+        tmp_path / "alone", UNPADDED, 1, BATCHES, *TRAIN, *trace, package=one_stage.out, nproc=2
     )
     assert_same_training(alone, reference)
+    # the traced step's tensor-parallel collectives, on their own track, each in its microbatch:
+    # per block 2 gathers and 2 reduce-scatters each way; the embedding's reduce-scatter
+    # (gather backward); the head's input gathered (reduce-scattered backward) and its logits
+    events = json.loads((tmp_path / "trace" / "trace.json").read_text())["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    on_track = Counter(  # rank 0's
+        e["name"]
+        for e in events
+        if e.get("ph") == "X" and e["pid"] == 0 and tracks.get(e["tid"]) == "tensor parallel"
+    )
+    blocks = 4
+    for microbatch in range(MICROBATCHES):
+        assert on_track[f"tp-gather mb{microbatch} s0"] == 2 * 2 * blocks + 1 + 2
+        assert on_track[f"tp-reduce-scatter mb{microbatch} s0"] == 2 * 2 * blocks + 1 + 1
     sharded = run_pipeline(
         tmp_path / "fsdp",
         UNPADDED,

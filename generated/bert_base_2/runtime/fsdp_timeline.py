@@ -42,7 +42,15 @@ from torch.autograd import (
 )
 from torch.profiler import ProfilerActivity
 
-__all__ = ["UNIT_KINDS", "Mark", "UnitAction", "UnitRecorder", "unit_actions"]
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "UNIT_KINDS",
+    "Mark",
+    "UnitAction",
+    "UnitRecorder",
+    "collective_actions",
+    "unit_actions",
+]
 
 #: the kinds of FSDP2's actions a timeline records
 UNIT_KINDS = ("unshard", "reshard", "fsdp_reduce")
@@ -52,6 +60,14 @@ UNIT_KINDS = ("unshard", "reshard", "fsdp_reduce")
 _LABEL = re.compile(r"FSDP::(?P<what>\w+)(?: \((?P<unit>[^)]*)\))?(?: \[pg=\d+\])?")
 #: the ranges a reshard is offered in
 _OFFERS = frozenset({"post_forward", "post_backward_reshard"})
+#: DTensor's functional collectives (tensor parallelism), by the timeline kind they make
+COLLECTIVE_KINDS = {
+    "_c10d_functional::all_gather_into_tensor": "tp_gather",
+    "_c10d_functional::reduce_scatter_tensor": "tp_reduce_scatter",
+    "_c10d_functional::all_reduce": "tp_all_reduce",
+}
+#: the operator that waits for a functional collective (on CPU: where its time goes)
+_WAIT = "_c10d_functional::wait_tensor"
 
 
 @dataclass(frozen=True)
@@ -147,6 +163,32 @@ def unit_actions(marks: Iterable[Mark], root: str = "") -> list[UnitAction]:
     return actions
 
 
+def collective_actions(marks: Iterable[Mark], cuda: bool) -> list[UnitAction]:
+    """Tensor parallelism's collectives in one traced step's events (unit ``""``): on CUDA the
+    span of the kernels each launched; on CPU from the operator's start to the end of the
+    wait that consumed it (the waits of a thread take its collectives in the order issued)."""
+    ordered = sorted(marks, key=lambda m: (m.start_ns, -m.end_ns))
+    spans = _Spans(ordered)
+    actions: list[UnitAction] = []
+    issued: dict[int, list[tuple[str, int, int]]] = {}  # thread -> (kind, start, end) waiting
+    for mark in ordered:
+        if mark.device:
+            continue
+        kind = COLLECTIVE_KINDS.get(mark.name)
+        if kind is not None:
+            if cuda:
+                actions.append(UnitAction(kind, "", *spans.of(mark)))
+            else:
+                issued.setdefault(mark.thread, []).append((kind, mark.start_ns, mark.end_ns))
+        elif mark.name == _WAIT and issued.get(mark.thread):
+            kind, start, _ = issued[mark.thread].pop(0)
+            actions.append(UnitAction(kind, "", start, max(mark.end_ns, start)))
+    for waiting in issued.values():  # never waited for within the step: their own span
+        actions += [UnitAction(kind, "", start, end) for kind, start, end in waiting]
+    actions.sort(key=lambda a: (a.start_ns, a.end_ns, a.kind))
+    return actions
+
+
 class UnitRecorder:
     """torch's profiler over one traced step at a time (:meth:`start`, :meth:`stop`), recording
     the ``record_function`` ranges only (the user scope: FSDP2's marks, not every operator,
@@ -155,8 +197,12 @@ class UnitRecorder:
     otherwise; its own entry points below it take the scopes. ``root``: see
     :func:`unit_actions`."""
 
-    def __init__(self, cuda: bool, root: str = "") -> None:
+    def __init__(self, cuda: bool, root: str = "", collectives: bool = False) -> None:
         self.root = root
+        self.cuda = cuda
+        #: tensor parallelism: record every operator too, to find DTensor's collectives
+        #: (:func:`collective_actions`), a few microseconds each
+        self.collectives = collectives
         self.activities = {ProfilerActivity.CPU} | ({ProfilerActivity.CUDA} if cuda else set())
         self._realtime_minus_monotonic = 0
 
@@ -165,14 +211,15 @@ class UnitRecorder:
             ProfilerState.KINETO, False, False, False, False, False, _ExperimentalConfig(), ""
         )
         _prepare_profiler(config, self.activities)
-        scopes = {RecordScope.USER_SCOPE}
+        scopes = {RecordScope.USER_SCOPE} | ({RecordScope.FUNCTION} if self.collectives else set())
         _enable_profiler(config, self.activities, scopes)  # type: ignore[call-arg]  # stub
         # the profiler stamps events in nanoseconds since the epoch; the timeline's clock is
         # the monotonic one
         self._realtime_minus_monotonic = time.time_ns() - time.monotonic_ns()
 
     def stop(self) -> list[UnitAction]:
-        """Stops the profiler; FSDP2's actions since :meth:`start`, on the monotonic clock."""
+        """Stops the profiler; FSDP2's actions (and tensor parallelism's collectives) since
+        :meth:`start`, on the monotonic clock."""
         result = _disable_profiler()
         shift = self._realtime_minus_monotonic
         marks = [
@@ -187,4 +234,7 @@ class UnitRecorder:
             )
             for event in result.events()
         ]
-        return unit_actions(marks, self.root)
+        found = unit_actions(marks, self.root)
+        if self.collectives:
+            found += collective_actions(marks, self.cuda)
+        return found

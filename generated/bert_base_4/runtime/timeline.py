@@ -38,6 +38,7 @@ import torch.distributed as dist
 from .core.timeline_format import (
     COMPUTE,
     RECEIVES,
+    TENSOR_PARALLEL,
     RankTimeline,
     Record,
     RunLayout,
@@ -104,6 +105,7 @@ class Timeline:
         device: torch.device,
         run: RunLayout,
         fsdp_root: str | None = None,
+        tensor_parallel: bool = False,
     ) -> None:
         self.directory = directory
         self.run = run
@@ -123,8 +125,13 @@ class Timeline:
         self._receiving: dict[tuple[str, int, int, int], tuple[int, Any, int | None]] = {}
         self._reference: Any = None  # CUDA: the event recorded at host time _reference_ns
         self._reference_ns = 0
-        #: FSDP2's actions, read from the profiler (None: the stages are not FSDP2-managed)
-        self._units = UnitRecorder(self.cuda, fsdp_root) if fsdp_root is not None else None
+        #: FSDP2's actions and tensor parallelism's collectives, read from the profiler (None:
+        #: the stages are neither FSDP2-managed nor tensor parallel)
+        self._units = (
+            UnitRecorder(self.cuda, fsdp_root or "", collectives=tensor_parallel)
+            if fsdp_root is not None or tensor_parallel
+            else None
+        )
         #: the host interval of each span of the step (kind, stage, microbatch, round), to
         #: place FSDP2's actions in
         self._hosted: list[tuple[int, int, str, int | None, int | None, int]] = []
@@ -325,7 +332,7 @@ class Timeline:
                     self._host(action.start_ns),
                     self._host(action.end_ns),
                     round_,
-                    unit=action.unit,
+                    unit=None if action.kind in TENSOR_PARALLEL else action.unit,
                 )
             )
 

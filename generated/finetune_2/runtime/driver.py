@@ -976,6 +976,7 @@ class TrainingRun:
                 recompute_blocks=tuple(sorted(config.recompute_blocks)),
             ),
             fsdp_root=StageRunner.STAGE if layout.sharded else None,
+            tensor_parallel=layout.tensor_parallel,
         )
         timeline.align()
         return timeline

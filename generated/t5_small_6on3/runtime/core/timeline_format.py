@@ -25,6 +25,7 @@ __all__ = [
     "TRANSFERS",
     "COMPUTE",
     "UNITS",
+    "TENSOR_PARALLEL",
     "TRACKS",
     "Record",
     "RunLayout",
@@ -52,6 +53,9 @@ KINDS = {
     "unshard": "unshard",  # an FSDP2 unit's parameters all-gathered and copied out
     "reshard": "reshard",  # an FSDP2 unit's gathered parameters freed
     "fsdp_reduce": "fsdp-reduce",  # an FSDP2 unit's gradients reduced (reduce-scatter, all-reduce)
+    "tp_gather": "tp-gather",  # tensor parallelism: DTensor's all-gather over the tp ranks
+    "tp_reduce_scatter": "tp-reduce-scatter",  # ... its reduce-scatter
+    "tp_all_reduce": "tp-all-reduce",  # ... its all-reduce
 }
 #: the transfers between stages (their records name the peer)
 TRANSFERS = frozenset({"send_activation", "send_gradient", "recv_activation", "recv_gradient"})
@@ -67,12 +71,16 @@ COMPUTE = frozenset({"forward", "backward", "backward_input", "backward_weight"}
 #: FSDP2's actions on one unit (a block, or the stage's own parameters outside its blocks: the
 #: unit ``""``), each within the action or reduction it happened in
 UNITS = frozenset({"unshard", "reshard", "fsdp_reduce"})
+#: the collectives of tensor parallelism (torch's styles, run by DTensor), each within the
+#: action it happened in
+TENSOR_PARALLEL = frozenset({"tp_gather", "tp_reduce_scatter", "tp_all_reduce"})
 #: the tracks of a rank in the Chrome trace, by the kinds on them (the rest: "actions", 0)
 TRACKS = {
     "receives": (1, RECEIVES),
     "unshard": (2, frozenset({"unshard"})),
     "reshard": (3, frozenset({"reshard"})),
     "FSDP reduce": (4, frozenset({"fsdp_reduce"})),
+    "tensor parallel": (5, TENSOR_PARALLEL),
 }
 
 
@@ -111,7 +119,8 @@ class Record:
     def name(self) -> str:
         """``F3 s1``: the forward of microbatch 3 at stage 1 (``F3.1 s1`` in accumulation round
         1); ``optimizer s1``, ``reduce``; ``send F3 s1 to rank 2``, ``recv B3 s1 from rank 2``;
-        FSDP2's: ``unshard blocks.0 mb3 s1`` (the unit ``""`` named ``stage``)."""
+        FSDP2's: ``unshard blocks.0 mb3 s1`` (the unit ``""`` named ``stage``); tensor
+        parallelism's: ``tp-gather mb3 s1``."""
         letter = KINDS[self.kind]
         where = f" s{self.stage}" if self.stage is not None else ""
         if self.kind in UNITS:
@@ -119,6 +128,9 @@ class Record:
             during = f" mb{self.microbatch}" if self.microbatch is not None else ""
             during += f".{self.round}" if self.round and self.microbatch is not None else ""
             return f"{letter} {unit}{during}{where}"
+        if self.kind in TENSOR_PARALLEL:  # ``tp-gather mb3 s1``
+            during = f" mb{self.microbatch}" if self.microbatch is not None else ""
+            return f"{letter}{during}{where}"
         what = letter + (str(self.microbatch) if self.microbatch is not None else "")
         if self.round:
             what += f".{self.round}"
