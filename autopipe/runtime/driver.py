@@ -1587,7 +1587,10 @@ def _said_who_failed(board: FailureBoard, rank: int, resume_hint: str) -> bool:
 
 
 def _error(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    """``line`` on stderr in one write, its newline included: ranks write to one stream, and
+    ``print``'s two writes (text, then newline) interleave with another rank's unbuffered."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _where(pipeline: Pipeline, ranks: RankMesh, rank: int, world: int) -> str:
