@@ -45,6 +45,11 @@ class Assignment:
         # the unit's exchanges, not the stages they span
         self.act_change = [0.0] * self.num_stages
         self.grad_change = [0.0] * self.num_stages
+        #: each exchange as (producer, last reader, activation bytes, gradient bytes): read in
+        #: every trial move, so not through the dataclass's properties
+        self._exchanges = [
+            (ex.producer, ex.last, ex.activation, ex.gradient) for ex in model.exchanges
+        ]
         self.exchanges_of: list[list[int]] = [[] for _ in range(model.num_units)]
         for index, ex in enumerate(model.exchanges):
             if ex.producer >= 0:
@@ -67,15 +72,16 @@ class Assignment:
         self.size[stage] += sign
 
     def _span(self, index: int, sign: int) -> None:
-        ex = self.model.exchanges[index]
-        first = self.stage[ex.producer] if ex.producer >= 0 else 0
-        last = ex.last
-        end = self.stage[last] if last < self.model.num_units else self.num_stages - 1
+        producer, last, activation, gradient = self._exchanges[index]
+        stage = self.stage
+        first = stage[producer] if producer >= 0 else 0
+        end = stage[last] if last < len(stage) else self.num_stages - 1
         if first < end:
-            self.act_change[first] += sign * ex.activation
-            self.act_change[end] -= sign * ex.activation
-            self.grad_change[first] += sign * ex.gradient
-            self.grad_change[end] -= sign * ex.gradient
+            act, grad = self.act_change, self.grad_change
+            act[first] += sign * activation
+            act[end] -= sign * activation
+            grad[first] += sign * gradient
+            grad[end] -= sign * gradient
 
     def move(self, unit: int, to: int) -> None:
         """Move one unit to stage ``to`` (the caller keeps the assignment monotone)."""
