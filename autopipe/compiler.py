@@ -42,7 +42,7 @@ from .tracing import trace
 from .tracing.loss import trace_loss
 from .ir.analysis import check_replay
 from .ir.batch_dims import batch_dims_of
-from .options import SEQUENCE_PARALLEL_MODES, CompileOptions
+from .options import CompileOptions
 
 ARTIFACTS = "artifacts"
 TOP_PLANS = 10  # plans a searched partition records (the report shows them)
@@ -127,7 +127,7 @@ def plan_step(
     within ``--search-seconds``; ``progress`` is told after each candidate."""
     devices = options.devices
     assert devices is not None, "a plan is for --devices devices (CompileOptions checks it)"
-    sequence = SEQUENCE_PARALLEL_MODES[options.sequence_parallel]
+    sequence = options.sequence_parallel_asked
     if options.tp is not None:
         check_tensor_parallel(graph, options.tp, sequence)
     return search(
@@ -155,9 +155,7 @@ def partition_step(
     plans it was chosen from (``phases`` shows the search's progress and says when
     ``--search-seconds`` stopped it); with ``--tp``, the degree it is sharded at."""
     if not options.search or options.tp is not None:
-        check_tensor_parallel(
-            graph, options.tp or 1, SEQUENCE_PARALLEL_MODES[options.sequence_parallel]
-        )
+        check_tensor_parallel(graph, options.tp or 1, options.sequence_parallel_asked)
     return _partition(graph, prof, options, phases)
 
 
@@ -200,7 +198,7 @@ def tensor_parallel_degrees(graph: Graph, options: CompileOptions) -> tuple[int,
         return (options.tp,)
     regions = find_regions(graph)
     found = [t for t in (2, 4, 8) if t <= options.gpus_per_node and t in regions.degrees()]
-    sequence = SEQUENCE_PARALLEL_MODES[options.sequence_parallel]
+    sequence = options.sequence_parallel_asked
     return (1, *(t for t in found if _shards(graph, regions, t, sequence)))
 
 
@@ -253,7 +251,7 @@ def _partition(
             )
         assert best.partition is not None  # a plan that fits has its partition
         tp = best.candidate.tp
-        sequence = SEQUENCE_PARALLEL_MODES[options.sequence_parallel]
+        sequence = options.sequence_parallel_asked
         sliced = tp > 1 and sharding_plan(graph, find_regions(graph), tp, sequence).sequence
         return best.partition.with_settings(
             sequence_parallel=True if sliced else None,
@@ -266,7 +264,7 @@ def _partition(
     asked = SplitPoints.parse(options.split_points) if options.split_points else None
     tp = options.tp or 1
     places = max(1, options.gpus_per_node // tp)  # a node's places of tp ranks each
-    sequence = SEQUENCE_PARALLEL_MODES[options.sequence_parallel]
+    sequence = options.sequence_parallel_asked
     prof, _, sharded = tensor_parallel_profile(graph, prof, tp, options.gpus_per_node, sequence)
     part = partition(
         graph,

@@ -633,6 +633,12 @@ class CompileOptions:
         self._check("basic_blocks", "keep_whole", "dynamic", "batch_dims", "expected")
         self._check("inline_blocks", "link", "network")
 
+    @property
+    def sequence_parallel_asked(self) -> bool | None:
+        """``--sequence-parallel`` as :func:`~autopipe.tensor_parallel.sharding_plan` takes
+        it: None (auto), True (on) or False (off)."""
+        return SEQUENCE_PARALLEL_MODES[self.sequence_parallel]
+
     def _check(self, *names: str) -> None:
         """Check options ``names`` by their rules (None passes where it is the default), keeping
         the value each rule returns."""

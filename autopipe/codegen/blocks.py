@@ -144,7 +144,7 @@ def class_source(
         "",
     ]
     inside = {node.name for node in submodule.nodes}
-    modules = sharding.held(inside) if sharding else []
+    modules = [(m.module, m.constructor()) for m in sharding.within(inside)] if sharding else []
     if modules:
         lines += [
             'def __init__(self, device="cpu", meta_state=False):',

@@ -261,12 +261,10 @@ def _stage_context(
     )
     produced = {n.name for n in plan.nodes}
     held = {n.name for n in plan.nodes}
-    sharded = [m for m in (sharding.modules if sharding else ()) if m.node in held]
-    own_modules = sharding.held(held - inside) if sharding else []
-    entries = {m.entry for m in sharded}
-    styles = [s for s in (sharding.styles if sharding else ()) if s[0] in entries] + [
-        (m.module, m.style_source()) for m in sharded
-    ]
+    outside = sharding.within(held - inside) if sharding else []  # not in its blocks
+    own_modules = [(m.module, m.constructor()) for m in outside]
+    styles = [(m.module, m.style_source()) for m in (sharding.within(held) if sharding else [])]
+    state = set(plan.state_names.values())
     operators = _operators(graph, plan.nodes)
     first, final = plan.nodes[0], plan.nodes[-1]
     summary = (
@@ -295,7 +293,7 @@ def _stage_context(
         sequence_parallel_parameters=[
             name
             for name in (sharding.sequence.parameters if sharding and sharding.sequence else ())
-            if name in set(plan.state_names.values())
+            if name in state
         ],
         support=sorted(
             set(

@@ -611,22 +611,21 @@ class CostModel:
         the link between the two stages' ranks, nothing on one rank."""
         links = self._boundary_links(tuple(device_of_stage))
         return [
-            0.0 if link is None or moved <= 0 else link[0] + moved / link[1]
-            for link, moved in zip(links, crossing)
+            0.0 if link is None else link.transfer(moved) for link, moved in zip(links, crossing)
         ]
 
-    def _boundary_links(self, device_of_stage: tuple[int, ...]) -> list[tuple[float, float] | None]:
-        """(latency, bandwidth) of the link over each boundary of a placement, None where both
-        stages share a rank (cached: the partitioners evaluate one placement many times)."""
-        known: dict[tuple[int, ...], list[tuple[float, float] | None]]
+    def _boundary_links(self, device_of_stage: tuple[int, ...]) -> list[NetworkLink | None]:
+        """The link over each boundary of a placement, None where both stages share a rank
+        (cached: the partitioners evaluate one placement many times)."""
+        known: dict[tuple[int, ...], list[NetworkLink | None]]
         known = self.__dict__.setdefault("_links_by_placement", {})
         links = known.get(device_of_stage)
         if links is None:
             ranks = self._pipeline_size(list(device_of_stage))
-            links = []
-            for a, b in zip(device_of_stage, device_of_stage[1:]):
-                hop = self.hop(ranks, a, b) if a != b else None
-                links.append((hop.latency, hop.bandwidth) if hop is not None else None)
+            links = [
+                self.hop(ranks, a, b) if a != b else None
+                for a, b in zip(device_of_stage, device_of_stage[1:])
+            ]
             known[device_of_stage] = links
         return links
 

@@ -150,21 +150,12 @@ class ShardingPlan:
     #: why sequence parallelism is off where it was not turned off ("" otherwise)
     sequence_off: str = ""
 
-    @property
-    def styles(self) -> list[tuple[str, str]]:
-        """(module, torch style as generated code writes it), region inputs first."""
-        return [(i.module, i.style_source()) for i in self.inputs] + [
-            (m.module, m.style_source()) for m in self.modules
-        ]
-
-    def held(self, nodes: Collection[str]) -> list[tuple[str, str]]:
-        """(name, constructor) of the modules the code of ``nodes`` holds: the projections
-        among them, each region input first."""
+    def within(self, nodes: Collection[str]) -> list[RegionInput | ShardedModule]:
+        """The modules the code of ``nodes`` holds: the projections among them, each region
+        input they read through first."""
         modules = [m for m in self.modules if m.node in nodes]
         entries = {m.entry for m in modules if m.entry}
-        return [(i.module, i.constructor()) for i in self.inputs if i.module in entries] + [
-            (m.module, m.constructor()) for m in modules
-        ]
+        return [i for i in self.inputs if i.module in entries] + modules
 
     @property
     def sequence_values(self) -> frozenset[str]:
