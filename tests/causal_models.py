@@ -83,8 +83,7 @@ def qwen2_window():
     return model, (ids,), {"labels": ids.clone()}
 
 
-def gpt2():
-    """GPT-2 with dropout everywhere (attention's too)."""
+def _gpt2(dropout: float):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -94,14 +93,26 @@ def gpt2():
         n_head=4,
         vocab_size=VOCAB,
         n_positions=32,
-        resid_pdrop=DROPOUT,
-        embd_pdrop=DROPOUT,
-        attn_pdrop=DROPOUT,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
         bos_token_id=0,
         eos_token_id=0,
     )
     ids = _ids()
     return GPT2LMHeadModel(config), (ids,), {"labels": ids.clone()}
+
+
+def gpt2():
+    """GPT-2 with dropout everywhere (attention's too)."""
+    return _gpt2(DROPOUT)
+
+
+def gpt2_plain():
+    """GPT-2 without dropout, 2 layers of 4 heads: its fused ``c_attn`` and ``Conv1D``
+    projections (weights stored [in, out]) sharded by tensor parallelism
+    (tests/test_tensor_parallel_training.py); its head is tied to the embedding."""
+    return _gpt2(0.0)
 
 
 class HandMasked(nn.Module):

@@ -49,6 +49,9 @@ def test_gpt2s_fused_attention_mlp_embedding_and_head():
     assert [c.weight for c in attention.columns] == ["transformer.h.0.attn.c_attn.weight"]
     assert attention.columns[0].sections == (128, 128, 128) and attention.columns[0].dim == 1
     assert attention.row == "transformer.h.0.attn.c_proj.weight"
+    # the split into query, key and value gives each section its size: a rank's is its share
+    splits = [name for name, _ in attention.reshapes if graph[name].target == "aten.split.Tensor"]
+    assert len(splits) == 1
     assert (attention.heads, attention.kv_heads, attention.degrees) == (4, 4, (2, 4))
     mlp = next(r for r in found.regions if r.kind == "mlp")
     assert mlp.row == "transformer.h.0.mlp.c_proj.weight" and 64 in mlp.degrees

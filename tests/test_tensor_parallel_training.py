@@ -22,16 +22,16 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopipe.codegen.context import node_layout
-from autopipe.compiler import CompileOptions, check_tensor_parallel, load_graph
+from autopipe.compiler import CompileOptions, check_tensor_parallel, load_graph, trace_step
 from autopipe.errors import AutopipeError, PartitionError
 from autopipe.report.summary import format_partition
 from autopipe.runtime.core.mesh import RankMesh
 from autopipe.runtime.parallel import world_size_problem
 from autopipe.spec import load_example
 from autopipe.tensor_parallel import sharding_plan, find_regions
-from autopipe.verify import load_pipeline
+from autopipe.verify import load_pipeline, verify
 
-from conftest import compile_model, torchrun, torchrun_failing
+from conftest import compile_model, spec, torchrun, torchrun_failing
 from pipelines import (
     MICROBATCHES,
     STEPS,
@@ -48,6 +48,8 @@ UNPADDED = "tests/causal_models.py:llama_unpadded"  # the same without a padding
 EXPLICIT = "tests/causal_models.py:explicit_heads"  # biased projections, views naming sizes
 BATCHES = "tests/causal_models.py:llama_plain_batch"
 LLAMA_70B = "tests/causal_models.py:llama_70b_shaped"  # 8 of its layers, meta weights
+GPT2 = "tests/causal_models.py:gpt2_plain"  # fused c_attn, Conv1D projections, no dropout
+GPT2_DROPOUT = "tests/causal_models.py:gpt2"  # the same with dropout 0.1 everywhere
 TRAIN = ("--optimizer", "adamw", "--lr", "0.001")
 
 
@@ -117,8 +119,6 @@ def test_a_node_holds_whole_tensor_parallel_groups():
 def test_the_stages_compute_the_same_at_tp_1(two_stages):
     """The TP package's code is the same computation unsharded: ``autopipe verify``'s
     in-process check (outputs and gradients against the original model) passes."""
-    from autopipe.verify import verify
-
     report = verify(two_stages.out, load_example(LLAMA))
     assert report.ok, report.summary()
 
@@ -314,17 +314,17 @@ def test_the_mesh_puts_tensor_parallel_ranks_innermost():
 
 
 def test_a_degree_that_shards_nothing_is_refused(tmp_path):
-    graph = load_graph("generated/gpt2_4/artifacts/graph.json")  # fused c_attn, Conv1D MLPs
-    with pytest.raises(PartitionError, match=r"--tp 2 shards no region of GPT2LMHeadModel"):
+    graph = trace_step(load_example(spec("cnn")), CompileOptions(stages=1))  # convolutions
+    with pytest.raises(PartitionError, match=r"--tp 2 shards no region of ConvNet"):
         check_tensor_parallel(graph, 2)
     with pytest.raises(AutopipeError, match="--tp 16 is more than --gpus-per-node 8"):
         CompileOptions(stages=2, tp=16)
 
 
-def _block_collectives(compiled, sequence_length):
-    """The collectives one block of ``compiled``'s stage 0 runs under torch's CommDebugMode on
-    a fake 2-rank group, forward and backward, by torch's name (the block's input holds
-    ``sequence_length`` positions), and the plan its regions predict them from."""
+def _block_collectives(compiled, block_name, inputs):
+    """The collectives the block ``block_name`` of ``compiled``'s stage 0 runs under torch's
+    CommDebugMode on a fake 2-rank group, forward and backward, by torch's name (called on
+    ``inputs()``), and the plan its regions predict them from."""
     for name in [n for n in sys.modules if n.split(".")[0] == compiled.out.name]:
         del sys.modules[name]  # another fixture's package of the same name
     sys.path.insert(0, str(compiled.out.parent))
@@ -340,11 +340,9 @@ def _block_collectives(compiled, sequence_length):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         stage = package.build_stage(0, device="cpu")
         parallelize_module(stage, mesh, dict(stage.tensor_parallel_plan))
-        block = stage.get_submodule("model.layers.0")
-        x = torch.randn(2, sequence_length, 32, requires_grad=True)
-        cos, sin = torch.randn(2, 12, 8), torch.randn(2, 12, 8)
+        block = stage.get_submodule(block_name)
         with CommDebugMode() as forward:
-            out = block(x, cos, sin)
+            out = block(*inputs())
         with CommDebugMode() as backward:
             out.sum().backward()
     finally:
@@ -356,18 +354,31 @@ def _block_collectives(compiled, sequence_length):
     return plan, counts
 
 
+def _llama_block_inputs(sequence_length):
+    """A Llama block's hidden state (``sequence_length`` positions) and rotary tables."""
+    return lambda: (
+        torch.randn(2, sequence_length, 32, requires_grad=True),
+        torch.randn(2, 12, 8),
+        torch.randn(2, 12, 8),
+    )
+
+
 def test_the_collectives_of_a_block_are_the_regions(two_stages, one_stage):
     """Without sequence parallelism the forward all-reduces once per region (its row
     projection's partial sums) and the backward once per region too (the gradient of its
     input, summed over its column projections by its input module: not once per column);
     sequence parallel, each all-reduce is an all-gather and a reduce-scatter along the
     sequence, the block's input and output half of it. As the regions predict."""
-    plan, (forward, backward) = _block_collectives(two_stages, 12)
+    plan, (forward, backward) = _block_collectives(
+        two_stages, "model.layers.0", _llama_block_inputs(12)
+    )
     regions = {m.region for m in plan.modules if m.module.startswith("model.layers.0.")}
     inputs = [i for i in plan.inputs if i.module.startswith("model.layers.0.")]
     assert plan.sequence is None and len(regions) == len(inputs) == 2
     assert forward == {"all_reduce": 2} and backward == {"all_reduce": 2}
-    plan, (forward, backward) = _block_collectives(one_stage, 6)  # 12 positions, 6 a rank
+    plan, (forward, backward) = _block_collectives(  # 12 positions, 6 a rank
+        one_stage, "model.layers.0", _llama_block_inputs(6)
+    )
     assert plan.sequence is not None
     assert forward == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
     assert backward == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
@@ -428,3 +439,127 @@ def test_biased_projections_and_views_that_name_their_sizes(tmp_path):
         package=compiled.out, nproc=2,
     )  # fmt: skip
     assert_same_training(pipe, reference)
+
+
+@pytest.fixture(scope="module")
+def gpt2_two_stages(tmp_path_factory):
+    """GPT-2 in 2 stages, tensor parallel 2: its Conv1D projections (weights [in, out]) held as
+    the runtime's TransposedLinear, its fused c_attn split section by section."""
+    return compile_model(GPT2, tmp_path_factory.mktemp("gpt2tp") / "pipe", 2, tp=2)
+
+
+def test_gpt2s_transposed_and_fused_projections_are_sharded(gpt2_two_stages):
+    """Each block's c_attn (query, key and value side by side) is a column split section by
+    section, c_proj its row; the MLP's c_fc / c_proj; the tied embedding and head stay
+    replicated and the package is not sequence parallel, with the reasons. The code splits
+    the fused output into 3 chunks (each rank's third of each section) and flattens positions
+    with the fixed row count, the features -1."""
+    out = gpt2_two_stages.out
+    stage = (out / "stage0.py").read_text()
+    assert '"transformer.h.0.attn.c_attn": SectionedColwiseParallel(sections=3),' in stage
+    assert '"transformer.h.0.attn.c_proj": TransposedRowwiseParallel(),' in stage
+    assert '"transformer.h.0.mlp.c_fc": SectionedColwiseParallel(sections=1),' in stage
+    # the runtime's styles from the package's runtime, torch's region inputs from torch
+    assert "from .runtime.support import (\n    SectionedColwiseParallel,\n    " in stage
+    assert "from torch.distributed.tensor.parallel import PrepareModuleInput\n" in stage
+    blocks = (out / "blocks.py").read_text()
+    assert "from .runtime.support import Block, TransposedLinear, keep_whole" in blocks
+    assert (
+        'keep_whole(self, "attn.c_attn", TransposedLinear(32, 96, bias=True, device="meta"))'
+        in (blocks)
+    )
+    assert "addmm = self.attn.c_attn(view_tp)" in blocks
+    assert "split = aten.chunk.default(view_1, 3, 2)" in blocks
+    assert "view_5 = aten.view.default(reshape_1, [24, -1])" in blocks
+    assert "aten.addmm.default" not in blocks
+    said = format_partition(gpt2_two_stages.graph, gpt2_two_stages.partition)
+    assert "the runtime's for transposed or fused ones" in said
+    assert "transformer.wte: transformer.wte.weight is read by more than one operator" in said
+    assert "not sequence parallel: transformer.h.0.attn.c_attn (addmm) computes on the " in said
+    # unsharded (TP 1), the same code is the model's computation: autopipe verify passes
+    report = verify(out, load_example(GPT2))
+    assert report.ok, report.summary()
+
+
+def test_gpt2_trains_like_pytorch_in_every_layout_through_one_checkpoint(gpt2_two_stages, tmp_path):
+    """Step 0 at 2 stages x TP 2, step 1 at TP 2 alone (1 stage), step 2 at TP 1 (2 stages, no
+    --tp), step 3 under FSDP2 2 x TP 2, each resuming the previous one's checkpoint (DCP
+    reshards; a fused projection's sections are written in the plain layout and split again on
+    load): plain PyTorch's 4 losses and trained weights. The last checkpoint, merged offline,
+    is the trained weights too."""
+    assert STEPS == 4
+    one = compile_model(GPT2, tmp_path / "one", 1, tp=2)
+    plain = compile_model(GPT2, tmp_path / "plain", 2)
+    causal_models = importlib.import_module("causal_models")
+    reference = reference_training(
+        load_example(GPT2), causal_models.llama_plain_batch, STEPS, "adamw", 0.001
+    )
+    torch.save(load_example(GPT2).model.state_dict(), tmp_path / "init.pt")
+    log = tmp_path / "log.jsonl"
+    common = ["--microbatches", str(MICROBATCHES), *TRAIN, "--data", BATCHES, "--log-json",
+              str(log), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]  # fmt: skip
+    torchrun(gpt2_two_stages.out / "train.py", 4, *common, "--steps", "1", "--load",
+             str(tmp_path / "init.pt"))  # fmt: skip
+    torchrun(one.out / "train.py", 2, *common, "--steps", "2", "--resume")
+    torchrun(plain.out / "train.py", 2, *common, "--steps", "3", "--resume")
+    said = torchrun(one.out / "train.py", 4, *common, "--steps", "4", "--resume", "--dp-shard",
+                    "2", "--microbatches", "2", "--save", str(tmp_path / "trained.pt"))  # fmt: skip
+    assert "x tensor parallel 2" in said.stdout and "FSDP2" in said.stdout
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3]
+    trained = torch.load(tmp_path / "trained.pt")
+    assert_same_training((losses, trained), reference)
+    merged = tmp_path / "merged.pt"
+    subprocess.run(
+        [sys.executable, "-m", "autopipe", "merge", str(tmp_path / "ck"), "-o", str(merged)],
+        check=True,
+        capture_output=True,
+    )
+    whole = torch.load(merged)
+    assert all(torch.equal(whole[k], trained[k]) for k in trained)
+
+
+def test_the_collectives_of_a_gpt2_block_are_its_regions(gpt2_two_stages):
+    """A GPT-2 block at TP 2 under CommDebugMode: an all-reduce per region each way (its
+    Conv1D row's partial sums; its region input's gradient), as the regions predict. The
+    fused c_attn's bias is whole on every rank: its gradient is each rank's share of each
+    section, gathered when the optimizer reads it."""
+    _, (forward, backward) = _block_collectives(
+        gpt2_two_stages, "transformer.h.0", lambda: (torch.randn(2, 12, 32, requires_grad=True),)
+    )
+    assert forward == {"all_reduce": 2}
+    assert backward == {"all_reduce": 2}
+
+
+def test_dropout_inside_regions_draws_each_ranks_own_and_recomputes_alike(tmp_path):
+    """GPT-2 with dropout 0.1 at TP 2: its attention's dropout (inside the sharded region) runs
+    under each rank's own random stream, the residual dropouts (replicated) under the shared
+    one. Recomputing every block in backward trains the same 4 steps as keeping the
+    activations: the regions' streams follow from the shared state activation checkpointing
+    restores."""
+    compiled = compile_model(GPT2_DROPOUT, tmp_path / "pipe", 1, tp=2)
+    blocks = (compiled.out / "blocks.py").read_text()
+    assert "        with tensor_parallel_rng():\n            scaled_dot_product_attention = " in (
+        blocks
+    )
+    assert blocks.count("tensor_parallel_rng():") == 1  # the residual dropouts are replicated
+    runs = []
+    for recompute in ("none", "blocks"):
+        (tmp_path / recompute).mkdir()
+        runs.append(
+            run_pipeline(
+                tmp_path / recompute,
+                GPT2_DROPOUT,
+                1,
+                BATCHES,
+                *TRAIN,
+                "--recompute",
+                recompute,
+                package=compiled.out,
+                nproc=2,
+            )
+        )
+    (kept, kept_weights), (recomputed, recomputed_weights) = runs
+    assert kept == recomputed
+    assert all(torch.equal(kept_weights[k], recomputed_weights[k]) for k in kept_weights)

@@ -16,10 +16,13 @@ from ..ir import Graph, Node, Ref, Size
 from ..ir.codec import decode_tensor
 from ..ir.eval_mode import mode_slots
 from ..ir.kinds import kind_of
-from ..ir.types import dtype_name
+from ..ir.types import argument_value, dtype_name
+from ..runtime.core.region_rng import tensor_parallel_rng
 from ..tensor_parallel import ShardingPlan
 
 BLACK_MODE = black.Mode(line_length=100)
+#: the runtime's context of a tensor-parallel rank's own random stream (generated code calls it)
+RANK_RNG = tensor_parallel_rng.__name__
 
 #: Writes the statement of one higher-order node (:mod:`autopipe.ir.kinds`), as black lays it out:
 #: ``emitter(graph, node, ref, indent, target)`` -> lines assigning the node's value to ``target``.
@@ -227,13 +230,17 @@ def forward_body(
     """Source lines of a forward pass over ``items`` (to be indented by ``base``): operators
     assigned to ``target(node.name)``, commented with ``label(node)`` (their module scope) and
     wrapped in the grad / autocast modes they were traced under, and submodule calls. With a
-    tensor-parallel ``sharding``, its projections call the ``nn.Linear`` holding their weight
-    and the sizes it frees are -1."""
+    tensor-parallel ``sharding``, its projections call the module holding their weight, the
+    sizes it leaves to each rank are -1 (and the fixed sizes they displace written) and the
+    splits of fused projections are chunks; its operators that draw random numbers on a rank's
+    share run under that rank's own stream."""
     modules = {m.node: m for m in sharding.modules} if sharding is not None else {}
     entered: set[str] = set()  # the region input modules called so far
-    free: dict[str, set[int]] = {}
-    for name, position in sharding.free_sizes if sharding is not None else ():
-        free.setdefault(name, set()).add(position)
+    free: dict[str, dict[int, int]] = {}
+    for name, position, size in sharding.free_sizes if sharding is not None else ():
+        free.setdefault(name, {})[position] = size
+    chunks = dict(sharding.chunks) if sharding is not None else {}
+    drawing = sharding.drawing if sharding is not None else frozenset()
     lines: list[str] = []
     current = None
     context: tuple = ()
@@ -259,11 +266,12 @@ def forward_body(
         emitter = _EMITTERS.get(node.target)
         if node.name in free:
             node = _freed(node, free[node.name])
+        if node.name in chunks:
+            node = _chunked(node, chunks[node.name])
         if node.name in modules:  # linear(x, module.weight, ...) / embedding(...): module(x)
             sharded = modules[node.name]
-            at = sharded.weight_at
-            module = ref(node.args[at]).removesuffix(".weight")
-            given = [ref(node.args[1 - at])]
+            module = ref(node.args[sharded.weight_at]).removesuffix(".weight")
+            given = [ref(node.args[sharded.input_at])]
             statement = []
             if sharded.entry:  # through the region's input module, called once
                 entry = _sibling(module, sharded.entry.rpartition(".")[2])
@@ -279,9 +287,13 @@ def forward_body(
         elif kind_of(node.target) is not None:
             raise TypeError(f"no emitter is registered for the node kind {node.target}")
         else:
+            own = node.name in drawing  # on a tensor-parallel rank's share: its own stream
+            at = base + len(indent) + (4 if own else 0)
             fn, args = operator_call(node, ref)
             call_args = args if node.target != "getitem" else None
-            statement = assignment(target(node.name), fn, call_args, base + len(indent))
+            statement = assignment(target(node.name), fn, call_args, at)
+            if own:
+                statement = [f"with {RANK_RNG}():", *(f"    {line}" for line in statement)]
         lines.extend(indent + line for line in statement)
     return lines
 
@@ -291,10 +303,20 @@ def _sibling(path: str, leaf: str) -> str:
     return re.sub(r"(\.\w+|\[[^\]]*\])$", "", path) + f".{leaf}"
 
 
-def _freed(node: Node, positions: set[int]) -> Node:
-    """``node`` (a view or expansion) with its sizes at ``positions`` written -1."""
-    sizes = [-1 if i in positions else size for i, size in enumerate(node.args[1])]
-    return dataclasses.replace(node, args=(node.args[0], sizes, *node.args[2:]))
+def _freed(node: Node, sizes: dict[int, int]) -> Node:
+    """``node`` (a view or expansion) with the sizes at the positions of ``sizes`` written as
+    given."""
+    written = [sizes.get(i, size) for i, size in enumerate(node.args[1])]
+    return dataclasses.replace(node, args=(node.args[0], written, *node.args[2:]))
+
+
+def _chunked(node: Node, sections: int) -> Node:
+    """``node`` (a split into ``sections`` equal sections) as the chunk into as many, which
+    splits each rank's share of the sections alike."""
+    dim = argument_value(node, "dim") or 0
+    return dataclasses.replace(
+        node, target="aten.chunk.default", args=(node.args[0], sections, dim), kwargs={}
+    )
 
 
 def scope_label(node: Node, model_class: str) -> str:

@@ -26,6 +26,7 @@ from ..partitioning.cost import iteration_time
 from ..partitioning.partition import PredictedStep, costs_to_json
 from ..runtime.core.pipeline import Pipeline, default_microbatches
 from ..runtime.core.manifest import changed_files
+from ..runtime.core.sharded_layers import SectionedColwiseParallel, TransposedRowwiseParallel
 from ..tensor_parallel import SEQUENCE_DIM, ShardingPlan, find_regions, sharding_plan
 from . import emit
 from .sizes import size_lines, used_symbols
@@ -54,6 +55,10 @@ RUNTIME_MODULES = tuple(
     sorted(path.relative_to(RUNTIME).as_posix() for path in RUNTIME.rglob("*.py"))
 )
 BLACK_MODE = emit.BLACK_MODE
+#: the tensor-parallel styles generated code imports from the package's runtime (torch's others)
+RUNTIME_STYLES = frozenset(
+    style.__name__ for style in (SectionedColwiseParallel, TransposedRowwiseParallel)
+)
 #: stands for a forward body in a rendered file until the (already formatted) body is spliced in
 BODY_MARKER = "# autopipe: forward body"
 
@@ -160,6 +165,14 @@ def package_files(graph: Graph, part: Partition, gpus_per_node: int = 8) -> dict
             classes=definitions,
             example=every[0].fqn,
             keeps=any("keep_whole(" in definition for definition in definitions),
+            support=sorted(
+                {"Block"}
+                | {
+                    name
+                    for name in ("keep_whole", "TransposedLinear", emit.RANK_RNG)
+                    if any(f"{name}(" in definition for definition in definitions)
+                }
+            ),
         )
     sources["__init__.py"] = render(
         "__init__.py.j2", **common, modules=sorted(set(graph.model.operators.values()))
@@ -301,6 +314,13 @@ def _stage_context(
                 + (["add_submodule"] if submodules else [])
                 + (["require_operators"] if operators else [])
                 + (["keep_whole"] if own_modules else [])
+                + (
+                    ["TransposedLinear"]
+                    if any("TransposedLinear(" in c for _, c in own_modules)
+                    else []
+                )
+                + sorted({style.split("(")[0] for _, style in styles} & RUNTIME_STYLES)
+                + ([emit.RANK_RNG] if any(f"{emit.RANK_RNG}(" in line for line in body) else [])
                 + support_names(plan.nodes)
             )
         ),
@@ -313,7 +333,7 @@ def _stage_context(
 def _style_imports(styles: list[str]) -> list[str]:
     """The import lines of torch's tensor-parallel styles (and placements) ``styles`` (as
     generated code writes them) use."""
-    names = sorted({style.split("(")[0] for style in styles})
+    names = sorted({style.split("(")[0] for style in styles} - RUNTIME_STYLES)
     lines = [f"from torch.distributed.tensor.parallel import {', '.join(names)}"] if names else []
     placements = sorted({p for p in ("Replicate", "Shard") if any(f"{p}(" in s for s in styles)})
     if placements:

@@ -19,7 +19,7 @@ no argument records), for the summary to name.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ __all__ = [
     "mode_argument",
     "mode_slots",
     "random_in_eval",
+    "random_in_training",
 ]
 
 #: the argument that is the mode itself: True in training (traced), False in eval mode
@@ -98,10 +99,7 @@ def eval_value_of(node: Node, name: str) -> Any:
     argument where eval mode keeps it; None where it passes none)."""
     if name in node.eval_args:
         return node.eval_args[name]
-    slot = argument_slot(node, name)
-    if slot is None:
-        return None
-    return node.args[slot] if isinstance(slot, int) else node.kwargs[slot]
+    return _training_value_of(node, name)
 
 
 def lint_eval_args(node: Node, field: str) -> None:
@@ -154,13 +152,31 @@ def random_in_eval(nodes: Iterable[Node]) -> list[Node]:
     """The calls that draw random numbers in eval mode too: torch operators tagged as seeded
     random (``aten.rand``, ``aten.bernoulli``, ...), other than those whose eval-mode arguments
     draw none (a dropout off, attention without dropout)."""
+    return _drawing(nodes, eval_value_of)
+
+
+def random_in_training(nodes: Iterable[Node]) -> list[Node]:
+    """The calls that draw random numbers in training: as :func:`random_in_eval`, by the
+    arguments the model passes in training (those the graph records)."""
+    return _drawing(nodes, _training_value_of)
+
+
+def _training_value_of(node: Node, name: str) -> Any:
+    """The value ``node`` passes as its schema argument ``name`` as traced (in training)."""
+    slot = argument_slot(node, name)
+    if slot is None:
+        return None
+    return node.args[slot] if isinstance(slot, int) else node.kwargs[slot]
+
+
+def _drawing(nodes: Iterable[Node], value_of: Callable[[Node, str], Any]) -> list[Node]:
     drawing = []
     for node in nodes:
         op = op_overload(node.target) if node.kind == "call" else None
         if op is None or torch.Tag.nondeterministic_seeded not in op.tags:
             continue
         switches = [a.name for a in op._schema.arguments if a.name in _RANDOM_WHEN]
-        if switches and not any(_RANDOM_WHEN[s](eval_value_of(node, s)) for s in switches):
+        if switches and not any(_RANDOM_WHEN[s](value_of(node, s)) for s in switches):
             continue
         drawing.append(node)
     return drawing

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from ..ir import Graph, Node, Ref, TensorMeta
 from ..profiling import Profile
-from ..tensor_parallel import EMBEDDING, ROWWISE, ShardingPlan
+from ..tensor_parallel import EMBEDDING, ROWWISE, ShardedModule, ShardingPlan
 from .network import Network
 
 __all__ = ["TensorParallelCost", "sharded_profile"]
@@ -70,7 +70,6 @@ def sharded_profile(
     if t == 1 or not plan.modules:
         return profile, TensorParallelCost(t, 0.0, 0.0, 0.0)
     by_node = {m.node: m for m in plan.modules}
-    regions = {m.region for m in plan.modules}  # the scopes of the sharded regions
     sliced = plan.sequence_values
     entry_sliced = {i.module: i.sequence for i in plan.inputs}
     group = list(range(t))  # within a node: tensor-parallel ranks are innermost
@@ -103,32 +102,41 @@ def sharded_profile(
             if module is not None:
                 out = float(graph.value_bytes(name))  # its output
                 held += _bytes_of(graph, node.args[module.weight_at])
-                divided.update(dict.fromkeys(_parameters(graph, node, module.weight_at), t))
+                divided.update(dict.fromkeys(_parameters(graph, node, module), t))
                 if module.style != ROWWISE and not module.gathered:
                     divided[name] = t  # a column's features
                 if module.kind == EMBEDDING:  # a lookup: no FLOPs; its partial sums reduced
                     add(split, out)
                     continue
-                flops = _product_flops(graph, node)
+                flops = _product_flops(graph, node, module)
                 sharded_flops += flops
                 slower += flops * _slowdown(profile, "matmul", node, flops, t)
-                held += _bytes_of(graph, node.args[2] if len(node.args) > 2 else None)
+                if module.bias_at is not None and _bias_split(module):
+                    held += _bytes_of(graph, node.args[module.bias_at])
+                elif module.bias_at is not None and module.style != ROWWISE:
+                    # a fused projection's bias, whole on every rank: its gradient, each
+                    # rank's share of each section, gathered (when the optimizer reads it)
+                    comm[1] += collective("all_gather", _bytes_of(graph, node.args[module.bias_at]))
                 if module.style == ROWWISE:
                     add(split, out)
                 elif module.gathered:  # the head: its input gathered, its logits too
-                    add(gather if module.sequence else ("", "all_reduce"), _input(graph, node))
+                    add(
+                        gather if module.sequence else ("", "all_reduce"),
+                        _input(graph, node, module),
+                    )
                     gathered += out
                     comm[0] += collective("all_gather", out)
                 elif not module.entry:  # a column reading its input on its own
-                    add(gather if module.sequence else ("", "all_reduce"), _input(graph, node))
+                    add(
+                        gather if module.sequence else ("", "all_reduce"),
+                        _input(graph, node, module),
+                    )
                 elif module.entry not in entered:  # a region input: once for its columns
                     entered.add(module.entry)
                     kinds = gather if entry_sliced.get(module.entry) else ("", "all_reduce")
-                    add(kinds, _input(graph, node))
+                    add(kinds, _input(graph, node, module))
                 continue
-            inside = bool(node.scope) and any(
-                node.scope[-1].fqn == r or node.scope[-1].fqn.startswith(f"{r}.") for r in regions
-            )
+            inside = name in plan.interior
             if node.target == _ATTENTION and inside:
                 flops = _attention_flops(graph, node)
                 sharded_flops += flops
@@ -187,10 +195,13 @@ def _causal(node: Node) -> bool:
     return value is True
 
 
-def _parameters(graph: Graph, node: Node, weight_at: int) -> list[str]:
+def _parameters(graph: Graph, node: Node, module: ShardedModule) -> list[str]:
     """The first names of a sharded module's weight and bias (what each rank holds a part
     of)."""
-    refs = [node.args[weight_at], *(node.args[2:3] if weight_at == 1 else ())]
+    at = [module.weight_at] + (
+        [module.bias_at] if module.bias_at is not None and _bias_split(module) else []
+    )
+    refs = [node.args[i] for i in at]
     return [
         graph.param_of(graph[r.name].target).names[0]
         for r in refs
@@ -198,9 +209,16 @@ def _parameters(graph: Graph, node: Node, weight_at: int) -> list[str]:
     ]
 
 
-def _input(graph: Graph, node: Node) -> float:
+def _bias_split(module: ShardedModule) -> bool:
+    """Whether each rank holds a part of ``module``'s bias: a column projection's (a row
+    projection adds its whole bias once; a fused one keeps it whole, slicing it for the
+    product)."""
+    return module.style != ROWWISE and module.sections == 1
+
+
+def _input(graph: Graph, node: Node, module: ShardedModule) -> float:
     """Bytes of a projection's input (its whole value, gathered or reduced)."""
-    return _bytes_of(graph, node.args[0])
+    return _bytes_of(graph, node.args[module.input_at])
 
 
 def _bytes_of(graph: Graph, value: object) -> float:
@@ -217,9 +235,13 @@ def _metas(graph: Graph, node: Node) -> tuple[TensorMeta | None, TensorMeta | No
     return first, second
 
 
-def _product_flops(graph: Graph, node: Node) -> float:
-    """FLOPs of ``linear(x, weight)``: 2 x rows of x x the weight's elements."""
-    x, weight = _metas(graph, node)
+def _product_flops(graph: Graph, node: Node, module: ShardedModule) -> float:
+    """FLOPs of ``linear(x, weight)`` (or ``addmm(bias, x, weight)``): 2 x rows of x x the
+    weight's elements."""
+    x, weight = (
+        graph[a.name].tensor_meta if isinstance(a, Ref) else None
+        for a in (node.args[module.input_at], node.args[module.weight_at])
+    )
     if x is None or weight is None:
         return 0.0
     return 2.0 * math.prod(x.shape[:-1]) * math.prod(weight.shape)

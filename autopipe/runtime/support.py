@@ -15,6 +15,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .core.kept_modules import run_over_packed, tensors_of
+from .core.region_rng import tensor_parallel_rng
+from .core.sharded_layers import (
+    SectionedColwiseParallel,
+    TransposedLinear,
+    TransposedRowwiseParallel,
+)
 
 #: name -> (shape, dtype, requires_grad, initialisation rule): a stage's or block's PARAMETERS.
 ParameterTable = dict[str, tuple[tuple[int, ...], torch.dtype, bool, str]]
@@ -221,6 +227,9 @@ __all__ = [
     "MissingOperatorError",
     "ModuleScope",
     "ParameterTable",
+    "SectionedColwiseParallel",
+    "TransposedLinear",
+    "TransposedRowwiseParallel",
     "add_submodule",
     "build_state",
     "copy_whole",
@@ -230,5 +239,6 @@ __all__ = [
     "require_operators",
     "run_over_packed",
     "stage_state",
+    "tensor_parallel_rng",
     "tensors_of",
 ]

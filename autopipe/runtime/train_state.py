@@ -67,6 +67,7 @@ from .guards import agree, describe_write_error, replace_atomically
 from .identity import identity_difference, identity_from_tensors, identity_of_manifest
 from .parallel import Layout
 from .core.pipeline import Pipeline, as_pipeline
+from .core.sharded_layers import plain_placement
 from .support import copy_whole, local_shard, stage_state
 
 __all__ = [
@@ -568,7 +569,7 @@ class TrainingCheckpoints:
             ) from None
         with torch.no_grad():
             for target, value in copies:
-                local_shard(target).copy_(local_shard(value))
+                _copy_into(target, value)
         for index, stage in stages.items():
             tensors, osd = state[index]
             # torch annotates a dict of its ValueType where a Mapping of tensors would do
@@ -701,9 +702,9 @@ def training_state(
     for index, stage in stages.items():
         tensors, osd = stage_training_state(stage, optimizers[index], trainable_only)
         for name, tensor in tensors.items():
-            model.setdefault(name, tensor)
+            model.setdefault(name, _as_saved(tensor))
         for name, entries in osd["state"].items():
-            optimizer.setdefault(name, entries)
+            optimizer.setdefault(name, {key: _as_saved(t) for key, t in entries.items()})
     return {"model": model, "optimizer": optimizer}
 
 
@@ -714,11 +715,41 @@ def _request(
     copies: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> None:
     """Ask DCP to fill ``tensor`` from ``source``; a second tensor of the same source is
-    copied from the first after loading."""
+    copied from the first after loading, and so is a tensor the checkpoint holds in another
+    layout (a fused projection's sections, filled in the plain layout first)."""
     if source in request:
         copies.append((tensor, request[source]))
-    else:
-        request[source] = tensor
+        return
+    held = _as_saved(tensor)
+    request[source] = held
+    if held is not tensor:
+        copies.append((tensor, held))
+
+
+def _as_saved(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in the layout a checkpoint holds it in: a DTensor split section by section
+    (a fused projection's, whose rank holds a share of each section, which DCP cannot write
+    as one block) redistributed to the plain split of the same dimension; any other as it
+    is."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    names = tensor.device_mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return tensor
+    placements = list(tensor.placements)  # FSDP2's own (dp_shard) are DCP's to write
+    at = names.index("tp")
+    placements[at] = plain_placement(placements[at])
+    if placements[at] == tensor.placements[at]:
+        return tensor
+    return cast(torch.Tensor, tensor.redistribute(placements=placements))
+
+
+def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    """``target``'s values from ``value`` (the same tensor, perhaps in another layout)."""
+    if isinstance(target, DTensor) and isinstance(value, DTensor):
+        if tuple(value.placements) != tuple(target.placements):
+            value = value.redistribute(placements=target.placements)
+    local_shard(target).copy_(local_shard(value))
 
 
 def _cause(exc: BaseException) -> BaseException:

@@ -68,8 +68,9 @@ class Region:
     sizes: tuple[int, ...]
     degrees: tuple[int, ...]
     reason: str  # why it is left replicated ("" when a degree splits it)
-    #: the views, reshapes and expansions of sharded values: (node, the dimension of its result
-    #: that is sharded), whose size there a rank computes locally (-1 in generated code)
+    #: the views, reshapes, expansions and splits of sharded values: (node, the dimension of
+    #: its result that is sharded), whose size there a rank computes locally (-1 in generated
+    #: code; a split of a fused projection's output: its sections, a chunk into as many)
     reshapes: tuple[tuple[str, int], ...] = ()
 
     @property

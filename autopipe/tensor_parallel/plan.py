@@ -2,17 +2,22 @@
 item 2).
 
 A region found in the graph (:mod:`.regions`) is sharded at degree ``d`` when ``d`` divides it
-and torch's tensor-parallel styles can shard it: each of its projections is a ``linear`` of a
-weight (and bias) of its own, held by a module that holds nothing else, so that the generated
-stage can hold it as a real ``nn.Linear`` and ``parallelize_module`` applies ``ColwiseParallel``
-to the column projections and ``RowwiseParallel`` to the row projection; a fused projection
-(sections: GPT-2's ``c_attn``) or a transposed one (``addmm`` of a ``Conv1D`` weight) stays
-replicated, with its reason. The sizes a view or an expansion gives a sharded dimension become
--1 in the generated code, so that one package runs at any degree (a view that fixes another
-size to -1 already keeps its region replicated). The embedding is sharded by vocabulary rows
-(torch's ``RowwiseParallel`` on an ``nn.Embedding``) and the output head by vocabulary columns,
-its logits gathered whole for the loss (``ColwiseParallel(output_layouts=Replicate())``), where
-their weights are their own (not tied) and the embedding has no padding index.
+and its projections can be held as modules of their own: each is a ``linear`` of a weight (and
+bias) of its own, or an ``addmm`` / ``mm`` of a weight stored ``[in, out]`` (GPT-2's
+``Conv1D``), held by a module that holds nothing else. The generated stage holds it as a real
+``nn.Linear`` (or the runtime's ``TransposedLinear``) and ``parallelize_module`` applies torch's
+``ColwiseParallel`` to the column projections and ``RowwiseParallel`` to the row projection; a
+transposed projection takes the runtime's ``SectionedColwiseParallel`` /
+``TransposedRowwiseParallel``, and so does a fused one (sections: GPT-2's ``c_attn``), whose
+equal sections are each split alike (torch's ``_StridedShard``); unequal sections keep the
+region replicated, with the reason. The sizes a view or an expansion gives a sharded dimension
+become -1 in the generated code, so that one package runs at any degree (a view that leaves
+another size to -1 gets that size written instead, where it is fixed), and a split of a fused
+projection's output into equal sections becomes a ``chunk`` into as many. The embedding is
+sharded by vocabulary rows (torch's ``RowwiseParallel`` on an ``nn.Embedding``) and the output
+head by vocabulary columns, its logits gathered whole for the loss
+(``ColwiseParallel(output_layouts=Replicate())``), where their weights are their own (not tied)
+and the embedding has no padding index.
 
 A region's column projections read their input through a module of its own, an ``nn.Identity``
 at ``<scope>.tensor_parallel_input`` that torch's ``PrepareModuleInput`` turns into one
@@ -29,6 +34,8 @@ from dataclasses import dataclass, replace
 
 from ..errors import PartitionError
 from ..ir import Graph, Node, Ref, Size
+from ..ir.eval_mode import random_in_training
+from ..ir.types import argument_value
 from .artifact import Region, TensorParallelRegions
 from .sequence import SequenceRefused, SequenceSharding, sequence_sharding
 
@@ -38,6 +45,7 @@ __all__ = [
     "LINEAR",
     "ROWWISE",
     "INPUT_MODULE",
+    "TRANSPOSED",
     "RegionInput",
     "ShardedModule",
     "ShardingPlan",
@@ -46,9 +54,12 @@ __all__ = [
 
 #: the styles of :class:`ShardedModule`: torch's ColwiseParallel and RowwiseParallel
 COLWISE, ROWWISE = "colwise", "rowwise"
-#: the kinds of :class:`ShardedModule`: ``nn.Linear`` and ``nn.Embedding``
-LINEAR, EMBEDDING = "linear", "embedding"
+#: the kinds of :class:`ShardedModule`: ``nn.Linear``, ``nn.Embedding`` and the runtime's
+#: ``TransposedLinear`` (a weight stored [in, out], computed by ``addmm`` / ``mm``)
+LINEAR, EMBEDDING, TRANSPOSED = "linear", "embedding", "transposed"
 _LINEAR = "aten.linear.default"
+_ADDMM, _MM = "aten.addmm.default", "aten.mm.default"
+_SPLITS = {"aten.split.Tensor", "aten.split_with_sizes.default"}
 _EMBEDDING = "aten.embedding.default"
 _VIEWS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default"}
 _EXPAND = "aten.expand.default"
@@ -60,8 +71,8 @@ _SEQUENCE = "Shard(1)"
 
 @dataclass(frozen=True)
 class ShardedModule:
-    """A projection the generated stage holds as an ``nn.Linear`` at ``module`` (its original
-    name) and calls, sharded in the ``style`` its place in the region gives it."""
+    """A projection the generated stage holds as a module at ``module`` (its original name) and
+    calls, sharded in the ``style`` its place in the region gives it."""
 
     node: str  # the projection's node
     module: str  # the module holding its weight (and bias): ``model.layers.0.self_attn.q_proj``
@@ -70,7 +81,7 @@ class ShardedModule:
     out_features: int
     bias: bool
     region: str  # the region's scope
-    kind: str = LINEAR  # LINEAR or EMBEDDING
+    kind: str = LINEAR  # LINEAR, EMBEDDING or TRANSPOSED
     gathered: bool = False  # a column projection whose output every rank gets whole (the head)
     #: the region input module it reads its input through (a column projection's), or ""
     entry: str = ""
@@ -78,32 +89,61 @@ class ShardedModule:
     #: the embedding's), or its input gathered along it (the head's, or a column projection's
     #: that reads it without a region input module)
     sequence: bool = False
+    #: a fused column projection's equal sections (query, key, value: 3), each split alike
+    sections: int = 1
 
     @property
     def weight_at(self) -> int:
-        """Where the node takes the weight (its input is the other of its first two)."""
-        return 0 if self.kind == EMBEDDING else 1
+        """Where the node takes the weight: ``embedding(weight, ids)``, ``linear(x, weight,
+        bias)``, ``addmm(bias, x, weight)``, ``mm(x, weight)``."""
+        if self.kind == EMBEDDING:
+            return 0
+        return 2 if self.kind == TRANSPOSED and self.bias else 1
+
+    @property
+    def input_at(self) -> int:
+        """Where the node takes its input (the ids of an embedding)."""
+        if self.kind == EMBEDDING:
+            return 1
+        return 1 if self.kind == TRANSPOSED and self.bias else 0
+
+    @property
+    def bias_at(self) -> int | None:
+        """Where the node takes its bias (None: it has none)."""
+        if not self.bias or self.kind == EMBEDDING:
+            return None
+        return 0 if self.kind == TRANSPOSED else 2
+
+    @property
+    def runtime_style(self) -> bool:
+        """Whether the runtime's styles shard it (torch's do not: a transposed or fused
+        projection)."""
+        return self.kind == TRANSPOSED or self.sections > 1
 
     def constructor(self) -> str:
         """The module as generated code builds it (on the meta device: ``keep_whole`` gives it
         the stage's parameters)."""
         if self.kind == EMBEDDING:
             return f"nn.Embedding({self.in_features}, {self.out_features}, device='meta')"
+        module = "TransposedLinear" if self.kind == TRANSPOSED else "nn.Linear"
         return (
-            f"nn.Linear({self.in_features}, {self.out_features}, bias={self.bias}, "
-            "device='meta')"
+            f"{module}({self.in_features}, {self.out_features}, bias={self.bias}, " "device='meta')"
         )
 
     def style_source(self) -> str:
-        """The torch style that shards it, as generated code writes it: a column projection's
-        output features split (whole heads), a row projection's (and the vocabulary-parallel
-        embedding's) partial sums all-reduced; the head's logits gathered whole."""
+        """The style that shards it, as generated code writes it: a column projection's
+        output features split (whole heads; each section alike), a row projection's (and the
+        vocabulary-parallel embedding's) partial sums all-reduced; the head's logits gathered
+        whole."""
         sliced = f"output_layouts={_SEQUENCE}" if self.sequence else ""
+        gather = f"input_layouts={_SEQUENCE}" if self.sequence else ""
         if self.kind == EMBEDDING:  # the token ids are whole on every rank
             return f"RowwiseParallel({_arguments('input_layouts=Replicate()', sliced)})"
         if self.style == ROWWISE:
-            return f"RowwiseParallel({sliced})"
-        gather = f"input_layouts={_SEQUENCE}" if self.sequence else ""
+            torch_style = "RowwiseParallel" if self.kind == LINEAR else "TransposedRowwiseParallel"
+            return f"{torch_style}({sliced})"
+        if self.runtime_style:
+            return f"SectionedColwiseParallel({_arguments(f'sections={self.sections}', gather)})"
         if self.gathered:
             return f"ColwiseParallel({_arguments(gather, 'output_layouts=Replicate()')})"
         return f"ColwiseParallel({gather})"  # through its region's input module: replicated
@@ -137,18 +177,27 @@ def _arguments(*given: str) -> str:
 @dataclass(frozen=True)
 class ShardingPlan:
     """What a package shards at tensor-parallel degree ``degree``: its modules, the sizes its
-    code leaves to each rank (``(node, position in its sizes)`` written -1), and the regions
-    left replicated with their reasons."""
+    code writes so that each rank computes its share (``(node, position in its sizes, size)``:
+    -1 where a view gives the sharded dimension its size, the fixed size where that moves a -1
+    elsewhere), the splits of fused projections' outputs it writes as chunks ``(node,
+    sections)``, and the regions left replicated with their reasons."""
 
     degree: int
     modules: tuple[ShardedModule, ...]
-    free_sizes: tuple[tuple[str, int], ...]
+    free_sizes: tuple[tuple[str, int, int], ...]
     replicated: tuple[tuple[str, str], ...]  # (region, why)
     inputs: tuple[RegionInput, ...] = ()
     #: sequence parallelism: the values sliced along the sequence, or None (off)
     sequence: SequenceSharding | None = None
     #: why sequence parallelism is off where it was not turned off ("" otherwise)
     sequence_off: str = ""
+    chunks: tuple[tuple[str, int], ...] = ()
+    #: the nodes sharded regions compute on each rank's heads or features
+    interior: frozenset[str] = frozenset()
+    #: the nodes that draw random numbers in training on each rank's share (inside sharded
+    #: regions, or sequence parallel between them): generated code runs them under a random
+    #: stream of each tensor-parallel rank's own
+    drawing: frozenset[str] = frozenset()
 
     def within(self, nodes: Collection[str]) -> list[RegionInput | ShardedModule]:
         """The modules the code of ``nodes`` holds: the projections among them, each region
@@ -174,7 +223,12 @@ class ShardingPlan:
         """One line: ``tensor parallel 2: 8 regions sharded (24 projections); replicated: ...``."""
         line = (
             f"tensor parallel {self.degree}: {self.sharded_regions} region(s) sharded "
-            f"({len(self.modules)} projections, torch's ColwiseParallel / RowwiseParallel)"
+            f"({len(self.modules)} projections, torch's ColwiseParallel / RowwiseParallel"
+            + (
+                ", the runtime's for transposed or fused ones)"
+                if any(m.runtime_style for m in self.modules)
+                else ")"
+            )
         )
         if self.replicated:
             shown = "; ".join(f"{scope}: {why}" for scope, why in self.replicated[:3])
@@ -199,11 +253,24 @@ def sharding_plan(
     """The plan of ``graph`` at ``degree`` (1: nothing sharded, nothing said), sequence
     parallel where the graph allows it (``sequence_parallel`` None), asked (True: refused
     with the reason where it does not) or not (False)."""
+    plan = _plan(graph, regions, degree, sequence_parallel)
+    shares = plan.interior | plan.sequence_values
+    drawing = frozenset(n.name for n in random_in_training(graph[name] for name in shares))
+    return replace(plan, drawing=drawing)
+
+
+def _plan(
+    graph: Graph,
+    regions: TensorParallelRegions,
+    degree: int,
+    sequence_parallel: bool | None,
+) -> ShardingPlan:
     if degree == 1:
         return ShardingPlan(1, (), (), ())
-    projections = _linear_projections(graph)
+    projections = _projections(graph)
     modules: list[ShardedModule] = []
-    free: list[tuple[str, int]] = []
+    free: list[tuple[str, int, int]] = []
+    chunks: list[tuple[str, int]] = []
     replicated: list[tuple[str, str]] = []
     for region in regions.regions:
         scope = region.scope or region.kind
@@ -211,32 +278,44 @@ def sharding_plan(
         if not why:
             try:
                 found = _modules(graph, region, projections)
-                sizes = _free_sizes(graph, region) if region.kind in ("attention", "mlp") else []
+                sizes, split = (
+                    _local_sizes(graph, region) if region.kind in ("attention", "mlp") else ([], [])
+                )
             except _Replicated as reason:
                 why = str(reason)
             else:
                 modules += found
                 free += sizes
+                chunks += split
                 continue
         replicated.append((scope, why))
     modules, inputs = _region_inputs(graph, modules)
-    plan = ShardingPlan(degree, tuple(modules), tuple(free), tuple(replicated), tuple(inputs))
+    plan = ShardingPlan(
+        degree,
+        tuple(modules),
+        tuple(free),
+        tuple(replicated),
+        tuple(inputs),
+        chunks=tuple(chunks),
+        interior=_interior(graph, modules),
+    )
     if sequence_parallel is False or not modules:
         return plan
-    try:
-        return _sequence_parallel(graph, plan)
-    except SequenceRefused as refused:
-        off = str(refused)
-        if plan.replicated:  # what usually feeds a whole value into the sliced ones
-            scope, why = plan.replicated[0]
-            off += f" (a replicated region, {scope}, computes it whole: {why})"
-        if sequence_parallel:
-            raise PartitionError(
-                f"--sequence-parallel on: {graph.model.cls.rsplit('.', 1)[-1]} cannot run "
-                f"sequence parallel at --tp {degree}: {off}; use --sequence-parallel auto "
-                "or off"
-            ) from None
-        return replace(plan, sequence_off=off)
+    off = _flattened(plan)
+    if not off:
+        try:
+            return _sequence_parallel(graph, plan)
+        except SequenceRefused as refused:
+            off = str(refused)
+            if plan.replicated:  # what usually feeds a whole value into the sliced ones
+                scope, why = plan.replicated[0]
+                off += f" (a replicated region, {scope}, computes it whole: {why})"
+    if sequence_parallel:
+        raise PartitionError(
+            f"--sequence-parallel on: {graph.model.cls.rsplit('.', 1)[-1]} cannot run "
+            f"sequence parallel at --tp {degree}: {off}; use --sequence-parallel auto or off"
+        )
+    return replace(plan, sequence_off=off)
 
 
 def _region_inputs(
@@ -249,8 +328,8 @@ def _region_inputs(
     readers: dict[tuple[str, str], list[ShardedModule]] = {}
     for module in modules:
         if module.style == COLWISE and not module.gathered:
-            value = graph[module.node].args[0]
-            assert isinstance(value, Ref)  # a linear of a value (_linear_projections)
+            value = graph[module.node].args[module.input_at]
+            assert isinstance(value, Ref)  # a product of a value (_projections)
             readers.setdefault((value.name, module.region), []).append(module)
     entry_of: dict[str, str] = {}
     inputs: list[RegionInput] = []
@@ -279,15 +358,44 @@ def _sequence_parallel(graph: Graph, plan: ShardingPlan) -> ShardingPlan:
     sharding = sequence_sharding(graph, sources, readers, plan.degree)
     values = sharding.values
     modules = tuple(
-        replace(m, sequence=m.style == ROWWISE or (not m.entry and _reads(graph, m.node, values)))
+        replace(m, sequence=m.style == ROWWISE or (not m.entry and _reads(graph, m, values)))
         for m in plan.modules
     )
     inputs = tuple(replace(i, sequence=i.value in values) for i in plan.inputs)
     return replace(plan, modules=modules, inputs=inputs, sequence=sharding)
 
 
-def _reads(graph: Graph, node: str, values: frozenset[str]) -> bool:
-    value = graph[node].args[0]
+def _interior(graph: Graph, modules: Sequence[ShardedModule]) -> frozenset[str]:
+    """The nodes sharded regions compute on each rank's heads or features: those computed from
+    their column projections' outputs before a projection reads them (the region pass lets
+    nothing else read them)."""
+    stops = {m.node for m in modules}
+    seen: set[str] = set()
+    frontier = [m.node for m in modules if m.style != ROWWISE and not m.gathered]
+    while frontier:
+        for user in graph.users(frontier.pop()):
+            if user not in seen and user not in stops:
+                seen.add(user)
+                frontier.append(user)
+    return frozenset(seen)
+
+
+def _flattened(plan: ShardingPlan) -> str:
+    """Why ``plan`` cannot run sequence parallel because a projection computes on positions
+    flattened into one dimension (a transposed projection's ``addmm``: its partial sums have no
+    sequence dimension to scatter along), or ""."""
+    flat = next((m for m in plan.modules if m.kind == TRANSPOSED), None)
+    if flat is None:
+        return ""
+    return (
+        f"{flat.module} ({flat.node}) computes on the positions flattened into one dimension "
+        "(an addmm of a [in, out] weight): its partial sums have no sequence dimension to "
+        "scatter along"
+    )
+
+
+def _reads(graph: Graph, module: ShardedModule, values: frozenset[str]) -> bool:
+    value = graph[module.node].args[module.input_at]
     return isinstance(value, Ref) and value.name in values
 
 
@@ -295,27 +403,26 @@ class _Replicated(Exception):
     """Why generated code keeps a region replicated."""
 
 
-def _linear_projections(graph: Graph) -> dict[str, Node]:
-    """Each weight (first name) whose one reader is a ``linear`` or an ``embedding``, -> that
-    node: a weight another operator reads too (a transposed copy, a renormalisation) would
-    meet a DTensor there, and stays replicated."""
+def _projections(graph: Graph) -> dict[str, Node]:
+    """Each weight (first name) whose one reader is a ``linear``, an ``embedding`` or an
+    ``addmm`` / ``mm`` of it (a weight stored [in, out]), -> that node: a weight another
+    operator reads too (a transposed copy, a renormalisation) would meet a DTensor there, and
+    stays replicated."""
     readers: dict[str, int] = {}
     for node in graph.nodes:
         if node.kind == "param":
             name = graph.param_of(node.target).names[0]
             readers[name] = readers.get(name, 0) + len(graph.users(node.name))
+    at = {_LINEAR: 1, _EMBEDDING: 0, _ADDMM: 2, _MM: 1}
     found: dict[str, Node] = {}
     seen: set[str] = set()
     for node in graph.calls:
-        if node.target not in (_LINEAR, _EMBEDDING) or len(node.args) < 2:
+        if node.target not in at or len(node.args) <= at[node.target]:
             continue
-        at = 0 if node.target == _EMBEDDING else 1
-        if not isinstance(node.args[at], Ref):
+        weight = node.args[at[node.target]]
+        if not isinstance(weight, Ref) or graph[weight.name].kind != "param":
             continue
-        weight = graph[node.args[at].name]
-        if weight.kind != "param":
-            continue
-        name = graph.param_of(weight.target).names[0]
+        name = graph.param_of(graph[weight.name].target).names[0]
         if name in seen or readers.get(name, 0) != 1:
             found.pop(name, None)
         else:
@@ -333,21 +440,30 @@ def _modules(graph: Graph, region: Region, projections: dict[str, Node]) -> list
         *((COLWISE, c.weight, c.sections) for c in region.columns),
         (ROWWISE, region.row, ()),
     ]:
-        if sections:
+        if len(set(sections)) > 1:
             raise _Replicated(
-                f"{weight} is a fused projection ({len(sections)} sections), which torch's "
-                "ColwiseParallel would cut across its sections"
+                f"{weight} is a fused projection of unequal sections "
+                f"({', '.join(map(str, sections))}): each rank would need a share of each, "
+                "which a placement of equal sections (torch's _StridedShard) cannot give"
             )
         node = projections.get(weight)
-        if node is None or node.target != _LINEAR or not weight.endswith(".weight"):
+        if node is None or node.target == _EMBEDDING or not weight.endswith(".weight"):
             raise _Replicated(
-                f"{weight} is not the weight of a linear projection of its own (torch's styles "
-                "shard nn.Linear)"
+                f"{weight} is not the weight of a projection of its own (a linear, or an "
+                "addmm / mm of a [in, out] weight, that no other operator reads)"
             )
+        kind = LINEAR if node.target == _LINEAR else TRANSPOSED
+        if node.target == _ADDMM and any(
+            argument_value(node, factor) not in (None, 1) for factor in ("beta", "alpha")
+        ):
+            raise _Replicated(f"{node.name} scales its product (addmm's beta or alpha)")
         module = weight.removesuffix(".weight")
-        info = graph.param_of(graph[node.args[1].name].target)  # type: ignore[union-attr]
-        bias = node.args[2] if len(node.args) > 2 else None
+        at_weight, at_bias = {_LINEAR: (1, 2), _ADDMM: (2, 0), _MM: (1, -1)}[node.target]
+        info = graph.param_of(graph[node.args[at_weight].name].target)  # type: ignore[union-attr]
+        bias = node.args[at_bias] if 0 <= at_bias < len(node.args) else None
         names = {weight} | ({f"{module}.bias"} if isinstance(bias, Ref) else set())
+        if node.target == _ADDMM and not isinstance(bias, Ref):
+            raise _Replicated(f"{node.name} adds a constant to its product, not a bias")
         if isinstance(bias, Ref):
             bias_info = graph[bias.name]
             if bias_info.kind != "param" or graph.param_of(bias_info.target).names != (
@@ -357,10 +473,10 @@ def _modules(graph: Graph, region: Region, projections: dict[str, Node]) -> list
         inside = {name for name in held if name.startswith(f"{module}.")}
         if len(info.names) > 1 or inside != names:
             raise _Replicated(
-                f"{module} holds {sorted(inside)} or shares its weight, not an nn.Linear's "
+                f"{module} holds {sorted(inside)} or shares its weight, not a projection's "
                 "weight and bias alone"
             )
-        out_features, in_features = info.shape
+        out_features, in_features = info.shape if kind == LINEAR else info.shape[::-1]
         modules.append(
             ShardedModule(
                 node.name,
@@ -370,6 +486,8 @@ def _modules(graph: Graph, region: Region, projections: dict[str, Node]) -> list
                 out_features,
                 isinstance(bias, Ref),
                 region.scope,
+                kind,
+                sections=len(sections) or 1,
             )
         )
     return modules
@@ -428,12 +546,22 @@ def _vocabulary(
     )
 
 
-def _free_sizes(graph: Graph, region: Region) -> list[tuple[str, int]]:
-    """The (node, position) of each size a view or expansion gives a sharded dimension that is
-    not -1 already; refused where writing -1 there would make a second -1."""
-    free = []
+def _local_sizes(
+    graph: Graph, region: Region
+) -> tuple[list[tuple[str, int, int]], list[tuple[str, int]]]:
+    """What the code of ``region`` writes so that each rank computes its share: ``(node,
+    position, size)`` for each size a view or an expansion gives a sharded dimension (-1) and
+    each -1 of such a view that moves elsewhere (the fixed size it stands for), and ``(node,
+    sections)`` for each split of a fused projection's output into equal sections (a chunk
+    into as many: each rank's share splits alike). Refused where no such writing keeps the
+    code right at every degree."""
+    free: list[tuple[str, int, int]] = []
+    chunks: list[tuple[str, int]] = []
     for name, dim in region.reshapes:
         node = graph[name]
+        if node.target in _SPLITS:
+            chunks.append((name, _sections(node, graph, dim)))
+            continue
         sizes = node.args[1] if len(node.args) > 1 else None
         if not isinstance(sizes, (list, tuple)) or dim >= len(sizes):
             raise _Replicated(f"{name} ({node.target}) gives its sizes otherwise")
@@ -441,11 +569,32 @@ def _free_sizes(graph: Graph, region: Region) -> list[tuple[str, int]]:
             continue
         if isinstance(sizes[dim], Size) or not isinstance(sizes[dim], int):
             raise _Replicated(f"{name} computes the sharded size")
-        if node.target in _VIEWS and -1 in sizes:
-            raise _Replicated(
-                f"{name} fixes the sharded size {sizes[dim]} and leaves another one to -1"
-            )
         if node.target not in _VIEWS and node.target != _EXPAND:
             raise _Replicated(f"{name} ({node.target}) is not a view or an expansion")
-        free.append((name, dim))
-    return free
+        if node.target in _VIEWS and -1 in sizes:
+            other = list(sizes).index(-1)
+            meta = node.tensor_meta
+            fixed = meta.shape[other] if meta is not None else None
+            if not isinstance(fixed, int) or isinstance(fixed, bool):
+                raise _Replicated(
+                    f"{name} fixes the sharded size {sizes[dim]} and leaves another one, "
+                    "computed at run time, to -1"
+                )
+            free.append((name, other, fixed))
+        free.append((name, dim, -1))
+    return free, chunks
+
+
+def _sections(node: Node, graph: Graph, dim: int) -> int:
+    """How many equal sections ``node`` (a split of a fused projection's output along its
+    features) splits it into; refused for unequal ones."""
+    value = node.args[0]
+    meta = graph[value.name].tensor_meta if isinstance(value, Ref) else None
+    pieces = argument_value(node, "split_size") or argument_value(node, "split_sizes")
+    if meta is None or isinstance(pieces, (list, tuple)) and len(set(pieces)) != 1:
+        raise _Replicated(f"{node.name} splits the projection into unequal sections")
+    size = pieces[0] if isinstance(pieces, (list, tuple)) else pieces
+    total = meta.shape[dim]
+    if not isinstance(size, int) or not isinstance(total, int) or total % size:
+        raise _Replicated(f"{node.name} splits the projection into unequal sections")
+    return total // size

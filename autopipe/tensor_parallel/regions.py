@@ -226,7 +226,8 @@ class _Walk:
         self.kv_heads = 0
         self.attention = False  # whether the region reaches an attention call
         self.origin: dict[str, str] = {}  # value -> the column projection it comes from
-        #: views and expansions of sharded values -> the sharded dimension of their result
+        #: views, expansions and splits of sharded values -> the sharded dimension of their
+        #: result
         self.reshapes: dict[str, int] = {}
         #: every value the columns reach before a projection: sharded too, once visited
         self.reached = _reached(graph, [c.node.name for c in columns], set(by_node))
@@ -418,6 +419,7 @@ class _Walk:
             raise _Refused(f"{node.name} splits {origin} a second time, otherwise")
         self.sections[origin] = sections
         self.sizes.update(sections)
+        self.reshapes[node.name] = dim  # its sections' sizes: each rank's share of each
         # each section's users are reached through getitem: the split's value stays sharded
         self.sharded[node.name] = dim
         self.origin[node.name] = self.origin[source]

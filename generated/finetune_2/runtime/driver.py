@@ -583,16 +583,15 @@ def build_stages(
         for s in local
     }
     if layout.tensor_parallel:
-        sharded = sum(parallelize_stage(modules[s.index], layout) for s in local)
+        styles = [name for s in local for name in parallelize_stage(modules[s.index], layout)]
         sliced = (
             ", the values between regions sliced along the sequence (sequence parallel)"
             if pipeline.sequence_parallel
             else ""
         )
         say(
-            f"tensor parallelism: {sharded} module(s) of this rank's stages sharded over "
-            f"{layout.tp_size} ranks (torch's ColwiseParallel / RowwiseParallel / "
-            f"PrepareModuleInput){sliced}"
+            f"tensor parallelism: {len(styles)} module(s) of this rank's stages sharded over "
+            f"{layout.tp_size} ranks ({' / '.join(sorted(set(styles)))}){sliced}"
         )
     if config.compile:
         for s in local:
