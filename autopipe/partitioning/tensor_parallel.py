@@ -21,9 +21,12 @@ all-gather the other: row projections and the embedding reduce-scatter their out
 its gradient), region inputs and the head all-gather their input (reduce-scatter its gradient).
 They run within a node over the spec's link, costed by :class:`~.network.Network` and not
 overlapped. Each rank holds ``1/t`` of the sharded projections' parameters (gradients and
-optimizer state follow) and of the activations of the sharded work (and of those between
-regions, sequence parallel). FLOPs stay the model's (what model FLOPs utilisation counts, over
-every device of the plan).
+optimizer state follow). What a unit saves for backward scales as the bytes its operators write
+do on a rank: ``1/t`` of those on a share (a column's features, attention's heads, a slice of
+the sequence), all of the rest, and, sequence parallel, each region input's gathered value
+whole (the projections keep it for their backward); its working memory scales as its time does
+without the slowdown (an embedding's gradient is the size of its rows). FLOPs stay the model's
+(what model FLOPs utilisation counts, over every device of the plan).
 """
 
 from __future__ import annotations
@@ -89,8 +92,16 @@ def sharded_profile(
         sharded_flops = 0.0
         slower = 0.0  # the sharded FLOPs, each weighted by how much slower its 1/t share runs
         comm = [0.0, 0.0]  # forward, backward
-        held = gathered = 0.0
+        held = 0.0
         between = rest = 0.0  # bytes written by the other operators: on a share, all
+        # memory: bytes the unit's operators write (what it saves for backward follows them),
+        # all of them and what a rank writes of them
+        written_all = written_rank = 0.0
+
+        def writes(nbytes: float, on_share: bool) -> None:
+            nonlocal written_all, written_rank
+            written_all += nbytes
+            written_rank += nbytes / t if on_share else nbytes
 
         def add(kinds: tuple[str, str], nbytes: float) -> None:
             for i, kind in enumerate(kinds):
@@ -105,6 +116,19 @@ def sharded_profile(
                 divided.update(dict.fromkeys(_parameters(graph, node, module), t))
                 if module.style != ROWWISE and not module.gathered:
                     divided[name] = t  # a column's features
+                # a column's features are a share, a row's partial sums whole (a slice of the
+                # sequence, sequence parallel), the head's logits whole on every rank
+                on_share = module.style != ROWWISE and not module.gathered or module.sequence
+                writes(out, on_share and not module.gathered)
+                if module.style != ROWWISE and (
+                    entry_sliced.get(module.entry, False)
+                    and module.entry not in entered
+                    or not module.entry
+                    and module.sequence
+                ):
+                    # it (or its region input) gathers its input whole along the sequence and
+                    # keeps it for its backward, where the graph holds a slice
+                    written_rank += _input(graph, node, module) * (1 - 1 / t)
                 if module.kind == EMBEDDING:  # a lookup: no FLOPs; its partial sums reduced
                     add(split, out)
                     continue
@@ -124,7 +148,6 @@ def sharded_profile(
                         gather if module.sequence else ("", "all_reduce"),
                         _input(graph, node, module),
                     )
-                    gathered += out
                     comm[0] += collective("all_gather", out)
                 elif not module.entry:  # a column reading its input on its own
                     add(
@@ -142,8 +165,10 @@ def sharded_profile(
                 sharded_flops += flops
                 kind = "causal_attention" if _causal(node) else "attention"
                 slower += flops * _slowdown(profile, kind, node, flops, t)
+                writes(float(graph.value_bytes(name)), True)
                 continue
             written = float(graph.value_bytes(name))
+            writes(written, inside or name in sliced)
             rest += written
             # a sharded region's heads or features, or a slice of the sequence between them
             between += written if inside or name in sliced else 0.0
@@ -155,10 +180,11 @@ def sharded_profile(
         slowdown = slower / sharded_flops if sharded_flops else 1.0
         others = (1 - share) * (1 - slices + slices / t)
         keep = share * slowdown / t + others
-        # memory: the unit's sharded share (not slowed), but gathered logits are whole on
-        # every rank
-        whole = min(1.0, gathered / cost.activations) if cost.activations else 0.0
-        kept = max(share / t + others, whole)
+        # memory: what the unit keeps for backward follows the bytes it writes, of which a
+        # rank writes its share (a gathered region input whole); its working memory (an
+        # embedding's gradient the size of its rows, a product's) follows the work it shares
+        kept = written_rank / written_all if written_all else 1.0
+        working = share / t + others
         forward, backward = cost.forward * keep, cost.backward * keep
         saved += cost.forward + cost.backward - forward - backward
         communication += sum(comm)
@@ -169,8 +195,8 @@ def sharded_profile(
                 forward=forward + comm[0],
                 backward=backward + comm[1],
                 activations=int(cost.activations * kept),
-                temporaries=int(cost.temporaries * kept),
-                backward_memory=int(cost.backward_memory * kept),
+                temporaries=int(cost.temporaries * working),
+                backward_memory=int(cost.backward_memory * working),
                 parameters=max(0, int(cost.parameters - held * (1 - 1 / t))),
             )
         )

@@ -133,8 +133,9 @@ class RankResult:
     stages: tuple[int, ...] = ()
     seconds: float = 0.0
     steps: int = 0
-    peak: int = 0  # the most bytes of live fake tensors on the device at once
+    peak: int = 0  # the most bytes of live fake tensors on the device at once, in the steps
     peak_at: str | None = None  # the action running then
+    setup_peak: int = 0  # ... before them (building, initialising and sharding the stages)
     operators: int = 0  # operators run
     half_precision: int = 0  # ... of them returning bf16 or fp16 tensors (autocast)
     predicted: float | None = None  # the plan's peak for this rank
@@ -172,6 +173,11 @@ class RankResult:
             measured += f", {self.predicted / 2**20:.2f} MiB predicted by the plan ({off:+.1f}%)"
         else:
             measured += ", no prediction (the pipeline has no memory plan)"
+        if self.setup_peak > self.peak:
+            measured += (
+                f"; setup peaks higher, at {self.setup_peak / 2**20:.2f} MiB (building, "
+                "initialising or loading the stages: a sharded tensor is made whole first)"
+            )
         lines.append(f"  {measured}{self.prediction_note}")
         if self.half_precision:
             lines.append(
@@ -334,6 +340,10 @@ class Rehearsal(LiveTensorBytes):
         self.sizes: dict[StorageWeakRef, int] = {}
         self.young: list[StorageWeakRef] = []  # those the last operator returned
         self.peak_at: RankAction | None = None  # the action running at the peak
+        #: before the first action (building, initialising, loading and sharding the stages):
+        #: its peak, apart from the steps' (``peak``, which the plan predicts)
+        self.setup = True
+        self.setup_peak = 0
         self.operators = 0  # operators run
         self.half_precision = 0  # ... that returned bf16 or fp16 tensors (autocast)
         self.values: ByTensor[torch.Tensor] = ByTensor()  # fake tensor -> its real value
@@ -468,12 +478,18 @@ class Rehearsal(LiveTensorBytes):
                     self.young.append(ref)
         self.operators += 1
         self.half_precision += half
-        if self.bytes > self.peak:
+        if self.bytes > (self.setup_peak if self.setup else self.peak):
             self.settle()
             self.new_peak()
 
     def new_peak(self) -> None:
-        if self.bytes > self.peak:
+        if self.setup and ACTIVITY.now is not None:  # the first action: the steps begin
+            self.setup = False
+            self.settle()
+            self.peak = self.bytes
+        if self.setup:
+            self.setup_peak = max(self.setup_peak, self.bytes)
+        elif self.bytes > self.peak:
             self.peak = self.bytes
             self.peak_at = ACTIVITY.now[0] if ACTIVITY.now is not None else None
 
@@ -490,7 +506,7 @@ class Rehearsal(LiveTensorBytes):
             size = storage.nbytes()
             self.bytes += size - self.sizes[ref]
             self.sizes[ref] = size
-            if self.bytes > self.peak:
+            if self.bytes > (self.setup_peak if self.setup else self.peak):
                 self.settle()
                 self.new_peak()
 
@@ -1050,7 +1066,7 @@ def play_rank(
         if dist.is_initialized():
             dist.destroy_process_group()
     result.seconds = time.perf_counter() - began
-    result.peak = mode.peak
+    result.peak, result.setup_peak = mode.peak, mode.setup_peak
     result.operators, result.half_precision = mode.operators, mode.half_precision
     result.peak_at = mode.peak_at.what() if mode.peak_at is not None else None
     result.collectives, result.transfers = mode.collectives, mode.transfers
