@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from autopipe.runtime.core.region_rng import set_tensor_parallel_rank, tensor_parallel_rng
+from autopipe.runtime.core.region_rng import on_rank_stream, set_tensor_parallel_rank
 
 
 @pytest.fixture(autouse=True)
@@ -21,8 +21,7 @@ def _draws(rank: int, degree: int, seed: int = 0) -> tuple[torch.Tensor, torch.T
     """What a region draws on ``rank``, and what the shared stream draws after it."""
     set_tensor_parallel_rank(rank, degree)
     torch.manual_seed(seed)
-    with tensor_parallel_rng():
-        inside = torch.rand(8)
+    inside = on_rank_stream(torch.rand, 8)
     return inside, torch.rand(8)
 
 
@@ -37,10 +36,7 @@ def test_each_rank_draws_its_own_and_the_shared_stream_stays_in_step():
 def test_two_regions_draw_differently():
     set_tensor_parallel_rank(0, 2)
     torch.manual_seed(0)
-    with tensor_parallel_rng():
-        one = torch.rand(8)
-    with tensor_parallel_rng():
-        two = torch.rand(8)
+    one, two = on_rank_stream(torch.rand, 8), on_rank_stream(torch.rand, 8)
     assert not torch.equal(one, two)
 
 
@@ -58,8 +54,7 @@ def test_recomputation_draws_the_same_masks():
     x = torch.randn(64, requires_grad=True)
 
     def region(value):
-        with tensor_parallel_rng():
-            return torch.nn.functional.dropout(value, 0.5, training=True)
+        return on_rank_stream(torch.nn.functional.dropout, value, 0.5, training=True)
 
     torch.manual_seed(3)
     out = region(x)
@@ -70,6 +65,22 @@ def test_recomputation_draws_the_same_masks():
     recomputed = checkpoint(region, x, use_reentrant=False)
     recomputed.sum().backward()
     assert torch.equal(recomputed, out) and torch.equal(x.grad, plain)
+
+
+def test_compiled_code_calls_it_as_it_stands():
+    """torch.compile leaves the call out of its graph: a compiled function draws each rank's
+    own masks, as the eager one does."""
+    set_tensor_parallel_rank(1, 2)
+
+    def region(value):
+        return on_rank_stream(torch.nn.functional.dropout, value * 2, 0.5, training=True)
+
+    x = torch.randn(64)
+    torch.manual_seed(5)
+    eager = region(x)
+    torch.manual_seed(5)
+    compiled = torch.compile(region, backend="eager")(x)
+    assert torch.equal(compiled, eager)
 
 
 def test_a_rank_outside_its_degree_is_refused():

@@ -22,7 +22,7 @@ from autopipe.runtime.core.sharded_layers import (
     fsdp_placement,
     plain_placement,
     sectioned,
-    splits,
+    is_split,
 )
 
 
@@ -79,8 +79,8 @@ def test_placements_fsdp2_and_checkpoints_see(mesh):
     assert fsdp_placement(nn.Parameter(fused)) == Shard(1)
     assert fsdp_placement(nn.Parameter(transposed)) is None
     assert fsdp_placement(nn.Parameter(plain)) is None
-    assert splits(sectioned(0, 3)) and splits(Shard(0)) and not splits(Replicate())
-    assert not sectioned(0, 3).is_shard()  # what splits() is for
+    assert is_split(sectioned(0, 3)) and is_split(Shard(0)) and not is_split(Replicate())
+    assert not sectioned(0, 3).is_shard()  # what is_split() is for
     assert plain_placement(sectioned(1, 3)) == Shard(1)
     assert plain_placement(Replicate()) == Replicate()
     assert sectioned(0, 1) == Shard(0)

@@ -12,7 +12,7 @@ from torch import nn
 
 from autopipe.compiler import CompileOptions, load_graph, trace_step
 from autopipe.errors import ArtifactError
-from autopipe.spec import Example
+from autopipe.spec import Example, load_example
 from autopipe.tensor_parallel import TensorParallelRegions, find_regions, sharding_plan
 
 
@@ -241,3 +241,18 @@ def test_the_token_embedding_is_the_table_that_looks_up_the_input():
     graph = load_graph("generated/finetune_2/artifacts/graph.json")
     tables = [r.scope for r in find_regions(graph).regions if r.kind == "embedding"]
     assert tables == ["transformer.wte"]
+
+
+def test_a_flattening_view_of_dynamic_rows_keeps_its_region_replicated():
+    """GPT-2's row projections read ``view(x, [-1, features])``: at a fixed shape generated code
+    writes the row count and frees the features (``[24, -1]``); with a dynamic sequence the row
+    count is computed at run time, which that writing would freeze, so the regions stay
+    replicated, saying why."""
+    example = load_example("tests/causal_models.py:gpt2_plain")
+    graph = trace_step(example, CompileOptions(stages=1, dynamic=["seq=input_ids:1,labels:1"]))
+    plan = sharding_plan(graph, find_regions(graph), 2)
+    assert not plan.modules
+    why = dict(plan.replicated)["transformer.h.0.attn.c_attn"]
+    assert why.endswith(
+        "fixes the sharded size 32 and leaves another one, computed at run time, to -1"
+    )

@@ -554,10 +554,9 @@ def test_dropout_inside_regions_draws_each_ranks_own_and_recomputes_alike(tmp_pa
     restores."""
     compiled = compile_model(GPT2_DROPOUT, tmp_path / "pipe", 1, tp=2)
     blocks = (compiled.out / "blocks.py").read_text()
-    assert "        with tensor_parallel_rng():\n            scaled_dot_product_attention = " in (
-        blocks
-    )
-    assert blocks.count("tensor_parallel_rng():") == 1  # the residual dropouts are replicated
+    assert "scaled_dot_product_attention = on_rank_stream(\n" in blocks
+    assert "aten.scaled_dot_product_attention.default,\n" in blocks
+    assert blocks.count("on_rank_stream(") == 1  # the residual dropouts are replicated
     runs = []
     for recompute in ("none", "blocks"):
         (tmp_path / recompute).mkdir()

@@ -17,12 +17,12 @@ from ..ir.codec import decode_tensor
 from ..ir.eval_mode import mode_slots
 from ..ir.kinds import kind_of
 from ..ir.types import argument_value, dtype_name
-from ..runtime.core.region_rng import tensor_parallel_rng
+from ..runtime.core.region_rng import on_rank_stream
 from ..tensor_parallel import ShardingPlan
 
 BLACK_MODE = black.Mode(line_length=100)
-#: the runtime's context of a tensor-parallel rank's own random stream (generated code calls it)
-RANK_RNG = tensor_parallel_rng.__name__
+#: the runtime's call of an operator on a tensor-parallel rank's own random stream
+RANK_STREAM_CALL = on_rank_stream.__name__
 
 #: Writes the statement of one higher-order node (:mod:`autopipe.ir.kinds`), as black lays it out:
 #: ``emitter(graph, node, ref, indent, target)`` -> lines assigning the node's value to ``target``.
@@ -287,13 +287,11 @@ def forward_body(
         elif kind_of(node.target) is not None:
             raise TypeError(f"no emitter is registered for the node kind {node.target}")
         else:
-            own = node.name in drawing  # on a tensor-parallel rank's share: its own stream
-            at = base + len(indent) + (4 if own else 0)
             fn, args = operator_call(node, ref)
             call_args = args if node.target != "getitem" else None
-            statement = assignment(target(node.name), fn, call_args, at)
-            if own:
-                statement = [f"with {RANK_RNG}():", *(f"    {line}" for line in statement)]
+            if node.name in drawing:  # random numbers on a rank's share: its own stream
+                fn, call_args = RANK_STREAM_CALL, [fn, *args]
+            statement = assignment(target(node.name), fn, call_args, base + len(indent))
         lines.extend(indent + line for line in statement)
     return lines
 

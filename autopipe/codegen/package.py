@@ -169,7 +169,7 @@ def package_files(graph: Graph, part: Partition, gpus_per_node: int = 8) -> dict
                 {"Block"}
                 | {
                     name
-                    for name in ("keep_whole", "TransposedLinear", emit.RANK_RNG)
+                    for name in ("keep_whole", "TransposedLinear", emit.RANK_STREAM_CALL)
                     if any(f"{name}(" in definition for definition in definitions)
                 }
             ),
@@ -320,7 +320,11 @@ def _stage_context(
                     else []
                 )
                 + sorted({style.split("(")[0] for _, style in styles} & RUNTIME_STYLES)
-                + ([emit.RANK_RNG] if any(f"{emit.RANK_RNG}(" in line for line in body) else [])
+                + (
+                    [emit.RANK_STREAM_CALL]
+                    if any(f"{emit.RANK_STREAM_CALL}(" in line for line in body)
+                    else []
+                )
                 + support_names(plan.nodes)
             )
         ),

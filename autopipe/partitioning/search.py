@@ -139,7 +139,7 @@ PRUNED = "pruned"
 #: the problem of a candidate no split fits, even recomputing (its start)
 SHORT = "a device needs at least"
 #: ... of one left out because fewer microbatches of its family did not fit
-_TOO_MANY = f"{SHORT} what"
+_TOO_MANY = f"{SHORT} as much as with"
 #: a candidate is pruned when its lower bound exceeds the best step found by more than this
 #: share (plans whose throughputs agree to 3 significant digits tie in the ranking)
 PRUNE_MARGIN = 0.01
@@ -398,8 +398,8 @@ def _fewer_too_many(
 
 def _too_many(fewer: Plan) -> str:
     return (
-        f"{_TOO_MANY} {fewer.candidate.microbatches} microbatches per run needed, which no "
-        f"split fitted even recomputing ({fewer.problem.removeprefix(SHORT).strip()})"
+        f"{_TOO_MANY} {fewer.candidate.microbatches} microbatches per run, which no split "
+        f"fitted even recomputing ({fewer.problem.removeprefix(SHORT).strip()})"
     )
 
 
@@ -435,7 +435,7 @@ def _as_one_process(plans: list[Plan], bounds: list[float], partitioned: list[bo
         elif best is not None and bound > best.step_time * (1 + PRUNE_MARGIN):
             plans[index] = Plan(plan.candidate, plan.global_batch, plan.capacity)
             plans[index].problem = _pruned(bound, best)
-        elif (fewer := _fewer_too_many(short, plan.candidate)) is not None:
+        elif not plan.fits and (fewer := _fewer_too_many(short, plan.candidate)) is not None:
             plans[index] = Plan(plan.candidate, plan.global_batch, plan.capacity)
             plans[index].problem = _too_many(fewer)
         else:

@@ -115,7 +115,7 @@ class ShardedModule:
         return 0 if self.kind == TRANSPOSED else 2
 
     @property
-    def runtime_style(self) -> bool:
+    def uses_runtime_style(self) -> bool:
         """Whether the runtime's styles shard it (torch's do not: a transposed or fused
         projection)."""
         return self.kind == TRANSPOSED or self.sections > 1
@@ -126,9 +126,7 @@ class ShardedModule:
         if self.kind == EMBEDDING:
             return f"nn.Embedding({self.in_features}, {self.out_features}, device='meta')"
         module = "TransposedLinear" if self.kind == TRANSPOSED else "nn.Linear"
-        return (
-            f"{module}({self.in_features}, {self.out_features}, bias={self.bias}, " "device='meta')"
-        )
+        return f"{module}({self.in_features}, {self.out_features}, bias={self.bias}, device='meta')"
 
     def style_source(self) -> str:
         """The style that shards it, as generated code writes it: a column projection's
@@ -142,7 +140,7 @@ class ShardedModule:
         if self.style == ROWWISE:
             torch_style = "RowwiseParallel" if self.kind == LINEAR else "TransposedRowwiseParallel"
             return f"{torch_style}({sliced})"
-        if self.runtime_style:
+        if self.uses_runtime_style:
             return f"SectionedColwiseParallel({_arguments(f'sections={self.sections}', gather)})"
         if self.gathered:
             return f"ColwiseParallel({_arguments(gather, 'output_layouts=Replicate()')})"
@@ -226,7 +224,7 @@ class ShardingPlan:
             f"({len(self.modules)} projections, torch's ColwiseParallel / RowwiseParallel"
             + (
                 ", the runtime's for transposed or fused ones)"
-                if any(m.runtime_style for m in self.modules)
+                if any(m.uses_runtime_style for m in self.modules)
                 else ")"
             )
         )
@@ -301,7 +299,7 @@ def _plan(
     )
     if sequence_parallel is False or not modules:
         return plan
-    off = _flattened(plan)
+    off = _sequence_parallel_refusal(plan)
     if not off:
         try:
             return _sequence_parallel(graph, plan)
@@ -380,7 +378,7 @@ def _interior(graph: Graph, modules: Sequence[ShardedModule]) -> frozenset[str]:
     return frozenset(seen)
 
 
-def _flattened(plan: ShardingPlan) -> str:
+def _sequence_parallel_refusal(plan: ShardingPlan) -> str:
     """Why ``plan`` cannot run sequence parallel because a projection computes on positions
     flattened into one dimension (a transposed projection's ``addmm``: its partial sums have no
     sequence dimension to scatter along), or ""."""
@@ -575,7 +573,8 @@ def _local_sizes(
             other = list(sizes).index(-1)
             meta = node.tensor_meta
             fixed = meta.shape[other] if meta is not None else None
-            if not isinstance(fixed, int) or isinstance(fixed, bool):
+            dynamic = meta is not None and bool(meta.sizes) and not meta.sizes[other].isdigit()
+            if not isinstance(fixed, int) or isinstance(fixed, bool) or dynamic:
                 raise _Replicated(
                     f"{name} fixes the sharded size {sizes[dim]} and leaves another one, "
                     "computed at run time, to -1"

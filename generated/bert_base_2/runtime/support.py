@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .core.kept_modules import run_over_packed, tensors_of
-from .core.region_rng import tensor_parallel_rng
+from .core.region_rng import on_rank_stream
 from .core.sharded_layers import (
     SectionedColwiseParallel,
     TransposedLinear,
@@ -236,9 +236,9 @@ __all__ = [
     "init_state",
     "keep_whole",
     "local_shard",
+    "on_rank_stream",
     "require_operators",
     "run_over_packed",
     "stage_state",
-    "tensor_parallel_rng",
     "tensors_of",
 ]

@@ -39,8 +39,7 @@ from .activity import ACTIVITY, doing, recorded, transfer
 from .core.errors import PipelineRunError
 from .core.mesh import RankMesh
 from .core.pipeline import MESH_DIMENSIONS, PIPELINE_INNERMOST, Pipeline
-from .core.region_rng import set_tensor_parallel_rank
-from .core.sharded_layers import fsdp_placement, splits
+from .core.sharded_layers import fsdp_placement, is_split
 from .support import local_shard
 from .timeline import Timeline
 
@@ -274,12 +273,10 @@ def shard_stage(
 def parallelize_stage(stage: nn.Module, layout: Layout) -> list[str]:
     """Shard ``stage``'s projections over the "tp" mesh by its generated plan
     (``tensor_parallel_plan``: original name -> style), with torch's ``parallelize_module``;
-    returns the style of each module sharded, by its class name. The random operators of its
-    sharded regions draw from this rank's own stream from then on (:mod:`.core.region_rng`)."""
+    returns the style of each module sharded, by its class name."""
     plan = getattr(stage, "tensor_parallel_plan", None) or {}
     if plan:
         parallelize_module(stage, layout.tp_mesh, dict(plan))
-    set_tensor_parallel_rank(layout.tp_rank, layout.tp_size)
     return [type(style).__name__ for style in plan.values()]
 
 
@@ -444,7 +441,7 @@ def sharded_over_tp(tensor: torch.Tensor) -> bool:
     if not isinstance(tensor, DTensor):
         return False
     names = tensor.device_mesh.mesh_dim_names or ()
-    return "tp" in names and splits(tensor.placements[names.index("tp")])
+    return "tp" in names and is_split(tensor.placements[names.index("tp")])
 
 
 def group_ranks(group: Any) -> tuple[int, ...]:

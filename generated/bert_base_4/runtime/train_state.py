@@ -52,7 +52,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import empty as dtensor_empty
 
 from .checkpoint import (
     Checkpoint,
@@ -720,10 +721,16 @@ def _request(
     if source in request:
         copies.append((tensor, request[source]))
         return
-    held = _as_saved(tensor)
-    request[source] = held
-    if held is not tensor:
-        copies.append((tensor, held))
+    layout = _saved_placements(tensor)
+    if layout is None:
+        request[source] = tensor
+        return
+    assert isinstance(tensor, DTensor)  # _saved_placements
+    buffer = dtensor_empty(  # filled by DCP: nothing to gather first
+        tensor.shape, dtype=tensor.dtype, device_mesh=tensor.device_mesh, placements=layout
+    )
+    request[source] = buffer
+    copies.append((tensor, buffer))
 
 
 def _as_saved(tensor: torch.Tensor) -> torch.Tensor:
@@ -731,17 +738,26 @@ def _as_saved(tensor: torch.Tensor) -> torch.Tensor:
     (a fused projection's, whose rank holds a share of each section, which DCP cannot write
     as one block) redistributed to the plain split of the same dimension; any other as it
     is."""
-    if not isinstance(tensor, DTensor):
+    layout = _saved_placements(tensor)
+    if layout is None:
         return tensor
+    assert isinstance(tensor, DTensor)  # _saved_placements
+    return cast(torch.Tensor, tensor.redistribute(placements=layout))
+
+
+def _saved_placements(tensor: torch.Tensor) -> tuple[Placement, ...] | None:
+    """The placements a checkpoint holds ``tensor`` in where they are not its own: a
+    sectioned split over the "tp" mesh dimension as the plain split (FSDP2's own placements
+    are DCP's to write); None otherwise."""
+    if not isinstance(tensor, DTensor):
+        return None
     names = tensor.device_mesh.mesh_dim_names or ()
     if "tp" not in names:
-        return tensor
-    placements = list(tensor.placements)  # FSDP2's own (dp_shard) are DCP's to write
+        return None
+    placements = list(tensor.placements)
     at = names.index("tp")
     placements[at] = plain_placement(placements[at])
-    if placements[at] == tensor.placements[at]:
-        return tensor
-    return cast(torch.Tensor, tensor.redistribute(placements=placements))
+    return None if placements[at] == tensor.placements[at] else tuple(placements)
 
 
 def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:

@@ -478,15 +478,21 @@ class Rehearsal(LiveTensorBytes):
                     self.young.append(ref)
         self.operators += 1
         self.half_precision += half
+        self.steps_begun()
         if self.bytes > (self.setup_peak if self.setup else self.peak):
             self.settle()
             self.new_peak()
 
-    def new_peak(self) -> None:
-        if self.setup and ACTIVITY.now is not None:  # the first action: the steps begin
+    def steps_begun(self) -> None:
+        """At the first operator of the first action, the steps begin: their peak starts from
+        what setup left alive."""
+        if self.setup and ACTIVITY.now is not None:
             self.setup = False
             self.settle()
             self.peak = self.bytes
+            self.peak_at = ACTIVITY.now[0]
+
+    def new_peak(self) -> None:
         if self.setup:
             self.setup_peak = max(self.setup_peak, self.bytes)
         elif self.bytes > self.peak:
@@ -506,6 +512,7 @@ class Rehearsal(LiveTensorBytes):
             size = storage.nbytes()
             self.bytes += size - self.sizes[ref]
             self.sizes[ref] = size
+            self.steps_begun()
             if self.bytes > (self.setup_peak if self.setup else self.peak):
                 self.settle()
                 self.new_peak()

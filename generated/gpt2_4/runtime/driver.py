@@ -46,6 +46,7 @@ from .core.errors import RUN_TIME_CHECKS, PipelineRunError, UserCodeError, first
 from .core.memory import LiveTensorBytes
 from .core.mesh import RankMesh
 from .core.pipeline import Pipeline, PipelineFormatError
+from .core.region_rng import set_tensor_parallel_rank
 from .core.schedules import MULTI_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, greedy_orders
 from .data import Batches
 from .dry_run import run_dry
@@ -582,6 +583,8 @@ def build_stages(
         s.index: package.build_stage(s.index, device=device, seed=config.seed, meta_state=meta)
         for s in local
     }
+    # the random operators of sharded regions draw from this rank's own stream (degree 1: none)
+    set_tensor_parallel_rank(layout.tp_rank, layout.tp_size)
     if layout.tensor_parallel:
         styles = [name for s in local for name in parallelize_stage(modules[s.index], layout)]
         sliced = (

@@ -37,7 +37,7 @@ __all__ = [
     "fsdp_placement",
     "plain_placement",
     "sectioned",
-    "splits",
+    "is_split",
 ]
 
 
@@ -85,7 +85,7 @@ def sectioned(dim: int, sections: int) -> Placement:
     return Shard(dim) if sections == 1 else _StridedShard(dim, split_factor=sections)
 
 
-def splits(placement: Placement) -> bool:
+def is_split(placement: Placement) -> bool:
     """Whether ``placement`` splits a tensor over its mesh dimension (``Shard``, or the
     sectioned placement, which ``is_shard()`` does not count)."""
     return placement.is_shard() or isinstance(placement, _StridedShard)
