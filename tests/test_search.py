@@ -378,28 +378,3 @@ def test_plan_progress_on_a_terminal(tmp_path):
     text = drawn.decode(errors="replace")
     assert re.search(r"plan search \.\.\. \d+/\d+ candidates", text), text[-2000:]
     assert "best so far: " in text and re.search(r"plan search +\d+\.\d+ s", text)
-
-
-def test_more_microbatches_than_ran_out_of_memory_are_left_out(gpt2_graph):
-    """On a device too small for some shapes: once no split of a candidate fits even
-    recomputing, those of its family (the same shape and schedule) with more microbatches per
-    run are left out, citing it; the search that partitions every candidate finds none of
-    them fits either."""
-    graph, profile = gpt2_graph
-    small = with_memory(profile, small_device(graph, profile))
-    pruned = search(graph, small, 4, global_batch=16, method="mpipe", margin=0.0)
-    every = search(graph, small, 4, global_batch=16, method="mpipe", margin=0.0, prune=False)
-    left_out = [p for p in pruned if "microbatches per run, which no split" in p.problem]
-    assert left_out, "the small device leaves no family short of memory"
-    fits = {p.candidate for p in every if p.fits}
-    for plan in left_out:
-        assert plan.partition is None and plan.candidate not in fits
-        fewer = [
-            p
-            for p in pruned
-            if p.candidate.family == plan.candidate.family
-            and p.candidate.microbatches < plan.candidate.microbatches
-            and p.problem.startswith("a device needs at least")
-        ]
-        assert fewer, plan.problem
-    assert pruned[0].to_json() == every[0].to_json()

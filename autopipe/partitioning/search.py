@@ -62,12 +62,6 @@ class Candidate:
     def stages_per_rank(self) -> int:
         return self.stages // self.ranks
 
-    @property
-    def family(self) -> tuple[int, int, int, str, int]:
-        """What it shares with the candidates that differ from it in microbatches per run
-        only (and accumulation): more of them in flight need no less memory."""
-        return (self.dp_shard, self.stages, self.ranks, self.schedule, self.tp)
-
 
 @dataclass
 class Plan:
@@ -136,10 +130,6 @@ class Plan:
 NOT_SEARCHED = "not searched: --search-seconds ran out"
 #: the start of the problem of a candidate whose lower bound shows it cannot beat the best plan
 PRUNED = "pruned"
-#: the problem of a candidate no split fits, even recomputing (its start)
-SHORT = "a device needs at least"
-#: ... of one left out because fewer microbatches of its family did not fit
-_TOO_MANY = f"{SHORT} as much as with"
 #: a candidate is pruned when its lower bound exceeds the best step found by more than this
 #: share (plans whose throughputs agree to 3 significant digits tie in the ranking)
 PRUNE_MARGIN = 0.01
@@ -300,14 +290,12 @@ def search(
     settled: dict[int, Plan] = {}
 
     searched = 0  # candidates settled but those --search-seconds left out
-    short: dict[tuple[int, int, int, str, int], Plan] = {}  # the fewest microbatches too many
 
     def settle(c: int, plan: Plan) -> None:
         nonlocal best, searched
         settled[c] = plan
         if plan.fits and (best is None or plan.throughput > best.throughput):
             best = plan
-        _note_short(short, plan)
         if plan.problem != NOT_SEARCHED:
             searched += 1
             if progress is not None:
@@ -333,8 +321,6 @@ def search(
                 plan.problem = _short_of_memory(plan.candidate, floors[c])
             elif prune and best is not None and bounds[c] > best.step_time * (1 + PRUNE_MARGIN):
                 plan.problem = _pruned(bounds[c], best)
-            elif prune and (fewer := _fewer_too_many(short, plan.candidate)) is not None:
-                plan.problem = _too_many(fewer)
             elif pool is not None:
                 pool.submit(c, plan)
                 continue
@@ -376,33 +362,6 @@ def _short_of_memory(shape: Candidate, floor: float) -> str:
     return f"a device needs at least {format_bytes(floor)} whatever the split ({held})"
 
 
-def _note_short(short: dict[tuple[int, int, int, str, int], Plan], plan: Plan) -> None:
-    """Record ``plan`` in ``short`` when no split of it fits even recomputing, by its family,
-    if it runs fewer microbatches than the one recorded."""
-    if plan.problem.startswith(SHORT) and plan.partition is None:
-        known = short.get(plan.candidate.family)
-        if known is None or plan.candidate.microbatches < known.candidate.microbatches:
-            short[plan.candidate.family] = plan
-
-
-def _fewer_too_many(
-    short: dict[tuple[int, int, int, str, int], Plan], candidate: Candidate
-) -> Plan | None:
-    """The plan of ``candidate``'s family that ran out of memory with no more microbatches
-    than it runs, if one did: it would run out too (more in flight hold no less)."""
-    known = short.get(candidate.family)
-    if known is not None and known.candidate.microbatches <= candidate.microbatches:
-        return known
-    return None
-
-
-def _too_many(fewer: Plan) -> str:
-    return (
-        f"{_TOO_MANY} {fewer.candidate.microbatches} microbatches per run, which no split "
-        f"fitted even recomputing ({fewer.problem.removeprefix(SHORT).strip()})"
-    )
-
-
 def _pruned(bound: float, best: Plan) -> str:
     return (
         f"{PRUNED}: at least {bound * 1e3:.1f} ms per step, slower than the best "
@@ -416,32 +375,17 @@ def _as_one_process(plans: list[Plan], bounds: list[float], partitioned: list[bo
     candidates before the best plan of the earlier ones is known, so they may partition more;
     and say of every pruned plan the best step one process knew when it pruned it."""
     best: Plan | None = None
-    short: dict[tuple[int, int, int, str, int], Plan] = {}
     for index, (plan, bound) in enumerate(zip(plans, bounds)):
         if plan.problem.startswith(PRUNED):  # pruned as it was listed: cite one process's best
             assert best is not None, "a candidate is pruned after a plan that fits"
             plan.problem = _pruned(bound, best)
         elif not partitioned[index]:
-            if plan.problem.startswith(_TOO_MANY):  # left out as it was listed: as one
-                # process would have, by its bound (the best it knew may be better than the
-                # one known then), else by the plan of its family that it partitioned
-                fewer = _fewer_too_many(short, plan.candidate)
-                if best is not None and bound > best.step_time * (1 + PRUNE_MARGIN):
-                    plan.problem = _pruned(bound, best)
-                elif fewer is not None:
-                    plan.problem = _too_many(fewer)
-            _note_short(short, plan)
             continue
         elif best is not None and bound > best.step_time * (1 + PRUNE_MARGIN):
             plans[index] = Plan(plan.candidate, plan.global_batch, plan.capacity)
             plans[index].problem = _pruned(bound, best)
-        elif not plan.fits and (fewer := _fewer_too_many(short, plan.candidate)) is not None:
-            plans[index] = Plan(plan.candidate, plan.global_batch, plan.capacity)
-            plans[index].problem = _too_many(fewer)
-        else:
-            if plan.fits and (best is None or plan.throughput > best.throughput):
-                best = plan
-            _note_short(short, plan)
+        elif plan.fits and (best is None or plan.throughput > best.throughput):
+            best = plan
 
 
 class _Workers:
