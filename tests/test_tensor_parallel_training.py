@@ -490,6 +490,15 @@ def test_gpt2s_transposed_and_fused_projections_are_sharded(gpt2_two_stages):
     # unsharded (TP 1), the same code is the model's computation: autopipe verify passes
     report = verify(out, load_example(GPT2))
     assert report.ok, report.summary()
+    # the fake-CUDA dry run plays a rank of each stage under FSDP2 2 x TP 2 (8 GPUs): the
+    # sectioned DTensors sharded again by FSDP2, a block's two all-reduces each way
+    package = load_pipeline(out)
+    args = ("--device", "cuda", "--dp-shard", "2", "--world-size", "8", "--steps", "1")
+    results = [play(package, *args, "--rank", rank)[0][0] for rank in ("0", "3")]
+    assert not problems(results), problems(results)
+    microbatches = json.loads((out / "pipeline.json").read_text())["plan"]["microbatches"]
+    for result in results:  # one block a stage
+        assert result.collectives["all_reduce"]["forward"] == 2 * microbatches
 
 
 def test_gpt2_trains_like_pytorch_in_every_layout_through_one_checkpoint(gpt2_two_stages, tmp_path):
