@@ -114,12 +114,12 @@ def sharded_profile(
                 out = float(graph.value_bytes(name))  # its output
                 held += _bytes_of(graph, node.args[module.weight_at])
                 divided.update(dict.fromkeys(_parameters(graph, node, module), t))
-                if module.style != ROWWISE and not module.gathered:
+                column = module.style != ROWWISE and not module.gathered
+                if column:
                     divided[name] = t  # a column's features
                 # a column's features are a share, a row's partial sums whole (a slice of the
                 # sequence, sequence parallel), the head's logits whole on every rank
-                on_share = module.style != ROWWISE and not module.gathered or module.sequence
-                writes(out, on_share and not module.gathered)
+                writes(out, column or module.sequence and not module.gathered)
                 if module.style != ROWWISE and (
                     entry_sliced.get(module.entry, False)
                     and module.entry not in entered
@@ -252,11 +252,14 @@ def _bytes_of(graph: Graph, value: object) -> float:
     return float(graph.value_bytes(value.name)) if isinstance(value, Ref) else 0.0
 
 
-def _metas(graph: Graph, node: Node) -> tuple[TensorMeta | None, TensorMeta | None]:
-    """The tensor facts of ``node``'s first two arguments (None where one is not a value)."""
+def _metas(
+    graph: Graph, node: Node, at: tuple[int, int] = (0, 1)
+) -> tuple[TensorMeta | None, TensorMeta | None]:
+    """The tensor facts of ``node``'s arguments at the positions ``at`` (its first two by
+    default; None where one is not a value)."""
     first, second = (
         graph[a.name].tensor_meta if isinstance(a, Ref) else None
-        for a in (*node.args, None, None)[:2]
+        for a in ((*node.args, None, None)[i] for i in at)
     )
     return first, second
 
@@ -264,10 +267,7 @@ def _metas(graph: Graph, node: Node) -> tuple[TensorMeta | None, TensorMeta | No
 def _product_flops(graph: Graph, node: Node, module: ShardedModule) -> float:
     """FLOPs of ``linear(x, weight)`` (or ``addmm(bias, x, weight)``): 2 x rows of x x the
     weight's elements."""
-    x, weight = (
-        graph[a.name].tensor_meta if isinstance(a, Ref) else None
-        for a in (node.args[module.input_at], node.args[module.weight_at])
-    )
+    x, weight = _metas(graph, node, (module.input_at, module.weight_at))
     if x is None or weight is None:
         return 0.0
     return 2.0 * math.prod(x.shape[:-1]) * math.prod(weight.shape)

@@ -703,9 +703,11 @@ def training_state(
     for index, stage in stages.items():
         tensors, osd = stage_training_state(stage, optimizers[index], trainable_only)
         for name, tensor in tensors.items():
-            model.setdefault(name, _as_saved(tensor))
+            if name not in model:  # a tied copy held twice is written once (and gathered once)
+                model[name] = _as_saved(tensor)
         for name, entries in osd["state"].items():
-            optimizer.setdefault(name, {key: _as_saved(t) for key, t in entries.items()})
+            if name not in optimizer:
+                optimizer[name] = {key: _as_saved(t) for key, t in entries.items()}
     return {"model": model, "optimizer": optimizer}
 
 
