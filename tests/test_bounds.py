@@ -1,18 +1,30 @@
-"""The memory bound the plan search prunes with (autopipe/partitioning/bounds.py): the flow cuts
-against every boundary of small graphs, the floor against the memory partitions predict, and a
-search pruning with it against the exhaustive one."""
+"""The bounds the plan search prunes with (autopipe/partitioning/bounds.py): the flow cuts
+against every boundary of small graphs, the memory floor against the memory partitions
+predict, a search pruning with it against the exhaustive one, and the run floor against the
+linear program's optimum and the simulated runs of random splits."""
 
 from __future__ import annotations
 
 import itertools
+import random
 
+import numpy as np
 import pytest
 
 from autopipe.compiler import CompileOptions, profile_step, trace_step
+from autopipe.errors import PartitionError
 from autopipe.partitioning import CostModel, partition
-from autopipe.partitioning.bounds import crossings, memory_floor
+from autopipe.partitioning.bounds import crossings, memory_floor, run_floor
 from autopipe.partitioning.search import PRUNED, search
-from autopipe.runtime.core.schedules import INPUT_GRADIENTS_FREED
+from autopipe.partitioning.simulator import simulate_schedule
+from autopipe.runtime.core.schedules import (
+    INPUT_GRADIENTS_FREED,
+    MULTI_STAGE,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    PipelineCosts,
+    placement,
+)
 from autopipe.spec import load_example
 
 from conftest import spec
@@ -163,3 +175,77 @@ def test_pruning_by_memory_keeps_every_plan_that_fits():
     assert floored, "the floor prunes"
     assert not any(p.fits for p in every if p.candidate in floored)
     assert not any(p.problem.startswith(PRUNED) for p in every)
+
+
+def _all_tight(placed: list[int], microbatches: int, lead: float) -> np.ndarray:
+    """The split (compute per stage, for runs of length 1) meeting every constraint of
+    :func:`run_floor`'s linear program with equality: its optimum where it is non-negative."""
+    rank, index = np.asarray(placed), np.arange(len(placed))
+    before = index[None, :] < index[:, None]
+    mine = (index[None, :] >= index[:, None]) & (rank[None, :] == rank[:, None])
+    return np.linalg.solve(lead * before + microbatches * mine, np.ones(len(placed)))
+
+
+@pytest.mark.parametrize("ranks, microbatches", [(1, 4), (2, 2), (4, 8), (8, 8), (32, 64)])
+def test_run_floor_of_one_stage_per_rank_is_the_pipeline_fill(ranks, microbatches):
+    assert run_floor(list(range(ranks)), microbatches, 1.0) == pytest.approx(
+        1 / (1 - (1 - 1 / microbatches) ** ranks)
+    )
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+@pytest.mark.parametrize("ranks, per_rank, microbatches", [(2, 2, 4), (4, 2, 8), (8, 4, 16)])
+def test_run_floor_is_the_linear_programs_optimum(schedule, ranks, per_rank, microbatches):
+    """Where the split meeting every constraint is a split (no stage below 0), primal and dual
+    agree: the floor is the program's optimum, not only a bound; it is above each rank's share
+    (the fill) and falls as the stages ahead delay the others less."""
+    if schedule in V_SHAPED and per_rank != 2:
+        pytest.skip("V-shaped schedules run two stages per rank")
+    placed = placement(schedule, ranks * per_rank, ranks)
+    tight = _all_tight(placed, microbatches, 1.0)
+    assert tight.min() >= -1e-12
+    floor = run_floor(placed, microbatches, 1.0)
+    assert floor == pytest.approx(1 / tight.sum())
+    assert floor > microbatches / ranks
+    assert run_floor(placed, microbatches, 0.3) < floor
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", *MULTI_STAGE])
+def test_no_simulated_run_beats_the_run_floor(schedule):
+    """Splits simulated under each schedule, each stage's forward at least a given share of its
+    compute: the linear program's own optimum (the split the floor is tightest for) and random
+    ones (idle stages among them). No run is shorter than the floor of its compute, with the
+    whole compute delaying the stages after it, or where the schedule splits its backward, the
+    forward's least share."""
+    rng = random.Random(schedule)
+    per_rank = 1 if schedule in ("1f1b", "gpipe") else 2
+    ran = 0
+    for trial in range(30):
+        ranks = rng.choice([2, 4, 8])
+        stages, microbatches = ranks * per_rank, ranks * rng.choice([1, 2, 3])
+        placed = placement(schedule, stages, ranks)
+        share = rng.uniform(0.1, 0.6)  # the least forward share of any stage
+        lead = share if schedule in SPLIT_BACKWARD else 1.0
+        if trial % 3 == 0:  # the program's optimum, each stage's forward at the least share
+            compute = np.clip(_all_tight(placed, microbatches, lead), 0.0, None).tolist()
+            parts = [share] * stages
+        else:
+            compute = [rng.choice([0.0, rng.uniform(0, 1), rng.uniform(0, 10)]) for _ in placed]
+            parts = [rng.uniform(share, 0.9) for _ in placed]
+        costs = PipelineCosts(
+            forward=[c * part for c, part in zip(compute, parts)],
+            backward=[c * (1 - part) for c, part in zip(compute, parts)],
+            activations=[0.0] * stages,
+            static_memory=[0.0] * ranks,
+            send_forward=[0.0] * stages,
+            send_backward=[0.0] * stages,
+            device_of_stage=placed,
+        )
+        try:
+            run = simulate_schedule(schedule, costs, microbatches).step_time
+        except PartitionError:  # a shape torch's schedule refuses (dualpipev's fewest)
+            continue
+        ran += 1
+        floor = sum(compute) * run_floor(placed, microbatches, lead)
+        assert run >= floor * (1 - 1e-9), (trial, placed, microbatches)
+    assert ran >= 20

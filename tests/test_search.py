@@ -22,6 +22,7 @@ from autopipe.cli import main as autopipe_main
 from autopipe.compiler import CompileOptions, profile_step, trace_step
 from autopipe.errors import PartitionError
 from autopipe.partitioning import partition
+from autopipe.partitioning.bounds import run_floor
 import autopipe.partitioning.search as search_module
 from autopipe.partitioning.search import (
     NOT_SEARCHED,
@@ -29,6 +30,7 @@ from autopipe.partitioning.search import (
     Candidate,
     SearchProgress,
     candidates,
+    forward_share,
     search,
     step_lower_bound,
     unsearched_note,
@@ -206,6 +208,7 @@ def test_pruning_never_drops_the_best_plan(gpt2_graph, devices, global_batch):
     is at least its lower bound; and (with room) the bound prunes candidates."""
     graph, profile = gpt2_graph
     compute = sum(unit.forward + unit.backward for unit in profile.units)
+    lead = forward_share(profile)
     for prof in (profile, with_memory(profile, small_device(graph, profile))):
         every = search(
             graph, prof, devices, global_batch=global_batch, method="mpipe", margin=0.0,
@@ -216,7 +219,7 @@ def test_pruning_never_drops_the_best_plan(gpt2_graph, devices, global_batch):
         assert pruned[0].to_json() == every[0].to_json()
         for plan in every:
             if plan.fits:
-                assert plan.step_time >= step_lower_bound(plan.candidate, compute)
+                assert plan.step_time >= step_lower_bound(plan.candidate, compute, lead)
         assert [p.candidate for p in pruned if p.fits] == [
             p.candidate for p in every if p.fits and p.candidate in {q.candidate for q in pruned if q.fits}
         ]  # fmt: skip
@@ -318,10 +321,11 @@ def test_workers_honour_the_search_seconds(gpt2_graph):
     assert unsearched_note(plans) is not None
 
 
-def test_lower_bound_of_one_stage_per_rank_counts_the_pipeline_fill():
+def test_lower_bound_counts_the_pipeline_fill():
     """p ranks, m microbatches: each rank's share, and with one stage per rank the least a
     pipeline run can take over any split, compute / (1 - (1 - 1/m)^p): m x compute for one
-    rank, compute for one microbatch."""
+    rank, compute for one microbatch; with several stages per rank, the run floor of their
+    placement (autopipe/partitioning/bounds.py)."""
     one = Candidate(dp_shard=1, stages=1, ranks=1, schedule="1f1b", microbatches=4, accumulate=2)
     assert step_lower_bound(one, 3.0) == pytest.approx(2 * 4 * 3.0)
     single = Candidate(1, 4, 4, "1f1b", 1, 1)
@@ -330,7 +334,17 @@ def test_lower_bound_of_one_stage_per_rank_counts_the_pipeline_fill():
     assert step_lower_bound(piped, 1.0) == pytest.approx(1 / (1 - (7 / 8) ** 4))
     assert step_lower_bound(piped, 1.0) > 8 / 4  # more than the ranks' share: the fill
     looped = Candidate(1, 8, 4, "interleaved-1f1b", 8, 1)
-    assert step_lower_bound(looped, 1.0) == pytest.approx(8 / 4)
+    assert step_lower_bound(looped, 1.0) == pytest.approx(
+        run_floor(placement("interleaved-1f1b", 8, 4), 8, 1.0)
+    )
+    assert step_lower_bound(looped, 1.0) > 8 / 4  # the fill, smaller than one stage per rank's
+    assert step_lower_bound(looped, 1.0) < step_lower_bound(piped, 1.0)
+    # splitting off the weight gradients, the stages ahead delay the others by the forward
+    zero_bubble = Candidate(1, 8, 4, "interleaved-zero-bubble", 8, 1)
+    assert step_lower_bound(zero_bubble, 1.0, 0.3) == pytest.approx(
+        run_floor(placement("interleaved-zero-bubble", 8, 4), 8, 0.3)
+    )
+    assert 8 / 4 <= step_lower_bound(zero_bubble, 1.0) < step_lower_bound(zero_bubble, 1.0, 0.3)
 
 
 def test_search_seconds_option_is_checked():

@@ -1,10 +1,12 @@
-"""The least memory a plan's fullest device needs, whatever split a partitioner makes: what the
+"""What no split a partitioner makes can beat: the least memory a plan's fullest device needs
+(:func:`memory_floor`) and the least time a pipeline run takes (:func:`run_floor`), what the
 plan search prunes candidates with before partitioning them (their step's bound is
 :func:`.search.step_lower_bound`).
 
-The bound holds for every partition into the candidate's stages, as the cost model counts
-memory, so pruning with it never drops a plan that fits (tests/test_bounds.py checks it against
-partitions, the flow cut against every boundary of small graphs, and the search against the
+The bounds hold for every partition into the candidate's stages, as the cost model counts
+memory and the simulator runs the schedule, so pruning with them never drops a plan that fits
+(tests/test_bounds.py checks them against partitions, the flow cut against every boundary of
+small graphs, the run floor against the linear program's optimum, and the search against the
 exhaustive one).
 """
 
@@ -14,11 +16,12 @@ import math
 from dataclasses import dataclass
 
 import networkx as nx
+import numpy as np
 
 from ..runtime.core.schedules import SPLIT_BACKWARD
 from .cost import CostModel
 
-__all__ = ["Crossings", "crossings", "memory_floor", "MOST_CUTS"]
+__all__ = ["Crossings", "crossings", "memory_floor", "run_floor", "MOST_CUTS"]
 
 #: the most minimum cuts :func:`crossings` makes (first units' patterns x last units); a graph
 #: needing more gets no memory bound from its boundaries
@@ -127,3 +130,40 @@ def memory_floor(
     if model.dp_shard > 1 and schedule in SPLIT_BACKWARD:
         held += params + trainable
     return held / ranks
+
+
+def run_floor(placed: list[int], microbatches: int, lead: float) -> float:
+    """The least time a pipeline run of ``microbatches`` microbatches takes, whatever the split,
+    as a share of one microbatch's forward and backward over the whole model, with stage ``s``
+    on rank ``placed[s]`` and at least ``lead`` of every stage's compute delaying the stages
+    after it (1 where each backward is whole; the forward's least share where a schedule splits
+    off the weight gradients, which may run last).
+
+    Split the compute ``c_s`` over the stages (summing to 1). A rank cannot start its work on
+    stage ``s`` or a later stage of its own, for any microbatch, before the first microbatch's
+    forward has run through the stages before ``s``; and after its last action there (a whole
+    backward) the backward of that microbatch still runs through them. So a run takes at least
+    ``lead x sum(c_t, t < s) + microbatches x sum(c_t, t >= s on the rank of s)`` for every
+    ``s``: the linear program "the least T over the splits meeting these" has the value
+    ``1 / K``, ``K`` the most compute a run of length 1 can hold. Any ``y >= 0`` weighting the
+    constraints so that every stage's compute is counted at least once bounds ``K`` by
+    ``sum(y)`` (the dual); this takes the ``y`` that makes every weighting tight, clipped at 0
+    and scaled back to feasibility where it is not, so the result is a valid floor even where
+    that is not the optimum. One stage per rank gives ``1 - (1 - 1/m)^p``'s inverse."""
+    stages = len(placed)
+    m = float(microbatches)
+    rank = np.asarray(placed)
+    index = np.arange(stages)
+    # row s: the constraint of stage s; column t: the weight of stage t's compute in it
+    before = index[None, :] < index[:, None]
+    mine = (index[None, :] >= index[:, None]) & (rank[None, :] == rank[:, None])
+    constraints = lead * before + m * mine
+    try:
+        weights = np.linalg.solve(constraints.T, np.ones(stages))
+    except np.linalg.LinAlgError:
+        weights = np.zeros(stages)
+    weights = np.clip(weights, 0.0, None)
+    counted = constraints.T @ weights
+    if counted.min() <= 0.0:  # no weighting found: each rank's share alone
+        return m / len(set(placed))
+    return max(float(counted.min() / weights.sum()), m / len(set(placed)))

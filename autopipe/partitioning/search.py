@@ -12,6 +12,7 @@ deterministic).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import multiprocessing
 import os
@@ -37,7 +38,7 @@ from ..runtime.core.schedules import (
     schedule_problem_for,
 )
 from . import partition
-from .bounds import crossings, memory_floor
+from .bounds import crossings, memory_floor, run_floor
 from .cost import CostModel, graph_facts, iteration_time
 from .network import Network
 from .partition import Partition, PredictedStep
@@ -135,20 +136,28 @@ PRUNED = "pruned"
 PRUNE_MARGIN = 0.01
 
 
-def step_lower_bound(candidate: Candidate, compute: float) -> float:
+def step_lower_bound(candidate: Candidate, compute: float, forward_share: float = 0.0) -> float:
     """Seconds per step no partition of this candidate can beat, ``compute`` being one
     microbatch's forward and backward over the whole model (transfers, recomputation, FSDP2
-    traffic and the optimizer only add to it). Per pipeline run, with ``p`` ranks and ``m``
-    microbatches: each rank computes its share; and with one stage per rank, stage ``s`` can
-    start no sooner than the first microbatch's forward through the stages before it and ends
-    no later than the last one's backward through them, so a run takes at least
-    ``prefix(s) + m x cost(s)`` for every stage, whose least maximum over all splits of the
-    compute is ``compute / (1 - (1 - 1/m)^p)``."""
-    p, m = candidate.ranks, candidate.microbatches
-    per_run = max(m * compute / p, compute)
-    if candidate.stages == candidate.ranks:  # one stage per rank
-        per_run = max(per_run, compute / (1 - (1 - 1 / m) ** p))
-    return candidate.accumulate * per_run
+    traffic and the optimizer only add to it): ``accumulate`` pipeline runs, each at least
+    :func:`.bounds.run_floor` of ``compute`` for the candidate's placement of stages. A
+    schedule that splits off weight gradients (which may run last) delays the stages after one
+    by its forward alone, at least ``forward_share`` of its compute (the least share of any
+    unit); a whole backward by all of it. Each rank computes its share, and with one stage per
+    rank a run takes at least ``compute / (1 - (1 - 1/m)^p)``."""
+    lead = forward_share if candidate.schedule in SPLIT_BACKWARD else 1.0
+    c = candidate
+    per_run = max(
+        c.microbatches * compute / c.ranks,
+        compute * _run_floor(c.schedule, c.stages, c.ranks, c.microbatches, lead),
+    )
+    return c.accumulate * per_run
+
+
+@functools.lru_cache(maxsize=1024)
+def _run_floor(schedule: str, stages: int, ranks: int, microbatches: int, lead: float) -> float:
+    """:func:`.bounds.run_floor` of a schedule's placement (candidates share them)."""
+    return run_floor(placement(schedule, stages, ranks), microbatches, lead)
 
 
 @dataclass(frozen=True)
@@ -283,7 +292,11 @@ def search(
     }
     listed = candidates(devices, global_batch, len(graph.units), max_stages_per_rank, tp_degrees)
     compute = {t: sum(u.forward + u.backward for u in p.units) for t, p in profiles.items()}
-    bounds = [step_lower_bound(candidate, compute[candidate.tp]) for candidate in listed]
+    forward = {t: forward_share(p) for t, p in profiles.items()}
+    bounds = [
+        step_lower_bound(candidate, compute[candidate.tp], forward[candidate.tp])
+        for candidate in listed
+    ]
     floors = _memory_floors(graph, profiles, optimizer, listed) if prune else [0.0] * len(listed)
     every = sorted(range(len(listed)), key=lambda c: (bounds[c], c))
     began, best = monotonic(), None
@@ -346,6 +359,15 @@ def search(
             listing[id(p)],
         ),
     )
+
+
+def forward_share(profile: Profile) -> float:
+    """The least share of its compute any unit of ``profile`` spends on its forward (0 if none
+    computes)."""
+    shares = [
+        u.forward / (u.forward + u.backward) for u in profile.units if u.forward + u.backward > 0
+    ]
+    return min(shares, default=0.0)
 
 
 def _short_of_memory(shape: Candidate, floor: float) -> str:

@@ -36,6 +36,7 @@ from ..errors import PartitionError
 from ..ir import Graph, Node, Ref, Size
 from ..ir.eval_mode import random_in_training
 from ..ir.types import argument_value
+from . import operators as ops
 from .artifact import Region, TensorParallelRegions
 from .sequence import SequenceRefused, SequenceSharding, sequence_sharding
 
@@ -57,10 +58,7 @@ COLWISE, ROWWISE = "colwise", "rowwise"
 #: the kinds of :class:`ShardedModule`: ``nn.Linear``, ``nn.Embedding`` and the runtime's
 #: ``TransposedLinear`` (a weight stored [in, out], computed by ``addmm`` / ``mm``)
 LINEAR, EMBEDDING, TRANSPOSED = "linear", "embedding", "transposed"
-_LINEAR = "aten.linear.default"
-_ADDMM, _MM = "aten.addmm.default", "aten.mm.default"
 _SPLITS = {"aten.split.Tensor", "aten.split_with_sizes.default"}
-_EMBEDDING = "aten.embedding.default"
 _VIEWS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default"}
 _EXPAND = "aten.expand.default"
 #: the leaf name of a region's input module
@@ -93,26 +91,29 @@ class ShardedModule:
     sections: int = 1
 
     @property
-    def weight_at(self) -> int:
-        """Where the node takes the weight: ``embedding(weight, ids)``, ``linear(x, weight,
-        bias)``, ``addmm(bias, x, weight)``, ``mm(x, weight)``."""
+    def operator(self) -> ops.WeightedOperator:
+        """The operator its node calls: ``embedding(weight, ids)``, ``linear(x, weight,
+        bias)``, ``addmm(bias, x, weight)`` or ``mm(x, weight)``."""
         if self.kind == EMBEDDING:
-            return 0
-        return 2 if self.kind == TRANSPOSED and self.bias else 1
+            return ops.EMBEDDING
+        if self.kind == TRANSPOSED:
+            return ops.ADDMM if self.bias else ops.MM
+        return ops.LINEAR
+
+    @property
+    def weight_at(self) -> int:
+        """Where the node takes the weight."""
+        return self.operator.weight_at
 
     @property
     def input_at(self) -> int:
         """Where the node takes its input (the ids of an embedding)."""
-        if self.kind == EMBEDDING:
-            return 1
-        return 1 if self.kind == TRANSPOSED and self.bias else 0
+        return self.operator.input_at
 
     @property
     def bias_at(self) -> int | None:
         """Where the node takes its bias (None: it has none)."""
-        if not self.bias or self.kind == EMBEDDING:
-            return None
-        return 0 if self.kind == TRANSPOSED else 2
+        return self.operator.bias_at if self.bias else None
 
     @property
     def uses_runtime_style(self) -> bool:
@@ -411,13 +412,13 @@ def _projections(graph: Graph) -> dict[str, Node]:
         if node.kind == "param":
             name = graph.param_of(node.target).names[0]
             readers[name] = readers.get(name, 0) + len(graph.users(node.name))
-    at = {_LINEAR: 1, _EMBEDDING: 0, _ADDMM: 2, _MM: 1}
     found: dict[str, Node] = {}
     seen: set[str] = set()
     for node in graph.calls:
-        if node.target not in at or len(node.args) <= at[node.target]:
+        operator = ops.WEIGHTED.get(node.target)
+        if operator is None or len(node.args) <= operator.weight_at:
             continue
-        weight = node.args[at[node.target]]
+        weight = node.args[operator.weight_at]
         if not isinstance(weight, Ref) or graph[weight.name].kind != "param":
             continue
         name = graph.param_of(graph[weight.name].target).names[0]
@@ -445,22 +446,23 @@ def _modules(graph: Graph, region: Region, projections: dict[str, Node]) -> list
                 "which a placement of equal sections (torch's _StridedShard) cannot give"
             )
         node = projections.get(weight)
-        if node is None or node.target == _EMBEDDING or not weight.endswith(".weight"):
+        if node is None or node.target not in ops.PROJECTIONS or not weight.endswith(".weight"):
             raise _Replicated(
                 f"{weight} is not the weight of a projection of its own (a linear, or an "
                 "addmm / mm of a [in, out] weight, that no other operator reads)"
             )
-        kind = LINEAR if node.target == _LINEAR else TRANSPOSED
-        if node.target == _ADDMM and any(
+        operator = ops.PROJECTIONS[node.target]
+        kind = LINEAR if operator is ops.LINEAR else TRANSPOSED
+        if operator is ops.ADDMM and any(
             argument_value(node, factor) not in (None, 1) for factor in ("beta", "alpha")
         ):
             raise _Replicated(f"{node.name} scales its product (addmm's beta or alpha)")
         module = weight.removesuffix(".weight")
-        at_weight, at_bias = {_LINEAR: (1, 2), _ADDMM: (2, 0), _MM: (1, -1)}[node.target]
-        info = graph.param_of(graph[node.args[at_weight].name].target)  # type: ignore[union-attr]
-        bias = node.args[at_bias] if 0 <= at_bias < len(node.args) else None
+        info = graph.param_of(graph[node.args[operator.weight_at].name].target)  # type: ignore[union-attr]
+        at_bias = operator.bias_at
+        bias = node.args[at_bias] if at_bias is not None and at_bias < len(node.args) else None
         names = {weight} | ({f"{module}.bias"} if isinstance(bias, Ref) else set())
-        if node.target == _ADDMM and not isinstance(bias, Ref):
+        if operator is ops.ADDMM and not isinstance(bias, Ref):
             raise _Replicated(f"{node.name} adds a constant to its product, not a bias")
         if isinstance(bias, Ref):
             bias_info = graph[bias.name]
@@ -499,18 +501,18 @@ def _vocabulary(
     of the vocabulary, the logits gathered whole for the loss)."""
     weight = region.columns[0].weight
     node = projections.get(weight)
-    wanted = _EMBEDDING if region.kind == "embedding" else _LINEAR
-    if node is None or node.target != wanted or not weight.endswith(".weight"):
+    wanted = ops.EMBEDDING if region.kind == "embedding" else ops.LINEAR
+    if node is None or node.target != wanted.target or not weight.endswith(".weight"):
         raise _Replicated(
             f"{weight} is read by more than one operator (a tied weight) or not by an "
-            f"nn.{'Embedding' if wanted == _EMBEDDING else 'Linear'}'s operator"
+            f"nn.{'Embedding' if wanted is ops.EMBEDDING else 'Linear'}'s operator"
         )
     module = weight.removesuffix(".weight")
-    info = graph.param_of(graph[node.args[0 if wanted == _EMBEDDING else 1].name].target)  # type: ignore[union-attr]
+    info = graph.param_of(graph[node.args[wanted.weight_at].name].target)  # type: ignore[union-attr]
     inside = {name for name in held if name.startswith(f"{module}.")}
     if len(info.names) > 1:
         raise _Replicated(f"{weight} is tied to {', '.join(info.names[1:])}")
-    if wanted == _EMBEDDING:
+    if wanted is ops.EMBEDDING:
         # padding_idx, scale_grad_by_freq, sparse: only their defaults (-1, False, False)
         defaults = (-1, False, False)
         extra = [

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from ..ir import Graph, Node, Ref
 from ..ir.types import argument_value
+from . import operators as ops
 from .artifact import ColumnShard, Region, TensorParallelRegions
 
 __all__ = ["MAX_DEGREE", "find_regions"]
@@ -77,14 +78,6 @@ _SPLITS = {"aten.split.Tensor", "aten.split_with_sizes.default"}
 _SLICES = {"aten.slice.Tensor"}
 _CONCATENATIONS = {"aten.cat.default"}
 _ATTENTION = {"aten.scaled_dot_product_attention.default"}
-#: projections: the operator, the argument positions of its input and weight, and the weight's
-#: dimension of output features (linear's weight is [out, in]; addmm/mm's [in, out])
-_PROJECTIONS = {
-    "aten.linear.default": (0, 1, 0),
-    "aten.addmm.default": (1, 2, 1),
-    "aten.mm.default": (0, 1, 1),
-}
-_EMBEDDING = "aten.embedding.default"
 _LOSSES = {"aten.cross_entropy_loss.default"}
 
 
@@ -136,18 +129,16 @@ def find_regions(graph: Graph) -> TensorParallelRegions:
 
 
 def _projection(graph: Graph, node: Node) -> _Projection | None:
-    if node.kind != "call" or node.target not in _PROJECTIONS:
+    operator = ops.PROJECTIONS.get(node.target) if node.kind == "call" else None
+    if operator is None or len(node.args) < operator.operands():
         return None
-    at_input, at_weight, out_dim = _PROJECTIONS[node.target]
-    if len(node.args) <= max(at_input, at_weight):
-        return None
-    data, weight = node.args[at_input], node.args[at_weight]
+    data, weight = node.args[operator.input_at], node.args[operator.weight_at]
     if not isinstance(data, Ref) or not isinstance(weight, Ref):
         return None
     param = graph[weight.name]
     if param.kind != "param":
         return None
-    return _Projection(node, graph.param_of(param.target).names[0], out_dim, data.name)
+    return _Projection(node, graph.param_of(param.target).names[0], operator.out_dim, data.name)
 
 
 def _region(
@@ -503,9 +494,12 @@ def _vocabulary_regions(
         heads.append(_vocabulary(order, p.node, "head", p.weight, meta.shape[-1], p.out_dim))
     tables = []
     for node in graph.calls:
-        if node.target != _EMBEDDING or not isinstance(node.args[0], Ref):
+        if node.target != ops.EMBEDDING.target:
             continue
-        param, ids = graph[node.args[0].name], node.args[1]
+        table, ids = node.args[ops.EMBEDDING.weight_at], node.args[ops.EMBEDDING.input_at]
+        if not isinstance(table, Ref):
+            continue
+        param = graph[table.name]
         # the token embedding looks up the model's input ids; positions and token types are
         # computed (or absent), whatever their table's size
         if param.kind == "param" and _reads_an_input(graph, ids):
