@@ -248,6 +248,32 @@ def test_workers_find_the_plans_of_one_process(gpt2_graph, devices, global_batch
         assert f"{told[-1].best.throughput:.3g}" == f"{alone[0].throughput:.3g}"
 
 
+def test_workers_partition_a_placement_together(gpt2_graph, monkeypatch):
+    """With workers, the candidates sharing a multi-stage placement (shards, ranks, stages,
+    microbatches: their schedules differ) go to one worker together, where the partitioner
+    solves the placement once; every other candidate alone; and the table is one process's."""
+    graph, profile = gpt2_graph
+    groups: list[list[Candidate]] = []
+    submit = search_module._Workers.submit
+
+    def spy(self, group, plans):
+        groups.append([plan.candidate for plan in plans])
+        submit(self, group, plans)
+
+    monkeypatch.setattr(search_module._Workers, "submit", spy)
+    alone = search(graph, profile, 4, global_batch=16, method="mpipe")
+    forked = search(graph, profile, 4, global_batch=16, method="mpipe", workers=2)
+    assert [p.to_json() for p in forked] == [p.to_json() for p in alone]
+    assert any(len(group) > 1 for group in groups)
+    for group in groups:
+        shapes = {(c.tp, c.dp_shard, c.stages, c.ranks, c.microbatches) for c in group}
+        placements = {tuple(placement(c.schedule, c.stages, c.ranks)) for c in group}
+        assert len(shapes) == len(placements) == 1, group
+        assert len(group) == 1 or group[0].stages > group[0].ranks
+    submitted = [c for group in groups for c in group]
+    assert len(submitted) == len(set(submitted))  # none partitioned twice
+
+
 def _fake_partitions(graph, profile, devices, global_batch, steps_and_seconds):
     """A stand-in for partitioning: each candidate (in search order) gets the step and takes
     the seconds ``steps_and_seconds(index, bound)`` gives, so that workers finish out of order."""

@@ -609,12 +609,12 @@ class CostModel:
     def send_times(self, crossing: list[float], device_of_stage: list[int]) -> list[float]:
         """Seconds to send ``crossing[b]`` bytes over each boundary ``b`` (stage b to b + 1):
         the link between the two stages' ranks, nothing on one rank."""
-        links = self._boundary_links(tuple(device_of_stage))
+        links = self.boundary_links(tuple(device_of_stage))
         return [
             0.0 if link is None else link.transfer(moved) for link, moved in zip(links, crossing)
         ]
 
-    def _boundary_links(self, device_of_stage: tuple[int, ...]) -> list[NetworkLink | None]:
+    def boundary_links(self, device_of_stage: tuple[int, ...]) -> list[NetworkLink | None]:
         """The link over each boundary of a placement, None where both stages share a rank
         (cached: the partitioners evaluate one placement many times)."""
         known: dict[tuple[int, ...], list[NetworkLink | None]]

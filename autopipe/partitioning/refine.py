@@ -4,7 +4,10 @@ Every partitioner here produces a *monotone* assignment: along every edge of the
 and the order of in-place writes) the stage index never decreases, so the stages form a chain and
 values can be relayed from each stage to the next. :class:`Assignment` keeps the per-stage compute
 and the bytes crossing each boundary up to date as single units move, so refinement costs
-``O(exchanges of the unit x stages)`` per move.
+``O(exchanges of the unit x stages)`` per move, and the stages' times and the devices' loads and
+memory as they change: a move changes the stages between its source and its destination (the
+bytes an exchange moves are whole numbers, so the crossings elsewhere stay exactly as they
+were), and an objective costs the devices, not the stages.
 """
 
 from __future__ import annotations
@@ -60,6 +63,17 @@ class Assignment:
             self._span(index, +1)
         self.preds = [list(model.dag.predecessors(u)) for u in range(model.num_units)]
         self.succs = [list(model.dag.successors(u)) for u in range(model.num_units)]
+        self.num_devices = max(self.device_of_stage) + 1
+        self.stages_of: list[list[int]] = [[] for _ in range(self.num_devices)]
+        for s, d in enumerate(self.device_of_stage):
+            self.stages_of[d].append(s)
+        self._links = model.boundary_links(tuple(self.device_of_stage))
+        # the stages' times and the devices' loads and memory, brought up to date when read:
+        # the stages changed since (first, last), None where none did
+        self._times = self._all_stage_times()
+        self._loads = self._sum_by_device(self._times)
+        self._memory = self._sum_by_device(self._stage_memory())
+        self._changed: tuple[int, int] | None = None
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _add(self, unit: int, stage: int, sign: int) -> None:
@@ -96,6 +110,10 @@ class Assignment:
         self._add(unit, to, +1)
         for index in touched:
             self._span(index, +1)
+        first, last = min(source, to), max(source, to)
+        if self._changed is not None:
+            first, last = min(first, self._changed[0]), max(last, self._changed[1])
+        self._changed = (first, last)
 
     # -- costs --------------------------------------------------------------------------------
     def crossings(self) -> tuple[list[float], list[float]]:
@@ -106,6 +124,21 @@ class Assignment:
         return act[:-1], grad[:-1]
 
     def stage_times(self) -> list[float]:
+        """One microbatch's seconds through each stage, its transfers overlapping its compute."""
+        self._update()
+        return list(self._times)
+
+    def device_loads(self) -> list[float]:
+        """Each device's stage times summed."""
+        self._update()
+        return list(self._loads)
+
+    def device_memory(self) -> list[float]:
+        """Each device's training state and the activations its stages keep in flight."""
+        self._update()
+        return list(self._memory)
+
+    def _all_stage_times(self) -> list[float]:
         comm_forward = [0.0] * self.num_stages
         comm_backward = [0.0] * self.num_stages
         act_crossing, grad_crossing = self.crossings()
@@ -120,24 +153,51 @@ class Assignment:
             for costs in zip(self.forward, self.backward, comm_forward, comm_backward)
         ]
 
-    def device_loads(self) -> list[float]:
-        loads = [0.0] * (max(self.device_of_stage) + 1)
-        for s, t in enumerate(self.stage_times()):
-            loads[self.device_of_stage[s]] += t
-        return loads
+    def _stage_memory(self) -> list[float]:
+        return [
+            self.static[s] + self.activations[s] * self.in_flight[s] for s in range(self.num_stages)
+        ]
 
-    def device_memory(self) -> list[float]:
-        memory = [0.0] * (max(self.device_of_stage) + 1)
+    def _sum_by_device(self, per_stage: list[float]) -> list[float]:
+        """``per_stage`` summed over each device's stages, in order."""
+        sums = [0.0] * self.num_devices
         for s, d in enumerate(self.device_of_stage):
-            memory[d] += self.static[s] + self.activations[s] * self.in_flight[s]
-        return memory
+            sums[d] += per_stage[s]
+        return sums
+
+    def _update(self) -> None:
+        """Bring the changed stages' times, and their devices' loads and memory, up to date
+        (each the sum :meth:`_all_stage_times` would give: the same terms in the same order)."""
+        if self._changed is None:
+            return
+        first, last = self._changed
+        self._changed = None
+        act_crossing, grad_crossing = self.crossings()
+        links, times, end = self._links, self._times, self.num_stages - 1
+        for k in range(first, last + 1):
+            comm_forward = comm_backward = 0.0
+            for b in (k - 1, k):  # the boundaries before and after stage k
+                if 0 <= b < end and links[b] is not None:
+                    link = links[b]
+                    assert link is not None
+                    comm_forward += link.transfer(act_crossing[b])
+                    comm_backward += link.transfer(grad_crossing[b])
+            times[k] = stage_time(self.forward[k], self.backward[k], comm_forward, comm_backward)
+        devices = sorted({self.device_of_stage[k] for k in range(first, last + 1)})
+        for d in devices:
+            load = memory = 0.0
+            for s in self.stages_of[d]:
+                load += times[s]
+                memory += self.static[s] + self.activations[s] * self.in_flight[s]
+            self._loads[d], self._memory[d] = load, memory
 
     def objective(self) -> tuple[float, float, float]:
         """(bytes over device memory, busiest device, sum of squared loads): fit first, then
         speed, then balance as a tie-break."""
+        self._update()
         capacity = self.model.device.memory
-        overflow = sum(max(0.0, m - capacity) for m in self.device_memory())
-        loads = self.device_loads()
+        overflow = sum(max(0.0, m - capacity) for m in self._memory)
+        loads = self._loads
         return overflow, max(loads), sum(x * x for x in loads)
 
 

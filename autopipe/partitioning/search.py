@@ -11,6 +11,7 @@ deterministic).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -38,7 +39,7 @@ from ..runtime.core.schedules import (
     schedule_problem_for,
 )
 from . import partition
-from .bounds import crossings, memory_floor, run_floor
+from .bounds import Crossings, crossings, memory_floor, run_floor
 from .cost import CostModel, graph_facts, iteration_time
 from .network import Network
 from .partition import Partition, PredictedStep
@@ -266,9 +267,11 @@ def search(
     always is); ``progress`` is told after each other candidate.
 
     With ``workers`` > 1 (on Linux), that many forked processes partition candidates at once,
-    the next ones in the same order; the plans are those of one process (a candidate the one
-    process would have pruned is listed as pruned, though a worker partitioned it while the
-    best plan was still being found), so the result does not depend on ``workers``.
+    the next ones in the same order, a multi-stage placement's candidates (its schedules) in
+    one worker together, where the partitioner solves the placement once; the plans are those
+    of one process (a candidate the one process would have pruned is listed as pruned, though
+    a worker partitioned it while the best plan was still being found), so the result does not
+    depend on ``workers``.
 
     Each degree of ``tp_degrees`` (tensor parallelism, within a node) is searched on the
     profile each of its ranks runs (:func:`.tensor_parallel.sharded_profile`), its places on
@@ -297,11 +300,14 @@ def search(
         step_lower_bound(candidate, compute[candidate.tp], forward[candidate.tp])
         for candidate in listed
     ]
-    floors = _memory_floors(graph, profiles, optimizer, listed) if prune else [0.0] * len(listed)
     every = sorted(range(len(listed)), key=lambda c: (bounds[c], c))
+    # with workers, the candidates of one placement (their schedules and microbatch counts
+    # aside) go to one worker together, in search order: a partitioner solves a placement once
+    # for every schedule running it (:func:`.partition`), and split among workers each would
+    # solve it again. Not where seconds are counted: each candidate is started on its own time.
+    family = {c: _placement_family(listed[c]) for c in every}
     began, best = monotonic(), None
     settled: dict[int, Plan] = {}
-
     searched = 0  # candidates settled but those --search-seconds left out
 
     def settle(c: int, plan: Plan) -> None:
@@ -314,13 +320,26 @@ def search(
             if progress is not None:
                 progress(SearchProgress(searched, len(every), monotonic() - began, best))
 
-    pool = (
+    def worth(c: int) -> bool:
+        """Not ruled out by its memory floor or (pruning) by the best plan so far."""
+        if floors[c] > usable.device.memory:
+            return False
+        return not (prune and best is not None and bounds[c] > best.step_time * (1 + PRUNE_MARGIN))
+
+    workers_or_none = (
         _Workers(workers, graph, profiles, method, optimizer, gpus_per_node)
         if workers > 1
-        else None
+        else contextlib.nullcontext()
     )
-    try:
+    with workers_or_none as pool:
+        floors = (
+            _memory_floors(graph, profiles, optimizer, listed, pool)
+            if prune
+            else [0.0] * len(listed)
+        )
         for c in every:
+            if c in settled or pool is not None and pool.took(c):
+                continue  # partitioned with an earlier candidate of its family
             plan = Plan(listed[c], global_batch, capacity)
             if pool is not None:
                 pool.wait_for_room(settle)
@@ -335,16 +354,24 @@ def search(
             elif prune and best is not None and bounds[c] > best.step_time * (1 + PRUNE_MARGIN):
                 plan.problem = _pruned(bounds[c], best)
             elif pool is not None:
-                pool.submit(c, plan)
+                group = [c]
+                if seconds is None and family[c] is not None:
+                    group += [
+                        d
+                        for d in every
+                        if d != c
+                        and family[d] == family[c]
+                        and d not in settled
+                        and not pool.took(d)
+                        and worth(d)
+                    ]
+                pool.submit(group, [Plan(listed[d], global_batch, capacity) for d in group])
                 continue
             else:
                 _partitioned(plan, graph, profiles, method, optimizer, gpus_per_node)
             settle(c, plan)
         if pool is not None:
             pool.finish(settle)
-    finally:
-        if pool is not None:
-            pool.close()
     plans = [settled[c] for c in every]
     if pool is not None and prune:
         _as_one_process(plans, [bounds[c] for c in every], [pool.took(c) for c in every])
@@ -432,8 +459,14 @@ class _Workers:
             initializer=_start_worker,
             initargs=(graph, profiles, method, optimizer, gpus_per_node),
         )
-        self.running: dict[Future[Plan], int] = {}
+        self.running: dict[Future[list[Plan]], list[int]] = {}
         self.submitted: set[int] = set()
+
+    def __enter__(self) -> _Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def busy(self) -> bool:
@@ -443,9 +476,10 @@ class _Workers:
         """Did a worker partition candidate ``c``?"""
         return c in self.submitted
 
-    def submit(self, c: int, plan: Plan) -> None:
-        self.submitted.add(c)
-        self.running[self.executor.submit(_partition_in_worker, plan)] = c
+    def submit(self, group: list[int], plans: list[Plan]) -> None:
+        """Partition candidates ``group`` (their ``plans``) one after the other in a worker."""
+        self.submitted.update(group)
+        self.running[self.executor.submit(_partition_in_worker, plans)] = group
 
     def wait_for_room(self, settle: Callable[[int, Plan], None]) -> None:
         """Settle finished candidates, waiting for one while every worker is busy."""
@@ -466,7 +500,8 @@ class _Workers:
             if not done:
                 return
             for future in sorted(done, key=self.running.__getitem__):
-                settle(self.running.pop(future), future.result())
+                for c, plan in zip(self.running.pop(future), future.result()):
+                    settle(c, plan)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
@@ -485,10 +520,31 @@ def _start_worker(
     torch.set_num_threads(1)  # the workers are the parallelism
 
 
-def _partition_in_worker(plan: Plan) -> Plan:
+def _partition_in_worker(plans: list[Plan]) -> list[Plan]:
     assert _WORK is not None, "a worker partitions after _start_worker"
-    _partitioned(plan, *_WORK)
-    return plan
+    for plan in plans:
+        _partitioned(plan, *_WORK)
+    return plans
+
+
+def _crossings_in_worker(needed: tuple[int, int, bool]) -> Crossings:
+    """:func:`.bounds.crossings` of a degree's cost model (``(tp, dp_shard, kept)``)."""
+    assert _WORK is not None, "a worker cuts after _start_worker"
+    graph, profiles, _method, optimizer, _gpus = _WORK
+    tp, shard, kept = needed
+    model = CostModel(graph, profiles[tp], optimizer=optimizer, dp_shard=shard)
+    return crossings(model, input_gradients_kept=kept)
+
+
+def _placement_family(candidate: Candidate) -> tuple[object, ...] | None:
+    """What candidates share a partitioner's solve by: the placement of a multi-stage
+    schedule (looped or V-shaped) with its shards, ranks, stages, microbatches and degree;
+    None for one stage per rank (each schedule solved on its own)."""
+    if candidate.stages == candidate.ranks:
+        return None
+    c = candidate
+    shape = tuple(placement(c.schedule, c.stages, c.ranks))
+    return (c.tp, c.dp_shard, c.stages, c.ranks, c.microbatches, shape)
 
 
 def default_workers() -> int:
@@ -500,9 +556,14 @@ def default_workers() -> int:
 
 
 def _memory_floors(
-    graph: Graph, profiles: dict[int, Profile], optimizer: str, listed: list[Candidate]
+    graph: Graph,
+    profiles: dict[int, Profile],
+    optimizer: str,
+    listed: list[Candidate],
+    pool: _Workers | None = None,
 ) -> list[float]:
-    """Each candidate's :func:`.bounds.memory_floor`: the least its fullest device needs."""
+    """Each candidate's :func:`.bounds.memory_floor`: the least its fullest device needs (the
+    boundaries' least crossings cut in the ``pool``'s workers, where there is one)."""
     if not listed:
         return []
     models = {
@@ -510,12 +571,19 @@ def _memory_floors(
         for shard, tp in sorted({(c.dp_shard, c.tp) for c in listed})
     }
     # what crosses the boundaries is each degree's own (sequence parallel: a slice)
-    first_of_degree = {tp: models[shard, tp] for shard, tp in reversed(sorted(models))}
-    crossed = {
-        (tp, kept): crossings(model, input_gradients_kept=kept)
-        for tp, model in first_of_degree.items()
+    first_of_degree = {tp: shard for shard, tp in reversed(sorted(models))}
+    needed = [
+        (tp, shard, kept)
+        for tp, shard in first_of_degree.items()
         for kept in sorted({c.schedule not in INPUT_GRADIENTS_FREED for c in listed})
-    }
+    ]
+    if pool is not None:
+        cut = list(pool.executor.map(_crossings_in_worker, needed))
+    else:
+        cut = [
+            crossings(models[shard, tp], input_gradients_kept=kept) for tp, shard, kept in needed
+        ]
+    crossed = {(tp, kept): found for (tp, _shard, kept), found in zip(needed, cut)}
     return [
         memory_floor(
             models[c.dp_shard, c.tp],
