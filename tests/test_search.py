@@ -279,7 +279,7 @@ def _fake_partitions(graph, profile, devices, global_batch, steps_and_seconds):
     the seconds ``steps_and_seconds(index, bound)`` gives, so that workers finish out of order."""
     listed = candidates(devices, global_batch, len(graph.units))
     compute = sum(unit.forward + unit.backward for unit in profile.units)
-    bounds = [step_lower_bound(c, compute) for c in listed]
+    bounds = [step_lower_bound(c, compute, forward_share(profile)) for c in listed]
     order = sorted(range(len(listed)), key=lambda c: (bounds[c], c))
     fake = {
         listed[c]: steps_and_seconds(index, bounds[c], bounds[order[0]])

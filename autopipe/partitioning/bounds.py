@@ -164,8 +164,11 @@ def run_floor(placed: list[int], microbatches: int, lead: float) -> float:
         weights = np.linalg.solve(constraints.T, np.ones(stages))
     except np.linalg.LinAlgError:
         weights = np.zeros(stages)
+    share = m / len(set(placed))  # each rank's share alone: the floor without a weighting
+    if not np.isfinite(weights).all():
+        return share
     weights = np.clip(weights, 0.0, None)
     counted = constraints.T @ weights
-    if counted.min() <= 0.0:  # no weighting found: each rank's share alone
-        return m / len(set(placed))
-    return max(float(counted.min() / weights.sum()), m / len(set(placed)))
+    if counted.min() <= 0.0:
+        return share
+    return max(float(counted.min() / weights.sum()), share)

@@ -145,7 +145,7 @@ def step_lower_bound(candidate: Candidate, compute: float, forward_share: float 
     schedule that splits off weight gradients (which may run last) delays the stages after one
     by its forward alone, at least ``forward_share`` of its compute (the least share of any
     unit); a whole backward by all of it. Each rank computes its share, and with one stage per
-    rank a run takes at least ``compute / (1 - (1 - 1/m)^p)``."""
+    rank (1F1B, GPipe: whole backwards) a run takes at least ``compute / (1 - (1 - 1/m)^p)``."""
     lead = forward_share if candidate.schedule in SPLIT_BACKWARD else 1.0
     c = candidate
     per_run = max(
