@@ -373,6 +373,16 @@ def test_lower_bound_counts_the_pipeline_fill():
     assert 8 / 4 <= step_lower_bound(zero_bubble, 1.0) < step_lower_bound(zero_bubble, 1.0, 0.3)
 
 
+def test_lower_bound_of_very_deep_placements_is_the_ranks_share():
+    """Beyond FLOOR_MOST_STAGES stages the search does not solve the run floor's program (a
+    dense solve of that size takes seconds per shape): each rank's share, still a bound."""
+    ranks = search_module.FLOOR_MOST_STAGES
+    deep = Candidate(1, 2 * ranks, ranks, "interleaved-1f1b", 2 * ranks, 3)
+    assert step_lower_bound(deep, 1.0) == pytest.approx(3 * 2.0)
+    shallow = Candidate(1, ranks, ranks // 2, "interleaved-1f1b", ranks, 3)
+    assert step_lower_bound(shallow, 1.0) > 3 * 2.0  # solved: the fill counts
+
+
 def test_search_seconds_option_is_checked():
     for bad in (0, -1.0, float("nan"), "1"):
         with pytest.raises(Exception, match="--search-seconds must be a number of seconds"):

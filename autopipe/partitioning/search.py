@@ -157,8 +157,18 @@ def step_lower_bound(candidate: Candidate, compute: float, forward_share: float 
 
 @functools.lru_cache(maxsize=1024)
 def _run_floor(schedule: str, stages: int, ranks: int, microbatches: int, lead: float) -> float:
-    """:func:`.bounds.run_floor` of a schedule's placement (candidates share them)."""
+    """:func:`.bounds.run_floor` of a schedule's placement (candidates share them): its closed
+    form with one stage per rank and whole backwards; each rank's share alone beyond
+    :data:`FLOOR_MOST_STAGES` stages (a dense solve of that size takes a second)."""
+    if stages == ranks and lead == 1.0:
+        return 1 / (1 - (1 - 1 / microbatches) ** ranks)
+    if stages > FLOOR_MOST_STAGES:
+        return microbatches / ranks
     return run_floor(placement(schedule, stages, ranks), microbatches, lead)
+
+
+#: the most stages whose run floor the search solves for (more: each rank's share)
+FLOOR_MOST_STAGES = 1024
 
 
 @dataclass(frozen=True)
