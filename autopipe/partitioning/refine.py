@@ -70,10 +70,10 @@ class Assignment:
         self._links = model.boundary_links(tuple(self.device_of_stage))
         # the stages' times and the devices' loads and memory, brought up to date when read:
         # the stages changed since (first, last), None where none did
-        self._times = self._all_stage_times()
-        self._loads = self._sum_by_device(self._times)
-        self._memory = self._sum_by_device(self._stage_memory())
-        self._changed: tuple[int, int] | None = None
+        self._times = [0.0] * self.num_stages
+        self._loads = [0.0] * self.num_devices
+        self._memory = [0.0] * self.num_devices
+        self._changed: tuple[int, int] | None = (0, self.num_stages - 1)
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _add(self, unit: int, stage: int, sign: int) -> None:
@@ -138,36 +138,9 @@ class Assignment:
         self._update()
         return list(self._memory)
 
-    def _all_stage_times(self) -> list[float]:
-        comm_forward = [0.0] * self.num_stages
-        comm_backward = [0.0] * self.num_stages
-        act_crossing, grad_crossing = self.crossings()
-        send_forward = self.model.send_times(act_crossing, self.device_of_stage)
-        send_backward = self.model.send_times(grad_crossing, self.device_of_stage)
-        for s in range(self.num_stages - 1):
-            for stage in (s, s + 1):
-                comm_forward[stage] += send_forward[s]
-                comm_backward[stage] += send_backward[s]
-        return [
-            stage_time(*costs)
-            for costs in zip(self.forward, self.backward, comm_forward, comm_backward)
-        ]
-
-    def _stage_memory(self) -> list[float]:
-        return [
-            self.static[s] + self.activations[s] * self.in_flight[s] for s in range(self.num_stages)
-        ]
-
-    def _sum_by_device(self, per_stage: list[float]) -> list[float]:
-        """``per_stage`` summed over each device's stages, in order."""
-        sums = [0.0] * self.num_devices
-        for s, d in enumerate(self.device_of_stage):
-            sums[d] += per_stage[s]
-        return sums
-
     def _update(self) -> None:
         """Bring the changed stages' times, and their devices' loads and memory, up to date
-        (each the sum :meth:`_all_stage_times` would give: the same terms in the same order)."""
+        (each device's sums over its stages in order, as if costed afresh)."""
         if self._changed is None:
             return
         first, last = self._changed
@@ -177,9 +150,8 @@ class Assignment:
         for k in range(first, last + 1):
             comm_forward = comm_backward = 0.0
             for b in (k - 1, k):  # the boundaries before and after stage k
-                if 0 <= b < end and links[b] is not None:
-                    link = links[b]
-                    assert link is not None
+                link = links[b] if 0 <= b < end else None
+                if link is not None:
                     comm_forward += link.transfer(act_crossing[b])
                     comm_backward += link.transfer(grad_crossing[b])
             times[k] = stage_time(self.forward[k], self.backward[k], comm_forward, comm_backward)

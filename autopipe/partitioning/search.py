@@ -330,11 +330,13 @@ def search(
             if progress is not None:
                 progress(SearchProgress(searched, len(every), monotonic() - began, best))
 
+    def outrun(c: int) -> bool:
+        """Pruning, is the best plan so far faster than ``c`` can be?"""
+        return prune and best is not None and bounds[c] > best.step_time * (1 + PRUNE_MARGIN)
+
     def worth(c: int) -> bool:
         """Not ruled out by its memory floor or (pruning) by the best plan so far."""
-        if floors[c] > usable.device.memory:
-            return False
-        return not (prune and best is not None and bounds[c] > best.step_time * (1 + PRUNE_MARGIN))
+        return floors[c] <= usable.device.memory and not outrun(c)
 
     workers_or_none = (
         _Workers(workers, graph, profiles, method, optimizer, gpus_per_node)
@@ -361,7 +363,8 @@ def search(
                 plan.problem = NOT_SEARCHED
             elif floors[c] > usable.device.memory:
                 plan.problem = _short_of_memory(plan.candidate, floors[c])
-            elif prune and best is not None and bounds[c] > best.step_time * (1 + PRUNE_MARGIN):
+            elif outrun(c):
+                assert best is not None  # outrun
                 plan.problem = _pruned(bounds[c], best)
             elif pool is not None:
                 group = [c]
