@@ -20,6 +20,7 @@ product and its collectives. Copied into every generated pipeline; needs only to
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -65,6 +66,16 @@ class TransposedLinear(nn.Module):
             )
         else:
             self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation (uniform within 1/sqrt(in_features)), read along the
+        transposed layout: a module built here holds numbers, never uninitialised memory, even
+        where a checkpoint or the original model's weights overwrite them next."""
+        bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
