@@ -46,8 +46,10 @@ to the baseline (the first step's loss is printed too: it must equal the baselin
 Targets (issue 43, CPU): (a) >= 1.00x, (b) >= 0.97x, (c) >= 0.95x the baseline.
 
 **Fairness.** Every measurement is a fresh process; one intra-op thread per process on CPU
-(``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``, as torchrun gives each rank); the same
-tokens per step everywhere; tokens/s is the tokens of a step over the median step time of the
+(``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``, as torchrun gives each rank); on CPU
+every process keeps the host memory it frees, as train.py does (``retain_freed_host_memory``:
+without it each microbatch's large tensors fault fresh pages in, a cost of the allocator, not of
+anyone's code); the same tokens per step everywhere; tokens/s is the tokens of a step over the median step time of the
 steps after the warm-up (``--warmup``). train.py's figures are its own ``--log-json`` step times
 (which include reading the batch, the gradient norm it logs and the metrics it gathers; the
 baseline's include making the batch too). train.py runs under torchrun with a user's arguments,
@@ -116,6 +118,7 @@ from typing import Any
 
 import torch
 
+from autopipe.runtime.core.host_memory import retain_freed_host_memory
 from kit_processes import REPO, Failed, run  # noqa: E402  (benchmarks/, the script's folder)
 
 HERE = REPO / "benchmarks"
@@ -356,6 +359,7 @@ def worker_device(config: dict[str, Any]) -> torch.device:
         torch.cuda.set_device(0)
         return torch.device("cuda", 0)
     torch.set_num_threads(1)
+    retain_freed_host_memory()  # as train.py's ranks do on a CPU: the same allocator for all
     return torch.device("cpu")
 
 

@@ -182,7 +182,9 @@ def main() -> None:
     print(
         f"CPU calibrated by `autopipe calibrate` (1 thread): {spec['flops']['float32'] / 1e9:.1f} "
         f"GFLOP/s fp32 matmul, {spec['memory_bandwidth'] / 1e9:.1f} GB/s memory, "
-        f"{spec['kernel_overhead'] * 1e6:.1f} us per operator; load average "
+        f"{spec['kernel_overhead'] * 1e6:.1f} us per operator, "
+        f"{spec['receive_overhead'] * 1e3:.1f} ms a receive waits while its sender computes; "
+        "load average "
         f"{os.getloadavg()[0]:.1f}"
     )
     print(

@@ -123,6 +123,21 @@ def test_an_operator_with_its_own_table_is_timed_by_it():
     assert plain < forward / 50
 
 
+def test_a_rate_measured_only_on_tiny_calls_is_not_extrapolated():
+    """A loss's gradient seed (``ones_like`` of one element, 15 us) is the only ``ones_like``
+    the calibration's layers call: its rate of 65k elements/s would time a 128k-element call
+    at 2 s. A table that stops short of the sizes where rates stop growing is read within its
+    range and left to the roofline beyond it; one that reaches them extrapolates."""
+    tables = {
+        "op.ones_like.float32": RateTable(((1.0, 65536.0),)),
+        "op.gelu.float32": RateTable(((1e5, 1e9), (1e6, 1e9))),
+    }
+    spec = DeviceSpec(**{**H100.__dict__, "tables": tables})
+    assert spec.operator_time("ones_like", torch.float32, 1.0, None) == pytest.approx(1 / 65536)
+    assert spec.operator_time("ones_like", torch.float32, 131072.0, None) is None
+    assert spec.operator_time("gelu", torch.float32, 1e7, None) == pytest.approx(1e7 / 1e9)
+
+
 def test_the_cpus_operators_are_measured_in_real_layers():
     """``autopipe calibrate`` on a CPU times the operators of a GPT-2-style, a Llama-style and
     a convolution block forward and backward: FLOPs/s for products and convolutions,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -257,3 +258,27 @@ def test_tied_parameters_sum_their_gradients_once_per_step(gpt2_graph, gpt2_prof
     assert len(tied) == 1 and not tied[0].crosses_nodes
     assert tied[0].seconds == pytest.approx(expected)
     assert predicted.data_parallel_time == pytest.approx(expected)
+
+
+def test_a_rank_waits_on_each_tensor_it_receives(gpt2_graph, gpt2_profile):
+    """A spec's ``receive_overhead`` (a CPU's, which ``autopipe calibrate`` measures while the
+    sender computes) charges each stage's forward that receives tensors from another rank and
+    each backward that receives gradients, once (an action's receives are one batch); GPT-2's
+    boundaries carry the hidden state alone; stages sharing a rank receive nothing."""
+    waiting = CostModel(
+        gpt2_graph, replace(gpt2_profile, device=replace(H100, receive_overhead=1e-3))
+    )
+    plain = CostModel(gpt2_graph, gpt2_profile)
+    stage_of_unit = partition(gpt2_graph, gpt2_profile, 4).stage_of_unit
+    sent, returned = plain.sums.messages(plain.sums.assignment(stage_of_unit), 4)
+    assert sent.tolist() == [1.0, 1.0, 1.0] and returned.tolist() == [1.0, 1.0, 1.0]
+    apart = [model.pipeline_costs(stage_of_unit, [0, 1, 2, 3]) for model in (plain, waiting)]
+    assert [b - a for a, b in zip(apart[0].forward, apart[1].forward)] == pytest.approx(
+        [0.0, 1e-3, 1e-3, 1e-3]
+    )
+    assert [b - a for a, b in zip(apart[0].backward, apart[1].backward)] == pytest.approx(
+        [1e-3, 1e-3, 1e-3, 0.0]
+    )
+    together = [model.pipeline_costs(stage_of_unit, [0, 0, 0, 0]) for model in (plain, waiting)]
+    assert together[0].forward == together[1].forward
+    assert together[0].backward == together[1].backward

@@ -157,11 +157,23 @@ def test_calibrate_writes_a_usable_spec(tmp_path):
     assert 0 < spec.kernel_overhead < 1e-3 and spec.memory > 1 << 30
     # the rates by size the analytic profile interpolates
     assert spec.calibrated and 0 < spec.view_overhead < 1e-3
+    # a receive while its sender computes, on this CPU's two ranks: the handshake's wait
+    assert spec.link_latency <= spec.receive_overhead < 0.1
     kinds = {"matmul", "attention", "causal_attention", "attention_backward"}
     assert {f"{kind}.float32" for kind in kinds} | {"memory"} <= set(spec.tables)
     assert len(spec.tables["matmul.float32"].points) >= 4
     _, graph = linear_graph()
     assert sum(u.time for u in profile(graph, "analytic", spec).units) > 0
+
+
+def test_calibrate_measures_a_cpu_with_the_threads_a_rank_has(tmp_path, capsys):
+    """``--threads`` (default 1, what torchrun gives each of several ranks): none is refused
+    before anything is measured or written."""
+    from autopipe.cli import main
+
+    out = tmp_path / "cpu.json"
+    assert main(["calibrate", "--device", "cpu", "--threads", "0", "-o", str(out)]) != 0
+    assert "1 thread or more, not 0" in capsys.readouterr().err and not out.exists()
 
 
 def test_a_measured_profile_is_reported_as_measured_on_this_machine(tmp_path):

@@ -36,12 +36,25 @@ def add_parser(subparsers: Subparsers) -> None:
         help="device to measure (default: cuda when present, else cpu)",
     )
     p.add_argument("--name", help="name of the spec (default: the device's name)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads to measure with: the threads each rank computes with (default 1, what "
+        "torchrun gives each of several ranks per node; set it to the OMP_NUM_THREADS of your "
+        "ranks). Ignored on a GPU",
+    )
     p.set_defaults(func=cmd_calibrate)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
     device = torch.device(args.device) if args.device else None
-    spec = calibrate(device, args.name, log=lambda message: print(message, file=sys.stderr))
+    spec = calibrate(
+        device,
+        args.name,
+        log=lambda message: print(message, file=sys.stderr),
+        threads=args.threads,
+    )
     atomic_write_text(args.output, json.dumps(spec.to_json(), indent=1) + "\n")
     print(
         f"wrote device spec {spec.name!r} to {args.output}; use it with --device-spec "

@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 
 from ..artifacts import atomic_write_text
 from ..errors import AutopipeError
+from ..runtime.core.host_memory import retain_freed_host_memory
 from torch.nn import functional as F
 
 from .devices import KNOWN_DEVICES, DeviceSpec, RateTable, device_spec
@@ -51,8 +52,11 @@ __all__ = [
 
 #: what a calibration measures, in the cache's key: a spec cached by an older one is measured
 #: again (v2: the tables by size and the view overhead; v3: a CPU's operators in real layers;
-#: v4: the link's latency)
-CALIBRATION = "calibration-v4"
+#: v4: the link's latency; v5: SDPA's math path, the receive wait, freed memory kept)
+CALIBRATION = "calibration-v5"
+#: receives timed under load (:func:`_receive_waits`): the mean of a wait that is bimodal (a
+#: busy sender's transfer thread gets a core at once, or after the scheduler's slice)
+RECEIVE_ROUNDS = 24
 #: ``--device-spec`` names of this machine's devices, calibrated on first use
 LOCAL_DEVICES = ("cpu", "cuda")
 #: the specs this process calibrated, by cache file
@@ -191,29 +195,72 @@ def _round_trips(rank: int, tensor: torch.Tensor, count: int, barrier: bool) -> 
 
 
 def _gloo_bandwidth_worker(rank: int, init_file: str, nbytes: int, result) -> None:
-    """One of two processes: the bandwidth of ``nbytes`` messages and the latency of a tiny
-    one, over gloo, put on ``result`` by rank 0."""
+    """One of two processes: the bandwidth of ``nbytes`` messages, the latency of a tiny one
+    and the wait of a receive under load (:func:`_receive_waits`), over gloo, put on
+    ``result`` by rank 0."""
+    torch.set_num_threads(1)  # as each torchrun rank computes
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     large = _round_trips(rank, torch.ones(nbytes // 4), 6, barrier=True)[1:]
     small = _round_trips(rank, torch.ones(1), 50, barrier=False)
+    waited = torch.tensor([statistics.mean(_receive_waits(rank, RECEIVE_ROUNDS))])
+    dist.broadcast(waited, src=1)
     if rank == 0:
-        result.put((2 * nbytes / statistics.median(large), statistics.median(small) / 2))
+        result.put(
+            (
+                2 * nbytes / statistics.median(large),
+                statistics.median(small) / 2,
+                float(waited),
+            )
+        )
     dist.destroy_process_group()
 
 
-def link_bandwidth(device: torch.device, nbytes: int) -> tuple[float, float, str]:
-    """Bytes/s between two pipeline stages on this machine, the seconds of a message (0
-    where not measured), and what was measured."""
+def _receive_waits(rank: int, rounds: int) -> list[float]:
+    """Seconds rank 1 waits on each of ``rounds`` receives of an activation-sized message
+    (64 KiB) that rank 0 sent 5 ms before and computes on after, as a pipeline's ranks do
+    (torch's schedules post each receive when the action needs it): the handshake of the
+    transfer, which waits for the busy sender's transfer thread (on rank 0: empty)."""
+    message = torch.ones(16384)
+    left, right = torch.randn(256, 256), torch.randn(256, 256)
+
+    def compute(seconds: float) -> None:
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            torch.mm(left, right)
+
+    waits = []
+    for _ in range(rounds):
+        dist.barrier()
+        if rank == 0:
+            sent = dist.isend(message, 1)
+            assert sent is not None  # None only off the group
+            compute(0.015)
+            sent.wait()
+        else:
+            compute(0.005)
+            began = time.perf_counter()
+            received = dist.irecv(torch.empty_like(message), 0)
+            assert received is not None
+            received.wait()
+            waits.append(time.perf_counter() - began)
+    return waits or [0.0]
+
+
+def link_bandwidth(device: torch.device, nbytes: int) -> tuple[float, float, float, str]:
+    """Bytes/s between two pipeline stages on this machine, the seconds of a message and the
+    seconds a receive under load waits (:func:`_receive_waits`; 0 where not measured), and
+    what was measured."""
     if device.type == "cuda":
         if torch.cuda.device_count() > 1:
             source = torch.empty(nbytes // 4, device="cuda:0")
             target = torch.empty(nbytes // 4, device="cuda:1")
             seconds = _timed(lambda: target.copy_(source), device, 5)
-            return nbytes / seconds, 0.0, "cuda:0 -> cuda:1 copy"
+            return nbytes / seconds, 0.0, 0.0, "cuda:0 -> cuda:1 copy"
         host = torch.empty(nbytes // 4).pin_memory()
         on_device = torch.empty(nbytes // 4, device=device)
         return (
             nbytes / _timed(lambda: on_device.copy_(host), device, 5),
+            0.0,
             0.0,
             "pinned host -> device copy",
         )
@@ -226,8 +273,8 @@ def link_bandwidth(device: torch.device, nbytes: int) -> tuple[float, float, str
             nprocs=2,
             start_method="spawn",
         )
-    bandwidth, latency = result.get()
-    return bandwidth, latency, "gloo between two local processes"
+    bandwidth, latency, waited = result.get()
+    return bandwidth, latency, waited, "gloo between two local processes"
 
 
 def total_memory(device: torch.device) -> float:
@@ -237,10 +284,28 @@ def total_memory(device: torch.device) -> float:
 
 
 def calibrate(
-    device: torch.device | None = None, name: str | None = None, log=lambda message: None
+    device: torch.device | None = None,
+    name: str | None = None,
+    log=lambda message: None,
+    threads: int = 1,
 ) -> DeviceSpec:
-    """Measure ``device`` (default: CUDA when present, else CPU) into a :class:`DeviceSpec`."""
+    """Measure ``device`` (default: CUDA when present, else CPU) into a :class:`DeviceSpec`.
+
+    A CPU is measured with ``threads`` compute threads: the threads each rank computes with
+    (one where torchrun starts several ranks on a node: it sets ``OMP_NUM_THREADS=1``). A spec
+    measured with every core predicts a rank that has one of them at the rate of all."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return _calibrate(device, name, log)
+    if threads < 1:
+        raise AutopipeError(f"a CPU is calibrated with 1 thread or more, not {threads}")
+    retain_freed_host_memory()  # as train.py's ranks allocate on a CPU
+    with _threads(threads):
+        plural = "thread" if threads == 1 else "threads"
+        return _calibrate(device, name or f"cpu ({_processor()}, {threads} {plural})", log)
+
+
+def _calibrate(device: torch.device, name: str | None, log: Callable[[str], None]) -> DeviceSpec:
     on_gpu = device.type == "cuda"
     size = 4096 if on_gpu else 1024
     flops = {}
@@ -266,15 +331,17 @@ def calibrate(
         tables |= operator_tables((torch.float32,), log)
     views = 0.0 if on_gpu else view_overhead(device)  # a GPU's views hide behind its kernels
     log(f"view overhead: {views * 1e6:.2f} us")
-    link, latency, how = link_bandwidth(device, (256 << 20) if on_gpu else (64 << 20))
-    log(f"link ({how}): {link / 1e9:.2f} GB/s, {latency * 1e6:.0f} us per message")
-    label = name or (
-        torch.cuda.get_device_name(device) if on_gpu else f"cpu-{os.cpu_count()}-cores"
+    link, latency, waited, how = link_bandwidth(device, (256 << 20) if on_gpu else (64 << 20))
+    log(
+        f"link ({how}): {link / 1e9:.2f} GB/s, {latency * 1e6:.0f} us per message, "
+        f"{waited * 1e6:.0f} us a receive waits while its sender computes"
     )
+    label = name or torch.cuda.get_device_name(device)
     links: dict[str, Any] = {
         "link_bandwidth": link,
         "link": f"measured: {how}",
         "link_latency": latency,
+        "receive_overhead": waited,
     }
     known = known_gpu(torch.cuda.get_device_name(device)) if on_gpu else None
     if known is not None and torch.cuda.device_count() < 2:
@@ -413,10 +480,7 @@ def local_spec(kind: str, log: Callable[[str], None] = lambda message: None) -> 
         except (OSError, ValueError, AutopipeError) as exc:
             log(f"the cached device spec {path} cannot be read ({exc}); calibrating again")
     log(f"calibrating this machine's {kind} (first use; the spec is kept in {path})")
-    device = torch.device(kind)
-    with _threads(1) if kind == "cpu" else contextlib.nullcontext():
-        name = f"cpu ({_processor()}, 1 thread)" if kind == "cpu" else None
-        spec = calibrate(device, name, log=log)
+    spec = calibrate(torch.device(kind), log=log)  # a CPU with one thread, as torchrun runs ranks
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(spec.to_json(), indent=1) + "\n")

@@ -27,6 +27,10 @@ from ..checks import is_number, is_text
 from ..errors import AutopipeError
 
 GB = 1e9
+#: the size (FLOPs, else elements written) from which an operator's rate no longer grows with
+#: it on these devices: a table that reaches it extrapolates to larger calls, one that stops
+#: short of it does not (:meth:`DeviceSpec.operator_time`)
+SATURATED_SIZE = 65536.0
 TFLOPS = 1e12
 GiB = 1024**3
 
@@ -120,6 +124,11 @@ class DeviceSpec:
     #: seconds an operator that launches no kernel (a view, a size) costs the step: the
     #: dispatcher's time, which a CPU spends in line and a GPU hides behind its kernels
     view_overhead: float = 0.0
+    #: seconds a rank waits on each action's receives from another rank, however early they
+    #: were sent: torch's schedules post an action's receives when it needs them, and the
+    #: transfers' handshake then waits for the sender (on a CPU whose ranks fill its cores, for
+    #: the busy sender's transfer thread to get a core; ``autopipe calibrate`` measures it)
+    receive_overhead: float = 0.0
     #: measured rates by kind and dtype ("matmul.float32", "attention.bfloat16", "memory"), and
     #: by operator ("op.gelu.float32", a CPU's: :mod:`.operator_rates`)
     tables: dict[str, RateTable] = field(default_factory=dict)
@@ -153,6 +162,10 @@ class DeviceSpec:
         name_of = str(dtype).removeprefix("torch.")
         if not covered and kind is not None and f"{kind}.{name_of}" in self.tables:
             return None  # the kind's table reaches further
+        if size > largest * 2 and largest < SATURATED_SIZE:
+            # measured only where the call's fixed cost is its time (a loss's gradient seed of
+            # one element): its rate says nothing of a large call, which the roofline times
+            return None
         return size / table.at(size)
 
     def memory_rate(self, nbytes: float) -> float:
@@ -268,6 +281,7 @@ _FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "network": (is_text, "a one-line description"),
     "view_overhead": (lambda v: is_number(v, 0), "a finite number of seconds >= 0"),
+    "receive_overhead": (lambda v: is_number(v, 0), "a finite number of seconds >= 0"),
     "nics_per_node": (
         lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
         "a number of NICs (1 or more), or null: one per GPU",

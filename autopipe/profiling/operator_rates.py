@@ -5,14 +5,15 @@ On a CPU, with one thread per rank, many are bound by their arithmetic instead: 
 GELU, a dropout drawing one random number per element, a batch norm's two passes over channels,
 a convolution through oneDNN at a rate a square product does not predict. Timing each operator
 kind alone would need argument shapes for each; instead the layers models are made of (a
-GPT-2-style block with GELU and dropout, a Llama-style block with RMS norm, rotary embeddings and
-a SiLU-gated MLP, an embedding and a cross-entropy loss, the elementwise chains models write out
-(GPT-2's tanh GELU formula, an erf GELU, a sigmoid gate), a convolution block with batch norm,
-ReLU and max pooling) run forward and backward at a few sizes under a dispatch mode that times
-every ATen operator they call, and each operator's rate is kept by size: FLOPs per second where
-torch's counter gives it FLOPs, elements written per second otherwise (``op.NAME.DTYPE`` tables
-of the device spec). The analytic profile times an operator it has a table for by it
-(:meth:`DeviceSpec.operator_time`), and the rest as before.
+GPT-2-style block with GELU and dropout, its attention written out and through SDPA, a
+Llama-style block with RMS norm, rotary embeddings and a SiLU-gated MLP, an embedding and a
+cross-entropy loss, the elementwise chains models write out (GPT-2's tanh GELU formula, an erf
+GELU, a sigmoid gate), a convolution block with batch norm, ReLU and max pooling) run forward
+and backward at a few sizes under a dispatch mode that times every ATen operator they call, and
+each operator's rate is kept by size: FLOPs per second where torch's counter gives it FLOPs,
+elements written per second otherwise (``op.NAME.DTYPE`` tables of the device spec). The
+analytic profile times an operator it has a table for by it (:meth:`DeviceSpec.operator_time`),
+and the rest as before.
 """
 
 from __future__ import annotations
@@ -93,19 +94,27 @@ class _OperatorLog(TorchDispatchMode):
 
 
 class _GptBlock(nn.Module):
-    def __init__(self, width: int) -> None:
+    """GPT-2's block: attention written out (scores, mask, softmax, dropout), or ``fused``
+    through SDPA with attention dropout, which a CPU runs by its math path (batched products,
+    a safe softmax, a dropout draw)."""
+
+    def __init__(self, width: int, fused: bool = False) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
         self.drop = nn.Dropout(0.1)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, w = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, 4, w // 4).permute(2, 0, 3, 1, 4)
-        scores = (q @ k.transpose(-1, -2)) / (w // 4) ** 0.5
-        mask = torch.ones(s, s, dtype=torch.bool).tril()
-        attention = self.drop(scores.masked_fill(~mask, float("-inf")).softmax(-1)) @ v
+        if self.fused:
+            attention = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-1, -2)) / (w // 4) ** 0.5
+            mask = torch.ones(s, s, dtype=torch.bool).tril()
+            attention = self.drop(scores.masked_fill(~mask, float("-inf")).softmax(-1)) @ v
         x = x + self.drop(self.out(attention.transpose(1, 2).reshape(b, s, w)))
         return x + self.drop(self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh")))
 
@@ -161,6 +170,7 @@ def _workloads(dtype: torch.dtype) -> list[Callable[[], None]]:
     """Forward and backward passes of the layers, at each size."""
     torch.manual_seed(0)
     gpt, llama = _GptBlock(_WIDTH).to(dtype), _LlamaBlock(_WIDTH).to(dtype)
+    fused_gpt = _GptBlock(_WIDTH, fused=True).to(dtype)
     embedding = nn.Embedding(1000, _WIDTH).to(dtype)
     conv = _ConvBlock(64).to(dtype)
     passes: list[Callable[[], None]] = []
@@ -169,7 +179,7 @@ def _workloads(dtype: torch.dtype) -> list[Callable[[], None]]:
 
         def transformer(ids: torch.Tensor = ids) -> None:
             x = embedding(ids)
-            logits = (llama(gpt(x)) @ embedding.weight.t()).float()
+            logits = (llama(fused_gpt(gpt(x))) @ embedding.weight.t()).float()
             F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
 
         wide = torch.randn(tokens, 4 * _WIDTH, dtype=dtype, requires_grad=True)

@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .activity import ACTIVITY, BusyTimes, CudaBusyTimes, doing, recorded
 from .core.errors import RUN_TIME_CHECKS, PipelineRunError, UserCodeError, first_line
+from .core.host_memory import retain_freed_host_memory
 from .core.memory import LiveTensorBytes
 from .core.mesh import RankMesh
 from .core.pipeline import Pipeline, PipelineFormatError
@@ -695,6 +696,8 @@ def train(package: ModuleType, pipeline: Pipeline, config: TrainConfig) -> None:
     watch has the waiting explained first."""
     timeout = config.timeout + DIAGNOSIS_MARGIN
     layout = init_distributed(pipeline, config.device, config.dp, config.dp_shard, timeout)
+    if layout.device.type == "cpu":  # each microbatch's activations in pages already mapped
+        retain_freed_host_memory()
     stages = tuple(s.index for s in pipeline.stages_on(layout.pp_rank))
     ACTIVITY.reset(busy_times(layout.device))
     watch = HangWatch(layout.rank, dist.get_world_size(), stages, config.timeout)
