@@ -194,11 +194,11 @@ def _round_trips(rank: int, tensor: torch.Tensor, count: int, barrier: bool) -> 
     return samples
 
 
-def _gloo_bandwidth_worker(rank: int, init_file: str, nbytes: int, result) -> None:
-    """One of two processes: the bandwidth of ``nbytes`` messages, the latency of a tiny one
-    and the wait of a receive under load (:func:`_receive_waits`), over gloo, put on
-    ``result`` by rank 0."""
-    torch.set_num_threads(1)  # as each torchrun rank computes
+def _gloo_bandwidth_worker(rank: int, init_file: str, nbytes: int, result, threads: int) -> None:
+    """One of two processes computing with ``threads`` threads, as the ranks do: the bandwidth
+    of ``nbytes`` messages, the latency of a tiny one and the wait of a receive under load
+    (:func:`_receive_waits`), over gloo, put on ``result`` by rank 0."""
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     large = _round_trips(rank, torch.ones(nbytes // 4), 6, barrier=True)[1:]
     small = _round_trips(rank, torch.ones(1), 50, barrier=False)
@@ -269,7 +269,7 @@ def link_bandwidth(device: torch.device, nbytes: int) -> tuple[float, float, flo
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
             _gloo_bandwidth_worker,
-            args=(os.path.join(tmp, "init"), nbytes, result),
+            args=(os.path.join(tmp, "init"), nbytes, result, torch.get_num_threads()),
             nprocs=2,
             start_method="spawn",
         )
