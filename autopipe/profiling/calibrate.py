@@ -56,7 +56,7 @@ __all__ = [
 CALIBRATION = "calibration-v5"
 #: receives timed under load (:func:`_receive_waits`): the mean of a wait that is bimodal (a
 #: busy sender's transfer thread gets a core at once, or after the scheduler's slice)
-RECEIVE_ROUNDS = 24
+RECEIVE_ROUNDS = 96
 #: ``--device-spec`` names of this machine's devices, calibrated on first use
 LOCAL_DEVICES = ("cpu", "cuda")
 #: the specs this process calibrated, by cache file
@@ -234,7 +234,7 @@ def _receive_waits(rank: int, rounds: int) -> list[float]:
         if rank == 0:
             sent = dist.isend(message, 1)
             assert sent is not None  # None only off the group
-            compute(0.015)
+            compute(0.010)
             sent.wait()
         else:
             compute(0.005)
