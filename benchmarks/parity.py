@@ -46,16 +46,16 @@ to the baseline (the first step's loss is printed too: it must equal the baselin
 Targets (issue 43, CPU): (a) >= 1.00x, (b) >= 0.97x, (c) >= 0.95x the baseline.
 
 **Fairness.** Every measurement is a fresh process; one intra-op thread per process on CPU
-(``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``, as torchrun gives each rank); on CPU
-every process keeps the host memory it frees, as train.py does (``retain_freed_host_memory``:
-without it each microbatch's large tensors fault fresh pages in, a cost of the allocator, not of
-anyone's code); the same tokens per step everywhere; tokens/s is the tokens of a step over the median step time of the
-steps after the warm-up (``--warmup``). train.py's figures are its own ``--log-json`` step times
-(which include reading the batch, the gradient norm it logs and the metrics it gathers; the
-baseline's include making the batch too). train.py runs under torchrun with a user's arguments,
-started through this script's wrapper (``--wrap-train``), which calls train.py's own ``main``
-and only reads two clocks around each step (and profiles one extra step after the timed ones).
-On CUDA every timed step ends synchronised (the loss is read back).
+(``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``, as torchrun gives each rank); on CPU every
+process keeps the host memory it frees, as train.py does (``retain_freed_host_memory``: without it
+each microbatch's large tensors fault fresh pages in, a cost of the allocator, not of anyone's
+code); the same tokens per step everywhere; tokens/s is the tokens of a step over the median step
+time of the steps after the warm-up (``--warmup``). train.py's figures are its own ``--log-json``
+step times (which include reading the batch, the gradient norm it logs and the metrics it gathers;
+the baseline's include making the batch too). train.py runs under torchrun with a user's arguments,
+started through this script's wrapper (``--wrap-train``), which calls train.py's own ``main`` and
+only reads two clocks around each step (and profiles one extra step after the timed ones). On CUDA
+every timed step ends synchronised (the loss is read back).
 
 **Noise.** On a shared machine other processes stretch the wall time: compare rows of one run
 only. The load average at the end of each measurement is printed beside it, the baseline runs

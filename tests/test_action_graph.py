@@ -54,6 +54,9 @@ def _costs(rng: random.Random, device_of_stage: list[int]) -> PipelineCosts:
         transient_forward=[rng.random() * 1e4 for _ in range(stages)],
         transient_backward=[rng.random() * 1e4 for _ in range(stages)],
         transient_optimizer=[rng.random() * 1e4 for _ in range(stages)],
+        # every other case waits on its receives (a calibrated CPU's receive_overhead)
+        receive_forward=[seconds() for _ in range(stages)] if rng.random() < 0.5 else [],
+        receive_backward=[seconds() for _ in range(stages)] if rng.random() < 0.5 else [],
     )
 
 

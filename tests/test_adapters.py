@@ -195,7 +195,7 @@ def test_the_memory_model_counts_only_the_adapters_state(lora):
         stage = package.build_stage(index, meta_state=True)
         held = sum(nbytes(p) + 3 * nbytes(p) * p.requires_grad for p in stage.parameters())
         assert pipeline.schedule.costs.static_memory[index] == held
-        assert pipeline.schedule.costs.memory_detail["gradients"][index] == sum(
+        assert pipeline.schedule.costs.detail["gradients"][index] == sum(
             nbytes(p) for p in stage.parameters() if p.requires_grad
         )
 
@@ -211,8 +211,8 @@ def test_a_frozen_tower_is_a_stage_of_weights_only(tmp_path):
     assert set(dict(first.named_parameters())) <= set(pipeline.frozen)
     costs = pipeline.schedule.costs
     assert costs.static_memory[0] == sum(nbytes(p) for p in first.parameters())
-    assert costs.memory_detail["gradients"][0] == 0
-    assert costs.memory_detail["transient_optimizer"][0] == 0
+    assert costs.detail["gradients"][0] == 0
+    assert costs.detail["transient_optimizer"][0] == 0
     assert costs.backward[0] == 0 and costs.backward[1] > 0
     assert CostModel(result.graph, result.profile).training_state_bytes < 2 * sum(
         nbytes(p) for p in frozen_tower()[0].parameters()

@@ -13,11 +13,13 @@ import pytest
 from autopipe.compiler import CompileOptions, trace_step
 from autopipe.partitioning import CostModel, Partition, partition
 from autopipe.partitioning.network import Network
+from autopipe.partitioning.simulator import simulate_schedule
 from autopipe.profiling import device_spec, profile, with_link
 from autopipe.profiling.devices import DeviceSpec
 from autopipe.report.summary import format_partition
 from autopipe.runtime.core.mesh import RankMesh
 from autopipe.runtime.core.pipeline import PIPELINE_INNERMOST, SHARDS_INNERMOST
+from autopipe.runtime.core.schedules import Action
 from autopipe.spec import load_example
 
 from conftest import spec
@@ -262,23 +264,24 @@ def test_tied_parameters_sum_their_gradients_once_per_step(gpt2_graph, gpt2_prof
 
 def test_a_rank_waits_on_each_tensor_it_receives(gpt2_graph, gpt2_profile):
     """A spec's ``receive_overhead`` (a CPU's, which ``autopipe calibrate`` measures while the
-    sender computes) charges each stage's forward that receives tensors from another rank and
-    each backward that receives gradients, once (an action's receives are one batch); GPT-2's
-    boundaries carry the hidden state alone; stages sharing a rank receive nothing."""
+    sender computes) is a wait of each forward that receives tensors from another rank and of
+    each backward that receives gradients, once per action (an action's receives are one
+    batch), apart from their compute; stages sharing a rank receive nothing; the simulated
+    step waits too."""
     waiting = CostModel(
         gpt2_graph, replace(gpt2_profile, device=replace(H100, receive_overhead=1e-3))
     )
     plain = CostModel(gpt2_graph, gpt2_profile)
     stage_of_unit = partition(gpt2_graph, gpt2_profile, 4).stage_of_unit
-    sent, returned = plain.sums.messages(plain.sums.assignment(stage_of_unit), 4)
-    assert sent.tolist() == [1.0, 1.0, 1.0] and returned.tolist() == [1.0, 1.0, 1.0]
     apart = [model.pipeline_costs(stage_of_unit, [0, 1, 2, 3]) for model in (plain, waiting)]
-    assert [b - a for a, b in zip(apart[0].forward, apart[1].forward)] == pytest.approx(
-        [0.0, 1e-3, 1e-3, 1e-3]
-    )
-    assert [b - a for a, b in zip(apart[0].backward, apart[1].backward)] == pytest.approx(
-        [1e-3, 1e-3, 1e-3, 0.0]
-    )
-    together = [model.pipeline_costs(stage_of_unit, [0, 0, 0, 0]) for model in (plain, waiting)]
-    assert together[0].forward == together[1].forward
-    assert together[0].backward == together[1].backward
+    assert apart[0].receive_forward == apart[0].receive_backward == []
+    assert apart[1].receive_forward == [0.0, 1e-3, 1e-3, 1e-3]
+    assert apart[1].receive_backward == [1e-3, 1e-3, 1e-3, 0.0]
+    assert apart[1].forward == apart[0].forward and apart[1].backward == apart[0].backward
+    forward, backward = Action(2, "F", 0), Action(2, "B", 0)
+    assert apart[1].duration(forward) == pytest.approx(apart[0].duration(forward) + 1e-3)
+    assert apart[1].duration(backward) == pytest.approx(apart[0].duration(backward) + 1e-3)
+    steps = [simulate_schedule("1f1b", costs, 8).step_time for costs in apart]
+    assert steps[1] > steps[0] + 8 * 2e-3  # a middle rank waits on 8 forwards and 8 backwards
+    together = waiting.pipeline_costs(stage_of_unit, [0, 0, 0, 0])
+    assert together.receive_forward == together.receive_backward == [0.0] * 4

@@ -83,8 +83,20 @@ class ActionGraph:
         n = len(self.actions)
         forward = np.asarray(costs.forward, dtype=np.float64)
         backward = np.asarray(costs.backward, dtype=np.float64)
-        duration = np.where(self.kind == 0, forward[self.stage], backward[self.stage])
-        duration = np.where(self.kind == 2, backward[self.stage] * INPUT_GRAD_FRACTION, duration)
+        stages = costs.num_stages
+        wait_forward = np.asarray(costs.receive_forward or [0.0] * stages, dtype=np.float64)
+        wait_backward = np.asarray(costs.receive_backward or [0.0] * stages, dtype=np.float64)
+        # as PipelineCosts.duration: compute, plus the wait on the receives of F, B and I
+        duration = np.where(
+            self.kind == 0,
+            forward[self.stage] + wait_forward[self.stage],
+            backward[self.stage] + wait_backward[self.stage],
+        )
+        duration = np.where(
+            self.kind == 2,
+            backward[self.stage] * INPUT_GRAD_FRACTION + wait_backward[self.stage],
+            duration,
+        )
         duration = np.where(
             self.kind == 3, backward[self.stage] * (1 - INPUT_GRAD_FRACTION), duration
         )

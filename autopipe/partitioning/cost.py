@@ -752,7 +752,6 @@ class CostModel:
             backward[s] += forward[s]
             transient_backward[s] += saved[s] + transient_forward[s]
             saved[s] = inputs[s]
-        self._add_receive_waits(forward, backward, stages, device_of_stage)
         microbatches = self.microbatches or default_microbatches(num_stages)
         shard = 1 / self.dp_shard
         if self.dp_shard > 1 and self.schedule not in SPLIT_BACKWARD:
@@ -765,6 +764,7 @@ class CostModel:
             for s in range(num_stages):
                 forward[s] = max(forward[s], gather[s])
                 backward[s] = max(backward[s], gather[s] + reduce[s])
+        waits = self._receive_waits(act_cross, grad_cross, device_of_stage)
         return PipelineCosts(
             forward=forward,
             backward=backward,
@@ -784,29 +784,29 @@ class CostModel:
             transient_optimizer=[
                 t * shard * OPTIMIZER_TEMPORARIES[self.optimizer] for t in trainable
             ],
+            receive_forward=waits[0],
+            receive_backward=waits[1],
         )
 
-    def _add_receive_waits(
-        self,
-        forward: list[float],
-        backward: list[float],
-        stages: np.ndarray,
-        device_of_stage: list[int],
-    ) -> None:
-        """Charges the spec's ``receive_overhead`` to each stage's forward that receives
-        tensors from another rank and to each backward that receives gradients: a receive
-        posted when the action needs it waits for the transfer's handshake on that rank,
-        however early the tensors were sent. Once per action: torch posts an action's receives
-        as one batch, whose handshakes wait together (T5's four tensors into its last stage
-        cost one wait, measured)."""
+    def _receive_waits(
+        self, act_cross: list[float], grad_cross: list[float], device_of_stage: list[int]
+    ) -> tuple[list[float], list[float]]:
+        """The spec's ``receive_overhead`` for each stage whose forward receives tensors from
+        another rank, and for each whose backward receives gradients: a receive posted when the
+        action needs it waits for the transfer's handshake on that rank, however early the
+        tensors were sent. Once per action: torch posts an action's receives as one batch,
+        whose handshakes wait together (T5's four tensors into its last stage cost one wait,
+        measured). Empty where the spec has none."""
         overhead = self.device.receive_overhead
         if not overhead:
-            return
-        sent, returned = self.sums.messages(stages, len(device_of_stage))
+            return [], []
+        num_stages = len(device_of_stage)
+        forward, backward = [0.0] * num_stages, [0.0] * num_stages
         for b, link in enumerate(self.boundary_links(tuple(device_of_stage))):
             if link is not None:
-                forward[b + 1] += overhead if sent[b] > 0 else 0.0
-                backward[b] += overhead if returned[b] > 0 else 0.0
+                forward[b + 1] = overhead if act_cross[b] > 0 else 0.0
+                backward[b] = overhead if grad_cross[b] > 0 else 0.0
+        return forward, backward
 
     @staticmethod
     def _fsdp_units(block_stages: np.ndarray, num_stages: int) -> list[int]:

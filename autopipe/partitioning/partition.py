@@ -22,7 +22,7 @@ from ..ir import Graph
 from ..ir.ordering import order_edges
 from ..profiling.profile import graph_digest, profile_source
 from ..runtime.core.pipeline import (
-    MEMORY_DETAIL,
+    DETAIL_TABLES,
     MESH_DIMENSIONS,
     PIPELINE_INNERMOST,
     StageCosts,
@@ -363,10 +363,10 @@ def costs_from_json(data: Any, num_stages: int, where: str) -> StageCosts | None
         return None
     required = {*_STAGE_COSTS, "memory_capacity"}
     require(
-        required <= set(data) <= required | set(MEMORY_DETAIL),
+        required <= set(data) <= required | set(DETAIL_TABLES),
         where,
         sorted(data),
-        f"the per-stage costs {sorted(required)} (and optionally {list(MEMORY_DETAIL)})",
+        f"the per-stage costs {sorted(required)} (and optionally {list(DETAIL_TABLES)})",
     )
     tables = {
         key: _numbers(data[key], f"{where}.{key}", num_stages - offset)
@@ -374,20 +374,21 @@ def costs_from_json(data: Any, num_stages: int, where: str) -> StageCosts | None
     }
     detail = {
         key: _numbers(data[key], f"{where}.{key}", num_stages)
-        for key in MEMORY_DETAIL
+        for key in DETAIL_TABLES
         if key in data
     }
     capacity = data["memory_capacity"]
     require(is_number(capacity, 0, strict=True), f"{where}.memory_capacity", capacity, "> 0")
-    return StageCosts(**tables, memory_capacity=capacity, memory_detail=detail)
+    return StageCosts(**tables, memory_capacity=capacity, detail=detail)
 
 
 def stage_costs(costs: PipelineCosts) -> StageCosts:
-    """The simulator's per-stage costs as the partition records them (every memory table)."""
+    """The simulator's per-stage costs as the partition records them (every memory table, and the receive waits where there are any)."""
     return StageCosts(
         **{key: tuple(getattr(costs, key)) for key in _STAGE_COSTS},
         memory_capacity=costs.memory_capacity,
-        memory_detail={key: tuple(getattr(costs, key)) for key in MEMORY_DETAIL},
+        # every table the cost model filled (the receive waits only where the spec has them)
+        detail={key: tuple(getattr(costs, key)) for key in DETAIL_TABLES if getattr(costs, key)},
     )
 
 
@@ -398,7 +399,7 @@ def costs_to_json(costs: StageCosts | None) -> dict[str, Any]:
         return {}
     data: dict[str, Any] = {key: list(getattr(costs, key)) for key in _STAGE_COSTS}
     data["memory_capacity"] = costs.memory_capacity
-    return data | {key: list(values) for key, values in costs.memory_detail.items()}
+    return data | {key: list(values) for key, values in costs.detail.items()}
 
 
 @dataclass(frozen=True)

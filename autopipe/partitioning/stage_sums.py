@@ -139,25 +139,10 @@ class StageSums:
     def crossing(self, stages: Ints, num_stages: int) -> tuple[Floats, Floats]:
         """Activation and gradient bytes crossing each boundary (after stage b, for b in
         0 .. num_stages - 2): every value from its producer's stage to its last reader's."""
-        return self._crossing(stages, num_stages, self.exchange_activation, self.exchange_gradient)
-
-    def messages(self, stages: Ints, num_stages: int) -> tuple[Floats, Floats]:
-        """Tensors crossing each boundary forward (activations) and backward (the gradients of
-        those that take one): one message each, as torch's stages send them."""
-        return self._crossing(
-            stages,
-            num_stages,
-            (self.exchange_activation > 0).astype(np.float64),
-            (self.exchange_gradient > 0).astype(np.float64),
-        )
-
-    def _crossing(
-        self, stages: Ints, num_stages: int, forward: Floats, backward: Floats
-    ) -> tuple[Floats, Floats]:
         boundaries = max(num_stages - 1, 0)
         first, end = self.exchange_stages(stages, num_stages)
         crossing = []
-        for moved in (forward, backward):
+        for moved in (self.exchange_activation, self.exchange_gradient):
             change = _summed(first, moved, num_stages + 1)
             change -= _summed(np.maximum(end, first), moved, num_stages + 1)
             crossing.append(np.cumsum(change)[:boundaries])

@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 
 from ..artifacts import atomic_write_text
 from ..errors import AutopipeError
-from ..runtime.core.host_memory import retain_freed_host_memory
+from ..runtime.core.host_memory import host_memory_retained
 from torch.nn import functional as F
 
 from .devices import KNOWN_DEVICES, DeviceSpec, RateTable, device_spec
@@ -219,7 +219,7 @@ def _receive_waits(rank: int, rounds: int) -> list[float]:
     """Seconds rank 1 waits on each of ``rounds`` receives of an activation-sized message
     (64 KiB) that rank 0 sent 5 ms before and computes on after, as a pipeline's ranks do
     (torch's schedules post each receive when the action needs it): the handshake of the
-    transfer, which waits for the busy sender's transfer thread (on rank 0: empty)."""
+    transfer, which waits for the busy sender's transfer thread (rank 0 returns ``[0.0]``)."""
     message = torch.ones(16384)
     left, right = torch.randn(256, 256), torch.randn(256, 256)
 
@@ -299,8 +299,7 @@ def calibrate(
         return _calibrate(device, name, log)
     if threads < 1:
         raise AutopipeError(f"a CPU is calibrated with 1 thread or more, not {threads}")
-    retain_freed_host_memory()  # as train.py's ranks allocate on a CPU
-    with _threads(threads):
+    with _threads(threads), host_memory_retained():  # as train.py's ranks run on a CPU
         plural = "thread" if threads == 1 else "threads"
         return _calibrate(device, name or f"cpu ({_processor()}, {threads} {plural})", log)
 

@@ -153,7 +153,9 @@ class DeviceSpec:
         """Seconds of operator ``name`` of ``size`` (its FLOPs, else the elements it writes:
         :func:`~autopipe.profiling.operator_rates.operator_size`) by its own table, measured
         on the layers of models (``op.NAME.DTYPE``), where the table reaches that size, or
-        has it alone (no table of its ``kind`` does); None otherwise."""
+        has it alone (no table of its ``kind`` does) and either covers the size or reaches
+        :data:`SATURATED_SIZE` (a rate measured on tiny calls alone says nothing of large
+        ones); None otherwise."""
         table = self.tables.get(f"op.{name}.{str(dtype).removeprefix('torch.')}")
         if table is None:
             return None

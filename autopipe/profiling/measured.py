@@ -41,7 +41,7 @@ from .devices import DeviceSpec
 from .flops import flop_counter
 from .profile import Profile, UnitCost, graph_digest
 from ..ir.analysis import UnitWorkload, unit_workloads
-from ..runtime.core.host_memory import retain_freed_host_memory
+from ..runtime.core.host_memory import host_memory_retained
 from .workload import output_bytes, parameter_bytes, run_forward_backward
 
 
@@ -66,9 +66,8 @@ def profile_measured(
     device = device or local_device()
     threads = threads or (1 if device.type == "cpu" else torch.get_num_threads())
     in_step = device.type == "cuda" if in_step is None else in_step
-    if device.type == "cpu":
-        retain_freed_host_memory()  # as train.py's ranks allocate on a CPU
-    with _intra_op_threads(threads):
+    kept = host_memory_retained() if device.type == "cpu" else nullcontext(False)
+    with _intra_op_threads(threads), kept:  # as train.py's ranks run on a CPU
         values = _example_values(graph, example, device)
         with torch.no_grad():
             run_nodes(graph.calls, values, device, graph.functions)

@@ -171,6 +171,11 @@ class PipelineCosts:
     transient_forward: list[float] = field(default_factory=list)  # during a forward
     transient_backward: list[float] = field(default_factory=list)  # during a backward
     transient_optimizer: list[float] = field(default_factory=list)  # during the optimizer step
+    #: seconds each stage's forward (backward) waits on its receives from another rank before
+    #: it computes (a device spec's ``receive_overhead``): part of the action, not of its
+    #: compute, which ``forward`` and ``backward`` alone hold (empty: no wait)
+    receive_forward: list[float] = field(default_factory=list)
+    receive_backward: list[float] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:
@@ -196,12 +201,17 @@ class PipelineCosts:
         return 0.0 if same else table[stage]
 
     def duration(self, action: Action) -> float:
+        """The action's seconds: its compute, and the wait on its receives (a forward's
+        activations; a full or input backward's gradients)."""
+        s = action.stage
         if action.kind == "F":
-            return self.forward[action.stage]
+            return self.forward[s] + (self.receive_forward[s] if self.receive_forward else 0.0)
+        wait = self.receive_backward[s] if self.receive_backward else 0.0
         if action.kind == "B":
-            return self.backward[action.stage]
-        share = INPUT_GRAD_FRACTION if action.kind == "I" else 1 - INPUT_GRAD_FRACTION
-        return self.backward[action.stage] * share
+            return self.backward[s] + wait
+        if action.kind == "I":
+            return self.backward[s] * INPUT_GRAD_FRACTION + wait
+        return self.backward[s] * (1 - INPUT_GRAD_FRACTION)
 
 
 def dependencies(action: Action, num_stages: int) -> list[tuple[tuple[Action, ...], str]]:

@@ -323,6 +323,11 @@ MEMORY_DETAIL = (
     "transient_backward",
     "transient_optimizer",
 )
+#: ... and each stage's wait on its receives from another rank, of plans whose device spec has
+#: one (a calibrated CPU's ``receive_overhead``): absent otherwise
+RECEIVE_WAITS = ("receive_forward", "receive_backward")
+#: the optional per-stage tables, in the order they are written
+DETAIL_TABLES = (*MEMORY_DETAIL, *RECEIVE_WAITS)
 
 
 @dataclass(frozen=True)
@@ -337,18 +342,18 @@ class StageCosts:
     send_forward: tuple[float, ...]  # one fewer: the boundary after each stage but the last
     send_backward: tuple[float, ...]
     memory_capacity: float | None = None  # bytes per rank, when the device spec says
-    #: MEMORY_DETAIL name -> bytes per stage (see schedules.PipelineCosts)
-    memory_detail: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    #: DETAIL_TABLES name -> bytes or seconds per stage (see schedules.PipelineCosts)
+    detail: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Any, num_stages: int, where: str) -> StageCosts:
         _read.fields(
-            data, where, (*_PER_STAGE, *_PER_BOUNDARY), ("memory_capacity", *MEMORY_DETAIL)
+            data, where, (*_PER_STAGE, *_PER_BOUNDARY), ("memory_capacity", *DETAIL_TABLES)
         )
         tables = {k: _read.numbers(data[k], f"{where}.{k}", num_stages) for k in _PER_STAGE}
         detail = {
             k: _read.numbers(data[k], f"{where}.{k}", num_stages)
-            for k in MEMORY_DETAIL
+            for k in DETAIL_TABLES
             if k in data
         }
         for key in _PER_BOUNDARY:
@@ -358,11 +363,11 @@ class StageCosts:
             _read.check(
                 capacity, f"{where}.memory_capacity", lambda v: is_number(v) and v > 0, "> 0"
             )
-        return cls(**tables, memory_capacity=capacity, memory_detail=detail)
+        return cls(**tables, memory_capacity=capacity, detail=detail)
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {k: list(getattr(self, k)) for k in (*_PER_STAGE, *_PER_BOUNDARY)}
-        data |= {k: list(v) for k, v in self.memory_detail.items()}
+        data |= {k: list(v) for k, v in self.detail.items()}
         if self.memory_capacity is not None:
             data["memory_capacity"] = self.memory_capacity
         return data
