@@ -184,8 +184,7 @@ def main() -> None:
         f"GFLOP/s fp32 matmul, {spec['memory_bandwidth'] / 1e9:.1f} GB/s memory, "
         f"{spec['kernel_overhead'] * 1e6:.1f} us per operator, "
         f"{spec['receive_overhead'] * 1e3:.1f} ms a receive waits while its sender computes; "
-        "load average "
-        f"{os.getloadavg()[0]:.1f}"
+        f"load average {os.getloadavg()[0]:.1f}"
     )
     print(
         "| model | plan on 2 ranks (microbatches x accumulation) | predicted step ms | "

@@ -383,7 +383,8 @@ def costs_from_json(data: Any, num_stages: int, where: str) -> StageCosts | None
 
 
 def stage_costs(costs: PipelineCosts) -> StageCosts:
-    """The simulator's per-stage costs as the partition records them (every memory table, and the receive waits where there are any)."""
+    """The simulator's per-stage costs as the partition records them (every memory table, and
+    the receive waits where there are any)."""
     return StageCosts(
         **{key: tuple(getattr(costs, key)) for key in _STAGE_COSTS},
         memory_capacity=costs.memory_capacity,

@@ -24,7 +24,7 @@ import re
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 from pathlib import Path
 
@@ -34,12 +34,12 @@ import torch.multiprocessing as mp
 
 from ..artifacts import atomic_write_text
 from ..errors import AutopipeError
-from ..runtime.core.host_memory import host_memory_retained
 from torch.nn import functional as F
 
 from .devices import KNOWN_DEVICES, DeviceSpec, RateTable, device_spec
 from .flops import flop_counter
 from .operator_rates import operator_tables
+from .rank_conditions import as_a_rank_runs
 
 __all__ = [
     "LOCAL_DEVICES",
@@ -299,7 +299,7 @@ def calibrate(
         return _calibrate(device, name, log)
     if threads < 1:
         raise AutopipeError(f"a CPU is calibrated with 1 thread or more, not {threads}")
-    with _threads(threads), host_memory_retained():  # as train.py's ranks run on a CPU
+    with as_a_rank_runs(device, threads):
         plural = "thread" if threads == 1 else "threads"
         return _calibrate(device, name or f"cpu ({_processor()}, {threads} {plural})", log)
 
@@ -447,16 +447,6 @@ def _cache_key(kind: str) -> str:
         what = f"{_processor()} {platform.machine()} 1-thread"
     key = f"{kind} {what} torch-{torch.__version__} {CALIBRATION}"
     return re.sub(r"[^A-Za-z0-9.+-]+", "_", key).strip("_")
-
-
-@contextlib.contextmanager
-def _threads(count: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def local_spec(kind: str, log: Callable[[str], None] = lambda message: None) -> DeviceSpec:

@@ -24,8 +24,8 @@ import platform
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -41,7 +41,7 @@ from .devices import DeviceSpec
 from .flops import flop_counter
 from .profile import Profile, UnitCost, graph_digest
 from ..ir.analysis import UnitWorkload, unit_workloads
-from ..runtime.core.host_memory import host_memory_retained
+from .rank_conditions import as_a_rank_runs
 from .workload import output_bytes, parameter_bytes, run_forward_backward
 
 
@@ -66,8 +66,7 @@ def profile_measured(
     device = device or local_device()
     threads = threads or (1 if device.type == "cpu" else torch.get_num_threads())
     in_step = device.type == "cuda" if in_step is None else in_step
-    kept = host_memory_retained() if device.type == "cpu" else nullcontext(False)
-    with _intra_op_threads(threads), kept:  # as train.py's ranks run on a CPU
+    with as_a_rank_runs(device, threads):
         values = _example_values(graph, example, device)
         with torch.no_grad():
             run_nodes(graph.calls, values, device, graph.functions)
@@ -110,16 +109,6 @@ def machine(device: torch.device, threads: int) -> str:
         return torch.cuda.get_device_name(device)
     plural = "" if threads == 1 else "s"
     return f"cpu ({platform.processor() or platform.machine()}, {threads} thread{plural})"
-
-
-@contextmanager
-def _intra_op_threads(threads: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @dataclass
