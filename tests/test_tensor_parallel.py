@@ -67,21 +67,44 @@ def test_gpt2s_fused_attention_mlp_embedding_and_head():
 
 
 def test_grouped_query_llama_splits_whole_key_value_heads():
-    """8 query heads reading 2 key/value heads: degree 2 splits both, 4 would split the 2
-    key/value heads (left replicated, and said so); the gated MLP's gate and up projections are
-    its columns."""
-    found = find_regions(_llama(8, 2))
+    """8 query heads reading 2 key/value heads: degree 2 splits both; 4 and 8 split the query
+    heads and replicate the key and value projections (each rank computes the one key/value
+    head its query heads read), marked ``key_value`` in the artefact; the gated MLP's gate and
+    up projections are its columns."""
+    graph = _llama(8, 2)
+    found = find_regions(graph)
     attention = [r for r in found.regions if r.kind == "attention"]
     assert len(attention) == 2
     first = attention[0]
     assert [c.weight.rsplit(".", 2)[-2] for c in first.columns] == ["q_proj", "k_proj", "v_proj"]
+    assert [c.key_value for c in first.columns] == [False, True, True]
     assert first.row.endswith("o_proj.weight") and (first.heads, first.kv_heads) == (8, 2)
-    assert first.degrees == (2,)
-    assert first.why_not(4) == "4 does not divide 2 key/value heads"
+    assert first.degrees == (2, 4, 8)
+    assert not first.replicates_heads(2) and first.replicates_heads(4)
+    assert first.why_not(16) == "16 does not divide 2 key/value heads, 8 heads"
     mlp = next(r for r in found.regions if r.kind == "mlp")
     assert [c.weight.rsplit(".", 2)[-2] for c in mlp.columns] == ["gate_proj", "up_proj"]
     assert mlp.degrees == (2, 4, 8)
-    assert "model.layers.0.self_attn: 4 does not divide 2 key/value heads" in found.summary(4)
+    assert TensorParallelRegions.from_json(found.to_json()) == found
+    # the plan: split at 2, key and value replicated at 4 with their parameters listed
+    assert {m.heads for m in sharding_plan(graph, found, 2).modules} == {0}
+    plan = sharding_plan(graph, found, 4)
+    grouped = [m for m in plan.modules if m.heads]
+    assert [m.module.rsplit(".", 1)[-1] for m in grouped] == ["k_proj", "v_proj"] * 2
+    assert grouped[0].style_source().startswith("ReplicatedHeadsParallel(heads=2")
+    assert grouped[0].parameters == ("model.layers.0.self_attn.k_proj.weight",)
+    assert grouped[0].rank_share(4) == 0.5 and plan.modules[0].rank_share(4) == 0.25
+    assert "key/value heads replicated: 4 projections of 2 head(s)" in plan.summary()
+
+
+def test_multi_query_attention_replicates_its_one_key_value_head():
+    """One key/value head (multi-query attention): its view into one head is the heads'
+    dimension, so attention is a region, split at every degree the query heads allow with the
+    key and value replicated."""
+    found = find_regions(_llama(8, 1))
+    attention = next(r for r in found.regions if r.kind == "attention")
+    assert (attention.heads, attention.kv_heads, attention.degrees) == (8, 1, (2, 4, 8))
+    assert all(attention.replicates_heads(d) for d in (2, 4, 8))
 
 
 def test_heads_that_do_not_divide_leave_attention_replicated():
@@ -208,7 +231,7 @@ def test_a_batch_of_one_keeps_the_heads_sharded():
     ids = torch.randint(0, 256, (1, 16))
     found = find_regions(_traced(tf.LlamaForCausalLM(config), ids, labels=ids))
     (attention,) = [r for r in found.regions if r.kind == "attention"]
-    assert attention.degrees == (2,) and not attention.reason
+    assert attention.degrees == (2, 4) and not attention.reason  # 4: key/value replicated
 
 
 def test_a_weight_another_operator_reads_stays_replicated():

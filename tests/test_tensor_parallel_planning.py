@@ -66,6 +66,33 @@ def test_a_rank_runs_its_share_and_the_all_reduces(llama):
     assert "tensor parallel 2 saves" in cost.describe()
 
 
+def test_replicated_key_value_heads_are_held_whole_and_computed_a_head_a_rank(llama):
+    """At degree 4 the 2 key/value heads are replicated: each rank holds the key and value
+    projections whole (no parameters saved on them) and computes one of their 2 heads (half
+    their product), the query and the rest a quarter; the collectives are those of any
+    degree (the key and value input gradients join the region input's all-reduce)."""
+    graph = load_graph(llama.out / "artifacts/graph.json")
+    base = profile(graph, "analytic", device_spec("H100"))
+    plan = sharding_plan(graph, find_regions(graph), 4)
+    assert sorted({m.module.rsplit(".", 1)[-1] for m in plan.modules if m.heads}) == [
+        "k_proj",
+        "v_proj",
+    ]
+    network = Network(base.device, 8)
+    sharded, cost = sharded_profile(graph, base, plan, network)
+    units = {u.label.split(" ")[0]: i for i, u in enumerate(graph.units)}
+    for name, parts in (("q_proj", 4), ("k_proj", 2), ("v_proj", 2)):  # no forward collective
+        i = units[f"model.layers.0.self_attn.{name}"]
+        assert math.isclose(sharded.units[i].forward, base.units[i].forward / parts)
+    # q, o: 32x32, gate/up 64x32, down 32x64 split over 4 ranks; k and v (16x32) whole
+    split = (32 * 32 * 2 + 64 * 32 * 3) * 4
+    head = 100 * 32 * 4
+    assert math.isclose(cost.parameters_saved, (4 * split + head) * 3 / 4)
+    reduce = network.collective("all_reduce", 2 * 12 * 32 * 4, [0, 1, 2, 3])
+    logits = network.collective("all_gather", 2 * 12 * 100 * 4, [0, 1, 2, 3])
+    assert math.isclose(cost.communication, 4 * 4 * reduce + reduce + logits)
+
+
 def test_sequence_parallel_trades_all_reduces_for_halves_and_divides_the_rest(tmp_path):
     """The Llama without a padding token, sequence parallel: each all-reduce becomes a
     reduce-scatter and an all-gather (the same bytes over the ring, in two collectives), the
@@ -133,7 +160,8 @@ def test_candidates_of_each_degree_fill_the_devices():
 def test_the_search_tries_the_degrees_the_graph_allows_and_tables_them(llama):
     graph = load_graph(llama.out / "artifacts/graph.json")
     options = CompileOptions(stages=1, search=True, devices=4)
-    assert tensor_parallel_degrees(graph, options) == (1, 2)  # 4 heads, 2 key/value heads
+    # 4 heads, 2 key/value heads: replicated at 4
+    assert tensor_parallel_degrees(graph, options) == (1, 2, 4)
     assert tensor_parallel_degrees(graph, CompileOptions(stages=1, tp=2)) == (2,)
     prof = profile(graph, "analytic", device_spec("H100"))
     plans = search(graph, prof, 4, global_batch=8, method="dp", tp_degrees=(1, 2), prune=False)
@@ -163,8 +191,8 @@ def test_a_searched_compile_says_why_it_chose_its_degree(tmp_path):
 
     result = compile_model(LLAMA, tmp_path / "pipe", 1, search=True, devices=4)
     degrees = {plan.get("tp", 1) for plan in result.partition.settings.plans}
-    assert degrees == {1, 2}
+    assert degrees == {1, 2, 4}  # 4: the key/value heads replicated
     (line,) = tensor_parallel_choice_lines(result.partition)
     chosen = result.partition.settings.tp or 1
     assert line.startswith(f"tensor-parallel degree {chosen} chosen: ")
-    assert f"tp {3 - chosen}: " in line
+    assert all(f"tp {other}: " in line for other in degrees - {chosen})

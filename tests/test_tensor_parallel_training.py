@@ -289,7 +289,7 @@ def test_the_fake_cuda_dry_run_of_a_70b_shaped_rank(tmp_path):
         embedding = microbatches if result.stages == (0,) else 0
         assert gathered["forward"] == per_block + head
         assert scattered["forward"] == per_block + embedding
-        assert result.collectives["allreduce"]["sequence_sum"] == 1
+        assert result.collectives["allreduce"]["partial_sum"] == 1
     # memory: the steps' peak against the plan's (setup, which makes the embedding and the head
     # whole before sharding them, peaks apart); the rest of the gap is FSDP2's buffers and
     # attention's probabilities, which fake CUDA computes on the math path
@@ -332,9 +332,9 @@ def test_a_degree_that_shards_nothing_is_refused(tmp_path):
         CompileOptions(stages=2, tp=16)
 
 
-def _block_collectives(compiled, block_name, inputs):
+def _block_collectives(compiled, block_name, inputs, degree=2):
     """The collectives the block ``block_name`` of ``compiled``'s stage 0 runs under torch's
-    CommDebugMode on a fake 2-rank group, forward and backward, by torch's name (called on
+    CommDebugMode on a fake ``degree``-rank group, forward and backward, by torch's name (called on
     ``inputs()``), and the plan its regions predict them from."""
     for name in [n for n in sys.modules if n.split(".")[0] == compiled.out.name]:
         del sys.modules[name]  # another fixture's package of the same name
@@ -345,10 +345,12 @@ def _block_collectives(compiled, block_name, inputs):
         sys.path.pop(0)
     graph = load_graph(compiled.out / "artifacts/graph.json")
     settings = json.loads((compiled.out / "artifacts/partition.json").read_text())["settings"]
-    plan = sharding_plan(graph, find_regions(graph), 2, settings.get("sequence_parallel", False))
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    plan = sharding_plan(
+        graph, find_regions(graph), degree, settings.get("sequence_parallel", False)
+    )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=degree)
     try:
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        mesh = init_device_mesh("cpu", (degree,), mesh_dim_names=("tp",))
         stage = package.build_stage(0, device="cpu")
         parallelize_module(stage, mesh, dict(stage.tensor_parallel_plan))
         block = stage.get_submodule(block_name)
@@ -391,6 +393,50 @@ def test_the_collectives_of_a_block_are_the_regions(two_stages, one_stage):
         one_stage, "model.layers.0", _llama_block_inputs(6)
     )
     assert plan.sequence is not None
+    assert forward == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+    assert backward == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+
+
+def test_grouped_key_value_heads_replicated_at_a_degree_above_them(one_stage, tmp_path):
+    """4 query heads reading 2 key/value heads at TP 4: each rank holds the key and value
+    projections whole and computes the head its query heads read (the runtime's
+    ReplicatedHeadsParallel), their gradients summed over the ranks once per step. Steps 0-1
+    at TP 4 (sequence parallel), steps 2-3 resumed from its checkpoint at TP 2 (where they are
+    split): PyTorch's losses and trained weights. A block runs the collectives of TP 2: the
+    key and value projections' input gradients join the region input's one reduce-scatter."""
+    four = compile_model(UNPADDED, tmp_path / "four", 1, tp=4)
+    stage = (four.out / "stage0.py").read_text()
+    assert '"model.layers.0.self_attn.k_proj": ReplicatedHeadsParallel(heads=2),' in stage
+    assert '"model.layers.0.self_attn.q_proj": ColwiseParallel(),' in stage
+    assert 'REPLICATED_HEADS_PARAMETERS = (\n    "model.layers.0.self_attn.k_proj.weight",' in stage
+    assert "replicated_heads_parameters = REPLICATED_HEADS_PARAMETERS" in stage
+    summary = format_partition(four.graph, four.partition)
+    assert "key/value heads replicated: 8 projections of 2 head(s)" in summary
+    # the fake-CUDA dry run of a rank sharing its key/value head with another: the partial
+    # gradients (the norms' and the key and value projections') summed in one all-reduce
+    args = ("--device", "cuda", "--world-size", "4", "--steps", "1", "--rank", "3")
+    (played,) = play(load_pipeline(four.out), *args)[0]
+    assert not problems([played]), problems([played])
+    assert played.collectives["allreduce"]["partial_sum"] == 1
+    torch.save(load_example(UNPADDED).model.state_dict(), tmp_path / "init.pt")
+    common = ["--microbatches", str(MICROBATCHES), *TRAIN, "--data", BATCHES]
+    common += ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]
+    log = tmp_path / "log.jsonl"
+    said = torchrun(four.out / "train.py", 4, *common, "--steps", "2", "--load",
+                    str(tmp_path / "init.pt"), "--log-json", str(log))  # fmt: skip
+    assert "ReplicatedHeadsParallel" in said.stdout + said.stderr
+    torchrun(one_stage.out / "train.py", 2, *common, "--steps", "4", "--resume", "--log-json",
+             str(log), "--save", str(tmp_path / "trained.pt"))  # fmt: skip
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3]
+    assert_same_training((losses, torch.load(tmp_path / "trained.pt")), _reference(UNPADDED))
+    plan, (forward, backward) = _block_collectives(
+        four, "model.layers.0", _llama_block_inputs(3), degree=4
+    )
+    assert [m.heads for m in plan.modules if m.module.startswith("model.layers.0.")] == [
+        0, 2, 2, 0, 0, 0, 0
+    ]  # fmt: skip
     assert forward == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
     assert backward == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
 

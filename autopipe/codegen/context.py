@@ -56,6 +56,9 @@ class StageContext:
     tensor_parallel_imports: list[str]  # import lines of the torch styles it uses
     #: sequence parallelism: the parameters whose gradients train.py sums over the "tp" ranks
     sequence_parallel_parameters: list[str]
+    #: grouped key/value projections replicated over the "tp" ranks: their parameters, whose
+    #: gradients (each rank's query heads' part) train.py sums over the ranks
+    replicated_heads_parameters: list[str]
     support: list[str]  # the runtime.support helpers it imports
     parameters: list[dict[str, Any]]  # its own parameter rows (its blocks hold the rest)
     buffers: list[dict[str, Any]]

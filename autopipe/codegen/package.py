@@ -26,7 +26,11 @@ from ..partitioning.cost import iteration_time
 from ..partitioning.partition import PredictedStep, costs_to_json
 from ..runtime.core.pipeline import Pipeline, default_microbatches
 from ..runtime.core.manifest import changed_files
-from ..runtime.core.sharded_layers import SectionedColwiseParallel, TransposedRowwiseParallel
+from ..runtime.core.sharded_layers import (
+    ReplicatedHeadsParallel,
+    SectionedColwiseParallel,
+    TransposedRowwiseParallel,
+)
 from ..tensor_parallel import SEQUENCE_DIM, ShardingPlan, find_regions, sharding_plan
 from . import emit
 from .sizes import size_lines, used_symbols
@@ -57,7 +61,8 @@ RUNTIME_MODULES = tuple(
 BLACK_MODE = emit.BLACK_MODE
 #: the tensor-parallel styles generated code imports from the package's runtime (torch's others)
 RUNTIME_STYLES = frozenset(
-    style.__name__ for style in (SectionedColwiseParallel, TransposedRowwiseParallel)
+    style.__name__
+    for style in (ReplicatedHeadsParallel, SectionedColwiseParallel, TransposedRowwiseParallel)
 )
 #: stands for a forward body in a rendered file until the (already formatted) body is spliced in
 BODY_MARKER = "# autopipe: forward body"
@@ -306,6 +311,13 @@ def _stage_context(
         sequence_parallel_parameters=[
             name
             for name in (sharding.sequence.parameters if sharding and sharding.sequence else ())
+            if name in state
+        ],
+        replicated_heads_parameters=[
+            name
+            for module in (sharding.modules if sharding else ())
+            if module.heads and module.node in held
+            for name in module.parameters
             if name in state
         ],
         support=sorted(

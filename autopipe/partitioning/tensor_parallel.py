@@ -3,7 +3,9 @@
 
 At degree ``t`` a unit's sharded work (its sharded projections' products and the attention of
 the heads they split: :class:`~autopipe.tensor_parallel.ShardingPlan`) runs on ``t`` ranks at
-once, each a ``1/t`` share; of its other operators, those inside sharded regions work on each
+once, each a ``1/t`` share (a grouped key or value projection replicated at a degree above its
+``h`` key/value heads: each rank its one head, ``1/h``, and so the values computed from it
+before attention); of its other operators, those inside sharded regions work on each
 rank's heads or features and, sequence parallel, those between regions on ``1/t`` of the
 positions, while the rest (replicated regions; norms and residual additions without sequence
 parallelism) run whole on every rank. The unit's times scale by ``s r/t + (1-s)(1 - q + q/t)``:
@@ -21,7 +23,7 @@ all-gather the other: row projections and the embedding reduce-scatter their out
 its gradient), region inputs and the head all-gather their input (reduce-scatter its gradient).
 They run within a node over the spec's link, costed by :class:`~.network.Network` and not
 overlapped. Each rank holds ``1/t`` of the sharded projections' parameters (gradients and
-optimizer state follow). What a unit saves for backward scales as the bytes its operators write
+optimizer state follow), replicated key/value projections whole. What a unit saves for backward scales as the bytes its operators write
 do on a rank: ``1/t`` of those on a share (a column's features, attention's heads, a slice of
 the sequence), all of the rest, and, sequence parallel, each region input's gathered value
 whole (the projections keep it for their backward); its working memory scales as its time does
@@ -85,23 +87,27 @@ def sharded_profile(
     split = ("reduce_scatter", "all_gather") if plan.sequence else ("all_reduce", "")
     gather = ("all_gather", "reduce_scatter") if plan.sequence else ("", "all_reduce")
     entered: set[str] = set()
+    heads = _head_values(graph, plan)  # values of replicated key/value heads: 1 head a rank
     divided: dict[str, int] = dict.fromkeys(sliced, t)  # what each rank holds 1/t of
     units = []
     saved = communication = parameters_saved = 0.0
     for unit, cost in zip(graph.units, profile.units):
         sharded_flops = 0.0
-        slower = 0.0  # the sharded FLOPs, each weighted by how much slower its 1/t share runs
+        # the sharded FLOPs each rank computes, and weighted by how much slower its smaller
+        # share runs
+        rank_flops = slower = 0.0
         comm = [0.0, 0.0]  # forward, backward
         held = 0.0
-        between = rest = 0.0  # bytes written by the other operators: on a share, all
+        rest = rest_rank = 0.0  # bytes written by the other operators: all, a rank's
         # memory: bytes the unit's operators write (what it saves for backward follows them),
         # all of them and what a rank writes of them
         written_all = written_rank = 0.0
 
-        def writes(nbytes: float, on_share: bool) -> None:
+        def writes(nbytes: float, parts: int) -> None:
+            """``nbytes`` written, of which a rank writes ``1/parts``."""
             nonlocal written_all, written_rank
             written_all += nbytes
-            written_rank += nbytes / t if on_share else nbytes
+            written_rank += nbytes / parts
 
         def add(kinds: tuple[str, str], nbytes: float) -> None:
             for i, kind in enumerate(kinds):
@@ -112,14 +118,16 @@ def sharded_profile(
             module = by_node.get(name)
             if module is not None:
                 out = float(graph.value_bytes(name))  # its output
-                held += _bytes_of(graph, node.args[module.weight_at])
-                divided.update(dict.fromkeys(_parameters(graph, node, module), t))
+                parts = round(1 / module.rank_share(t))
+                if not module.heads:  # a replicated key/value projection: whole on each rank
+                    held += _bytes_of(graph, node.args[module.weight_at])
+                    divided.update(dict.fromkeys(_parameters(graph, node, module), t))
                 column = module.style != ROWWISE and not module.gathered
                 if column:
-                    divided[name] = t  # a column's features
+                    divided[name] = parts  # a column's features (a key/value head)
                 # a column's features are a share, a row's partial sums whole (a slice of the
                 # sequence, sequence parallel), the head's logits whole on every rank
-                writes(out, column or module.sequence and not module.gathered)
+                writes(out, parts if column or module.sequence and not module.gathered else 1)
                 if module.style != ROWWISE and (
                     entry_sliced.get(module.entry, False)
                     and module.entry not in entered
@@ -134,7 +142,8 @@ def sharded_profile(
                     continue
                 flops = _product_flops(graph, node, module)
                 sharded_flops += flops
-                slower += flops * _slowdown(profile, "matmul", node, flops, t)
+                rank_flops += flops / parts
+                slower += flops / parts * _slowdown(profile, "matmul", node, flops, parts)
                 if module.bias_at is not None and _bias_split(module):
                     held += _bytes_of(graph, node.args[module.bias_at])
                 elif module.bias_at is not None and module.style != ROWWISE:
@@ -163,28 +172,32 @@ def sharded_profile(
             if node.target == _ATTENTION and inside:
                 flops = _attention_flops(graph, node)
                 sharded_flops += flops
+                rank_flops += flops / t
                 kind = "causal_attention" if _causal(node) else "attention"
-                slower += flops * _slowdown(profile, kind, node, flops, t)
-                writes(float(graph.value_bytes(name)), True)
+                slower += flops / t * _slowdown(profile, kind, node, flops, t)
+                writes(float(graph.value_bytes(name)), t)
                 continue
             written = float(graph.value_bytes(name))
-            writes(written, inside or name in sliced)
+            # a sharded region's heads or features (a replicated key/value head's), or a slice
+            # of the sequence between regions, is a rank's share; the rest is whole
+            parts = heads.get(name, t) if inside or name in sliced else 1
+            writes(written, parts)
             rest += written
-            # a sharded region's heads or features, or a slice of the sequence between them
-            between += written if inside or name in sliced else 0.0
+            rest_rank += written / parts
             if inside:
-                divided[name] = t
+                divided[name] = parts
         share = min(1.0, sharded_flops / cost.flops_forward) if cost.flops_forward > 0 else 0.0
-        slices = between / rest if rest else 0.0  # of the rest, the part each rank shares
-        # a smaller product runs at the device table's lower rate (1 on a spec without tables)
-        slowdown = slower / sharded_flops if sharded_flops else 1.0
-        others = (1 - share) * (1 - slices + slices / t)
-        keep = share * slowdown / t + others
+        # the part of the sharded work (and, at the device table's lower rate for a smaller
+        # product, of its time: 1 on a spec without tables) a rank does
+        done = rank_flops / sharded_flops if sharded_flops else 0.0
+        done_slower = slower / sharded_flops if sharded_flops else 0.0
+        others = (1 - share) * (rest_rank / rest if rest else 1.0)
+        keep = share * done_slower + others
         # memory: what the unit keeps for backward follows the bytes it writes, of which a
         # rank writes its share (a gathered region input whole); its working memory (an
         # embedding's gradient the size of its rows, a product's) follows the work it shares
         kept = written_rank / written_all if written_all else 1.0
-        working = share / t + others
+        working = share * done + others
         forward, backward = cost.forward * keep, cost.backward * keep
         saved += cost.forward + cost.backward - forward - backward
         communication += sum(comm)
@@ -213,6 +226,25 @@ def _slowdown(profile: Profile, kind: str, node: Node, flops: float, t: int) -> 
     if not flops:
         return 1.0
     return device.compute_rate(kind, dtype, flops) / device.compute_rate(kind, dtype, flops / t)
+
+
+def _head_values(graph: Graph, plan: ShardingPlan) -> dict[str, int]:
+    """The values computed from replicated key/value projections before attention reads them
+    (their views into heads, rotary embeddings), each with the projection's heads: a rank holds
+    one head of them, ``1/heads``."""
+    stops = plan.module_nodes
+    found: dict[str, int] = {}
+    for module in plan.modules:
+        if not module.heads:
+            continue
+        frontier = [module.node]
+        while frontier:
+            for user in graph.users(frontier.pop()):
+                if user in found or user in stops or graph[user].target == _ATTENTION:
+                    continue
+                found[user] = module.heads
+                frontier.append(user)
+    return found
 
 
 def _causal(node: Node) -> bool:

@@ -57,7 +57,7 @@ ORDER = {
             "pipeline",  # the schedule's runs (every --accumulate round)
             "reduce",  # gradients scaled, tied copies summed, the norm taken and clipped
             "tied_sum",
-            "sequence_sum",  # sequence parallelism's partial gradients summed over tp ranks
+            "partial_sum",  # tensor parallelism's partial gradients summed over tp ranks
             "norm",
             "loss_mean",  # the loss averaged over the data-parallel ranks
             "finite_check",  # whether the loss and the gradient norm are finite
@@ -73,7 +73,7 @@ COLLECTIVES = frozenset(
     {
         "dp_reduce",
         "tied_sum",
-        "sequence_sum",
+        "partial_sum",
         "norm",
         "loss_mean",
         "finite_check",
@@ -212,9 +212,10 @@ _WORDS = {
     "pipeline": ("is in {what}", "the pipeline schedule"),
     "reduce": ("is in {what}", "the gradient reduction"),
     "tied_sum": ("waits in {what}", "the sum of tied gradients with {ranks}"),
-    "sequence_sum": (
+    "partial_sum": (
         "waits in {what}",
-        "the sum of sequence-parallel gradients with the tensor-parallel {ranks}",
+        "the sum of partial gradients (sequence parallel, replicated heads) with the "
+        "tensor-parallel {ranks}",
     ),
     "norm": ("waits in {what}", "the gradient norm's all-reduce with {ranks}"),
     "loss_mean": ("waits in {what}", "the loss's mean over the data-parallel {ranks}"),

@@ -34,11 +34,15 @@ def _ints(value: Any, where: str, what: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class ColumnShard:
     """A projection split along its output features: its weight (first name), the weight's
-    dimension of output features, and the sections of a fused projection (empty: one)."""
+    dimension of output features, the sections of a fused projection (empty: one), and whether
+    it is the key or value projection of grouped-query attention (``key_value``: at a degree
+    above the region's key/value heads it is replicated, each rank computing the head its query
+    heads read)."""
 
     weight: str
     dim: int
     sections: tuple[int, ...]
+    key_value: bool = False
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> ColumnShard:
@@ -47,10 +51,19 @@ class ColumnShard:
         require(is_text(data.get("weight")), f"{where}.weight", data.get("weight"), "a name")
         require(data.get("dim") in (0, 1), f"{where}.dim", data.get("dim"), "0 or 1")
         sections = _ints(data.get("sections", []), f"{where}.sections", "a list of sizes")
-        return cls(data["weight"], data["dim"], sections)
+        key_value = data.get("key_value", False)
+        require(isinstance(key_value, bool), f"{where}.key_value", key_value, "true or false")
+        return cls(data["weight"], data["dim"], sections, key_value)
 
     def to_json(self) -> dict[str, Any]:
-        return {"weight": self.weight, "dim": self.dim, "sections": list(self.sections)}
+        data: dict[str, Any] = {
+            "weight": self.weight,
+            "dim": self.dim,
+            "sections": list(self.sections),
+        }
+        if self.key_value:
+            data["key_value"] = True
+        return data
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,11 @@ class Region:
 
     def allows(self, degree: int) -> bool:
         return degree == 1 or degree in self.degrees
+
+    def replicates_heads(self, degree: int) -> bool:
+        """Whether ``degree`` splits the region with its key and value projections replicated
+        (grouped-query attention's key/value heads fewer than the degree)."""
+        return self.kv_heads > 0 and degree > self.kv_heads and degree in self.degrees
 
     def why_not(self, degree: int) -> str:
         """Why ``degree`` leaves the region replicated ("" if it splits it)."""

@@ -10,7 +10,10 @@ bias) of its own, or an ``addmm`` / ``mm`` of a weight stored ``[in, out]`` (GPT
 transposed projection takes the runtime's ``SectionedColwiseParallel`` /
 ``TransposedRowwiseParallel``, and so does a fused one (sections: GPT-2's ``c_attn``), whose
 equal sections are each split alike (torch's ``_StridedShard``); unequal sections keep the
-region replicated, with the reason. The sizes a view or an expansion gives a sharded dimension
+region replicated, with the reason. Grouped-query attention at a degree above its key/value
+heads keeps its key and value projections whole on every rank (the runtime's
+``ReplicatedHeadsParallel``: each rank computes the head its query heads read, and their
+gradients, partial, are summed over the ranks once per step). The sizes a view or an expansion gives a sharded dimension
 become -1 in the generated code, so that one package runs at any degree (a view that leaves
 another size to -1 gets that size written instead, where it is fixed), and a split of a fused
 projection's output into equal sections becomes a ``chunk`` into as many. The embedding is
@@ -89,6 +92,10 @@ class ShardedModule:
     sequence: bool = False
     #: a fused column projection's equal sections (query, key, value: 3), each split alike
     sections: int = 1
+    #: a key or value projection of grouped-query attention at a degree above its ``heads``
+    #: key/value heads: whole on every rank, which computes the one head its query heads read
+    #: (0: split like any column)
+    heads: int = 0
 
     @property
     def operator(self) -> ops.WeightedOperator:
@@ -119,7 +126,17 @@ class ShardedModule:
     def uses_runtime_style(self) -> bool:
         """Whether the runtime's styles shard it (torch's do not: a transposed or fused
         projection)."""
-        return self.kind == TRANSPOSED or self.sections > 1
+        return self.kind == TRANSPOSED or self.sections > 1 or self.heads > 0
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        """The original names of the parameters it holds: its weight, and its bias if any."""
+        return (f"{self.module}.weight",) + ((f"{self.module}.bias",) if self.bias else ())
+
+    def rank_share(self, degree: int) -> float:
+        """The part of its product (and of its output) each of ``degree`` ranks computes:
+        ``1/degree``, or a replicated key/value projection's one head of its ``heads``."""
+        return 1 / self.heads if self.heads else 1 / degree
 
     def constructor(self) -> str:
         """The module as generated code builds it (on the meta device: ``keep_whole`` gives it
@@ -141,6 +158,8 @@ class ShardedModule:
         if self.style == ROWWISE:
             torch_style = "RowwiseParallel" if self.kind == LINEAR else "TransposedRowwiseParallel"
             return f"{torch_style}({sliced})"
+        if self.heads:
+            return f"ReplicatedHeadsParallel({_arguments(f'heads={self.heads}', gather)})"
         if self.uses_runtime_style:
             return f"SectionedColwiseParallel({_arguments(f'sections={self.sections}', gather)})"
         if self.gathered:
@@ -220,15 +239,28 @@ class ShardingPlan:
 
     def summary(self) -> str:
         """One line: ``tensor parallel 2: 8 regions sharded (24 projections); replicated: ...``."""
+        runtime = [
+            what
+            for what, used in (
+                (
+                    "transposed or fused",
+                    any(m.kind == TRANSPOSED or m.sections > 1 for m in self.modules),
+                ),
+                ("grouped key/value", any(m.heads for m in self.modules)),
+            )
+            if used
+        ]
         line = (
             f"tensor parallel {self.degree}: {self.sharded_regions} region(s) sharded "
             f"({len(self.modules)} projections, torch's ColwiseParallel / RowwiseParallel"
-            + (
-                ", the runtime's for transposed or fused ones)"
-                if any(m.uses_runtime_style for m in self.modules)
-                else ")"
-            )
+            + (f", the runtime's for {' and '.join(runtime)} ones)" if runtime else ")")
         )
+        grouped = [m for m in self.modules if m.heads]
+        if grouped:
+            line += (
+                f"; key/value heads replicated: {len(grouped)} projections of "
+                f"{grouped[0].heads} head(s), each rank computing the one its query heads read"
+            )
         if self.replicated:
             shown = "; ".join(f"{scope}: {why}" for scope, why in self.replicated[:3])
             more = f" (and {len(self.replicated) - 3} more)" if len(self.replicated) > 3 else ""
@@ -276,7 +308,7 @@ def _plan(
         why = region.why_not(degree)
         if not why:
             try:
-                found = _modules(graph, region, projections)
+                found = _modules(graph, region, projections, degree)
                 sizes, split = (
                     _local_sizes(graph, region) if region.kind in ("attention", "mlp") else ([], [])
                 )
@@ -430,14 +462,17 @@ def _projections(graph: Graph) -> dict[str, Node]:
     return found
 
 
-def _modules(graph: Graph, region: Region, projections: dict[str, Node]) -> list[ShardedModule]:
+def _modules(
+    graph: Graph, region: Region, projections: dict[str, Node], degree: int
+) -> list[ShardedModule]:
     held = [name for info in graph.params.values() for name in info.names]
     if region.kind in ("embedding", "head"):
         return [_vocabulary(graph, region, projections, held)]
+    grouped = region.kv_heads if region.replicates_heads(degree) else 0
     modules = []
-    for style, weight, sections in [
-        *((COLWISE, c.weight, c.sections) for c in region.columns),
-        (ROWWISE, region.row, ()),
+    for style, weight, sections, heads in [
+        *((COLWISE, c.weight, c.sections, grouped if c.key_value else 0) for c in region.columns),
+        (ROWWISE, region.row, (), 0),
     ]:
         if len(set(sections)) > 1:
             raise _Replicated(
@@ -453,6 +488,11 @@ def _modules(graph: Graph, region: Region, projections: dict[str, Node]) -> list
             )
         operator = ops.PROJECTIONS[node.target]
         kind = LINEAR if operator is ops.LINEAR else TRANSPOSED
+        if heads and kind != LINEAR:
+            raise _Replicated(
+                f"{weight} is a key/value projection of {heads} head(s), fewer than {degree}, "
+                "stored [in, out]: only an nn.Linear is kept whole with a head per rank"
+            )
         if operator is ops.ADDMM and any(
             argument_value(node, factor) not in (None, 1) for factor in ("beta", "alpha")
         ):
@@ -488,6 +528,7 @@ def _modules(graph: Graph, region: Region, projections: dict[str, Node]) -> list
                 region.scope,
                 kind,
                 sections=len(sections) or 1,
+                heads=heads,
             )
         )
     return modules

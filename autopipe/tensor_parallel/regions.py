@@ -15,16 +15,21 @@ vocabulary-parallel, when the vocabulary divides.
 
 How a region is found: from each projection (``linear``, ``addmm`` / ``mm`` of a parameter) the
 sharded dimension (its output features) is followed forward through the operators reading it:
-elementwise operators keep it (their other operand replicated and broadcast over it, or sharded
-the same way), views and reshapes move it (splitting features into heads needs whole heads per
-rank), transposes and permutes carry it, splits along it give each section, attention keeps the
-heads sharded (grouped-query key/value heads must divide too), reductions and normalisations
-over other dimensions keep it. It ends where a projection reads it as its input features (the
-row projection). Anything else that reads a sharded value (a reduction over the features, a
-value leaving the region, two row projections) leaves the region replicated, with the reason.
+elementwise operators keep it (their other operand replicated and broadcast over it, or sharded the
+same way), views and reshapes move it (splitting features into heads needs whole heads per rank),
+transposes and permutes carry it, splits along it give each section, attention keeps the heads
+sharded (grouped-query key/value heads divide too, or are replicated: below), reductions and
+normalisations over other dimensions keep it. It ends where a projection reads it as its input
+features (the row projection). Anything else that reads a sharded value (a reduction over the
+features, a value leaving the region, two row projections) leaves the region replicated, with the
+reason.
 
 Degrees: every power of two the region's sizes divide (heads, key/value heads, features,
-sections, vocabulary), up to :data:`MAX_DEGREE`.
+sections, vocabulary), up to :data:`MAX_DEGREE`; and, for grouped-query attention whose key and
+value projections are projections of their own, the degrees above its key/value heads that they
+divide while the rest of the region's sizes divide them: there the key and value projections
+are replicated (every rank computes the one head its query heads read; their columns are marked
+``key_value``).
 """
 
 from __future__ import annotations
@@ -172,6 +177,7 @@ def _region(
         row = walk.rows[0]
         shared = [p.weight for p in (*columns, row) if uses[p.weight] > 1]
         degrees = tuple(d for d in _powers() if all(size % d == 0 for size in sizes))
+        degrees = tuple(sorted(set(degrees) | set(walk.replicated_heads_degrees())))
         if shared:
             degrees = ()
             reason = f"projection {shared[0]} is read twice (one weight, two splits)"
@@ -184,7 +190,13 @@ def _region(
         scope=scope,
         order=start,
         columns=tuple(
-            ColumnShard(c.weight, c.out_dim, walk.sections.get(c.node.name, ())) for c in columns
+            ColumnShard(
+                c.weight,
+                c.out_dim,
+                walk.sections.get(c.node.name, ()),
+                key_value=c.node.name in walk.key_values,
+            )
+            for c in columns
         ),
         row=row_weight,
         row_node=row_node,
@@ -212,6 +224,10 @@ class _Walk:
         self.pending: list[str] = []
         self.rows: list[_Projection] = []
         self.sizes: set[int] = set()  # what the degree must divide
+        #: each of those sizes with the column projection it comes from ("": none)
+        self.size_origins: set[tuple[int, str]] = set()
+        #: grouped-query attention's key and value projections (when their own, not fused)
+        self.key_values: set[str] = set()
         self.sections: dict[str, tuple[int, ...]] = {}  # fused column -> its sections
         self.heads = 0
         self.kv_heads = 0
@@ -228,7 +244,7 @@ class _Walk:
         if meta is None or not meta.shape:
             raise _Refused(f"{column.node.name} returns no tensor of features")
         dim = len(meta.shape) - 1
-        self.sizes.add(meta.shape[dim])
+        self._size(meta.shape[dim], column.node.name)
         self.sharded[column.node.name] = dim
         self.origin[column.node.name] = column.node.name
         self.pending.append(column.node.name)
@@ -332,13 +348,15 @@ class _Walk:
         running = 1
         for j, extent in enumerate(after):
             if running == outer and extent == 1 and size != 1:
-                continue  # a dimension of 1 before the shard's (a batch of one)
+                if math.prod(after[j + 1 :]) != size:
+                    continue  # a dimension of 1 before the shard's (a batch of one)
+                # else features into one head (multi-query attention's key and value)
             if running == outer:
                 if extent == size:
                     self._reshaped(node, j, source)
                     return
                 if extent < size and size % extent == 0:  # features into (heads, head size)
-                    self.sizes.add(extent)
+                    self._size(extent, self.origin[source])
                     self._reshaped(node, j, source)
                     return
                 merged = size
@@ -409,7 +427,8 @@ class _Walk:
         if self.sections.get(origin, sections) != sections:
             raise _Refused(f"{node.name} splits {origin} a second time, otherwise")
         self.sections[origin] = sections
-        self.sizes.update(sections)
+        for section in sections:
+            self._size(section, origin)
         self.reshapes[node.name] = dim  # its sections' sizes: each rank's share of each
         # each section's users are reached through getitem: the split's value stays sharded
         self.sharded[node.name] = dim
@@ -441,7 +460,34 @@ class _Walk:
         query, key = (self._shape(node.args[i].name) for i in (0, 1))
         self.heads, self.kv_heads = query[1], key[1]
         self.sizes.update({query[1], key[1]})
+        # the projections each comes from, once all three are reached (a visit per input)
+        origins = [self.origin.get(node.args[i].name, "") for i in range(3)]
+        if all(origins):
+            self._size(query[1], origins[0])
+            self._size(key[1], origins[1])
+            if key[1] < query[1] and origins[0] not in origins[1:]:  # grouped, not fused
+                self.key_values.update(origins[1:])
         self._mark(node, 1, source)
+
+    def _size(self, size: int, origin: str) -> None:
+        self.sizes.add(size)
+        self.size_origins.add((size, origin))
+
+    def replicated_heads_degrees(self) -> list[int]:
+        """The degrees above the key/value heads of grouped-query attention at which its key
+        and value projections are replicated: multiples of the key/value heads that the query
+        heads and every size not of the key and value projections divide."""
+        if not self.key_values or not self.kv_heads:
+            return []
+        others = [size for size, origin in self.size_origins if origin not in self.key_values]
+        return [
+            d
+            for d in _powers()
+            if d > self.kv_heads
+            and d % self.kv_heads == 0
+            and self.heads % d == 0
+            and all(size % d == 0 for size in others)
+        ]
 
 
 def _powers() -> Iterable[int]:

@@ -452,20 +452,22 @@ def group_ranks(group: Any) -> tuple[int, ...]:
 
 
 class GradientSync:
-    """Tied gradients, the gradients sequence parallelism leaves partial and the global norm
-    of this rank's stages, after the backward passes: of the parameters that train only
-    (frozen ones have no gradient to sum or count)."""
+    """Tied gradients, the gradients tensor parallelism leaves partial (sequence parallelism's,
+    replicated key/value heads') and the global norm of this rank's stages, after the backward
+    passes: of the parameters that train only (frozen ones have no gradient to sum or count)."""
 
     def __init__(self, pipeline: Pipeline, layout: Layout, stages: dict[int, nn.Module]):
         self.layout = layout
         self.params = [p for m in stages.values() for p in m.parameters() if p.requires_grad]
         self.ties = self._ties(pipeline, layout, stages)
-        #: sequence parallelism: the parameters each tensor-parallel rank took a gradient of
-        #: over its slice of the sequence (the stages' ``sequence_parallel_parameters``)
-        self.sliced = [
+        #: the parameters each tensor-parallel rank took a part of the gradient of: over its
+        #: slice of the sequence (the stages' ``sequence_parallel_parameters``), or of its query
+        #: heads (``replicated_heads_parameters``: grouped key/value projections held whole)
+        self.partial = [
             parameter
             for module in stages.values()
-            for name in getattr(module, "sequence_parallel_parameters", ())
+            for listed in ("sequence_parallel_parameters", "replicated_heads_parameters")
+            for name in getattr(module, listed, ())
             if (parameter := module.get_parameter(name)).requires_grad
         ]
         # copies of a tied parameter past its first holder do not count towards the norm
@@ -513,8 +515,8 @@ class GradientSync:
 
     def reduce(self) -> None:
         """Sum the copies of each tied parameter (shard by shard when sharded; FSDP2 already
-        averaged every gradient over the data-parallel ranks), then the sequence-parallel
-        gradients over the tensor-parallel ranks (in one all-reduce)."""
+        averaged every gradient over the data-parallel ranks), then the partial gradients of
+        tensor parallelism over the tensor-parallel ranks (in one all-reduce)."""
         for tie in self.ties:
             present = [local_shard(p.grad) for p in tie.copies if p.grad is not None]
             total = (
@@ -529,11 +531,11 @@ class GradientSync:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 local_shard(p.grad).copy_(total)
-        present = [local_shard(p.grad) for p in self.sliced if p.grad is not None]
+        present = [local_shard(p.grad) for p in self.partial if p.grad is not None]
         if present and self.layout.tp_mesh is not None:
             tp_group = self.layout.tp_mesh.get_group()
             flat = torch.cat([g.reshape(-1) for g in present])
-            with doing("sequence_sum", ranks=group_ranks(tp_group)):
+            with doing("partial_sum", ranks=group_ranks(tp_group)):
                 dist.all_reduce(flat, group=tp_group)
             for grad, summed in zip(present, torch.split(flat, [g.numel() for g in present])):
                 grad.copy_(summed.view_as(grad))

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .core.kept_modules import run_over_packed, tensors_of
 from .core.region_rng import on_rank_stream
 from .core.sharded_layers import (
+    ReplicatedHeadsParallel,
     SectionedColwiseParallel,
     TransposedLinear,
     TransposedRowwiseParallel,
@@ -227,6 +228,7 @@ __all__ = [
     "MissingOperatorError",
     "ModuleScope",
     "ParameterTable",
+    "ReplicatedHeadsParallel",
     "SectionedColwiseParallel",
     "TransposedLinear",
     "TransposedRowwiseParallel",

@@ -11,9 +11,14 @@ are neither:
   value side by side): splitting its output features in ``t`` contiguous blocks would give a
   rank all the queries and half the keys. :class:`SectionedColwiseParallel` splits each
   section alike (torch's ``_StridedShard`` placement), so that each rank holds its share of
-  every section, whole heads of each, in the section order the code after it splits.
+  every section, whole heads of each, in the section order the code after it splits;
+- a *grouped* key or value projection of grouped-query attention has fewer heads than there
+  are ranks (2 key/value heads at degree 4): no split gives each rank the head its query heads
+  read. :class:`ReplicatedHeadsParallel` keeps it whole on every rank, which computes that head
+  alone; the ranks sharing a head each take the gradient of their query heads' part, summed
+  over the ranks with the other partial gradients once per step (train.py).
 
-The styles are torch's own with another partition: inputs and outputs are made DTensors and
+The first two styles are torch's own with another partition: inputs and outputs are made DTensors and
 redistributed exactly as ``ColwiseParallel`` / ``RowwiseParallel`` do, and DTensor runs the
 product and its collectives. Copied into every generated pipeline; needs only torch.
 """
@@ -27,11 +32,20 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.nn import functional as F
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = [
+    "ReplicatedHeadsParallel",
     "SectionedColwiseParallel",
     "TransposedLinear",
     "TransposedRowwiseParallel",
@@ -186,6 +200,73 @@ class TransposedRowwiseParallel(RowwiseParallel):
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )
+
+
+class ReplicatedHeadsParallel(ParallelStyle):
+    """The key or value projection (an ``nn.Linear``) of ``heads`` grouped-query heads at a
+    degree they do not divide but divides (2 heads at degree 4 or 8): each rank holds the whole
+    projection, plain parameters replicated, and computes the one head its query heads read
+    (rank ``r`` of ``t``: head ``r // (t / heads)``, as grouped-query attention pairs query heads
+    ``[r H/t, (r+1) H/t)`` with their key/value head), so its output is the rank's share the
+    code after it expects, a head's features.
+
+    Its input is made one replicated DTensor as ``ColwiseParallel``'s is (gathered along the
+    sequence where ``input_layouts`` says it arrives sliced) and computed on locally; the input
+    gradient each rank hands back is its own heads' part, declared partial, so that DTensor sums
+    it over the ranks with the region's other column gradients in the region input's one
+    collective. The parameters' gradients are partial alike (each rank's query heads' part of
+    its head's rows): the stage lists them (``REPLICATED_HEADS_PARAMETERS``) and train.py sums
+    them over the ranks once per step."""
+
+    def __init__(self, *, heads: int, input_layouts: Placement | None = None) -> None:
+        super().__init__()
+        if heads < 1:
+            raise ValueError(f"a projection has at least one head, not {heads}")
+        self.heads = heads
+        self.input_layouts = (input_layouts or Replicate(),)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise NotImplementedError(
+                f"ReplicatedHeadsParallel keeps an nn.Linear whole, not a {type(module).__name__}"
+            )
+        degree = device_mesh.size()
+        if degree % self.heads or module.out_features % self.heads:
+            raise ValueError(
+                f"{self.heads} key/value heads of {module.out_features} features cannot be "
+                f"shared among {degree} tensor-parallel ranks (the degree must be a multiple of "
+                "the heads)"
+            )
+        size = module.out_features // self.heads
+        head = device_mesh.get_local_rank() // (degree // self.heads)
+        module.register_forward_pre_hook(
+            partial(_replicated_local_input, self.input_layouts, device_mesh)
+        )
+        # the rank's head's rows alone: the other heads' products would be thrown away
+        module.forward = partial(_rows_forward, module, head * size, size)  # type: ignore[method-assign]
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(heads={self.heads}, input_layouts={self.input_layouts})"
+
+
+def _replicated_local_input(
+    input_layouts: tuple[Placement, ...], device_mesh: DeviceMesh, module: nn.Module, inputs: Any
+) -> tuple[Any, ...]:
+    """The module's input whole on every rank, as a local tensor whose gradient is partial: the
+    rank's part, summed over the ranks by the DTensor it comes from (or is made into here)."""
+    x, *rest = inputs
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
+    if tuple(x.placements) != (Replicate(),):
+        x = x.redistribute(placements=(Replicate(),))
+    return (x.to_local(grad_placements=(Partial(),)), *rest)
+
+
+def _rows_forward(module: nn.Linear, start: int, size: int, x: torch.Tensor) -> torch.Tensor:
+    """``module``'s product for its output features ``[start, start + size)``."""
+    bias = module.bias.narrow(0, start, size) if module.bias is not None else None
+    return F.linear(x, module.weight.narrow(0, start, size), bias)
 
 
 def _partition(
