@@ -15,20 +15,20 @@ their time (the device spec's calibrated GEMM and attention rates at the smaller
 spec without tables), ``q`` the share of the rest's written bytes that is divided.
 
 Its collectives are added where torch's styles run them. Without sequence parallelism: in the
-forward, an all-reduce of each row projection's (and the embedding's) output and an all-gather
-of the head's logits, which every rank then holds whole; in the backward, an all-reduce of each
-region input's gradient (one per region input module, however many column projections read it;
-the head's own). Sequence parallel, each of those all-reduces is a reduce-scatter one way and an
-all-gather the other: row projections and the embedding reduce-scatter their output (all-gather
-its gradient), region inputs and the head all-gather their input (reduce-scatter its gradient).
-They run within a node over the spec's link, costed by :class:`~.network.Network` and not
-overlapped. Each rank holds ``1/t`` of the sharded projections' parameters (gradients and
-optimizer state follow), replicated key/value projections whole. What a unit saves for backward scales as the bytes its operators write
-do on a rank: ``1/t`` of those on a share (a column's features, attention's heads, a slice of
-the sequence), all of the rest, and, sequence parallel, each region input's gathered value
-whole (the projections keep it for their backward); its working memory scales as its time does
-without the slowdown (an embedding's gradient is the size of its rows). FLOPs stay the model's
-(what model FLOPs utilisation counts, over every device of the plan).
+forward, an all-reduce of each row projection's (and the embedding's) output and an all-gather of
+the head's logits, which every rank then holds whole; in the backward, an all-reduce of each region
+input's gradient (one per region input module, however many column projections read it; the head's
+own). Sequence parallel, each of those all-reduces is a reduce-scatter one way and an all-gather the
+other: row projections and the embedding reduce-scatter their output (all-gather its gradient),
+region inputs and the head all-gather their input (reduce-scatter its gradient). They run within a
+node over the spec's link, costed by :class:`~.network.Network` and not overlapped. Each rank holds
+``1/t`` of the sharded projections' parameters (gradients and optimizer state follow), replicated
+key/value projections whole. What a unit saves for backward scales as the bytes its operators write
+do on a rank: ``1/t`` of those on a share (a column's features, attention's heads, a slice of the
+sequence), all of the rest, and, sequence parallel, each region input's gathered value whole (the
+projections keep it for their backward); its working memory scales as its time does without the
+slowdown (an embedding's gradient is the size of its rows). FLOPs stay the model's (what model FLOPs
+utilisation counts, over every device of the plan).
 """
 
 from __future__ import annotations

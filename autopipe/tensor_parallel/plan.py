@@ -1,26 +1,25 @@
 """Which regions a package shards at a tensor-parallel degree, and how its code does it (issue 45,
 item 2).
 
-A region found in the graph (:mod:`.regions`) is sharded at degree ``d`` when ``d`` divides it
-and its projections can be held as modules of their own: each is a ``linear`` of a weight (and
-bias) of its own, or an ``addmm`` / ``mm`` of a weight stored ``[in, out]`` (GPT-2's
-``Conv1D``), held by a module that holds nothing else. The generated stage holds it as a real
-``nn.Linear`` (or the runtime's ``TransposedLinear``) and ``parallelize_module`` applies torch's
-``ColwiseParallel`` to the column projections and ``RowwiseParallel`` to the row projection; a
-transposed projection takes the runtime's ``SectionedColwiseParallel`` /
-``TransposedRowwiseParallel``, and so does a fused one (sections: GPT-2's ``c_attn``), whose
-equal sections are each split alike (torch's ``_StridedShard``); unequal sections keep the
-region replicated, with the reason. Grouped-query attention at a degree above its key/value
-heads keeps its key and value projections whole on every rank (the runtime's
-``ReplicatedHeadsParallel``: each rank computes the head its query heads read, and their
-gradients, partial, are summed over the ranks once per step). The sizes a view or an expansion gives a sharded dimension
-become -1 in the generated code, so that one package runs at any degree (a view that leaves
-another size to -1 gets that size written instead, where it is fixed), and a split of a fused
-projection's output into equal sections becomes a ``chunk`` into as many. The embedding is
-sharded by vocabulary rows (torch's ``RowwiseParallel`` on an ``nn.Embedding``) and the output
-head by vocabulary columns, its logits gathered whole for the loss
-(``ColwiseParallel(output_layouts=Replicate())``), where their weights are their own (not tied)
-and the embedding has no padding index.
+A region found in the graph (:mod:`.regions`) is sharded at degree ``d`` when ``d`` divides it and
+its projections can be held as modules of their own: each is a ``linear`` of a weight (and bias) of
+its own, or an ``addmm`` / ``mm`` of a weight stored ``[in, out]`` (GPT-2's ``Conv1D``), held by a
+module that holds nothing else. The generated stage holds it as a real ``nn.Linear`` (or the
+runtime's ``TransposedLinear``) and ``parallelize_module`` applies torch's ``ColwiseParallel`` to
+the column projections and ``RowwiseParallel`` to the row projection; a transposed projection takes
+the runtime's ``SectionedColwiseParallel`` / ``TransposedRowwiseParallel``, and so does a fused one
+(sections: GPT-2's ``c_attn``), whose equal sections are each split alike (torch's
+``_StridedShard``); unequal sections keep the region replicated, with the reason. Grouped-query
+attention at a degree above its key/value heads keeps its key and value projections whole on every
+rank (the runtime's ``ReplicatedHeadsParallel``: each rank computes the head its query heads read,
+and their gradients, partial, are summed over the ranks once per step). The sizes a view or an
+expansion gives a sharded dimension become -1 in the generated code, so that one package runs at any
+degree (a view that leaves another size to -1 gets that size written instead, where it is fixed),
+and a split of a fused projection's output into equal sections becomes a ``chunk`` into as many. The
+embedding is sharded by vocabulary rows (torch's ``RowwiseParallel`` on an ``nn.Embedding``) and the
+output head by vocabulary columns, its logits gathered whole for the loss
+(``ColwiseParallel(output_layouts=Replicate())``), where their weights are their own (not tied) and
+the embedding has no padding index.
 
 A region's column projections read their input through a module of its own, an ``nn.Identity``
 at ``<scope>.tensor_parallel_input`` that torch's ``PrepareModuleInput`` turns into one

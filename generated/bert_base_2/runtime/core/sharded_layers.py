@@ -18,8 +18,8 @@ are neither:
   alone; the ranks sharing a head each take the gradient of their query heads' part, summed
   over the ranks with the other partial gradients once per step (train.py).
 
-The first two styles are torch's own with another partition: inputs and outputs are made DTensors and
-redistributed exactly as ``ColwiseParallel`` / ``RowwiseParallel`` do, and DTensor runs the
+The first two styles are torch's own with another partition: inputs and outputs are made DTensors
+and redistributed exactly as ``ColwiseParallel`` / ``RowwiseParallel`` do, and DTensor runs the
 product and its collectives. Copied into every generated pipeline; needs only torch.
 """
 
@@ -243,7 +243,8 @@ class ReplicatedHeadsParallel(ParallelStyle):
             partial(_replicated_local_input, self.input_layouts, device_mesh)
         )
         # the rank's head's rows alone: the other heads' products would be thrown away
-        module.forward = partial(_rows_forward, module, head * size, size)  # type: ignore[method-assign]
+        rows = partial(_rows_forward, module, head * size, size)
+        module.forward = rows  # type: ignore[method-assign]
         return module
 
     def __repr__(self) -> str:
