@@ -5,11 +5,13 @@ assignments of real models' units: contiguous, any monotone one, and any at all.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
-from autopipe.partitioning.cost import CostModel
+from autopipe.partitioning.cost import OPTIMIZER_TRAFFIC, CostModel
 from autopipe.profiling import profile
+from autopipe.profiling.devices import OptimizerStep
 from autopipe.spec import load_example
 from autopipe.tracing import trace
 
@@ -25,6 +27,13 @@ def stage_parameters(model, stage_of_unit, num_stages, trainable=False):
         float(sum(b for name, b in params.items() if not (trainable and name in model.frozen)))
         for params in held
     ]
+
+
+def trained_tensors(model, stage_of_unit, num_stages):
+    held = [set() for _ in range(num_stages)]
+    for unit, stage in enumerate(stage_of_unit):
+        held[stage].update(n for n in model.unit_params[unit] if n not in model.frozen)
+    return [float(len(names)) for names in held]
 
 
 def crossing(model, stage_of_unit, num_stages):
@@ -157,6 +166,9 @@ def test_the_sums_equal_the_loops_to_the_last_bit(traced, dp_shard, schedule):
                 assert recomputing.stage_parameters(
                     stage_of_unit, num_stages, trainable
                 ) == stage_parameters(recomputing, stage_of_unit, num_stages, trainable)
+            assert recomputing.sums.trained_tensors(
+                recomputing.sums.assignment(stage_of_unit), num_stages
+            ).tolist() == trained_tensors(recomputing, stage_of_unit, num_stages)
             assert recomputing._crossing(stage_of_unit, num_stages) == crossing(
                 recomputing, stage_of_unit, num_stages
             )
@@ -172,6 +184,30 @@ def test_the_sums_equal_the_loops_to_the_last_bit(traced, dp_shard, schedule):
                 assert recomputing.gathered(stage_of_unit, params, trained) == gathered(
                     recomputing, stage_of_unit, params, trained
                 )
+
+
+def test_the_optimizer_step_costs_its_bytes_and_tensors(traced):
+    """With a calibrated step, each device's optimizer time is its stages' share of the trained
+    bytes at the step's rate per byte plus their trained tensors at its rate per tensor (the
+    slowest device's counts); without one, the bytes streamed at the memory rate."""
+    graph, prof = traced
+    step = OptimizerStep(per_byte=1e-9, per_tensor=2e-5)
+    timed = replace(prof, device=replace(prof.device, optimizer_steps={"adamw": step}))
+    for dp_shard in (1, 2):
+        plain = CostModel(graph, prof, microbatches=4, dp_shard=dp_shard)
+        model = CostModel(graph, timed, microbatches=4, dp_shard=dp_shard)
+        stage_of_unit = contiguous(random.Random(dp_shard), model.num_units, 2)
+        trained = stage_parameters(model, stage_of_unit, 2, True)
+        tensors = trained_tensors(model, stage_of_unit, 2)
+        expected = max(step.time(b / dp_shard, n) for b, n in zip(trained, tensors))
+        assert model.evaluate(stage_of_unit, [0, 1]).optimizer_time == pytest.approx(expected)
+        # two stages on one device: its one step over both
+        both = step.time(sum(trained) / dp_shard, sum(tensors))
+        looped = CostModel(graph, timed, schedule="auto", microbatches=4, dp_shard=dp_shard)
+        assert looped.evaluate(stage_of_unit, [0, 0]).optimizer_time == pytest.approx(both)
+        speed = prof.device.memory_bandwidth * prof.device.memory_efficiency
+        streamed = max(b / dp_shard * OPTIMIZER_TRAFFIC["adamw"] / speed for b in trained)
+        assert plain.evaluate(stage_of_unit, [0, 1]).optimizer_time == pytest.approx(streamed)
 
 
 @pytest.mark.parametrize("schedule, devices", [("1f1b", None), ("zbv", 2), ("auto", 2)])

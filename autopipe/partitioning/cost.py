@@ -48,9 +48,12 @@ STATE_FACTOR = {"sgd": 2, "adamw": 4}
 #: Temporaries of torch's (foreach) optimizer step per parameter byte: AdamW builds its update
 #: denominator for every parameter at once (measured 0.75 to 1 on CPU), SGD updates in place.
 OPTIMIZER_TEMPORARIES = {"sgd": 0.0, "adamw": 1.0}
-#: Bytes an optimizer step reads and writes per parameter byte: AdamW reads the parameter, its
-#: gradient and two moments and writes three of them back; SGD reads two and writes one.
-OPTIMIZER_TRAFFIC = {"sgd": 3, "adamw": 7}
+#: Bytes an optimizer step reads and writes per parameter byte, as train.py's torch optimizers
+#: run (foreach on a GPU, tensor by tensor on a CPU: one pass per operator, not one fused pass):
+#: AdamW's lerp, mul, addcmul, sqrt, div, add and addcdiv stream 18 (7 fused); SGD without
+#: momentum reads the parameter and its gradient and writes the parameter. A calibrated spec's
+#: measured step (``DeviceSpec.optimizer_steps``) replaces these.
+OPTIMIZER_TRAFFIC = {"sgd": 3, "adamw": 18}
 
 
 def stage_time(forward: float, backward: float, comm_forward: float, comm_backward: float) -> float:
@@ -682,14 +685,22 @@ class CostModel:
             times.append(ring.time(kind, nbytes, 1 if calls is None else max(calls[s], 1)))
         return times
 
-    def optimizer_time(self, trainable: list[float], device_of_stage: list[int]) -> float:
-        """The slowest device's optimizer step: its share of the trainable parameters' state
-        streamed once."""
-        traffic = [0.0] * (max(device_of_stage) + 1)
-        for p, device in zip(trainable, device_of_stage):
-            traffic[device] += p / self.dp_shard * OPTIMIZER_TRAFFIC[self.optimizer]
+    def optimizer_time(
+        self, trainable: list[float], device_of_stage: list[int], tensors: list[float]
+    ) -> float:
+        """The slowest device's optimizer step over its share of ``trainable`` parameter bytes
+        in ``tensors`` tensors (per stage): as the spec's calibrated step costs it, per byte
+        and per tensor; without one, the state streamed once (:data:`OPTIMIZER_TRAFFIC`)."""
+        step = self.device.optimizer_steps.get(self.optimizer)
         speed = self.device.memory_bandwidth * self.device.memory_efficiency
-        return max(traffic) / speed
+        times = [0.0] * (max(device_of_stage) + 1)
+        for p, n, device in zip(trainable, tensors, device_of_stage):
+            share = p / self.dp_shard
+            if step is not None:
+                times[device] += step.time(share, n)
+            else:
+                times[device] += share * OPTIMIZER_TRAFFIC[self.optimizer] / speed
+        return max(times)
 
     def lower_bound(self, num_devices: int) -> float:
         return max(sum(self.compute) / num_devices, max(self.compute, default=0.0))
@@ -915,7 +926,11 @@ class CostModel:
             device_memory=[peak.total for peak in peaks],
             bubble=simulation.bubble,
             memory_peaks=peaks,
-            optimizer_time=self.optimizer_time(trainable, device_of_stage),
+            optimizer_time=self.optimizer_time(
+                trainable,
+                device_of_stage,
+                self.sums.trained_tensors(self.sums.assignment(stage_of_unit), num_stages).tolist(),
+            ),
             data_parallel_time=once,
             flops=self.flops,
             peak_flops=self.device.peak_flops(self.dtype),

@@ -84,6 +84,7 @@ class StageSums:
         self.param_id = _ints([h[1] for h in held])
         self.param_bytes = _floats([h[2] for h in held])
         self.param_trained = _floats([h[2] if h[3] else 0 for h in held])
+        self.param_trained_tensors = _floats([1 if h[3] else 0 for h in held])
         self.num_params = len(names)
         self.producer = _ints([e[0] for e in exchanges])
         self.last = _ints([e[1] for e in exchanges])
@@ -120,13 +121,25 @@ class StageSums:
         units read it), and of those the trained ones'."""
         if not self.num_params:
             return np.zeros(num_stages), np.zeros(num_stages)
-        where = stages[self.param_unit]
-        _, first = np.unique(where * self.num_params + self.param_id, return_index=True)
-        owner = where[first]
+        first, owner = self._held(stages)
         return (
             _summed(owner, self.param_bytes[first], num_stages),
             _summed(owner, self.param_trained[first], num_stages),
         )
+
+    def trained_tensors(self, stages: Ints, num_stages: int) -> Floats:
+        """Trained parameter tensors each stage holds (a parameter once per stage): what its
+        optimizer steps over."""
+        if not self.num_params:
+            return np.zeros(num_stages)
+        first, owner = self._held(stages)
+        return _summed(owner, self.param_trained_tensors[first], num_stages)
+
+    def _held(self, stages: Ints) -> tuple[Ints, Ints]:
+        """Each parameter's first entry in each stage holding it, and that stage."""
+        where = stages[self.param_unit]
+        _, first = np.unique(where * self.num_params + self.param_id, return_index=True)
+        return first, where[first]
 
     def exchange_stages(self, stages: Ints, num_stages: int) -> tuple[Ints, Ints]:
         """Each exchanged value's producing stage (0 for a model input) and the stage of its

@@ -6,7 +6,9 @@ device's memory size, and the bandwidth between two pipeline stages (two local p
 gloo on CPU; a device-to-device copy on CUDA, or a host-device copy when there is a single GPU).
 The fractions of peak are 1: these are achieved rates already. The spec's tables hold the rates
 by size (products by their FLOPs, attention by its FLOPs with and without a causal mask, copies
-by their bytes), which the analytic profile interpolates.
+by their bytes), which the analytic profile interpolates. An optimizer step (AdamW and SGD, as
+train.py builds them) is timed over one large parameter and over many small ones: its cost per
+byte and per tensor, which the cost model charges each rank's step.
 
 ``--device-spec cpu`` (or ``cuda``) names this machine's own device: :func:`local_spec`
 calibrates it on first use and keeps the spec in autopipe's cache (``$AUTOPIPE_CACHE_DIR``, else
@@ -36,7 +38,7 @@ from ..artifacts import atomic_write_text
 from ..errors import AutopipeError
 from torch.nn import functional as F
 
-from .devices import KNOWN_DEVICES, DeviceSpec, RateTable, device_spec
+from .devices import KNOWN_DEVICES, OPTIMIZERS, DeviceSpec, OptimizerStep, RateTable, device_spec
 from .flops import flop_counter
 from .operator_rates import operator_tables
 from .rank_conditions import as_a_rank_runs
@@ -52,8 +54,13 @@ __all__ = [
 
 #: what a calibration measures, in the cache's key: a spec cached by an older one is measured
 #: again (v2: the tables by size and the view overhead; v3: a CPU's operators in real layers;
-#: v4: the link's latency; v5: SDPA's math path, the receive wait, freed memory kept)
-CALIBRATION = "calibration-v5"
+#: v4: the link's latency; v5: SDPA's math path, the receive wait, freed memory kept; v6: the
+#: optimizer step)
+CALIBRATION = "calibration-v6"
+#: the small parameters an optimizer step is timed over for its cost per tensor (of
+#: :data:`SMALL_PARAMETER` elements each)
+OPTIMIZER_TENSORS = 128
+SMALL_PARAMETER = 256
 #: receives timed under load (:func:`_receive_waits`): the mean of a wait that is bimodal (a
 #: busy sender's transfer thread gets a core at once, or after the scheduler's slice)
 RECEIVE_ROUNDS = 96
@@ -107,6 +114,36 @@ def view_overhead(device: torch.device, repeats: int = 200) -> float:
     """Seconds a view costs the caller (the dispatcher's time; no kernel)."""
     x = torch.ones(4, 4, device=device)
     return _timed(lambda: [x.view(16) for _ in range(repeats)], device, 5) / repeats
+
+
+def optimizer_steps(device: torch.device, elements: int) -> dict[str, OptimizerStep]:
+    """What a step of each optimizer train.py runs costs on ``device``: per byte, from one
+    parameter of ``elements`` (beyond the caches), and per tensor, from
+    :data:`OPTIMIZER_TENSORS` small ones less what their bytes cost."""
+    steps = {}
+    small = OPTIMIZER_TENSORS * SMALL_PARAMETER * 4
+    for name in OPTIMIZERS:
+        per_byte = _optimizer_step(device, name, [elements]) / (elements * 4)
+        many = _optimizer_step(device, name, [SMALL_PARAMETER] * OPTIMIZER_TENSORS)
+        per_tensor = max(0.0, many - small * per_byte) / OPTIMIZER_TENSORS
+        steps[name] = OptimizerStep(per_byte, per_tensor)
+    return steps
+
+
+def _optimizer_step(device: torch.device, name: str, sizes: list[int]) -> float:
+    """Seconds of one step of optimizer ``name`` over float32 parameters of ``sizes``, built as
+    train.py builds it (``runtime/driver.py``: torch's default implementation, no weight decay
+    or momentum unless asked)."""
+    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in sizes]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer: torch.optim.Optimizer = (
+        torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+        if name == "adamw"
+        else torch.optim.SGD(params, lr=1e-3)
+    )
+    optimizer.step()  # AdamW's moments are made at its first step
+    return _timed(optimizer.step, device, 5)
 
 
 def _rate(work: float, seconds: float, overhead: float) -> float:
@@ -330,6 +367,12 @@ def _calibrate(device: torch.device, name: str | None, log: Callable[[str], None
         tables |= operator_tables((torch.float32,), log)
     views = 0.0 if on_gpu else view_overhead(device)  # a GPU's views hide behind its kernels
     log(f"view overhead: {views * 1e6:.2f} us")
+    steps = optimizer_steps(device, (64 << 20) if on_gpu else (8 << 20))
+    for optimizer, step in steps.items():
+        log(
+            f"{optimizer} step: {step.per_byte * 1e12:.1f} ps per parameter byte, "
+            f"{step.per_tensor * 1e6:.1f} us per tensor"
+        )
     link, latency, waited, how = link_bandwidth(device, (256 << 20) if on_gpu else (64 << 20))
     log(
         f"link ({how}): {link / 1e9:.2f} GB/s, {latency * 1e6:.0f} us per message, "
@@ -360,6 +403,7 @@ def _calibrate(device: torch.device, name: str | None, log: Callable[[str], None
         memory_efficiency=1.0,
         kernel_overhead=overhead,
         view_overhead=views,
+        optimizer_steps=steps,
         tables=tables,
         **links,
     )
