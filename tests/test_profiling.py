@@ -13,7 +13,7 @@ from autopipe.cli import main as autopipe_main
 from autopipe.compiler import CompileOptions, trace_step
 from autopipe.errors import AutopipeError
 from autopipe.profiling import calibrate, device_spec, measured, profile
-from autopipe.profiling.devices import DeviceSpec, OptimizerStep
+from autopipe.profiling.devices import DeviceSpec, RateTable
 from autopipe.profiling.measured import profile_measured
 from autopipe.spec import Example, load_example
 
@@ -161,10 +161,10 @@ def test_calibrate_writes_a_usable_spec(tmp_path):
     # a receive while its sender computes, on this CPU's two ranks: the handshake's wait
     assert spec.link_latency <= spec.receive_overhead < 0.1
     # AdamW's step streams its state in several passes (SGD's in one) and launches its
-    # operators for every tensor on a CPU
+    # operators for every tensor on a CPU: small tensors update slower than large ones
     adamw, sgd = spec.optimizer_steps["adamw"], spec.optimizer_steps["sgd"]
-    assert adamw.per_byte > sgd.per_byte > 0 and adamw.per_tensor > sgd.per_tensor > 0
-    assert adamw.per_tensor > spec.kernel_overhead
+    assert len(adamw.points) == 5 and adamw.at(1024) < adamw.at(1 << 22)
+    assert all(a < s for (_, a), (_, s) in zip(adamw.points, sgd.points))
     kinds = {"matmul", "attention", "causal_attention", "attention_backward"}
     assert {f"{kind}.float32" for kind in kinds} | {"memory"} <= set(spec.tables)
     assert len(spec.tables["matmul.float32"].points) >= 4
@@ -173,18 +173,21 @@ def test_calibrate_writes_a_usable_spec(tmp_path):
 
 
 def test_a_spec_file_with_optimizer_steps_reads_strictly(tmp_path):
-    """A calibrated spec's optimizer steps round-trip; a step of another optimizer, or missing
-    its cost per tensor, is refused naming it."""
+    """A calibrated spec's optimizer steps (rates by tensor size) round-trip; a step of another
+    optimizer, or one that is no table, is refused naming it."""
     spec = replace(
         device_spec("H100"),
-        optimizer_steps={"adamw": OptimizerStep(1e-12, 2e-6), "sgd": OptimizerStep(2e-13, 0.0)},
+        optimizer_steps={
+            "adamw": RateTable(((1024.0, 1e8), (1e6, 2e9))),
+            "sgd": RateTable(((1024.0, 5e8),)),
+        },
     )
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec.to_json()))
     assert device_spec(str(path)) == spec
     assert "optimizer_steps" not in device_spec("H100").to_json()  # none measured: none written
     for bad, message in (
-        ({"lamb": {"per_byte": 1e-12, "per_tensor": 0.0}}, "steps by optimizer"),
+        ({"lamb": [[1024.0, 1e8]]}, "steps by optimizer"),
         ({"adamw": {"per_byte": 1e-12}}, r"optimizer_steps\['adamw'\] must be"),
     ):
         path.write_text(json.dumps(spec.to_json() | {"optimizer_steps": bad}))

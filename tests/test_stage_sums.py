@@ -11,7 +11,7 @@ import pytest
 
 from autopipe.partitioning.cost import OPTIMIZER_TRAFFIC, CostModel
 from autopipe.profiling import profile
-from autopipe.profiling.devices import OptimizerStep
+from autopipe.profiling.devices import RateTable
 from autopipe.spec import load_example
 from autopipe.tracing import trace
 
@@ -29,11 +29,13 @@ def stage_parameters(model, stage_of_unit, num_stages, trainable=False):
     ]
 
 
-def trained_tensors(model, stage_of_unit, num_stages):
-    held = [set() for _ in range(num_stages)]
+def optimizer_steps(model, stage_of_unit, num_stages):
+    held = [{} for _ in range(num_stages)]
     for unit, stage in enumerate(stage_of_unit):
-        held[stage].update(n for n in model.unit_params[unit] if n not in model.frozen)
-    return [float(len(names)) for names in held]
+        held[stage].update(
+            (n, b) for n, b in model.unit_params[unit].items() if n not in model.frozen
+        )
+    return [sum(model.optimizer_step_time(b) for b in params.values()) for params in held]
 
 
 def crossing(model, stage_of_unit, num_stages):
@@ -166,9 +168,9 @@ def test_the_sums_equal_the_loops_to_the_last_bit(traced, dp_shard, schedule):
                 assert recomputing.stage_parameters(
                     stage_of_unit, num_stages, trainable
                 ) == stage_parameters(recomputing, stage_of_unit, num_stages, trainable)
-            assert recomputing.sums.trained_tensors(
+            assert recomputing.sums.optimizer_steps(
                 recomputing.sums.assignment(stage_of_unit), num_stages
-            ).tolist() == trained_tensors(recomputing, stage_of_unit, num_stages)
+            ).tolist() == pytest.approx(optimizer_steps(recomputing, stage_of_unit, num_stages))
             assert recomputing._crossing(stage_of_unit, num_stages) == crossing(
                 recomputing, stage_of_unit, num_stages
             )
@@ -186,26 +188,30 @@ def test_the_sums_equal_the_loops_to_the_last_bit(traced, dp_shard, schedule):
                 )
 
 
-def test_the_optimizer_step_costs_its_bytes_and_tensors(traced):
-    """With a calibrated step, each device's optimizer time is its stages' share of the trained
-    bytes at the step's rate per byte plus their trained tensors at its rate per tensor (the
-    slowest device's counts); without one, the bytes streamed at the memory rate."""
+def test_the_optimizer_step_costs_each_tensor_at_its_sizes_rate(traced):
+    """With a calibrated step, each parameter's share of the step costs its bytes at the rate
+    the spec measured for tensors of its size (here a launch-bound small tensor updates at a
+    tenth of a large one's rate), each device's step its stages' (the slowest device's
+    counts); without one, the bytes stream at the memory rate."""
     graph, prof = traced
-    step = OptimizerStep(per_byte=1e-9, per_tensor=2e-5)
-    timed = replace(prof, device=replace(prof.device, optimizer_steps={"adamw": step}))
+    table = RateTable(((1024.0, 1e8), (1048576.0, 1e9)))
+    timed = replace(prof, device=replace(prof.device, optimizer_steps={"adamw": table}))
+    speed = prof.device.memory_bandwidth * prof.device.memory_efficiency
     for dp_shard in (1, 2):
         plain = CostModel(graph, prof, microbatches=4, dp_shard=dp_shard)
         model = CostModel(graph, timed, microbatches=4, dp_shard=dp_shard)
+        for nbytes in (512, 4096, 1 << 22):
+            share = nbytes / dp_shard
+            assert model.optimizer_step_time(nbytes) == pytest.approx(share / table.at(share))
+            assert plain.optimizer_step_time(nbytes) == pytest.approx(
+                share * OPTIMIZER_TRAFFIC["adamw"] / speed
+            )
         stage_of_unit = contiguous(random.Random(dp_shard), model.num_units, 2)
-        trained = stage_parameters(model, stage_of_unit, 2, True)
-        tensors = trained_tensors(model, stage_of_unit, 2)
-        expected = max(step.time(b / dp_shard, n) for b, n in zip(trained, tensors))
-        assert model.evaluate(stage_of_unit, [0, 1]).optimizer_time == pytest.approx(expected)
-        # two stages on one device: its one step over both
-        both = step.time(sum(trained) / dp_shard, sum(tensors))
+        steps = optimizer_steps(model, stage_of_unit, 2)
+        assert model.evaluate(stage_of_unit, [0, 1]).optimizer_time == pytest.approx(max(steps))
         looped = CostModel(graph, timed, schedule="auto", microbatches=4, dp_shard=dp_shard)
-        assert looped.evaluate(stage_of_unit, [0, 0]).optimizer_time == pytest.approx(both)
-        speed = prof.device.memory_bandwidth * prof.device.memory_efficiency
+        assert looped.evaluate(stage_of_unit, [0, 0]).optimizer_time == pytest.approx(sum(steps))
+        trained = stage_parameters(plain, stage_of_unit, 2, True)
         streamed = max(b / dp_shard * OPTIMIZER_TRAFFIC["adamw"] / speed for b in trained)
         assert plain.evaluate(stage_of_unit, [0, 1]).optimizer_time == pytest.approx(streamed)
 

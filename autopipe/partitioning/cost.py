@@ -465,6 +465,7 @@ class CostModel:
             dp_shard=dp_shard,
             unit_params=self.unit_params,
             frozen=self.frozen,
+            step_time=self.optimizer_step_time,
             exchanges=[(e.producer, e.last, e.activation, e.gradient) for e in self.exchanges],
             savers=[
                 [
@@ -685,21 +686,24 @@ class CostModel:
             times.append(ring.time(kind, nbytes, 1 if calls is None else max(calls[s], 1)))
         return times
 
-    def optimizer_time(
-        self, trainable: list[float], device_of_stage: list[int], tensors: list[float]
-    ) -> float:
-        """The slowest device's optimizer step over its share of ``trainable`` parameter bytes
-        in ``tensors`` tensors (per stage): as the spec's calibrated step costs it, per byte
-        and per tensor; without one, the state streamed once (:data:`OPTIMIZER_TRAFFIC`)."""
-        step = self.device.optimizer_steps.get(self.optimizer)
+    def optimizer_step_time(self, nbytes: float) -> float:
+        """Seconds of the optimizer step over a trained parameter of ``nbytes``, this rank's
+        share of it (``1/dp_shard``): at the rate the spec's calibrated step reaches on tensors
+        of that size, else its traffic (:data:`OPTIMIZER_TRAFFIC`) at the memory rate."""
+        share = nbytes / self.dp_shard
+        table = self.device.optimizer_steps.get(self.optimizer)
+        if table is not None:
+            return share / table.at(share) if share > 0 else 0.0
         speed = self.device.memory_bandwidth * self.device.memory_efficiency
+        return share * OPTIMIZER_TRAFFIC[self.optimizer] / speed
+
+    def optimizer_time(self, stage_of_unit: list[int], device_of_stage: list[int]) -> float:
+        """The slowest device's optimizer step: its stages' trained parameters, each stepped
+        as :meth:`optimizer_step_time` costs it."""
+        steps = self.sums.optimizer_steps(self.sums.assignment(stage_of_unit), len(device_of_stage))
         times = [0.0] * (max(device_of_stage) + 1)
-        for p, n, device in zip(trainable, tensors, device_of_stage):
-            share = p / self.dp_shard
-            if step is not None:
-                times[device] += step.time(share, n)
-            else:
-                times[device] += share * OPTIMIZER_TRAFFIC[self.optimizer] / speed
+        for seconds, device in zip(steps.tolist(), device_of_stage):
+            times[device] += seconds
         return max(times)
 
     def lower_bound(self, num_devices: int) -> float:
@@ -926,11 +930,7 @@ class CostModel:
             device_memory=[peak.total for peak in peaks],
             bubble=simulation.bubble,
             memory_peaks=peaks,
-            optimizer_time=self.optimizer_time(
-                trainable,
-                device_of_stage,
-                self.sums.trained_tensors(self.sums.assignment(stage_of_unit), num_stages).tolist(),
-            ),
+            optimizer_time=self.optimizer_time(stage_of_unit, device_of_stage),
             data_parallel_time=once,
             flops=self.flops,
             peak_flops=self.device.peak_flops(self.dtype),

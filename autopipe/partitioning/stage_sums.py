@@ -17,7 +17,7 @@ order while the totals stay below 2**53 bytes (8 PiB).
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -50,7 +50,8 @@ class StageSums:
     ``exchanges`` are ``(producer, last reader, activation bytes, gradient bytes)`` (producer
     -1: a model input; last reader ``num_units``: a model output); ``savers`` the units that save
     each exchanged value among their activations, per exchange; ``unit_params`` each unit's
-    parameters (bytes by name, in the unit's order); ``blocks`` each block's units."""
+    parameters (bytes by name, in the unit's order); ``step_time`` the seconds of an optimizer
+    step over a trained parameter of so many bytes; ``blocks`` each block's units."""
 
     def __init__(
         self,
@@ -65,6 +66,7 @@ class StageSums:
         dp_shard: int,
         unit_params: Sequence[dict[str, int]],
         frozen: frozenset[str],
+        step_time: Callable[[int], float],
         exchanges: Sequence[tuple[int, int, int, int]],
         savers: Sequence[Sequence[int]],
         blocks: Sequence[Sequence[int]],
@@ -84,7 +86,8 @@ class StageSums:
         self.param_id = _ints([h[1] for h in held])
         self.param_bytes = _floats([h[2] for h in held])
         self.param_trained = _floats([h[2] if h[3] else 0 for h in held])
-        self.param_trained_tensors = _floats([1 if h[3] else 0 for h in held])
+        #: each trained parameter's optimizer step (seconds), frozen ones' none
+        self.param_step = _floats([step_time(h[2]) if h[3] else 0.0 for h in held])
         self.num_params = len(names)
         self.producer = _ints([e[0] for e in exchanges])
         self.last = _ints([e[1] for e in exchanges])
@@ -127,13 +130,12 @@ class StageSums:
             _summed(owner, self.param_trained[first], num_stages),
         )
 
-    def trained_tensors(self, stages: Ints, num_stages: int) -> Floats:
-        """Trained parameter tensors each stage holds (a parameter once per stage): what its
-        optimizer steps over."""
+    def optimizer_steps(self, stages: Ints, num_stages: int) -> Floats:
+        """Seconds of each stage's optimizer step: its trained parameters' (each once)."""
         if not self.num_params:
             return np.zeros(num_stages)
         first, owner = self._held(stages)
-        return _summed(owner, self.param_trained_tensors[first], num_stages)
+        return _summed(owner, self.param_step[first], num_stages)
 
     def _held(self, stages: Ints) -> tuple[Ints, Ints]:
         """Each parameter's first entry in each stage holding it, and that stage."""

@@ -7,8 +7,8 @@ gloo on CPU; a device-to-device copy on CUDA, or a host-device copy when there i
 The fractions of peak are 1: these are achieved rates already. The spec's tables hold the rates
 by size (products by their FLOPs, attention by its FLOPs with and without a causal mask, copies
 by their bytes), which the analytic profile interpolates. An optimizer step (AdamW and SGD, as
-train.py builds them) is timed over one large parameter and over many small ones: its cost per
-byte and per tensor, which the cost model charges each rank's step.
+train.py builds them) is timed over tensors of several sizes: the parameter bytes it updates per
+second by tensor size, which the cost model charges each rank's step tensor by tensor.
 
 ``--device-spec cpu`` (or ``cuda``) names this machine's own device: :func:`local_spec`
 calibrates it on first use and keeps the spec in autopipe's cache (``$AUTOPIPE_CACHE_DIR``, else
@@ -38,7 +38,7 @@ from ..artifacts import atomic_write_text
 from ..errors import AutopipeError
 from torch.nn import functional as F
 
-from .devices import KNOWN_DEVICES, OPTIMIZERS, DeviceSpec, OptimizerStep, RateTable, device_spec
+from .devices import KNOWN_DEVICES, OPTIMIZERS, DeviceSpec, RateTable, device_spec
 from .flops import flop_counter
 from .operator_rates import operator_tables
 from .rank_conditions import as_a_rank_runs
@@ -57,10 +57,13 @@ __all__ = [
 #: v4: the link's latency; v5: SDPA's math path, the receive wait, freed memory kept; v6: the
 #: optimizer step)
 CALIBRATION = "calibration-v6"
-#: the small parameters an optimizer step is timed over for its cost per tensor (of
-#: :data:`SMALL_PARAMETER` elements each)
-OPTIMIZER_TENSORS = 128
-SMALL_PARAMETER = 256
+#: the sizes (elements) of the parameter tensors an optimizer step is timed over: from a
+#: launch-bound one to one a CPU's caches do not hold (a GPU's table adds 64 Mi)
+OPTIMIZER_TENSOR_SIZES = (256, 4096, 65536, 1 << 20, 8 << 20)
+#: the bytes of parameters each of those steps updates (16 times more on a GPU), in at most
+#: :data:`OPTIMIZER_TENSORS` tensors
+OPTIMIZER_STEP_BYTES = 64 << 20
+OPTIMIZER_TENSORS = 512
 #: receives timed under load (:func:`_receive_waits`): the mean of a wait that is bimodal (a
 #: busy sender's transfer thread gets a core at once, or after the scheduler's slice)
 RECEIVE_ROUNDS = 96
@@ -116,17 +119,20 @@ def view_overhead(device: torch.device, repeats: int = 200) -> float:
     return _timed(lambda: [x.view(16) for _ in range(repeats)], device, 5) / repeats
 
 
-def optimizer_steps(device: torch.device, elements: int) -> dict[str, OptimizerStep]:
-    """What a step of each optimizer train.py runs costs on ``device``: per byte, from one
-    parameter of ``elements`` (beyond the caches), and per tensor, from
-    :data:`OPTIMIZER_TENSORS` small ones less what their bytes cost."""
+def optimizer_steps(device: torch.device) -> dict[str, RateTable]:
+    """Parameter bytes a step of each optimizer train.py runs updates per second on ``device``,
+    by the size of the parameter tensors: steps over :data:`OPTIMIZER_STEP_BYTES` of tensors of
+    each size of :data:`OPTIMIZER_TENSOR_SIZES` (at most :data:`OPTIMIZER_TENSORS` of them)."""
+    on_gpu = device.type == "cuda"
+    total = OPTIMIZER_STEP_BYTES * (16 if on_gpu else 1) // 4
     steps = {}
-    small = OPTIMIZER_TENSORS * SMALL_PARAMETER * 4
     for name in OPTIMIZERS:
-        per_byte = _optimizer_step(device, name, [elements]) / (elements * 4)
-        many = _optimizer_step(device, name, [SMALL_PARAMETER] * OPTIMIZER_TENSORS)
-        per_tensor = max(0.0, many - small * per_byte) / OPTIMIZER_TENSORS
-        steps[name] = OptimizerStep(per_byte, per_tensor)
+        points = []
+        for elements in OPTIMIZER_TENSOR_SIZES + ((64 << 20,) if on_gpu else ()):
+            count = min(OPTIMIZER_TENSORS, max(1, total // elements))
+            seconds = _optimizer_step(device, name, [elements] * count)
+            points.append((elements * 4.0, count * elements * 4 / seconds))
+        steps[name] = RateTable(tuple(points))
     return steps
 
 
@@ -367,12 +373,10 @@ def _calibrate(device: torch.device, name: str | None, log: Callable[[str], None
         tables |= operator_tables((torch.float32,), log)
     views = 0.0 if on_gpu else view_overhead(device)  # a GPU's views hide behind its kernels
     log(f"view overhead: {views * 1e6:.2f} us")
-    steps = optimizer_steps(device, (64 << 20) if on_gpu else (8 << 20))
-    for optimizer, step in steps.items():
-        log(
-            f"{optimizer} step: {step.per_byte * 1e12:.1f} ps per parameter byte, "
-            f"{step.per_tensor * 1e6:.1f} us per tensor"
-        )
+    steps = optimizer_steps(device)
+    for optimizer, table in steps.items():
+        rates = ", ".join(f"{size / 1024:.0f} KiB {rate / 1e9:.2f}" for size, rate in table.points)
+        log(f"{optimizer} step, GB/s of parameters by tensor size: {rates}")
     link, latency, waited, how = link_bandwidth(device, (256 << 20) if on_gpu else (64 << 20))
     log(
         f"link ({how}): {link / 1e9:.2f} GB/s, {latency * 1e6:.0f} us per message, "

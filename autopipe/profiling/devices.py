@@ -88,38 +88,6 @@ class RateTable:
 OPTIMIZERS = ("adamw", "sgd")
 
 
-@dataclass(frozen=True)
-class OptimizerStep:
-    """What an optimizer step costs a device as train.py runs it (torch's AdamW or SGD with
-    their default implementation: a few operators for many tensors on a GPU, each tensor's
-    operators one by one on a CPU): seconds per byte of the parameters it updates (its
-    operators stream the parameters, gradients and moments several times: AdamW's about 18
-    bytes per parameter byte) and seconds per parameter tensor (the operators' launches, which
-    a CPU pays for every tensor). ``autopipe calibrate`` measures both."""
-
-    per_byte: float
-    per_tensor: float
-
-    def time(self, nbytes: float, tensors: float) -> float:
-        """Seconds of a step over ``tensors`` parameter tensors of ``nbytes`` in all."""
-        return nbytes * self.per_byte + tensors * self.per_tensor
-
-    @classmethod
-    def from_json(cls, data: Any, where: str) -> OptimizerStep:
-        """The step ``data`` describes: ``{"per_byte": s, "per_tensor": s}``, each >= 0."""
-        ok = (
-            isinstance(data, dict)
-            and set(data) == {"per_byte", "per_tensor"}
-            and all(is_number(v, 0) for v in data.values())
-        )
-        if not ok:
-            raise AutopipeError(
-                f'{where} must be {{"per_byte": seconds, "per_tensor": seconds}} with finite '
-                f"numbers >= 0, got {data!r}"
-            )
-        return cls(float(data["per_byte"]), float(data["per_tensor"]))
-
-
 #: the kinds of calibrated tables: matrix products, attention's forward and backward kernels
 #: (causal or not) by dtype (FLOPs of a call -> FLOP/s), and streaming kernels (bytes read and
 #: written -> bytes/s)
@@ -165,9 +133,13 @@ class DeviceSpec:
     #: transfers' handshake then waits for the sender (on a CPU whose ranks fill its cores, for
     #: the busy sender's transfer thread to get a core; ``autopipe calibrate`` measures it)
     receive_overhead: float = 0.0
-    #: what an optimizer step costs, by optimizer ("adamw", "sgd"), measured (``autopipe
-    #: calibrate``); a spec without it streams the optimizer's state once at the memory rate
-    optimizer_steps: dict[str, OptimizerStep] = field(default_factory=dict)
+    #: what an optimizer step costs, by optimizer ("adamw", "sgd"), as train.py runs torch's (a
+    #: few operators over many tensors on a GPU, each tensor's operators in turn on a CPU):
+    #: parameter bytes updated per second by the size of the tensors (bytes), measured by
+    #: ``autopipe calibrate``. Small tensors cost their operators' launches; a CPU's tensors that
+    #: fit its caches update faster than those streamed from memory. Without it, the cost model
+    #: streams the optimizer's traffic at the memory rate.
+    optimizer_steps: dict[str, RateTable] = field(default_factory=dict)
     #: measured rates by kind and dtype ("matmul.float32", "attention.bfloat16", "memory"), and
     #: by operator ("op.gelu.float32", a CPU's: :mod:`.operator_rates`)
     tables: dict[str, RateTable] = field(default_factory=dict)
@@ -225,6 +197,7 @@ class DeviceSpec:
     def to_json(self) -> dict:
         data = asdict(self)
         data["tables"] = {kind: table.to_json() for kind, table in self.tables.items()}
+        data["optimizer_steps"] = {k: t.to_json() for k, t in self.optimizer_steps.items()}
         for optional in ("tables", "optimizer_steps"):  # a spec without measurements has none
             if not data[optional]:
                 del data[optional]
@@ -281,8 +254,8 @@ class DeviceSpec:
                     for kind, table in tables.items()
                 },
                 "optimizer_steps": {
-                    name: OptimizerStep.from_json(step, f"{where}: optimizer_steps[{name!r}]")
-                    for name, step in steps.items()
+                    name: RateTable.from_json(table, f"{where}: optimizer_steps[{name!r}]")
+                    for name, table in steps.items()
                 },
             }
         )
