@@ -1,7 +1,8 @@
-"""autopipe/runtime/core/sharded_layers.py in this process, on a fake 2-rank group: a transposed
+"""autopipe/runtime/core/sharded_layers.py in this process, on a fake group: a transposed
 projection computes what GPT-2's Conv1D computes; a fused projection's weight is split section
 by section (rank 0 holds the first half of each of query, key and value); FSDP2 is told to shard
-a fused nn.Linear's weight along its input features; checkpoints see the plain layout. The
+a fused nn.Linear's weight along its input features; checkpoints see the plain layout; a
+replicated key/value projection computes its rank's head. The
 training runs against PyTorch are in tests/test_tensor_parallel_training.py."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers.pytorch_utils import Conv1D
 
 from autopipe.runtime.core.sharded_layers import (
+    ReplicatedHeadsParallel,
     SectionedColwiseParallel,
     TransposedLinear,
     TransposedRowwiseParallel,
@@ -84,3 +86,24 @@ def test_placements_fsdp2_and_checkpoints_see(mesh):
     assert plain_placement(sectioned(1, 3)) == Shard(1)
     assert plain_placement(Replicate()) == Replicate()
     assert sectioned(0, 1) == Shard(0)
+
+
+@pytest.mark.parametrize("rank, head", [(0, 0), (3, 0), (4, 1), (7, 1)])
+def test_replicated_heads_compute_the_head_each_ranks_queries_read(rank, head):
+    """2 key/value heads at degree 8: ranks 0-3 compute head 0, ranks 4-7 head 1 (the head
+    their query heads read), from the whole projection each holds as plain parameters."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("tp",))
+        torch.manual_seed(0)
+        dense = nn.Linear(16, 2 * 4)
+        projection = nn.Linear(16, 2 * 4)
+        projection.load_state_dict(dense.state_dict())
+        ReplicatedHeadsParallel(heads=2)._apply(projection, mesh)
+        assert type(projection.weight) is nn.Parameter  # not a DTensor: held whole
+        x = torch.randn(3, 16)
+        assert torch.equal(projection(x), dense(x)[:, head * 4 : (head + 1) * 4])
+        with pytest.raises(ValueError, match="cannot be shared among 8"):
+            ReplicatedHeadsParallel(heads=3)._apply(nn.Linear(16, 12), mesh)
+    finally:
+        dist.destroy_process_group()

@@ -13,6 +13,9 @@ from torch import nn
 from autopipe.compiler import CompileOptions, load_graph, trace_step
 from autopipe.errors import ArtifactError
 from autopipe.spec import Example, load_example
+from autopipe.partitioning.network import Network
+from autopipe.partitioning.tensor_parallel import sharded_profile
+from autopipe.profiling import device_spec, profile
 from autopipe.tensor_parallel import TensorParallelRegions, find_regions, sharding_plan
 
 
@@ -20,7 +23,7 @@ def _traced(model: nn.Module, *args, **kwargs):
     return trace_step(Example(model, args, kwargs), CompileOptions(stages=1))
 
 
-def _llama(heads: int, kv_heads: int, ffn: int = 344):
+def _llama(heads: int, kv_heads: int, ffn: int = 344, bias: bool = False):
     config = tf.LlamaConfig(
         hidden_size=16 * heads,
         intermediate_size=ffn,
@@ -29,6 +32,7 @@ def _llama(heads: int, kv_heads: int, ffn: int = 344):
         num_key_value_heads=kv_heads,
         vocab_size=1024,
         use_cache=False,
+        attention_bias=bias,
     )
     torch.manual_seed(0)
     ids = torch.randint(0, 1024, (2, 32))
@@ -95,6 +99,22 @@ def test_grouped_query_llama_splits_whole_key_value_heads():
     assert grouped[0].parameters == ("model.layers.0.self_attn.k_proj.weight",)
     assert grouped[0].rank_share(4) == 0.5 and plan.modules[0].rank_share(4) == 0.25
     assert "key/value heads replicated: 4 projections of 2 head(s)" in plan.summary()
+
+
+def test_replicated_key_value_biases_are_held_whole_in_the_cost_model():
+    """With biased projections at degree 4 (2 key/value heads replicated), each rank holds a
+    quarter of the query projection's bias and the key and value projections' biases whole (the
+    output projection's, a row's, whole as ever): 2 layers x 128 query biases x 3/4 more
+    parameter bytes saved than without biases."""
+    saved = []
+    for bias in (False, True):
+        graph = _llama(8, 2, bias=bias)
+        base = profile(graph, "analytic", device_spec("H100"))
+        plan = sharding_plan(graph, find_regions(graph), 4)
+        saved.append(
+            sharded_profile(graph, base, plan, Network(base.device, 8))[1].parameters_saved
+        )
+    assert saved[1] - saved[0] == 2 * 128 * 4 * 3 / 4
 
 
 def test_multi_query_attention_replicates_its_one_key_value_head():
@@ -189,6 +209,35 @@ class _HeadBias(nn.Module):
         q, k, v = (p(x).view(b, n, 4, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
         return (x + self.o(out.transpose(1, 2).reshape(b, n, 32))).sum()
+
+
+class _FusedKeyValue(nn.Module):
+    """Grouped-query attention whose key and value are one projection (``kv``) split in two:
+    8 query heads, 2 key/value heads, with biases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv, self.o = nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, 8, 4).transpose(1, 2)
+        k, v = (t.view(b, n, 2, 4).transpose(1, 2) for t in self.kv(x).split(8, dim=-1))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return (x + self.o(out.transpose(1, 2).reshape(b, n, 32))).sum()
+
+
+def test_a_fused_key_value_projection_is_not_replicated_by_heads():
+    """Split at 2 (each rank a key/value head of each section); at 4 a rank would need one head
+    of each of its sections, which no style gives: left replicated, saying so."""
+    graph = _traced(_FusedKeyValue(), torch.randn(2, 5, 32))
+    found = find_regions(graph)
+    (attention,) = [r for r in found.regions if r.kind == "attention"]
+    assert attention.kv_heads == 2 and attention.replicates_heads(4)
+    assert sharding_plan(graph, found, 2).modules
+    plan = sharding_plan(graph, found, 4)
+    assert not plan.modules
+    assert "fused key/value projection of 2 head(s)" in plan.replicated[0][1]
 
 
 class _Classifier(nn.Module):

@@ -14,7 +14,7 @@ import pytest
 from autopipe.compiler import CompileOptions, load_graph, tensor_parallel_degrees
 from autopipe.partitioning.network import Network
 from autopipe.partitioning.search import candidates, plan_table, search
-from autopipe.partitioning.tensor_parallel import sharded_profile
+from autopipe.partitioning.tensor_parallel import LOSS_REDUCTIONS, sharded_profile
 from autopipe.profiling import profile
 from autopipe.profiling.devices import RateTable, device_spec
 from autopipe.tensor_parallel import find_regions, sharding_plan
@@ -53,9 +53,11 @@ def test_a_rank_runs_its_share_and_the_all_reduces(llama):
     reduce = network.collective("all_reduce", hidden, [0, 1])
     assert before["forward"] / 2 < after["forward"] - 2 * reduce < before["forward"]
     assert before["backward"] / 2 < after["backward"] - 2 * reduce < before["backward"]
-    # 4 blocks; the head's input gradient all-reduced, its logits (2 x 12 x 100) all-gathered
-    logits = network.collective("all_gather", 2 * 12 * 100 * 4, [0, 1])
-    assert math.isclose(cost.communication, 4 * 4 * reduce + reduce + logits)
+    # 4 blocks; the head's input gradient all-reduced, and its loss computed over the
+    # vocabulary's splits: 3 all-reduces of a float a row (2 x 12), no logits gathered
+    assert plan.loss_parallel
+    loss = LOSS_REDUCTIONS * network.collective("all_reduce", 2 * 12 * 4, [0, 1])
+    assert math.isclose(cost.communication, 4 * 4 * reduce + reduce + loss)
     # q 32x32, k 16x32, v 16x32, o 32x32, gate/up 64x32, down 32x64: float32, half on each rank
     projections = (32 * 32 * 2 + 16 * 32 * 2 + 64 * 32 * 3) * 4
     assert before["parameters"] - after["parameters"] == projections // 2
@@ -89,8 +91,8 @@ def test_replicated_key_value_heads_are_held_whole_and_computed_a_head_a_rank(ll
     head = 100 * 32 * 4
     assert math.isclose(cost.parameters_saved, (4 * split + head) * 3 / 4)
     reduce = network.collective("all_reduce", 2 * 12 * 32 * 4, [0, 1, 2, 3])
-    logits = network.collective("all_gather", 2 * 12 * 100 * 4, [0, 1, 2, 3])
-    assert math.isclose(cost.communication, 4 * 4 * reduce + reduce + logits)
+    loss = LOSS_REDUCTIONS * network.collective("all_reduce", 2 * 12 * 4, [0, 1, 2, 3])
+    assert math.isclose(cost.communication, 4 * 4 * reduce + reduce + loss)
 
 
 def test_sequence_parallel_trades_all_reduces_for_halves_and_divides_the_rest(tmp_path):
@@ -106,16 +108,17 @@ def test_sequence_parallel_trades_all_reduces_for_halves_and_divides_the_rest(tm
         sharded_profile(graph, base, sharding_plan(graph, regions, 2, sequence), network)
         for sequence in (True, False)
     )
-    hidden, logits = 2 * 12 * 32 * 4, 2 * 12 * 100 * 4
+    hidden = 2 * 12 * 32 * 4
     scatter, gather = (
         network.collective(k, hidden, [0, 1]) for k in ("reduce_scatter", "all_gather")
     )
     reduce = network.collective("all_reduce", hidden, [0, 1])
-    logits_gather = network.collective("all_gather", logits, [0, 1])
+    loss = LOSS_REDUCTIONS * network.collective("all_reduce", 2 * 12 * 4, [0, 1])
     # per block, 2 region inputs and 2 rows, each a collective forward and one backward
-    # (4 x 4), the embedding's output and the head's input: 18 each way
-    assert math.isclose(on_cost.communication, 18 * (scatter + gather) + logits_gather)
-    assert math.isclose(off_cost.communication, 18 * reduce + logits_gather)
+    # (4 x 4), the embedding's output and the head's input: 18 each way; the loss computed
+    # over the vocabulary's splits
+    assert math.isclose(on_cost.communication, 18 * (scatter + gather) + loss)
+    assert math.isclose(off_cost.communication, 18 * reduce + loss)
     assert on_cost.compute_saved > off_cost.compute_saved
     assert sum(u.activations for u in on.units) < sum(u.activations for u in off.units)
 

@@ -144,9 +144,12 @@ def test_tensor_parallel_alone_and_under_fsdp2(one_stage, tmp_path):
         in stage
     )
     assert '"model.layers.0.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),' in stage
+    # the head's logits stay split over the vocabulary to the loss (torch's loss_parallel)
     assert (
-        '"lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),' in stage
-    )
+        '"lm_head": ColwiseParallel(\n        input_layouts=Shard(1), output_layouts=Shard(-1), '
+        "use_local_output=False\n    ),"
+    ) in stage
+    assert json.loads((one_stage.out / "pipeline.json").read_text())["loss_parallel"] is True
     assert '    "model.norm.weight",\n)' in stage  # SEQUENCE_PARALLEL_PARAMETERS's last
     reference = _reference(UNPADDED)
     for run in ("alone", "fsdp"):
@@ -158,7 +161,9 @@ def test_tensor_parallel_alone_and_under_fsdp2(one_stage, tmp_path):
     assert_same_training(alone, reference)
     # the traced step's tensor-parallel collectives, on their own track, each in its microbatch:
     # per block 2 gathers and 2 reduce-scatters each way; the embedding's reduce-scatter
-    # (gather backward); the head's input gathered (reduce-scattered backward) and its logits
+    # (gather backward); the head's input gathered (reduce-scattered backward), its logits not:
+    # the loss's all-reduces over the vocabulary's splits instead (the largest logit, the sum
+    # of exponentials, the labels' logits)
     events = json.loads((tmp_path / "trace" / "trace.json").read_text())["traceEvents"]
     tracks = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
     on_track = Counter(  # rank 0's
@@ -168,8 +173,9 @@ def test_tensor_parallel_alone_and_under_fsdp2(one_stage, tmp_path):
     )
     blocks = 4
     for microbatch in range(MICROBATCHES):
-        assert on_track[f"tp-gather mb{microbatch} s0"] == 2 * 2 * blocks + 1 + 2
+        assert on_track[f"tp-gather mb{microbatch} s0"] == 2 * 2 * blocks + 1 + 1
         assert on_track[f"tp-reduce-scatter mb{microbatch} s0"] == 2 * 2 * blocks + 1 + 1
+        assert on_track[f"tp-all-reduce mb{microbatch} s0"] == 3, on_track
     sharded = run_pipeline(
         tmp_path / "fsdp",
         UNPADDED,
@@ -285,7 +291,7 @@ def test_the_fake_cuda_dry_run_of_a_70b_shaped_rank(tmp_path):
         per_block = 2 * blocks[result.stages[0]] * microbatches
         gathered = result.collectives["all_gather_into_tensor"]
         scattered = result.collectives["reduce_scatter_tensor"]
-        head = 2 * microbatches if result.stages == (3,) else 0  # its input and its logits
+        head = microbatches if result.stages == (3,) else 0  # its input (its logits stay split)
         embedding = microbatches if result.stages == (0,) else 0
         assert gathered["forward"] == per_block + head
         assert scattered["forward"] == per_block + embedding

@@ -204,7 +204,15 @@ def package_files(graph: Graph, part: Partition, gpus_per_node: int = 8) -> dict
     files["launch/slurm.sbatch"] = launch_script
     sliced = sharding.sequence_values if sharding else frozenset()
     files["pipeline.json"] = dumps(
-        pipeline_description(graph, plans, part, names, blocks_of_stage, sliced)
+        pipeline_description(
+            graph,
+            plans,
+            part,
+            names,
+            blocks_of_stage,
+            sliced,
+            loss_parallel=sharding is not None and sharding.loss_parallel,
+        )
     )
     for module in RUNTIME_MODULES:
         files[f"runtime/{module}"] = (RUNTIME / module).read_text(encoding="utf-8")
@@ -463,10 +471,11 @@ def pipeline_description(
     names: dict[str, str],
     blocks_of_stage: dict[int, list[str]],
     sliced: frozenset[str] = frozenset(),
+    loss_parallel: bool = False,
 ) -> dict[str, Any]:
     """The JSON-compatible ``PIPELINE`` dict of a generated package (values under their
     generated ``names``; those of ``sliced`` sliced along the sequence over the tensor-parallel
-    ranks, ``"tp_dim"``)."""
+    ranks, ``"tp_dim"``; ``loss_parallel``: its loss computed vocabulary-parallel)."""
     exchanged = dict.fromkeys(
         graph.inputs + [n for p in plans for n in p.inputs + p.outputs] + graph.outputs
     )
@@ -529,6 +538,8 @@ def pipeline_description(
         description["tp"] = part.settings.tp
         if part.settings.sequence_parallel:
             description["sequence_parallel"] = True
+        if loss_parallel:
+            description["loss_parallel"] = True
     if part.settings.mesh is not None:  # train.py's mesh order; to_json leaves the default out
         description["mesh"] = list(part.settings.mesh)
     if graph.model.fixed_inputs:

@@ -692,8 +692,8 @@ class CostModel:
         of that size, else its traffic (:data:`OPTIMIZER_TRAFFIC`) at the memory rate."""
         share = nbytes / self.dp_shard
         table = self.device.optimizer_steps.get(self.optimizer)
-        if table is not None:
-            return share / table.at(share) if share > 0 else 0.0
+        if table is not None:  # a tensor below the table's smallest costs that one's launches
+            return max(share, table.points[0][0]) / table.at(share) if share > 0 else 0.0
         speed = self.device.memory_bandwidth * self.device.memory_efficiency
         return share * OPTIMIZER_TRAFFIC[self.optimizer] / speed
 

@@ -15,8 +15,10 @@ their time (the device spec's calibrated GEMM and attention rates at the smaller
 spec without tables), ``q`` the share of the rest's written bytes that is divided.
 
 Its collectives are added where torch's styles run them. Without sequence parallelism: in the
-forward, an all-reduce of each row projection's (and the embedding's) output and an all-gather of
-the head's logits, which every rank then holds whole; in the backward, an all-reduce of each region
+forward, an all-reduce of each row projection's (and the embedding's) output and either the
+three all-reduces of a number a row of a loss computed vocabulary-parallel (torch's
+``loss_parallel``: the logits stay split) or an all-gather of the head's logits, which every rank
+then holds whole; in the backward, an all-reduce of each region
 input's gradient (one per region input module, however many column projections read it; the head's
 own). Sequence parallel, each of those all-reduces is a reduce-scatter one way and an all-gather the
 other: row projections and the embedding reduce-scatter their output (all-gather its gradient),
@@ -42,7 +44,11 @@ from ..profiling import Profile
 from ..tensor_parallel import EMBEDDING, ROWWISE, ShardedModule, ShardingPlan
 from .network import Network
 
-__all__ = ["TensorParallelCost", "sharded_profile"]
+__all__ = ["LOSS_REDUCTIONS", "TensorParallelCost", "sharded_profile"]
+
+#: the all-reduces of a vocabulary-parallel cross-entropy over the vocabulary's splits, each of
+#: one float32 a row: the largest logit, the sum of exponentials, the label's logit
+LOSS_REDUCTIONS = 3
 
 _ATTENTION = "aten.scaled_dot_product_attention.default"
 
@@ -122,11 +128,12 @@ def sharded_profile(
                 if not module.heads:  # a replicated key/value projection: whole on each rank
                     held += _bytes_of(graph, node.args[module.weight_at])
                     divided.update(dict.fromkeys(_parameters(graph, node, module), t))
-                column = module.style != ROWWISE and not module.gathered
+                # a column's features, the head's logits split over the vocabulary for the loss
+                column = module.style != ROWWISE and (not module.gathered or module.loss_parallel)
                 if column:
                     divided[name] = parts  # a column's features (a key/value head)
                 # a column's features are a share, a row's partial sums whole (a slice of the
-                # sequence, sequence parallel), the head's logits whole on every rank
+                # sequence, sequence parallel), the head's logits gathered whole on every rank
                 writes(out, parts if column or module.sequence and not module.gathered else 1)
                 if module.style != ROWWISE and (
                     entry_sliced.get(module.entry, False)
@@ -157,7 +164,11 @@ def sharded_profile(
                         gather if module.sequence else ("", "all_reduce"),
                         _input(graph, node, module),
                     )
-                    comm[0] += collective("all_gather", out)
+                    if module.loss_parallel:  # the loss's three all-reduces of a number a row
+                        rows = out / module.out_features / _itemsize(node)
+                        comm[0] += LOSS_REDUCTIONS * collective("all_reduce", rows * 4)
+                    else:
+                        comm[0] += collective("all_gather", out)
                 elif not module.entry:  # a column reading its input on its own
                     add(
                         gather if module.sequence else ("", "all_reduce"),
@@ -189,15 +200,15 @@ def sharded_profile(
         share = min(1.0, sharded_flops / cost.flops_forward) if cost.flops_forward > 0 else 0.0
         # the part of the sharded work (and, at the device table's lower rate for a smaller
         # product, of its time: 1 on a spec without tables) a rank does
-        done = rank_flops / sharded_flops if sharded_flops else 0.0
-        done_slower = slower / sharded_flops if sharded_flops else 0.0
+        rank_part = rank_flops / sharded_flops if sharded_flops else 0.0
+        rank_part_slower = slower / sharded_flops if sharded_flops else 0.0
         others = (1 - share) * (rest_rank / rest if rest else 1.0)
-        keep = share * done_slower + others
+        keep = share * rank_part_slower + others
         # memory: what the unit keeps for backward follows the bytes it writes, of which a
         # rank writes its share (a gathered region input whole); its working memory (an
         # embedding's gradient the size of its rows, a product's) follows the work it shares
         kept = written_rank / written_all if written_all else 1.0
-        working = share * done + others
+        working = share * rank_part + others
         forward, backward = cost.forward * keep, cost.backward * keep
         saved += cost.forward + cost.backward - forward - backward
         communication += sum(comm)
@@ -247,6 +258,12 @@ def _head_values(graph: Graph, plan: ShardingPlan) -> dict[str, int]:
     return found
 
 
+def _itemsize(node: Node) -> int:
+    """Bytes of an element of ``node``'s output (4 where it is not known)."""
+    meta = node.tensor_meta
+    return meta.dtype.itemsize if meta is not None and meta.dtype is not None else 4
+
+
 def _causal(node: Node) -> bool:
     """Whether an attention node is called causally (its ``is_causal`` argument)."""
     value = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
@@ -270,8 +287,8 @@ def _parameters(graph: Graph, node: Node, module: ShardedModule) -> list[str]:
 def _bias_split(module: ShardedModule) -> bool:
     """Whether each rank holds a part of ``module``'s bias: a column projection's (a row
     projection adds its whole bias once; a fused one keeps it whole, slicing it for the
-    product)."""
-    return module.style != ROWWISE and module.sections == 1
+    product, and so does a replicated key/value projection)."""
+    return module.style != ROWWISE and module.sections == 1 and not module.heads
 
 
 def _input(graph: Graph, node: Node, module: ShardedModule) -> float:

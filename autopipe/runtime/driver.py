@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, split_args_kwargs_into_chunks
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.pipelining.schedules import (
     _Action,
     _ComputationType,
@@ -268,7 +270,7 @@ def make_loss_fn(package: ModuleType, pipeline: Pipeline, device: torch.device) 
                 loss: torch.Tensor = module(*outputs, target)
             except Exception as exc:  # noqa: BLE001 - named as the user's code failing
                 raise UserCodeError("--loss", where, exc) from exc
-            return loss
+            return _plain(loss)
 
         return user_loss
     if loss.output is None:
@@ -282,9 +284,16 @@ def make_loss_fn(package: ModuleType, pipeline: Pipeline, device: torch.device) 
         output: torch.Tensor | tuple[torch.Tensor, ...], _target: torch.Tensor
     ) -> torch.Tensor:
         outputs = output if isinstance(output, tuple) else (output,)
-        return outputs[index]
+        return _plain(outputs[index])
 
     return output_loss
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss computed vocabulary-parallel (a DTensor, the same on every tensor-parallel rank)
+    as the plain tensor the schedule sums and backpropagates from (its gradient handed back to
+    the DTensor)."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def chunk_spec(pipeline: Pipeline) -> tuple[TensorChunkSpec, ...] | None:
@@ -1226,7 +1235,11 @@ class TrainingRun:
             if runner.data_slots:
                 runner.batch_inputs = self.batch_microbatches(index, given)
         first = self.pipeline.first_inputs if self.is_first else []
-        call(*[given[value.name].to(self.device) for value in first], **kwargs)
+        # a head split over the vocabulary hands its logits to the loss split: torch computes
+        # the cross-entropy (and its backward, in the schedule's backward actions) on the splits
+        split_loss = self.pipeline.loss_parallel and self.layout.tensor_parallel
+        with loss_parallel() if split_loss else contextlib.nullcontext():
+            call(*[given[value.name].to(self.device) for value in first], **kwargs)
         return losses
 
     def batch_microbatches(

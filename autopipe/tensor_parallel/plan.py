@@ -67,6 +67,20 @@ _EXPAND = "aten.expand.default"
 INPUT_MODULE = "tensor_parallel_input"
 #: torch's placement of a value sliced along the sequence
 _SEQUENCE = "Shard(1)"
+_LOSS = "aten.cross_entropy_loss.default"
+#: operators that keep the logits split over the vocabulary (their last dimension) as they are,
+#: each rank working on its part: views keeping the vocabulary last, casts, scaling by numbers
+_KEEPS_VOCABULARY = _VIEWS | {
+    "aten.to.dtype",
+    "aten.to.dtype_layout",
+    "aten._to_copy.default",
+    "aten.contiguous.default",
+    "aten.clone.default",
+    "aten.alias.default",
+    "aten.mul.Scalar",
+    "aten.div.Scalar",
+    "aten.tanh.default",
+}
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,9 @@ class ShardedModule:
     #: key/value heads: whole on every rank, which computes the one head its query heads read
     #: (0: split like any column)
     heads: int = 0
+    #: the head's loss computed vocabulary-parallel (torch's ``loss_parallel``): its logits stay
+    #: split over the vocabulary, a DTensor, to the cross-entropy, never gathered
+    loss_parallel: bool = False
 
     @property
     def operator(self) -> ops.WeightedOperator:
@@ -161,6 +178,9 @@ class ShardedModule:
             return f"ReplicatedHeadsParallel({_arguments(f'heads={self.heads}', gather)})"
         if self.uses_runtime_style:
             return f"SectionedColwiseParallel({_arguments(f'sections={self.sections}', gather)})"
+        if self.gathered and self.loss_parallel:
+            split = "output_layouts=Shard(-1), use_local_output=False"
+            return f"ColwiseParallel({_arguments(gather, split)})"
         if self.gathered:
             return f"ColwiseParallel({_arguments(gather, 'output_layouts=Replicate()')})"
         return f"ColwiseParallel({gather})"  # through its region's input module: replicated
@@ -215,6 +235,9 @@ class ShardingPlan:
     #: regions, or sequence parallel between them): generated code runs them under a random
     #: stream of each tensor-parallel rank's own
     drawing: frozenset[str] = frozenset()
+    #: why the head's loss is not computed vocabulary-parallel, where the head is sharded ("":
+    #: it is, or there is no sharded head)
+    loss_gathered: str = ""
 
     def within(self, nodes: Collection[str]) -> list[RegionInput | ShardedModule]:
         """The modules the code of ``nodes`` holds: the projections among them, each region
@@ -222,6 +245,12 @@ class ShardingPlan:
         modules = [m for m in self.modules if m.node in nodes]
         entries = {m.entry for m in modules if m.entry}
         return [i for i in self.inputs if i.module in entries] + modules
+
+    @property
+    def loss_parallel(self) -> bool:
+        """Whether the head's loss is computed vocabulary-parallel (train.py runs the steps under
+        torch's ``loss_parallel``)."""
+        return any(m.loss_parallel for m in self.modules)
 
     @property
     def sequence_values(self) -> frozenset[str]:
@@ -254,6 +283,10 @@ class ShardingPlan:
             f"({len(self.modules)} projections, torch's ColwiseParallel / RowwiseParallel"
             + (f", the runtime's for {' and '.join(runtime)} ones)" if runtime else ")")
         )
+        if self.loss_parallel:
+            line += "; the loss computed vocabulary-parallel (torch's loss_parallel)"
+        elif self.loss_gathered:
+            line += f"; the head's logits gathered for the loss: {self.loss_gathered}"
         grouped = [m for m in self.modules if m.heads]
         if grouped:
             line += (
@@ -320,6 +353,14 @@ def _plan(
                 continue
         replicated.append((scope, why))
     modules, inputs = _region_inputs(graph, modules)
+    interior = _interior(graph, modules)
+    loss_gathered = ""
+    for index, module in enumerate(modules):
+        if module.gathered:  # the head: its loss vocabulary-parallel where nothing else reads it
+            chain, loss_gathered = _loss_chain(graph, module.node)
+            if not loss_gathered:
+                modules[index] = replace(module, loss_parallel=True)
+                interior |= chain
     plan = ShardingPlan(
         degree,
         tuple(modules),
@@ -327,7 +368,8 @@ def _plan(
         tuple(replicated),
         tuple(inputs),
         chunks=tuple(chunks),
-        interior=_interior(graph, modules),
+        interior=interior,
+        loss_gathered=loss_gathered,
     )
     if sequence_parallel is False or not modules:
         return plan
@@ -410,6 +452,69 @@ def _interior(graph: Graph, modules: Sequence[ShardedModule]) -> frozenset[str]:
     return frozenset(seen)
 
 
+def _loss_chain(graph: Graph, head: str) -> tuple[frozenset[str], str]:
+    """The nodes between the head ``head`` and its cross-entropy loss, and the loss (each rank
+    computes them on its split of the vocabulary under torch's ``loss_parallel``), or why the
+    logits must be gathered whole instead: another operator reads them (anything but views that
+    keep the vocabulary last, casts and scaling by numbers), the loss takes class weights or
+    label smoothing (which ``loss_parallel`` does not), or what reads the loss is more than
+    scaling (a DTensor loss meets a plain tensor there). A model output among them is returned
+    split (training reads only the loss)."""
+    if graph.loss is not None:
+        return frozenset(), "the loss function given at compile time reads the logits"
+    chain: set[str] = set()
+    losses: list[str] = []
+    frontier = [head]
+    while frontier:
+        name = frontier.pop()
+        for user in graph.users(name):
+            if user in chain:
+                continue
+            node = graph[user]
+            others = [a for a in _tensor_arguments(node) if a != name]
+            if node.target == _LOSS:
+                if node.args[0] != Ref(name) or others[1:]:
+                    return frozenset(), f"{user} ({node.target}) reads the logits otherwise"
+                if argument_value(node, "weight") is not None or argument_value(
+                    node, "label_smoothing"
+                ) not in (None, 0, 0.0):
+                    return frozenset(), f"{user} weighs its classes or smooths its labels"
+                losses.append(user)
+            elif node.target not in _KEEPS_VOCABULARY or others:
+                return frozenset(), f"{user} ({node.target}) reads the logits"
+            elif node.target in _VIEWS and _last(graph, user) != _last(graph, name):
+                return frozenset(), f"{user} reshapes the vocabulary dimension"
+            chain.add(user)
+            if node.target != _LOSS:
+                frontier.append(user)
+    if not losses:
+        return frozenset(), "no cross-entropy reads the logits"
+    frontier = list(losses)
+    while frontier:  # what reads the loss: scaled, cast, returned
+        for user in graph.users(frontier.pop()):
+            node = graph[user]
+            if node.target not in _KEEPS_VOCABULARY or node.target in _VIEWS:
+                return frozenset(), f"{user} ({node.target}) reads the loss"
+            chain.add(user)
+            frontier.append(user)
+    return frozenset(chain), ""
+
+
+def _tensor_arguments(node: Node) -> list[str]:
+    """The values ``node`` reads, by name, in order."""
+    found = []
+    for value in (*node.args, *node.kwargs.values()):
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, Ref):
+                found.append(item.name)
+    return found
+
+
+def _last(graph: Graph, name: str) -> int | None:
+    meta = graph[name].tensor_meta
+    return meta.shape[-1] if meta is not None and meta.shape else None
+
+
 def _sequence_parallel_refusal(plan: ShardingPlan) -> str:
     """Why ``plan`` cannot run sequence parallel because a projection computes on positions
     flattened into one dimension (a transposed projection's ``addmm``: its partial sums have no
@@ -487,6 +592,11 @@ def _modules(
             )
         operator = ops.PROJECTIONS[node.target]
         kind = LINEAR if operator is ops.LINEAR else TRANSPOSED
+        if heads and sections:
+            raise _Replicated(
+                f"{weight} is a fused key/value projection of {heads} head(s), fewer than "
+                f"{degree}: a rank would need a head of each section, which no style gives"
+            )
         if heads and kind != LINEAR:
             raise _Replicated(
                 f"{weight} is a key/value projection of {heads} head(s), fewer than {degree}, "

@@ -348,9 +348,11 @@ class _Walk:
         running = 1
         for j, extent in enumerate(after):
             if running == outer and extent == 1 and size != 1:
-                if math.prod(after[j + 1 :]) != size:
+                if tuple(after[j + 1 :]) != (size,):
                     continue  # a dimension of 1 before the shard's (a batch of one)
-                # else features into one head (multi-query attention's key and value)
+                # else the features as one head of them (multi-query attention's key and
+                # value; an MLP's view adding a dimension of 1 there is read so too, and left
+                # replicated: no degree divides one head)
             if running == outer:
                 if extent == size:
                     self._reshaped(node, j, source)

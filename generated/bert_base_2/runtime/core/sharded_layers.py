@@ -41,8 +41,8 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from torch.nn import functional as F
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.nn import functional as F
 
 __all__ = [
     "ReplicatedHeadsParallel",
@@ -204,7 +204,7 @@ class TransposedRowwiseParallel(RowwiseParallel):
 
 class ReplicatedHeadsParallel(ParallelStyle):
     """The key or value projection (an ``nn.Linear``) of ``heads`` grouped-query heads at a
-    degree they do not divide but divides (2 heads at degree 4 or 8): each rank holds the whole
+    degree that is a multiple of them (2 heads at degree 4 or 8): each rank holds the whole
     projection, plain parameters replicated, and computes the one head its query heads read
     (rank ``r`` of ``t``: head ``r // (t / heads)``, as grouped-query attention pairs query heads
     ``[r H/t, (r+1) H/t)`` with their key/value head), so its output is the rank's share the

@@ -629,6 +629,9 @@ class Pipeline:
     #: with ``tp``: the values between regions sliced along the sequence over the
     #: tensor-parallel ranks (those crossing a stage boundary say so by their ``tp_dim``)
     sequence_parallel: bool = False
+    #: with ``tp``: the head's logits stay split over the vocabulary to the loss, which train.py
+    #: computes vocabulary-parallel (torch's ``loss_parallel``, around its steps)
+    loss_parallel: bool = False
 
     @classmethod
     def from_json(cls, data: Any) -> Pipeline:
@@ -639,7 +642,7 @@ class Pipeline:
         keys += ("values", "loss", "schedule", "tied", "aliases", "input_ranges", "dp_shard")
         optional: tuple[str, ...]
         optional = ("plan", "dimensions", "identity", "huggingface", "frozen", "fixed_inputs")
-        optional += ("batch_dims", "mesh", "tp", "sequence_parallel")
+        optional += ("batch_dims", "mesh", "tp", "sequence_parallel", "loss_parallel")
         _read.fields(data, where, keys, optional)
         if data["format"] != FORMAT:
             raise _read.fail(f"{where}.format", data["format"], repr(FORMAT))
@@ -732,6 +735,12 @@ class Pipeline:
             sequence_parallel=_read.check(
                 data.get("sequence_parallel", False),
                 f"{where}.sequence_parallel",
+                lambda v: isinstance(v, bool),
+                "true or false",
+            ),
+            loss_parallel=_read.check(
+                data.get("loss_parallel", False),
+                f"{where}.loss_parallel",
                 lambda v: isinstance(v, bool),
                 "true or false",
             ),
@@ -831,6 +840,7 @@ class Pipeline:
             | ({"mesh": list(self.mesh)} if self.mesh != PIPELINE_INNERMOST else {})
             | ({"tp": self.tp} if self.tp > 1 else {})
             | ({"sequence_parallel": True} if self.sequence_parallel else {})
+            | ({"loss_parallel": True} if self.loss_parallel else {})
             | ({"plan": self.plan.to_json()} if self.plan else {})
             | (
                 {"dimensions": {n: d.to_json() for n, d in self.dimensions.items()}}
