@@ -7,6 +7,7 @@ the refusals of a world size or a degree that does not fit are checked in this p
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from collections import Counter
@@ -23,6 +24,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import GPT2LMHeadModel
 
 from autopipe.codegen.context import node_layout
+from autopipe.codegen.package import package_files
 from autopipe.compiler import CompileOptions, check_tensor_parallel, load_graph, trace_step
 from autopipe.errors import AutopipeError, PartitionError
 from autopipe.report.summary import format_partition
@@ -637,3 +639,33 @@ def test_dropout_inside_regions_draws_each_ranks_own_and_recomputes_alike(tmp_pa
     (kept, kept_weights), (recomputed, recomputed_weights) = runs
     assert kept == recomputed
     assert all(torch.equal(kept_weights[k], recomputed_weights[k]) for k in kept_weights)
+
+
+def test_a_loss_in_another_stage_than_the_head_gathers_the_logits(one_stage):
+    """A partition that runs the cross-entropy in a later stage than the head: a value split
+    over the vocabulary would cross the boundary as a DTensor, so the package gathers the
+    logits for the loss there, and its summary says why."""
+    graph, part = one_stage.graph, one_stage.partition
+    loss = next(n.name for n in graph.calls if n.target == "aten.cross_entropy_loss.default")
+    (cut,) = [u for u, unit in enumerate(graph.units) if loss in unit.nodes]
+    split = dataclasses.replace(
+        part,
+        stage_of_unit=[0 if u < cut else 1 for u in range(len(graph.units))],
+        device_of_stage=[0, 1],
+        costs=None,  # not costed: the schedule's default costs
+        predicted=None,
+    )
+    files = package_files(graph, split)
+    assert '"lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),' in (
+        files["stage0.py"]
+    )
+    assert "loss_parallel" not in json.loads(files["pipeline.json"])
+    stage_of_node = {
+        n: split.stage_of_unit[u] for u, unit in enumerate(graph.units) for n in unit.nodes
+    }
+    plan = sharding_plan(graph, find_regions(graph), 2).on_stages(stage_of_node)  # the summary's
+    assert not plan.loss_parallel and not plan.loss_chain
+    assert "the head's logits gathered for the loss: " in plan.summary()
+    assert "runs in stage 1, the head lm_head in stage 0" in plan.summary()
+    whole = package_files(graph, part)  # one stage: split to the loss
+    assert json.loads(whole["pipeline.json"])["loss_parallel"] is True

@@ -31,7 +31,7 @@ and the head gathers its input.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ..errors import PartitionError
@@ -238,6 +238,9 @@ class ShardingPlan:
     #: why the head's loss is not computed vocabulary-parallel, where the head is sharded ("":
     #: it is, or there is no sharded head)
     loss_gathered: str = ""
+    #: the nodes from the head to its loss (and what scales the loss), computed on each rank's
+    #: split of the vocabulary when the loss is vocabulary-parallel
+    loss_chain: frozenset[str] = frozenset()
 
     def within(self, nodes: Collection[str]) -> list[RegionInput | ShardedModule]:
         """The modules the code of ``nodes`` holds: the projections among them, each region
@@ -245,6 +248,29 @@ class ShardingPlan:
         modules = [m for m in self.modules if m.node in nodes]
         entries = {m.entry for m in modules if m.entry}
         return [i for i in self.inputs if i.module in entries] + modules
+
+    def on_stages(self, stage_of_node: Mapping[str, int]) -> ShardingPlan:
+        """This plan as a partition runs it (``stage_of_node``: each node's stage): the head's
+        logits gathered whole for the loss where the loss, or what the logits pass through to
+        it, runs in another stage than the head (a value split over the vocabulary would cross
+        a stage boundary as a DTensor)."""
+        head = next((m for m in self.modules if m.loss_parallel), None)
+        if head is None:
+            return self
+        stage = stage_of_node[head.node]
+        elsewhere = sorted(n for n in self.loss_chain if stage_of_node.get(n) != stage)
+        if not elsewhere:
+            return self
+        return replace(
+            self,
+            modules=tuple(replace(m, loss_parallel=False) for m in self.modules),
+            interior=self.interior - self.loss_chain,
+            loss_chain=frozenset(),
+            loss_gathered=(
+                f"{elsewhere[0]} runs in stage {stage_of_node.get(elsewhere[0])}, the head "
+                f"{head.module} in stage {stage}"
+            ),
+        )
 
     @property
     def loss_parallel(self) -> bool:
@@ -355,12 +381,13 @@ def _plan(
     modules, inputs = _region_inputs(graph, modules)
     interior = _interior(graph, modules)
     loss_gathered = ""
+    loss_chain: frozenset[str] = frozenset()
     for index, module in enumerate(modules):
         if module.gathered:  # the head: its loss vocabulary-parallel where nothing else reads it
-            chain, loss_gathered = _loss_chain(graph, module.node)
+            loss_chain, loss_gathered = _loss_chain(graph, module.node)
             if not loss_gathered:
                 modules[index] = replace(module, loss_parallel=True)
-                interior |= chain
+                interior |= loss_chain
     plan = ShardingPlan(
         degree,
         tuple(modules),
@@ -370,6 +397,7 @@ def _plan(
         chunks=tuple(chunks),
         interior=interior,
         loss_gathered=loss_gathered,
+        loss_chain=loss_chain,
     )
     if sequence_parallel is False or not modules:
         return plan
