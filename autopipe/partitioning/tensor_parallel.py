@@ -165,7 +165,7 @@ def sharded_profile(
                         _input(graph, node, module),
                     )
                     if module.loss_parallel:  # the loss's three all-reduces of a number a row
-                        rows = out / module.out_features / _itemsize(node)
+                        rows = math.prod(node.tensor_meta.shape[:-1]) if node.tensor_meta else 0
                         comm[0] += LOSS_REDUCTIONS * collective("all_reduce", rows * 4)
                     else:
                         comm[0] += collective("all_gather", out)
@@ -256,12 +256,6 @@ def _head_values(graph: Graph, plan: ShardingPlan) -> dict[str, int]:
                 found[user] = module.heads
                 frontier.append(user)
     return found
-
-
-def _itemsize(node: Node) -> int:
-    """Bytes of an element of ``node``'s output (4 where it is not known)."""
-    meta = node.tensor_meta
-    return meta.dtype.itemsize if meta is not None and meta.dtype is not None else 4
 
 
 def _causal(node: Node) -> bool:

@@ -499,7 +499,7 @@ def _loss_chain(graph: Graph, head: str) -> tuple[frozenset[str], str]:
             if user in chain:
                 continue
             node = graph[user]
-            others = [a for a in _tensor_arguments(node) if a != name]
+            others = [a for a in node.inputs if a != name]
             if node.target == _LOSS:
                 if node.args[0] != Ref(name) or others[1:]:
                     return frozenset(), f"{user} ({node.target}) reads the logits otherwise"
@@ -526,16 +526,6 @@ def _loss_chain(graph: Graph, head: str) -> tuple[frozenset[str], str]:
             chain.add(user)
             frontier.append(user)
     return frozenset(chain), ""
-
-
-def _tensor_arguments(node: Node) -> list[str]:
-    """The values ``node`` reads, by name, in order."""
-    found = []
-    for value in (*node.args, *node.kwargs.values()):
-        for item in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(item, Ref):
-                found.append(item.name)
-    return found
 
 
 def _last(graph: Graph, name: str) -> int | None:
