@@ -74,6 +74,11 @@ def gpt2_batch(step: int, microbatches: int = 4):
     return (ids,), {"labels": ids.clone()}
 
 
+def gpt2_batch_of_eight(step: int):
+    """gpt2_batch of 8 microbatches' rows: 2 microbatches for each of 4 data-parallel ranks."""
+    return gpt2_batch(step, 8)
+
+
 def gpt2_batch_with_ignored_labels(step: int, microbatches: int = 4):
     """gpt2_batch, but step 1's labels are all the ignore index: its loss is 0 / 0 = NaN."""
     args, kwargs = gpt2_batch(step, microbatches)

@@ -138,23 +138,28 @@ def test_accumulation_and_clipping_across_data_parallel_ranks(tmp_path, flag):
 @pytest.mark.slow
 def test_hybrid_sharding_on_eight_processes(tmp_path):
     """--dp 2 --dp-shard 2 on 2 stages: 8 processes, each stage sharded in two and replicated
-    twice (HSDP), 1F1B with one microbatch per data-parallel rank."""
+    twice (HSDP), 1F1B with two microbatches per data-parallel rank: each microbatch's
+    gradients reduce-scattered over the shards, the shards accumulated, and all-reduced over
+    the replicas once, in the step's last backward."""
     pipe = run_pipeline(
         tmp_path,
         "gpt2",
         2,
-        "gpt2_batch",
+        "gpt2_batch_of_eight",
         "--dp",
         "2",
         "--dp-shard",
         "2",
         "--microbatches",
-        "1",
+        "2",
         "--schedule",
-        "gpipe",
+        "1f1b",
         nproc=8,
     )
-    assert_same_training(pipe, gpt2_reference())
+    reference = reference_training(
+        load_example(spec("gpt2")), models.gpt2_batch_of_eight, STEPS, "adamw", 1e-3
+    )
+    assert_same_training(pipe, reference)
 
 
 @pytest.mark.slow

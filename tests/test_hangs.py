@@ -407,6 +407,7 @@ CPU_SPEC = {
     "compute_efficiency": 1.0,
     "memory_efficiency": 1.0,
     "kernel_overhead": 5e-6,
+    "device_type": "cpu",
 }
 
 

@@ -119,10 +119,13 @@ def test_measured_profile_runs_like_a_rank_and_interleaves_rounds(monkeypatch):
 
 
 def test_measured_and_analytic_agree_on_memory():
+    """On this CPU, the analytic profile of a CPU's spec (its attention kernels: a GPU's keep
+    other tensors for the backward) saves what the measured one does."""
     example = load_example(spec("gpt2"))
     graph = trace_step(example, CompileOptions(stages=1))
-    measured = profile(graph, "measured", device_spec(), example)
-    analytic = profile(graph, "analytic", device_spec())
+    cpu = replace(device_spec(), device_type="cpu")
+    measured = profile(graph, "measured", cpu, example)
+    analytic = profile(graph, "analytic", cpu)
     assert [u.activations for u in measured.units] == [u.activations for u in analytic.units]
 
 
@@ -193,6 +196,42 @@ def test_a_spec_file_with_optimizer_steps_reads_strictly(tmp_path):
         path.write_text(json.dumps(spec.to_json() | {"optimizer_steps": bad}))
         with pytest.raises(AutopipeError, match=message):
             device_spec(str(path))
+
+
+class DroppedAttention(nn.Module):
+    """Self-attention that drops some of its attention out in training (GPT-2's, BERT's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(64, 192)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 16).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        return out.transpose(1, 2).reshape(x.shape).sum()
+
+
+def test_a_gpus_profile_keeps_what_its_fused_attention_keeps(tmp_path):
+    """On a GPU's spec, attention that drops some of its attention out costs the fused kernel
+    a GPU runs, which keeps one log-sum-exp per row for the backward; a CPU's spec (its kernels:
+    the math path, for dropout) keeps the probabilities, heads x sequence x sequence, and the
+    dropout's mask. The spec says which (``device_type``), round-trips it and refuses others."""
+    example = Example(DroppedAttention(), (torch.randn(2, 256, 64),))
+    graph = trace_step(example, CompileOptions(stages=1))
+    gpu = device_spec("H100")
+    cpu = replace(gpu, device_type="cpu")
+    on_gpu, on_cpu = (
+        sum(u.activations for u in profile(graph, "analytic", s).units) for s in (gpu, cpu)
+    )
+    probabilities = 2 * 4 * 256 * 256 * 4  # float32, per sample and head
+    assert on_cpu - on_gpu >= probabilities, (on_cpu, on_gpu)
+    assert on_gpu < probabilities / 2
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(cpu.to_json()))
+    assert device_spec(str(path)) == cpu
+    path.write_text(json.dumps(cpu.to_json() | {"device_type": "tpu"}))
+    with pytest.raises(AutopipeError, match='device_type must be "cuda"'):
+        device_spec(str(path))
 
 
 def test_calibrate_refuses_fewer_than_one_thread(tmp_path, capsys):

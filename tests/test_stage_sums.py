@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from autopipe.partitioning.cost import OPTIMIZER_TRAFFIC, CostModel
+from autopipe.runtime.core.schedules import SPLIT_BACKWARD
 from autopipe.profiling import profile
 from autopipe.profiling.devices import RateTable
 from autopipe.spec import load_example
@@ -72,30 +73,66 @@ def counted_twice(model, stage_of_unit, num_stages):
 
 
 def transients(model, stage_of_unit, num_stages):
+    """Where FSDP2 gathers block by block, a block's forward also holds its gather's flat
+    buffer (two at the next block's copy-out, before the block's activations), its backward
+    the next block's gather and the previous block's gradients."""
+    per_block = model.dp_shard > 1 and model.schedule not in SPLIT_BACKWARD
     forward = [0.0] * num_stages
     backward = [0.0] * num_stages
     freed = [0.0] * num_stages
     pending = [0.0] * num_stages
+    extra = [0.0] * model.num_units
+    opening = {}  # each stage's first whole block's first unit
+    for block in model.blocks.values():
+        stage = block.stage(stage_of_unit)
+        if stage is not None:
+            opening[stage] = min(opening.get(stage, model.num_units), min(block.units))
+    for block in model.blocks.values():
+        stage = block.stage(stage_of_unit)
+        if per_block and stage is not None:
+            params = sum(model.param_bytes[v] for v in block.units)
+            prefetched = 0.0 if min(block.units) == opening[stage] else params
+            for u in block.units:
+                extra[u] = prefetched + sum(model.trainable_bytes[v] for v in block.units)
     for unit, s in enumerate(stage_of_unit):
         pending[s] += model.trainable_bytes[unit] / model.dp_shard
     for unit in reversed(range(model.num_units)):
         s = stage_of_unit[unit]
         pending[s] -= model.trainable_bytes[unit] / model.dp_shard
-        beyond = model.backward_memory[unit] - freed[s] - pending[s]
+        beyond = model.backward_memory[unit] + extra[unit] - freed[s] - pending[s]
         backward[s] = max(backward[s], beyond)
         freed[s] += model.activations[unit]
     inline = [0.0] * num_stages
     largest = [0.0] * num_stages
-    blocked = set()
-    for block in model.blocks.values():
-        stage = block.stage(stage_of_unit)
-        if stage is not None:
-            blocked.update(block.units)
-            held = sum(model.temporaries[u] for u in block.units)
-            largest[stage] = max(largest[stage], held)
+    blocked = {
+        u for b in model.blocks.values() if b.stage(stage_of_unit) is not None for u in b.units
+    }
     for unit, s in enumerate(stage_of_unit):
         if unit not in blocked:
             inline[s] += model.temporaries[unit]
+
+    def saved_from(stage, first):
+        return sum(
+            model.activations[u] for u in range(first, model.num_units) if stage_of_unit[u] == stage
+        )
+
+    trained_rest = stage_parameters(model, stage_of_unit, num_stages, True)
+    for block in model.blocks.values():
+        stage = block.stage(stage_of_unit)
+        if stage is not None:
+            trained_rest[stage] -= sum(model.trainable_bytes[u] for u in block.units)
+    for block in model.blocks.values():
+        stage = block.stage(stage_of_unit)
+        if stage is not None:
+            held = sum(model.temporaries[u] for u in block.units)
+            if per_block:
+                params = sum(model.param_bytes[u] for u in block.units)
+                unheld = sum(model.trainable_bytes[u] for u in block.units)
+                unheld = unheld if trained_rest[stage] > 0 else 0.0
+                after = saved_from(stage, max(block.units) + 1)
+                copy_out = 2 * params - saved_from(stage, min(block.units)) - inline[stage]
+                held = max(held, held + params - after - unheld, copy_out - unheld)
+            largest[stage] = max(largest[stage], held)
     for s in range(num_stages):
         forward[s] = inline[s] + largest[s]
     return forward, backward

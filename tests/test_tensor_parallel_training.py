@@ -274,8 +274,10 @@ def test_the_fake_cuda_dry_run_of_a_70b_shaped_rank(tmp_path):
     """One rank of TP 8 x PP 4 x FSDP 2 (64 GPUs) of Llama-3-70B's layers on meta weights,
     played on a fake GPU: its tensor-parallel and sequence-parallel collectives (2 gathers
     along the sequence and 2 reduce-scatters per block each way, per microbatch), FSDP2's
-    2-D sharding over the DTensors, and the other stages' ranks (one of every stage); each
-    rank's peak within 25 % of the plan's."""
+    2-D sharding over the DTensors, and the other stages' ranks (one of every stage); over 2
+    steps (the second with the optimizer's state), each rank's peak within 10 % of the plan's:
+    FSDP2's gather buffers and held reduce-scatter inputs, and attention as a GPU's fused kernel
+    runs it."""
     compiled = compile_model(LLAMA_70B, tmp_path / "pipe", 4, tp=8, dp_shard=2)
     description = json.loads((compiled.out / "pipeline.json").read_text())
     assert description["tp"] == 8 and description["sequence_parallel"] is True
@@ -283,12 +285,12 @@ def test_the_fake_cuda_dry_run_of_a_70b_shaped_rank(tmp_path):
     blocks = [len(stage["blocks"]) for stage in description["stages"]]
     # rank ((dp_shard * 4) + pp) * 8 + tp: each stage's first rank, and the job's last
     ranks = [str(pp * 8) for pp in range(4)] + ["63"]
-    args = ("--device", "cuda", "--dp-shard", "2", "--world-size", "64", "--steps", "1")
+    args = ("--device", "cuda", "--dp-shard", "2", "--world-size", "64", "--steps", "2")
     results = [play(package, *args, "--rank", rank)[0][0] for rank in ranks]
     assert not problems(results), problems(results)
     assert [r.stages for r in results] == [(0,), (1,), (2,), (3,), (3,)]
     assert results[-1].device == "cuda:7"
-    microbatches = description["plan"]["microbatches"]
+    microbatches = 2 * description["plan"]["microbatches"]  # over the 2 steps
     for result in results:
         per_block = 2 * blocks[result.stages[0]] * microbatches
         gathered = result.collectives["all_gather_into_tensor"]
@@ -297,16 +299,15 @@ def test_the_fake_cuda_dry_run_of_a_70b_shaped_rank(tmp_path):
         embedding = microbatches if result.stages == (0,) else 0
         assert gathered["forward"] == per_block + head
         assert scattered["forward"] == per_block + embedding
-        assert result.collectives["allreduce"]["partial_sum"] == 1
+        assert result.collectives["allreduce"]["partial_sum"] == 2  # once a step
     # memory: the steps' peak against the plan's (setup, which makes the embedding and the head
-    # whole before sharding them, peaks apart); the rest of the gap is FSDP2's buffers and
-    # attention's probabilities, which fake CUDA computes on the math path
+    # whole before sharding them, peaks apart)
     first, last = results[0], results[3]
     assert first.setup_peak > first.peak and last.setup_peak > last.peak
     assert "setup peaks higher" in first.describe()[1]
     for result in results[:4]:
         off = (result.peak - result.predicted) / result.predicted
-        assert -0.25 < off < 0.25, (result.rank, result.peak, result.predicted)
+        assert -0.1 < off < 0.1, (result.rank, result.peak, result.predicted)
 
 
 def test_a_world_that_does_not_fit_is_refused_naming_the_numbers(one_stage):

@@ -476,6 +476,17 @@ class CostModel:
                 for e in self.exchanges
             ],
             blocks=[block.units for block in self.blocks.values()],
+            block_gathers=(
+                [
+                    (
+                        float(sum(self.param_bytes[u] for u in block.units)),
+                        float(sum(self.trainable_bytes[u] for u in block.units)),
+                    )
+                    for block in self.blocks.values()
+                ]
+                if dp_shard > 1 and schedule not in SPLIT_BACKWARD
+                else None
+            ),
         )
         self.dag = facts.dag
         #: stages -> the best contiguous stage_of_unit (dp.solve_contiguous fills it)

@@ -51,7 +51,9 @@ class StageSums:
     -1: a model input; last reader ``num_units``: a model output); ``savers`` the units that save
     each exchanged value among their activations, per exchange; ``unit_params`` each unit's
     parameters (bytes by name, in the unit's order); ``step_time`` the seconds of an optimizer
-    step over a trained parameter of so many bytes; ``blocks`` each block's units."""
+    step over a trained parameter of so many bytes; ``blocks`` each block's units;
+    ``block_gathers`` each block's parameter and trained parameter bytes where FSDP2 gathers
+    the stages block by block (see :meth:`transients`), else None."""
 
     def __init__(
         self,
@@ -70,6 +72,7 @@ class StageSums:
         exchanges: Sequence[tuple[int, int, int, int]],
         savers: Sequence[Sequence[int]],
         blocks: Sequence[Sequence[int]],
+        block_gathers: Sequence[tuple[float, float]] | None = None,
     ) -> None:
         self.num_units = num_units
         self.forward, self.backward = _floats(forward), _floats(backward)
@@ -103,6 +106,12 @@ class StageSums:
             [float(sum(temporaries[u] for u in units)) for units in blocks]
         )
         self.num_blocks = len(blocks)
+        self.block_lengths = _ints([len(units) for units in blocks])
+        self.block_gathers = (
+            None
+            if block_gathers is None
+            else np.asarray(block_gathers, dtype=np.float64).reshape(len(blocks), 2)
+        )
 
     def with_activations(self, activations: Sequence[float]) -> StageSums:
         """These sums with other bytes saved per unit (a model assuming recomputation)."""
@@ -192,6 +201,16 @@ class StageSums:
         high = np.maximum.reduceat(held, self.block_starts)
         return np.where(low == high, low, -1)
 
+    def _saved_after(self, stages: Ints, num_stages: int) -> tuple[Floats, Floats]:
+        """Per unit, the activations its stage's units after it save (not saved yet while it
+        runs), and those it and they save."""
+        order = np.argsort(stages, kind="stable")
+        ran = np.cumsum(self.activations[order])  # in each stage's unit order, stage by stage
+        ends = np.cumsum(_summed(stages, self.activations, num_stages))
+        after = np.empty(self.num_units)
+        after[order] = ends[stages[order]] - ran
+        return after, after + self.activations
+
     def transients(
         self, stages: Ints, num_stages: int, blocks: Ints | None = None
     ) -> tuple[Floats, Floats]:
@@ -199,16 +218,49 @@ class StageSums:
         largest whole block's), and the most a backward holds beyond its microbatch's
         activations and the stage's gradients (a unit's backward, less the activations of the
         units after it in the stage, freed by then, and the gradients of those before it, not
-        allocated yet). ``blocks``: :meth:`block_stages`, if known."""
+        allocated yet). ``blocks``: :meth:`block_stages`, if known.
+
+        Where FSDP2 gathers block by block (``block_gathers``; the stage's state counts one
+        block's parameters gathered and its gradients unsharded, :meth:`CostModel.gathered`):
+        a block's forward also holds the flat buffer its parameters were gathered into (FSDP2
+        keeps it until the next block's are copied out), while the activations after the block
+        are not saved yet; the moment a block's are copied out holds two such buffers, and none
+        of the stage's locals or of the activations from the block on. Where the stage trains
+        parameters outside blocks, a forward holds their gradients' reduce-scatter input (the
+        stage's last), not a block's. A block's backward also holds the previous unit's
+        gradients, still being reduce-scattered, and, but for the stage's first block, the next
+        block's gather (prefetched)."""
         blocks = self.block_stages(stages) if blocks is None else blocks
         # forward: the temporaries of units in no whole block, and each stage's largest block's
         inline = self.temporaries.copy()
-        whole = np.repeat(blocks >= 0, np.diff(np.r_[self.block_starts, len(self.block_units)]))
+        whole = np.repeat(blocks >= 0, self.block_lengths)
         inline[self.block_units[whole]] = 0.0
         forward = _summed(stages, inline, num_stages)
         largest = np.zeros(num_stages)
         kept = blocks >= 0
-        np.maximum.at(largest, blocks[kept], self.block_temporaries[kept])
+        held = self.block_temporaries
+        extra = np.zeros(self.num_units)  # a unit's backward's, in a whole block
+        if self.block_gathers is not None and self.num_blocks:
+            params, trained = self.block_gathers[:, 0], self.block_gathers[:, 1]
+            after, since = self._saved_after(stages, num_stages)
+            last = np.maximum.reduceat(self.block_units, self.block_starts)
+            first = np.minimum.reduceat(self.block_units, self.block_starts)
+            home = np.maximum(blocks, 0)
+            # the reduce-scatter input a forward holds is the stage's last reduced unit's: the
+            # rest's, where it trains parameters, not a block's (which the state counts)
+            _, trained_here = self.parameters(stages, num_stages)
+            rest = trained_here - _summed(blocks[kept], trained[kept], num_stages) > 0
+            unheld = np.where(rest[home], trained, 0.0)
+            copy_out = 2 * params - since[first] - forward[home] - unheld
+            compute = held + params - after[last] - unheld
+            held = np.maximum(np.maximum(held, compute), copy_out)
+            # the stage's first block gathers no block after its backward (the rest is gathered)
+            opening = np.full(num_stages, self.num_units)
+            np.minimum.at(opening, blocks[kept], first[kept])
+            prefetched = np.where(first == opening[home], 0.0, params)
+            per_unit = np.repeat(prefetched + trained, self.block_lengths)
+            extra[self.block_units[whole]] = per_unit[whole]
+        np.maximum.at(largest, blocks[kept], held[kept])
         forward = forward + largest
         # backward: each stage's units in a row (unit order), walked from the last as the loop
         # does, in columns padded with zeros (which change no sum)
@@ -233,7 +285,7 @@ class StageSums:
             np.c_[total, table(self.shard_gradients, reverse=True)], axis=1
         )[:, 1:]
         freed = np.cumsum(np.c_[np.zeros(num_stages), table(self.activations, True)], axis=1)
-        beyond = (table(self.backward_memory, True) - freed[:, :-1]) - pending
+        beyond = (table(self.backward_memory + extra, True) - freed[:, :-1]) - pending
         beyond[np.arange(width)[None, :] >= counts[:, None]] = -np.inf
         backward: Floats = np.maximum(beyond.max(axis=1, initial=-np.inf), 0.0)
         return forward, backward

@@ -26,6 +26,7 @@ from .flops import flop_counter
 from .operator_rates import operator_size
 from .profile import Profile, UnitCost, graph_digest
 from ..ir.analysis import UnitWorkload, signature, unit_workloads
+from ..runtime.core.fused_attention import fused_kernels
 from .workload import output_bytes, parameter_bytes, run_forward_backward
 
 #: Operators that read only the rows they gather, not their whole (table) input.
@@ -126,11 +127,15 @@ def _counting(spec: DeviceSpec, sink: list[RooflineMode]):
 
 
 def profile_analytic(graph: Graph, spec: DeviceSpec) -> Profile:
-    """Profile every unit of ``graph`` on fake tensors for the device ``spec``."""
+    """Profile every unit of ``graph`` on fake tensors for the device ``spec``: on a GPU's,
+    attention runs the fused kernel a GPU picks (its time, and the log-sum-exp it keeps for the
+    backward), not the CPU's choice (the math path, which keeps the probabilities, where it
+    drops some out)."""
     device = torch.device("cpu")
     costs = []
     known: dict[str, UnitCost] = {}  # structurally identical units (repeated layers) cost the same
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    kernels = fused_kernels("cpu") if spec.device_type == "cuda" else contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=True), kernels:
         for work in unit_workloads(graph):
             key = signature(graph, work)
             if key in known:

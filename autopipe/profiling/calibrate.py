@@ -407,6 +407,7 @@ def _calibrate(device: torch.device, name: str | None, log: Callable[[str], None
         memory_efficiency=1.0,
         kernel_overhead=overhead,
         view_overhead=views,
+        device_type=device.type,
         optimizer_steps=steps,
         tables=tables,
         **links,

@@ -140,6 +140,9 @@ class DeviceSpec:
     #: fit its caches update faster than those streamed from memory. Without it, the cost model
     #: streams the optimizer's traffic at the memory rate.
     optimizer_steps: dict[str, RateTable] = field(default_factory=dict)
+    #: the kind of device its kernels are: "cuda" (a GPU, whose attention runs a fused kernel
+    #: that keeps no probabilities for the backward) or "cpu" (torch's CPU kernels)
+    device_type: str = "cuda"
     #: measured rates by kind and dtype ("matmul.float32", "attention.bfloat16", "memory"), and
     #: by operator ("op.gelu.float32", a CPU's: :mod:`.operator_rates`)
     tables: dict[str, RateTable] = field(default_factory=dict)
@@ -305,6 +308,7 @@ _FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "a finite number of seconds >= 0 (or null: the link's)",
     ),
     "network": (is_text, "a one-line description"),
+    "device_type": (lambda v: v in ("cuda", "cpu"), '"cuda" (a GPU) or "cpu"'),
     "view_overhead": (lambda v: is_number(v, 0), "a finite number of seconds >= 0"),
     "receive_overhead": (lambda v: is_number(v, 0), "a finite number of seconds >= 0"),
     "nics_per_node": (

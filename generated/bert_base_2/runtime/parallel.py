@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,10 @@ class Layout:
     pp_group: Any
     dp_group: Any  # every data-parallel rank of this pipeline rank
     dp_shard: int = 1
-    dp_mesh: DeviceMesh | None = None  # the (dp_replicate, dp_shard) mesh FSDP2 works over
+    #: the mesh FSDP2 works over: (dp_replicate, dp_shard) with replicas (HSDP), else dp_shard alone
+    #: (a replica dimension of 1 would make FSDP2 all-reduce each unit's gradients over one rank
+    #: and hold a second gradient-sized buffer per unit until its next backward)
+    dp_mesh: DeviceMesh | None = None
     shard_group: Any = None  # the ranks this rank's shards are a part of
     #: the mesh's dimensions, outermost first: the package's order (``Pipeline.mesh``)
     order: tuple[str, ...] = PIPELINE_INNERMOST
@@ -186,7 +189,7 @@ def init_distributed(
         pp_group=mesh.get_group("pp"),
         dp_group=dp_mesh._flatten("dp").get_group(),
         dp_shard=dp_shard,
-        dp_mesh=dp_mesh,
+        dp_mesh=dp_mesh if dp > 1 else mesh["dp_shard"],
         shard_group=mesh.get_group("dp_shard"),
         order=pipeline.mesh,
         tp_size=tp,
@@ -268,6 +271,22 @@ def shard_stage(
             mp_policy=policy,
             shard_placement_fn=fsdp_placement,
         )
+    _prefetch_backward_in_order(runner, blocks)
+
+
+def _prefetch_backward_in_order(runner: nn.Module, blocks: Sequence[nn.Module]) -> None:
+    """Each unit's backward gathers the unit the stage's backward runs next: the stage's last
+    block from the rest (the root, whose backward starts first), then each block the one before
+    it. FSDP2 otherwise guesses the next unit from the order forwards ended in, which a schedule
+    interleaving microbatches (1F1B) breaks: a block's backward would gather a block of another
+    microbatch's forward, whose parameters then stay gathered until that block next runs, up to
+    every block of the stage at once. The first block names the root, gathered already, so
+    that it guesses nothing either."""
+    if not blocks:
+        return
+    units = [runner, *reversed(blocks), runner]  # the backward's order, then its first again
+    for unit, following in zip(units, units[1:]):
+        cast(FSDPModule, unit).set_modules_to_backward_prefetch([cast(FSDPModule, following)])
 
 
 def parallelize_stage(stage: nn.Module, layout: Layout) -> list[str]:
@@ -283,7 +302,8 @@ def parallelize_stage(stage: nn.Module, layout: Layout) -> list[str]:
 class DataParallelStage(PipelineStage):
     """A pipeline stage that decides when its FSDP2 units reduce their gradients: with
     ``reduce_every_microbatch`` after each backward (sharded gradients accumulate, 1/N of the
-    memory), otherwise once per optimizer step: during the step's last backward when
+    memory; with replicas, HSDP, the shards accumulate before the one all-reduce over the
+    replicas in the step's last backward), otherwise once per optimizer step: during the step's last backward when
     ``overlap`` (each unit's reduction starts as soon as its backward ends and runs while the
     rest of the backward does), else after it. Earlier accumulation rounds (``final_round``
     False) only accumulate. Each forward, backward and transfer is this rank's current action
@@ -411,6 +431,7 @@ class DataParallelStage(PipelineStage):
         self.submod.set_is_last_backward(last)
         self.submod.set_reshard_after_backward(True)
         self.submod.set_requires_gradient_sync(True)
+        self.submod.set_requires_all_reduce(last)  # over the replicas (HSDP): once a step
         grads = stage_backward(
             bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
         )

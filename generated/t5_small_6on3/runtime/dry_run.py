@@ -64,6 +64,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .activity import ACTIVITY
 from .activity import Action as RankAction
 from .core.errors import PipelineRunError, first_line
+from .core.fused_attention import fused_kernels
 from .core.memory import LiveTensorBytes
 from .core.mesh import RankMesh
 from .core.pipeline import Pipeline
@@ -843,6 +844,13 @@ class Fakes:
         self.faked.append(
             "NCCL's device_id (torch refuses it without CUDA): checked to be the rank's "
             "cuda:LOCAL_RANK, not passed on"
+        )
+        kernels = fused_kernels()
+        kernels.__enter__()
+        self._undo.append(lambda: kernels.__exit__(None, None, None))
+        self.faked.append(
+            "attention's choice of kernel, which needs a GPU: a GPU's fused kernel (flash, "
+            "memory-efficient) instead of the math path, which keeps the probabilities"
         )
         self.patch(cuda.amp.common, "amp_definitely_not_available", lambda: False)
         self.patch(cuda, "is_bf16_supported", lambda *args, **kwargs: True)
