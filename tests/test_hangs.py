@@ -579,7 +579,9 @@ def test_a_collective_skipped_by_one_rank_is_named(hung):
         "waits in the gradient norm's all-reduce with ranks 0, 1 (step 1)"
     ) in text, text
     assert "did not answer" not in text
-    assert stderr.count("lost contact") == 2  # then both give up, as before
+    # then they give up, as before: the first whose wait ends says so; the other says so too,
+    # unless torchrun's SIGTERM (sent once the first has ended) reaches it still waiting
+    assert 1 <= stderr.count("lost contact") <= 2, stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

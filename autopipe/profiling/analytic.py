@@ -134,8 +134,15 @@ def profile_analytic(graph: Graph, spec: DeviceSpec) -> Profile:
     device = torch.device("cpu")
     costs = []
     known: dict[str, UnitCost] = {}  # structurally identical units (repeated layers) cost the same
-    kernels = fused_kernels("cpu") if spec.device_type == "cuda" else contextlib.nullcontext()
-    with FakeTensorMode(allow_non_fake_inputs=True), kernels:
+    fakes = FakeTensorMode(allow_non_fake_inputs=True)
+    kernels: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if spec.device_type == "cuda":
+        kernels = fused_kernels("cpu")
+        # fake tensors' cache of operator outputs answers a fused kernel's repeated call with
+        # storages of other sizes than its first call's (a few bytes): without it, a profile is
+        # the same whatever ran before it in the process
+        fakes.cache_enabled = False
+    with fakes, kernels:
         for work in unit_workloads(graph):
             key = signature(graph, work)
             if key in known:

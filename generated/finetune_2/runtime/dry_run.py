@@ -845,9 +845,9 @@ class Fakes:
             "NCCL's device_id (torch refuses it without CUDA): checked to be the rank's "
             "cuda:LOCAL_RANK, not passed on"
         )
-        kernels = fused_kernels()
-        kernels.__enter__()
-        self._undo.append(lambda: kernels.__exit__(None, None, None))
+        kernels = contextlib.ExitStack()
+        kernels.enter_context(fused_kernels())
+        self._undo.append(kernels.close)
         self.faked.append(
             "attention's choice of kernel, which needs a GPU: a GPU's fused kernel (flash, "
             "memory-efficient) instead of the math path, which keeps the probabilities"

@@ -40,29 +40,33 @@ def _attention(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
+    out: torch.Tensor
     if query.is_nested or query.dim() != 4:
-        return torch.ops.aten._scaled_dot_product_attention_math(
+        out = torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
             enable_gqa=enable_gqa,
         )[0]  # fmt: skip
+        return out
     if enable_gqa and key.size(-3) != query.size(-3):
         groups = query.size(-3) // key.size(-3)
         key = key.repeat_interleave(groups, dim=-3)
         value = value.repeat_interleave(groups, dim=-3)
     half = query.dtype in (torch.float16, torch.bfloat16)
     if half and attn_mask is None and query.size(-1) <= FLASH_HEAD_SIZE:
-        return torch.ops.aten._scaled_dot_product_flash_attention(
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, dropout_p, is_causal, False, scale=scale
         )[0]
+        return out
     bias = attn_mask
     if bias is not None and bias.dtype == torch.bool:
         bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill(
             bias.logical_not(), -math.inf
         )
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    return torch.ops.aten._scaled_dot_product_efficient_attention(
+    out = torch.ops.aten._scaled_dot_product_efficient_attention(
         query, key, value, bias, grad, dropout_p, is_causal, scale=scale
     )[0]
+    return out
 
 
 @contextmanager
@@ -71,7 +75,7 @@ def fused_kernels(device_type: str = "cuda") -> Iterator[None]:
     for fake CPU tensors standing for a GPU's) runs a GPU's fused kernel (see the module's
     docstring): an implementation for the device's autograd key, ahead of the composite one,
     removed on exit."""
-    library: Any = torch.library.Library("aten", "IMPL")  # noqa: TOR901  # removed on exit
+    library: Any = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
     try:
         library.impl("scaled_dot_product_attention", _attention, f"Autograd{device_type.upper()}")
         yield
