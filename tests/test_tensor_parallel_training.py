@@ -300,6 +300,13 @@ def test_the_fake_cuda_dry_run_of_a_70b_shaped_rank(tmp_path):
         assert gathered["forward"] == per_block + head
         assert scattered["forward"] == per_block + embedding
         assert result.collectives["allreduce"]["partial_sum"] == 2  # once a step
+        # FSDP2 gathers each unit (the blocks, and the embedding or the norm and head beside
+        # them) in every forward and backward it runs in, and in no other action: each unit's
+        # backward prefetches the one the stage runs next (FSDP2's own guess gathered blocks in
+        # a backward for a later microbatch's forward under 1F1B: 38 and 58 on stage 1)
+        units = blocks[result.stages[0]] + (result.stages[0] in (0, 3))
+        fsdp = {"forward": units * microbatches, "backward": units * microbatches}
+        assert dict(result.collectives["allgather_base"]) == fsdp
     # memory: the steps' peak against the plan's (setup, which makes the embedding and the head
     # whole before sharding them, peaks apart)
     first, last = results[0], results[3]
