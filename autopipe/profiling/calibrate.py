@@ -55,8 +55,9 @@ __all__ = [
 #: what a calibration measures, in the cache's key: a spec cached by an older one is measured
 #: again (v2: the tables by size and the view overhead; v3: a CPU's operators in real layers;
 #: v4: the link's latency; v5: SDPA's math path, the receive wait, freed memory kept; v6: the
-#: optimizer step; v7: the optimizer step by tensor size)
-CALIBRATION = "calibration-v7"
+#: optimizer step; v7: the optimizer step by tensor size; v8: the device type, which picks the
+#: attention kernels the analytic profile runs)
+CALIBRATION = "calibration-v8"
 #: the sizes (elements) of the parameter tensors an optimizer step is timed over: from a
 #: launch-bound one to one a CPU's caches do not hold (a GPU's table adds 64 Mi)
 OPTIMIZER_TENSOR_SIZES = (256, 4096, 65536, 1 << 20, 8 << 20)
