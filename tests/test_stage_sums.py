@@ -117,10 +117,12 @@ def transients(model, stage_of_unit, num_stages):
         )
 
     trained_rest = stage_parameters(model, stage_of_unit, num_stages, True)
+    params_rest = stage_parameters(model, stage_of_unit, num_stages)
     for block in model.blocks.values():
         stage = block.stage(stage_of_unit)
         if stage is not None:
             trained_rest[stage] -= sum(model.trainable_bytes[u] for u in block.units)
+            params_rest[stage] -= sum(model.param_bytes[u] for u in block.units)
     for block in model.blocks.values():
         stage = block.stage(stage_of_unit)
         if stage is not None:
@@ -130,7 +132,10 @@ def transients(model, stage_of_unit, num_stages):
                 unheld = sum(model.trainable_bytes[u] for u in block.units)
                 unheld = unheld if trained_rest[stage] > 0 else 0.0
                 after = saved_from(stage, max(block.units) + 1)
-                copy_out = 2 * params - saved_from(stage, min(block.units)) - inline[stage]
+                # the flat buffer gathered before: the rest's before the stage's first block
+                first = min(block.units) == opening[stage]
+                before = max(params_rest[stage], 0.0) if first else params
+                copy_out = before + params - saved_from(stage, min(block.units)) - inline[stage]
                 held = max(held, held + params - after - unheld, copy_out - unheld)
             largest[stage] = max(largest[stage], held)
     for s in range(num_stages):

@@ -224,8 +224,9 @@ class StageSums:
         block's parameters gathered and its gradients unsharded, :meth:`CostModel.gathered`):
         a block's forward also holds the flat buffer its parameters were gathered into (FSDP2
         keeps it until the next block's are copied out), while the activations after the block
-        are not saved yet; the moment a block's are copied out holds two such buffers, and none
-        of the stage's locals or of the activations from the block on. Where the stage trains
+        are not saved yet; the moment a block's are copied out holds two such buffers (the
+        first block's, and the rest's, gathered as the stage's forward starts), and none of the
+        stage's locals or of the activations from the block on. Where the stage trains
         parameters outside blocks, a forward holds their gradients' reduce-scatter input (the
         stage's last), not a block's. A block's backward also holds the previous unit's
         gradients, still being reduce-scattered, and, but for the stage's first block, the next
@@ -246,18 +247,23 @@ class StageSums:
             last = np.maximum.reduceat(self.block_units, self.block_starts)
             first = np.minimum.reduceat(self.block_units, self.block_starts)
             home = np.maximum(blocks, 0)
+            params_here, trained_here = self.parameters(stages, num_stages)
+            rest_params = params_here - _summed(blocks[kept], params[kept], num_stages)
             # the reduce-scatter input a forward holds is the stage's last reduced unit's: the
             # rest's, where it trains parameters, not a block's (which the state counts)
-            _, trained_here = self.parameters(stages, num_stages)
             rest = trained_here - _summed(blocks[kept], trained[kept], num_stages) > 0
             unheld = np.where(rest[home], trained, 0.0)
-            copy_out = 2 * params - since[first] - forward[home] - unheld
+            opening = np.full(num_stages, self.num_units)  # each stage's first block's first unit
+            np.minimum.at(opening, blocks[kept], first[kept])
+            opens = first == opening[home]
+            # at a block's copy-out, the flat buffer of the unit gathered before it: the rest's
+            # (gathered as the stage's forward starts) before the stage's first block
+            before = np.where(opens, np.maximum(rest_params[home], 0.0), params)
+            copy_out = before + params - since[first] - forward[home] - unheld
             compute = held + params - after[last] - unheld
             held = np.maximum(np.maximum(held, compute), copy_out)
             # the stage's first block gathers no block after its backward (the rest is gathered)
-            opening = np.full(num_stages, self.num_units)
-            np.minimum.at(opening, blocks[kept], first[kept])
-            prefetched = np.where(first == opening[home], 0.0, params)
+            prefetched = np.where(opens, 0.0, params)
             per_unit = np.repeat(prefetched + trained, self.block_lengths)
             extra[self.block_units[whole]] = per_unit[whole]
         np.maximum.at(largest, blocks[kept], held[kept])
