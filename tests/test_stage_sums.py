@@ -82,18 +82,34 @@ def transients(model, stage_of_unit, num_stages):
     freed = [0.0] * num_stages
     pending = [0.0] * num_stages
     extra = [0.0] * model.num_units
-    opening = {}  # each stage's first whole block's first unit
+    opening, closing = {}, {}  # each stage's first and last whole block's first unit
+    blocked = {
+        u for b in model.blocks.values() if b.stage(stage_of_unit) is not None for u in b.units
+    }
+    trained_rest = stage_parameters(model, stage_of_unit, num_stages, True)
+    params_rest = stage_parameters(model, stage_of_unit, num_stages)
     for block in model.blocks.values():
         stage = block.stage(stage_of_unit)
         if stage is not None:
             opening[stage] = min(opening.get(stage, model.num_units), min(block.units))
+            closing[stage] = max(closing.get(stage, -1), min(block.units))
+            trained_rest[stage] -= sum(model.trainable_bytes[u] for u in block.units)
+            params_rest[stage] -= sum(model.param_bytes[u] for u in block.units)
     for block in model.blocks.values():
         stage = block.stage(stage_of_unit)
         if per_block and stage is not None:
             params = sum(model.param_bytes[v] for v in block.units)
+            trained = sum(model.trainable_bytes[v] for v in block.units)
             prefetched = 0.0 if min(block.units) == opening[stage] else params
+            last = min(block.units) == closing[stage]
+            reducing = trained_rest[stage] if last and trained_rest[stage] > 0 else trained
+            not_yet = sum(
+                model.trainable_bytes[u]
+                for u in range(model.num_units)
+                if stage_of_unit[u] == stage and u < opening[stage] and u not in blocked
+            )
             for u in block.units:
-                extra[u] = prefetched + sum(model.trainable_bytes[v] for v in block.units)
+                extra[u] = prefetched + reducing - not_yet
     for unit, s in enumerate(stage_of_unit):
         pending[s] += model.trainable_bytes[unit] / model.dp_shard
     for unit in reversed(range(model.num_units)):
@@ -104,9 +120,6 @@ def transients(model, stage_of_unit, num_stages):
         freed[s] += model.activations[unit]
     inline = [0.0] * num_stages
     largest = [0.0] * num_stages
-    blocked = {
-        u for b in model.blocks.values() if b.stage(stage_of_unit) is not None for u in b.units
-    }
     for unit, s in enumerate(stage_of_unit):
         if unit not in blocked:
             inline[s] += model.temporaries[unit]
@@ -116,13 +129,6 @@ def transients(model, stage_of_unit, num_stages):
             model.activations[u] for u in range(first, model.num_units) if stage_of_unit[u] == stage
         )
 
-    trained_rest = stage_parameters(model, stage_of_unit, num_stages, True)
-    params_rest = stage_parameters(model, stage_of_unit, num_stages)
-    for block in model.blocks.values():
-        stage = block.stage(stage_of_unit)
-        if stage is not None:
-            trained_rest[stage] -= sum(model.trainable_bytes[u] for u in block.units)
-            params_rest[stage] -= sum(model.param_bytes[u] for u in block.units)
     for block in model.blocks.values():
         stage = block.stage(stage_of_unit)
         if stage is not None:

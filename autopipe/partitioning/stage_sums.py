@@ -79,6 +79,7 @@ class StageSums:
         self.activations, self.temporaries = _floats(activations), _floats(temporaries)
         self.backward_memory = _floats(backward_memory)
         #: each unit's gradient bytes held by one shard, as the loops divide them
+        self.trainable = _floats(trainable_bytes)
         self.shard_gradients = _floats([t / dp_shard for t in trainable_bytes])
         # parameters: (unit, parameter, bytes, trained) in the units' order, each unit's own
         # in its order, a parameter again in every unit reading it
@@ -229,8 +230,10 @@ class StageSums:
         stage's locals or of the activations from the block on. Where the stage trains
         parameters outside blocks, a forward holds their gradients' reduce-scatter input (the
         stage's last), not a block's. A block's backward also holds the previous unit's
-        gradients, still being reduce-scattered, and, but for the stage's first block, the next
-        block's gather (prefetched)."""
+        gradients, still being reduce-scattered (before the stage's last block, the rest's from
+        the previous backward), and, but for the stage's first block, the next block's gather
+        (prefetched); where the rest runs before the blocks (an embedding), its gradients, which
+        the state counts, do not exist yet."""
         blocks = self.block_stages(stages) if blocks is None else blocks
         # forward: the temporaries of units in no whole block, and each stage's largest block's
         inline = self.temporaries.copy()
@@ -249,13 +252,16 @@ class StageSums:
             home = np.maximum(blocks, 0)
             params_here, trained_here = self.parameters(stages, num_stages)
             rest_params = params_here - _summed(blocks[kept], params[kept], num_stages)
+            rest_trained = trained_here - _summed(blocks[kept], trained[kept], num_stages)
             # the reduce-scatter input a forward holds is the stage's last reduced unit's: the
             # rest's, where it trains parameters, not a block's (which the state counts)
-            rest = trained_here - _summed(blocks[kept], trained[kept], num_stages) > 0
+            rest = rest_trained > 0
             unheld = np.where(rest[home], trained, 0.0)
             opening = np.full(num_stages, self.num_units)  # each stage's first block's first unit
             np.minimum.at(opening, blocks[kept], first[kept])
-            opens = first == opening[home]
+            closing = np.full(num_stages, -1)  # and its last block's
+            np.maximum.at(closing, blocks[kept], first[kept])
+            opens, closes = first == opening[home], first == closing[home]
             # at a block's copy-out, the flat buffer of the unit gathered before it: the rest's
             # (gathered as the stage's forward starts) before the stage's first block
             before = np.where(opens, np.maximum(rest_params[home], 0.0), params)
@@ -264,8 +270,18 @@ class StageSums:
             held = np.maximum(np.maximum(held, compute), copy_out)
             # the stage's first block gathers no block after its backward (the rest is gathered)
             prefetched = np.where(opens, 0.0, params)
-            per_unit = np.repeat(prefetched + trained, self.block_lengths)
-            extra[self.block_units[whole]] = per_unit[whole]
+            # the reduce-scatter input still held: the block after's (a block's size), or before
+            # the stage's last block the rest's, reduced last in the previous backward, where it
+            # trains parameters
+            reducing = np.where(closes & rest[home], rest_trained[home], trained)
+            # the rest's gradients the state counts do not exist yet while the blocks run their
+            # backward where the rest runs before them (an embedding)
+            in_block = np.zeros(self.num_units, dtype=bool)
+            in_block[self.block_units[whole]] = True
+            early = (np.arange(self.num_units) < opening[stages]) & ~in_block
+            not_yet = _summed(stages[early], self.trainable[early], num_stages)
+            per_block = prefetched + reducing - not_yet[home]
+            extra[self.block_units[whole]] = np.repeat(per_block, self.block_lengths)[whole]
         np.maximum.at(largest, blocks[kept], held[kept])
         forward = forward + largest
         # backward: each stage's units in a row (unit order), walked from the last as the loop
