@@ -109,7 +109,8 @@ def transients(model, stage_of_unit, num_stages):
                 if stage_of_unit[u] == stage and u < opening[stage] and u not in blocked
             )
             for u in block.units:
-                extra[u] = prefetched + reducing - not_yet
+                earlier = sum(model.trainable_bytes[v] for v in block.units if v < u)
+                extra[u] = prefetched + reducing - not_yet - earlier
     for unit, s in enumerate(stage_of_unit):
         pending[s] += model.trainable_bytes[unit] / model.dp_shard
     for unit in reversed(range(model.num_units)):

@@ -233,7 +233,8 @@ class StageSums:
         gradients, still being reduce-scattered (before the stage's last block, the rest's from
         the previous backward), and, but for the stage's first block, the next block's gather
         (prefetched); where the rest runs before the blocks (an embedding), its gradients, which
-        the state counts, do not exist yet."""
+        the state counts, do not exist yet, and neither do those of the block's units before the
+        one running."""
         blocks = self.block_stages(stages) if blocks is None else blocks
         # forward: the temporaries of units in no whole block, and each stage's largest block's
         inline = self.temporaries.copy()
@@ -280,8 +281,15 @@ class StageSums:
             in_block[self.block_units[whole]] = True
             early = (np.arange(self.num_units) < opening[stages]) & ~in_block
             not_yet = _summed(stages[early], self.trainable[early], num_stages)
-            per_block = prefetched + reducing - not_yet[home]
-            extra[self.block_units[whole]] = np.repeat(per_block, self.block_lengths)[whole]
+            per_block = np.repeat(prefetched + reducing - not_yet[home], self.block_lengths)
+            # the state counts the block's gradients whole: a unit's backward runs before those
+            # of the block's units before it (their gradients are not computed yet)
+            trained_units = self.trainable[self.block_units]
+            ran = np.cumsum(trained_units)
+            block_start = np.repeat(ran[self.block_starts] - trained_units[self.block_starts],
+                                    self.block_lengths)  # fmt: skip
+            not_computed = ran - trained_units - block_start
+            extra[self.block_units[whole]] = (per_block - not_computed)[whole]
         np.maximum.at(largest, blocks[kept], held[kept])
         forward = forward + largest
         # backward: each stage's units in a row (unit order), walked from the last as the loop
