@@ -116,7 +116,7 @@ def package_files(graph: Graph, part: Partition, gpus_per_node: int = 8) -> dict
     sequence = bool(part.settings.sequence_parallel)
     sharding = sharding_plan(graph, find_regions(graph), tp, sequence) if tp > 1 else None
     if sharding is not None:
-        sharding = sharding.on_stages({n.name: plan.index for plan in plans for n in plan.nodes})
+        sharding = sharding.on_stages(part.stage_of_nodes(graph))
     package = PackageContext(
         model_class=model_class,
         num_stages=len(plans),

@@ -449,11 +449,16 @@ class CostModel:
             for e in facts.exchanges
             if e.name not in recomputed
         ]
-        #: each block's parameter and gradient bytes
-        self.block_state = {
-            block.fqn: sum(self.param_bytes[u] + self.trainable_bytes[u] for u in block.units)
+        #: each block's parameter bytes and those of its trained parameters (its gradients')
+        block_bytes = {
+            block.fqn: (
+                float(sum(self.param_bytes[u] for u in block.units)),
+                float(sum(self.trainable_bytes[u] for u in block.units)),
+            )
             for block in self.blocks.values()
         }
+        #: each block's parameter and gradient bytes
+        self.block_state = {fqn: params + trained for fqn, (params, trained) in block_bytes.items()}
         self.sums = StageSums(
             num_units=self.num_units,
             forward=self.forward,
@@ -477,13 +482,7 @@ class CostModel:
             ],
             blocks=[block.units for block in self.blocks.values()],
             block_gathers=(
-                [
-                    (
-                        float(sum(self.param_bytes[u] for u in block.units)),
-                        float(sum(self.trainable_bytes[u] for u in block.units)),
-                    )
-                    for block in self.blocks.values()
-                ]
+                list(block_bytes.values())
                 if dp_shard > 1 and schedule not in SPLIT_BACKWARD
                 else None
             ),
@@ -762,7 +761,9 @@ class CostModel:
         act_cross, grad_cross = act_array.tolist(), grad_array.tolist()
         outputs = [*act_cross, sums.model_outputs]
         inputs = [0.0, *act_cross]
-        forward_array, backward_array = sums.transients(stages, num_stages, block_stages)
+        forward_array, backward_array = sums.transients(
+            stages, num_stages, block_stages, (param_array, trainable_array)
+        )
         transient_forward, transient_backward = forward_array.tolist(), backward_array.tolist()
         for fqn in recompute_blocks:
             block = self.blocks[fqn]

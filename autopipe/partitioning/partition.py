@@ -526,6 +526,10 @@ class Partition:
         """How many blocks and whole stages recompute their activations."""
         return len(self.recompute) + len(self.recompute_blocks)
 
+    def stage_of_nodes(self, graph: Graph) -> dict[str, int]:
+        """Each node of ``graph`` (by name) -> the stage its unit runs in."""
+        return {n: self.stage_of_unit[u] for u, unit in enumerate(graph.units) for n in unit.nodes}
+
     def check_graph(self, graph: Graph) -> None:
         """Check that the partition belongs to ``graph`` and that every data edge and every
         in-place write's order goes to the same or a later stage (no cycle between stages)."""

@@ -213,13 +213,18 @@ class StageSums:
         return after, after + self.activations
 
     def transients(
-        self, stages: Ints, num_stages: int, blocks: Ints | None = None
+        self,
+        stages: Ints,
+        num_stages: int,
+        blocks: Ints | None = None,
+        stage_parameters: tuple[Floats, Floats] | None = None,
     ) -> tuple[Floats, Floats]:
         """Bytes a stage's forward holds besides what it saves (its own code's locals, plus its
         largest whole block's), and the most a backward holds beyond its microbatch's
         activations and the stage's gradients (a unit's backward, less the activations of the
         units after it in the stage, freed by then, and the gradients of those before it, not
-        allocated yet). ``blocks``: :meth:`block_stages`, if known.
+        allocated yet). ``blocks``: :meth:`block_stages`, and ``stage_parameters``:
+        :meth:`parameters`, if known.
 
         Where FSDP2 gathers block by block (``block_gathers``; the stage's state counts one
         block's parameters gathered and its gradients unsharded, :meth:`CostModel.gathered`):
@@ -251,7 +256,7 @@ class StageSums:
             last = np.maximum.reduceat(self.block_units, self.block_starts)
             first = np.minimum.reduceat(self.block_units, self.block_starts)
             home = np.maximum(blocks, 0)
-            params_here, trained_here = self.parameters(stages, num_stages)
+            params_here, trained_here = stage_parameters or self.parameters(stages, num_stages)
             rest_params = params_here - _summed(blocks[kept], params[kept], num_stages)
             rest_trained = trained_here - _summed(blocks[kept], trained[kept], num_stages)
             # the reduce-scatter input a forward holds is the stage's last reduced unit's: the

@@ -61,9 +61,7 @@ def format_partition(graph: Graph, part: Partition) -> str:
     rows.append(regions.summary())
     if (settings.tp or 1) > 1:
         plan = sharding_plan(graph, regions, settings.tp or 1, settings.sequence_parallel or None)
-        plan = plan.on_stages(
-            {n: part.stage_of_unit[u] for u, unit in enumerate(graph.units) for n in unit.nodes}
-        )
+        plan = plan.on_stages(part.stage_of_nodes(graph))
         if plan.sequence is not None and not settings.sequence_parallel:
             plan = dataclasses.replace(plan, sequence=None, sequence_off="--sequence-parallel off")
         rows.append(plan.summary())
