@@ -114,7 +114,9 @@ def _say(message: str) -> None:
 
 
 def profile_step(graph: Graph, options: CompileOptions, example: Example | None = None) -> Profile:
-    return profile(graph, options.profile, target_device(options), example, options.expected)
+    return profile(
+        graph, options.profile, target_device(options), example, options.expected, options.bf16
+    )
 
 
 def plan_step(

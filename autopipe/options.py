@@ -458,6 +458,16 @@ class CompileOptions:
         rule=Sizes(),
         metavar="NAME=SIZE[,NAME=SIZE]",
     )
+    #: plan for train.py --bf16: profile each unit's forward under bf16 autocast
+    bf16: bool = option(
+        False,
+        help="plan for bf16 mixed precision (train.py --bf16, which the package then runs by "
+        "default): each unit profiled under bfloat16 autocast over the fp32 parameters, its "
+        "products timed at the device's bf16 rate and what they save in bf16; FSDP2 gathering "
+        "bf16 parameters (default: the model's dtype)",
+        rule=Flag(),
+        action="store_true",
+    )
     #: the hardware model: a table name or a JSON file (checked when it is read)
     device_spec: str | None = option(
         None,
@@ -631,7 +641,7 @@ class CompileOptions:
                 "which --tp 1 has none of; give --tp N (N > 1), or --search to try the degrees"
             )
         self._check("basic_blocks", "keep_whole", "dynamic", "batch_dims", "expected")
-        self._check("inline_blocks", "link", "network")
+        self._check("inline_blocks", "bf16", "link", "network")
 
     @property
     def sequence_parallel_asked(self) -> bool | None:

@@ -222,6 +222,7 @@ def traced_profile(graph: Graph, part: Partition, profile: Profile, trace: RunTr
         measured_on=_run_text(trace),
         timed_at=dict(profile.timed_at),
         divided=dict(profile.divided),  # the parts of tensor-parallel ranks
+        bf16=profile.bf16,
     )
 
 

@@ -116,6 +116,28 @@ def test_sharded_gpt2_peaks_within_its_plan_on_cuda(tmp_path):
         assert abs(r.peak - r.predicted) <= 0.1 * r.predicted, (r.rank, r.peak, r.predicted)
 
 
+@pytest.mark.parametrize("dp_shard", [1, 2])
+def test_gpt2_planned_for_bf16_peaks_within_its_plan_on_cuda(tmp_path, dp_shard):
+    """GPT-2 compiled --bf16 (profiled under autocast as CUDA casts: its tanh GELU's chain in
+    fp32, the products and attention in bf16, each weight's bf16 copy saved per microbatch)
+    runs --bf16 by default; on fake GPUs, without and with FSDP2 (which gathers bf16 copies of
+    the weights instead, and saves none per microbatch), each rank within 10 % of its plan."""
+    compiled = compile_model(
+        "examples/gpt2.py:build", tmp_path / "pipe", 2, bf16=True, dp_shard=dp_shard
+    )
+    package = load_pipeline(compiled.out)
+    assert package.PIPELINE["plan"]["bf16"] is True
+    args = ("--device", "cuda", "--dp-shard", str(dp_shard), "--steps", "2")
+    results, _ = play(package, *args, "--world-size", str(2 * dp_shard))
+    assert not problems(results), problems(results)
+    for r in results:
+        assert r.half_precision > 100  # the package's default: --bf16
+        assert r.prediction_note == ""
+        assert abs(r.peak - r.predicted) <= 0.1 * r.predicted, (r.rank, r.peak, r.predicted)
+    (fp32,), _ = play(package, *args, "--no-bf16", "--rank", "0", "--world-size", str(2 * dp_shard))
+    assert fp32.half_precision == 0 and "planned for --bf16" in fp32.prediction_note
+
+
 def test_llama_replicated_and_sharded_under_interleaved_1f1b(llama):
     played = []
     for rank in ("0", "7"):  # the first pipeline rank of replica 0, the last of replica 3

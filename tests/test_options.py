@@ -22,6 +22,7 @@ BAD = {
     "basic_blocks": "GPT2Block",
     "keep_whole": ("encoder rnn",),
     "inline_blocks": 1,
+    "bf16": "yes",
     "dynamic": "seq",
     "expected": {"seq": 1},
     "batch_dims": {"h0": -1},

@@ -100,9 +100,9 @@ def test_measured_profile_runs_like_a_rank_and_interleaves_rounds(monkeypatch):
     calls = []
     run = measured._run
 
-    def recording(graph, work, values, device, timed):
+    def recording(graph, work, values, device, timed, *precision):
         calls.append((work.nodes[0].unit, timed, torch.get_num_threads()))
-        return run(graph, work, values, device, timed)
+        return run(graph, work, values, device, timed, *precision)
 
     monkeypatch.setattr(measured, "_run", recording)
     before = torch.get_num_threads()

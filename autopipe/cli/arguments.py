@@ -40,7 +40,7 @@ SPEC_HELP = (
 
 #: the compile options of each argument group, in the order --help lists them
 TRACING = ("depth", "basic_blocks", "keep_whole", "inline_blocks", "dynamic", "batch_dims")
-PROFILING = ("profile", "expected", "device_spec", "link", "network")
+PROFILING = ("profile", "bf16", "expected", "device_spec", "link", "network")
 PARTITIONING: tuple[str, ...] = ("stages", "devices", "method", "split_points", "optimizer")
 PARTITIONING += ("schedule", "microbatches", "dp_shard", "tp", "sequence_parallel", "gpus_per_node")
 PLAN_SEARCH = (

@@ -588,14 +588,18 @@ def _plan_description(part: Partition, predicted: PredictedStep, graph: Graph) -
     accumulate = settings.accumulate or 1
     symbols, timed_at = graph.model.symbols, settings.timed_at or {}
     sizes = {name: timed_at.get(name, symbol.planned) for name, symbol in symbols.items()}
-    return ({"sizes": sizes} if sizes else {}) | {
-        "microbatches": settings.microbatches or default_microbatches(part.num_stages),
-        "accumulate": accumulate,
-        "step_time": iteration_time(predicted, accumulate),
-        "flops_per_microbatch": 0.0 if predicted.flops is None else predicted.flops,
-        "peak_flops": 0.0 if predicted.peak_flops is None else predicted.peak_flops,
-        "device": "" if settings.device is None else settings.device,
-    }
+    return (
+        ({"sizes": sizes} if sizes else {})
+        | {
+            "microbatches": settings.microbatches or default_microbatches(part.num_stages),
+            "accumulate": accumulate,
+            "step_time": iteration_time(predicted, accumulate),
+            "flops_per_microbatch": 0.0 if predicted.flops is None else predicted.flops,
+            "peak_flops": 0.0 if predicted.peak_flops is None else predicted.peak_flops,
+            "device": "" if settings.device is None else settings.device,
+        }
+        | ({"bf16": True} if settings.bf16 else {})
+    )
 
 
 def _schedule_description(part: Partition) -> dict[str, Any]:

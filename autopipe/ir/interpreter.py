@@ -144,12 +144,16 @@ def run_nodes(
     return env
 
 
-def empty_placeholder(graph: Graph, node: Node, device: torch.device) -> torch.Tensor:
-    """An uninitialised tensor for a placeholder, with the autograd flag the model gives it."""
+def empty_placeholder(
+    graph: Graph, node: Node, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """An uninitialised tensor for a placeholder, with the autograd flag the model gives it
+    (in ``dtype`` instead of the traced one, where given)."""
     meta = node.tensor_meta
     assert meta is not None  # lint: a placeholder has tensor metadata
     requires_grad = meta.requires_grad
     if node.kind == "param":
         requires_grad = graph.param_of(node.target).requires_grad
-    tensor = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=device)
-    return tensor.requires_grad_(requires_grad and meta.dtype.is_floating_point)
+    dtype = dtype or meta.dtype
+    tensor = torch.empty_strided(meta.shape, meta.stride, dtype=dtype, device=device)
+    return tensor.requires_grad_(requires_grad and dtype.is_floating_point)

@@ -288,6 +288,7 @@ def _partition_in(
             profile=profile.mode,
             measured_on=profile.measured_on or None,
             timed_at=dict(profile.timed_at) if profile.timed_at else None,
+            bf16=True if profile.bf16 else None,
         ),
         predicted=prediction.record(),
         costs=stage_costs(costs),

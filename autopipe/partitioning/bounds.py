@@ -130,7 +130,7 @@ def memory_floor(
     params, trainable = sum(model.param_bytes), sum(model.trainable_bytes)
     held = model.state_bytes(params, trainable) + microbatches * crossed.total(stages - 1)
     if model.dp_shard > 1 and schedule in SPLIT_BACKWARD:
-        held += params + trainable
+        held += params * model.gather_scale + trainable
     return held / ranks
 
 

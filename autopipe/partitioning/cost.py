@@ -32,6 +32,7 @@ from ..errors import PartitionError
 from ..ir import Graph, TensorMeta
 from ..ir.ordering import order_edges
 from ..profiling.devices import DeviceSpec
+from ..profiling.precision import AUTOCAST_DTYPE
 from ..profiling.profile import Profile
 from ..ir.analysis import block_calls, unit_workloads
 from ..runtime.core.pipeline import default_microbatches, flops_utilisation
@@ -414,6 +415,17 @@ class CostModel:
         self.backward = [u.backward for u in profile.units]
         self.compute = [f + b for f, b in zip(self.forward, self.backward)]
         self.activations: list[float] = [u.activations for u in profile.units]
+        #: bytes FSDP2 gathers per byte of parameters it stores: their bf16 copies under
+        #: --bf16 (its mixed-precision policy), else the parameters themselves
+        self.gather_scale = 1.0
+        if profile.bf16:
+            self.gather_scale = min(
+                1.0, AUTOCAST_DTYPE.itemsize / graph_facts(graph).dtype.itemsize
+            )
+            if dp_shard > 1:  # FSDP2 gathers bf16 parameters: autocast copies none of them
+                self.activations = [
+                    a - u.cast_parameters for a, u in zip(self.activations, profile.units)
+                ]
         self.temporaries = [u.temporaries for u in profile.units]
         self.backward_memory = [u.backward_memory for u in profile.units]
         facts = graph_facts(graph)
@@ -424,6 +436,8 @@ class CostModel:
         ]
         self.flops = sum(u.flops_forward + u.flops_backward for u in profile.units)
         self.dtype = facts.dtype
+        #: the dtype products compute in: bf16 under --bf16, else the parameters'
+        self.compute_dtype = AUTOCAST_DTYPE if profile.bf16 else facts.dtype
         self.num_units = len(graph.units)
         self.frozen = facts.frozen
         self.param_bytes, self.trainable_bytes = facts.param_bytes, facts.trainable_bytes
@@ -457,8 +471,11 @@ class CostModel:
             )
             for block in self.blocks.values()
         }
-        #: each block's parameter and gradient bytes
-        self.block_state = {fqn: params + trained for fqn, (params, trained) in block_bytes.items()}
+        #: each block's bytes FSDP2 gathers and its gradient bytes
+        self.block_state = {
+            fqn: params * self.gather_scale + trained
+            for fqn, (params, trained) in block_bytes.items()
+        }
         self.sums = StageSums(
             num_units=self.num_units,
             forward=self.forward,
@@ -468,6 +485,7 @@ class CostModel:
             backward_memory=self.backward_memory,
             trainable_bytes=self.trainable_bytes,
             dp_shard=dp_shard,
+            gather_scale=self.gather_scale,
             unit_params=self.unit_params,
             frozen=self.frozen,
             step_time=self.optimizer_step_time,
@@ -559,7 +577,7 @@ class CostModel:
         if self.dp_shard == 1:
             return [0.0] * num_stages
         if self.schedule in SPLIT_BACKWARD:
-            return [p + t for p, t in zip(params, trainable)]
+            return [p + t for p, t in zip(self.gathered_bytes(params), trainable)]
         return self._gathered(
             self.sums.block_stages(self.sums.assignment(stage_of_unit)), params, trainable
         )
@@ -574,7 +592,13 @@ class CostModel:
                 size = self.block_state[block.fqn]
                 in_blocks[stage] += size
                 largest[stage] = max(largest[stage], size)
-        return [params[s] + trainable[s] - in_blocks[s] + largest[s] for s in range(num_stages)]
+        gathered = self.gathered_bytes(params)
+        return [gathered[s] + trainable[s] - in_blocks[s] + largest[s] for s in range(num_stages)]
+
+    def gathered_bytes(self, params: list[float]) -> list[float]:
+        """The bytes FSDP2 gathers of parameters of ``params`` bytes (per stage): half under
+        --bf16 for fp32 parameters."""
+        return [p * self.gather_scale for p in params]
 
     # -- the network ----------------------------------------------------------------------------
     def _slowest_hop(self) -> NetworkLink:
@@ -754,7 +778,7 @@ class CostModel:
         if self.dp_shard == 1:
             gathered = [0.0] * num_stages
         elif self.schedule in SPLIT_BACKWARD:
-            gathered = [p + t for p, t in zip(params, trainable)]
+            gathered = [p + t for p, t in zip(self.gathered_bytes(params), trainable)]
         else:
             gathered = self._gathered(block_stages, params, trainable)
         act_array, grad_array = sums.crossing(stages, num_stages)
@@ -786,7 +810,9 @@ class CostModel:
             # reduce-scatters its (trainable parameters') gradients after it, prefetching while
             # the stage computes
             calls = self._fsdp_units(block_stages, num_stages)
-            gather = self.collective_time(params, device_of_stage, "all_gather", calls)
+            gather = self.collective_time(
+                self.gathered_bytes(params), device_of_stage, "all_gather", calls
+            )
             reduce = self.collective_time(trainable, device_of_stage, "reduce_scatter", calls)
             for s in range(num_stages):
                 forward[s] = max(forward[s], gather[s])
@@ -923,7 +949,9 @@ class CostModel:
         )
         if self.dp_shard > 1 and schedule in SPLIT_BACKWARD:
             per_device = [0.0] * (max(device_of_stage) + 1)
-            gather = self.collective_time(params, device_of_stage, "all_gather", calls)
+            gather = self.collective_time(
+                self.gathered_bytes(params), device_of_stage, "all_gather", calls
+            )
             reduce = self.collective_time(trainable, device_of_stage, "reduce_scatter", calls)
             for s in range(num_stages):
                 per_device[device_of_stage[s]] += gather[s] + reduce[s]
@@ -945,7 +973,7 @@ class CostModel:
             optimizer_time=self.optimizer_time(stage_of_unit, device_of_stage),
             data_parallel_time=once,
             flops=self.flops,
-            peak_flops=self.device.peak_flops(self.dtype),
+            peak_flops=self.device.peak_flops(self.compute_dtype),
             traffic=traffic,
         )
 
@@ -994,13 +1022,14 @@ class CostModel:
             rings = self.shard_rings(ranks)
             share = (self.dp_shard - 1) / self.dp_shard
             once = schedule in SPLIT_BACKWARD
+            gathered = self.gathered_bytes(params)
             for s in range(num_stages):
                 ring = rings[device_of_stage[s]]
                 times = 1 if once else microbatches
                 gathers = 1 if once else 2  # each forward and each backward gathers
-                moved = share * (gathers * params[s] + trainable[s]) * times
+                moved = share * (gathers * gathered[s] + trainable[s]) * times
                 seconds = (
-                    gathers * ring.time("all_gather", params[s], calls[s])
+                    gathers * ring.time("all_gather", gathered[s], calls[s])
                     + ring.time("reduce_scatter", trainable[s], calls[s])
                 ) * times
                 add(("fsdp2", ring.link, ring.crosses_nodes), device_of_stage[s], moved, seconds)

@@ -100,6 +100,9 @@ class PartitionSettings:
     tp: int | None = None
     #: with ``tp``: whether the values between regions are sliced along the sequence
     sequence_parallel: bool | None = None
+    #: planned for bf16 autocast (train.py ``--bf16``, the package's default); None: the
+    #: model's dtype
+    bf16: bool | None = None
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> PartitionSettings:
@@ -159,6 +162,8 @@ class PartitionSettings:
         require(is_int(tp, 1), f"{where}.tp", tp, "a tensor-parallel degree (1 or more)")
         sequence = data.get("sequence_parallel", False)
         require(isinstance(sequence, bool), f"{where}.sequence_parallel", sequence, "true or false")
+        bf16 = data.get("bf16", False)
+        require(isinstance(bf16, bool), f"{where}.bf16", bf16, "true or false")
         _unknown(data, cls.__dataclass_fields__, where)
         special = ("timed_at", "plans", "mesh")
         return cls(
@@ -515,6 +520,7 @@ class Partition:
             "?" if settings.profile is None else settings.profile,
             str(settings.device),  # "None" where the partition does not say
             "" if settings.measured_on is None else settings.measured_on,
+            bool(settings.bf16),
         )
 
     @property

@@ -53,7 +53,8 @@ class StageSums:
     parameters (bytes by name, in the unit's order); ``step_time`` the seconds of an optimizer
     step over a trained parameter of so many bytes; ``blocks`` each block's units;
     ``block_gathers`` each block's parameter and trained parameter bytes where FSDP2 gathers
-    the stages block by block (see :meth:`transients`), else None."""
+    the stages block by block (see :meth:`transients`), else None; ``gather_scale`` the bytes
+    FSDP2 gathers per parameter byte (a half for fp32 parameters gathered in bf16)."""
 
     def __init__(
         self,
@@ -73,6 +74,7 @@ class StageSums:
         savers: Sequence[Sequence[int]],
         blocks: Sequence[Sequence[int]],
         block_gathers: Sequence[tuple[float, float]] | None = None,
+        gather_scale: float = 1.0,
     ) -> None:
         self.num_units = num_units
         self.forward, self.backward = _floats(forward), _floats(backward)
@@ -108,6 +110,7 @@ class StageSums:
         )
         self.num_blocks = len(blocks)
         self.block_lengths = _ints([len(units) for units in blocks])
+        self.gather_scale = gather_scale
         self.block_gathers = (
             None
             if block_gathers is None
@@ -259,6 +262,8 @@ class StageSums:
             params_here, trained_here = stage_parameters or self.parameters(stages, num_stages)
             rest_params = params_here - _summed(blocks[kept], params[kept], num_stages)
             rest_trained = trained_here - _summed(blocks[kept], trained[kept], num_stages)
+            # the buffers hold what FSDP2 gathers: bf16 copies of fp32 parameters under --bf16
+            params, rest_params = params * self.gather_scale, rest_params * self.gather_scale
             # the reduce-scatter input a forward holds is the stage's last reduced unit's: the
             # rest's, where it trains parameters, not a block's (which the state counts)
             rest = rest_trained > 0

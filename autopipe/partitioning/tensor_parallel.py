@@ -222,6 +222,12 @@ def sharded_profile(
                 temporaries=int(cost.temporaries * working),
                 backward_memory=int(cost.backward_memory * working),
                 parameters=max(0, int(cost.parameters - held * (1 - 1 / t))),
+                # the bf16 copies of the parameters a rank holds
+                cast_parameters=(
+                    int(cost.cast_parameters * (1 - held * (1 - 1 / t) / cost.parameters))
+                    if cost.parameters
+                    else 0
+                ),
             )
         )
     changed = dataclasses.replace(profile, units=units, divided=divided)

@@ -28,19 +28,21 @@ def profile(
     spec: DeviceSpec | None = None,
     example: Example | None = None,
     expected: dict[str, int] | None = None,
+    bf16: bool = False,
 ) -> Profile:
     """Profile every unit of ``graph``: ``analytic`` (deterministic, any model size) or
     ``measured`` (runs each unit on the local device). A graph with dynamic dimensions is
     profiled at their planned sizes (upper bounds), its times at the ``expected`` sizes when
-    given."""
+    given. ``bf16``: as train.py's ``--bf16`` runs it, its forwards under bf16 autocast
+    (:mod:`.precision`)."""
     spec = spec or device_spec()
     if mode not in PROFILE_MODES:
         raise AutopipeError(f"unknown profile mode {mode!r}; use one of {', '.join(PROFILE_MODES)}")
 
     def run(at: Graph) -> Profile:
         if mode == "analytic":
-            return profile_analytic(at, spec)
-        return profile_measured(at, spec, example)
+            return profile_analytic(at, spec, bf16)
+        return profile_measured(at, spec, example, bf16=bf16)
 
     result = run(graph)
     if not expected:

@@ -24,6 +24,7 @@ from ..ir.interpreter import empty_placeholder
 from .devices import DeviceSpec
 from .flops import flop_counter
 from .operator_rates import operator_size
+from .precision import autocast_dtypes, cuda_policy, unit_dtypes
 from .profile import Profile, UnitCost, graph_digest
 from ..ir.analysis import UnitWorkload, signature, unit_workloads
 from ..runtime.core.fused_attention import fused_kernels
@@ -126,45 +127,59 @@ def _counting(spec: DeviceSpec, sink: list[RooflineMode]):
     sink.append(roofline)
 
 
-def profile_analytic(graph: Graph, spec: DeviceSpec) -> Profile:
+def profile_analytic(graph: Graph, spec: DeviceSpec, bf16: bool = False) -> Profile:
     """Profile every unit of ``graph`` on fake tensors for the device ``spec``: on a GPU's,
     attention runs the fused kernel a GPU picks (its time, and the log-sum-exp it keeps for the
     backward), not the CPU's choice (the math path, which keeps the probabilities, where it
-    drops some out)."""
+    drops some out). ``bf16``: as train.py's ``--bf16`` runs it (:mod:`.precision`)."""
     device = torch.device("cpu")
     costs = []
     known: dict[str, UnitCost] = {}  # structurally identical units (repeated layers) cost the same
     fakes = FakeTensorMode(allow_non_fake_inputs=True)
-    kernels: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    if spec.device_type == "cuda":
-        kernels = fused_kernels("cpu")
-        # fake tensors' cache of operator outputs answers a fused kernel's repeated call with
-        # storages of other sizes than its first call's (a few bytes): without it, a profile is
-        # the same whatever ran before it in the process
-        fakes.cache_enabled = False
-    with fakes, kernels:
-        for work in unit_workloads(graph):
-            key = signature(graph, work)
-            if key in known:
-                costs.append(known[key])
-                continue
-            # a unit holding torch.cond costs as much as its more expensive branch
-            costs.append(worst_branch(work.nodes, partial(_unit_cost, graph, work, spec, device)))
-            known[key] = costs[-1]
-    return Profile("analytic", spec, costs, graph_digest(graph))
+    with contextlib.ExitStack() as kernels:
+        if spec.device_type == "cuda":
+            kernels.enter_context(fused_kernels("cpu"))
+            if bf16:  # autocast casting as CUDA's does
+                kernels.enter_context(cuda_policy())
+            # fake tensors' cache of operator outputs answers a fused kernel's repeated call
+            # with storages of other sizes than its first call's (a few bytes): without it, a
+            # profile is the same whatever ran before it in the process
+            fakes.cache_enabled = False
+        dtypes = autocast_dtypes(graph, device) if bf16 else None
+        with fakes:
+            for work in unit_workloads(graph):
+                key = signature(graph, work) + unit_dtypes(work.inputs, dtypes or {})
+                if key in known:
+                    costs.append(known[key])
+                    continue
+                # a unit holding torch.cond costs as much as its more expensive branch
+                cost = partial(_unit_cost, graph, work, spec, device, dtypes)
+                costs.append(worst_branch(work.nodes, cost))
+                known[key] = costs[-1]
+    return Profile("analytic", spec, costs, graph_digest(graph), bf16=bf16)
 
 
-def _unit_cost(graph: Graph, work: UnitWorkload, spec: DeviceSpec, device) -> UnitCost:
-    """One unit run forward and backward on fake tensors under the roofline."""
+def _unit_cost(
+    graph: Graph,
+    work: UnitWorkload,
+    spec: DeviceSpec,
+    device: torch.device,
+    dtypes: dict[str, torch.dtype] | None,
+) -> UnitCost:
+    """One unit run forward and backward on fake tensors under the roofline; ``dtypes`` (None:
+    the model's precision) the dtypes of the values under bf16 autocast that differ from the
+    traced ones, the unit's forward then run under it."""
     forward: list[RooflineMode] = []
     backward: list[RooflineMode] = []
+    changed = dtypes or {}
     memory = run_forward_backward(
         graph,
         work,
-        lambda name: empty_placeholder(graph, graph[name], device),
+        lambda name: empty_placeholder(graph, graph[name], device, changed.get(name)),
         device,
         partial(_counting, spec, forward),
         partial(_counting, spec, backward),
+        bf16=dtypes is not None,
     )
     fwd = forward[0]
     bwd = backward[0] if backward else None
@@ -181,4 +196,5 @@ def _unit_cost(graph: Graph, work: UnitWorkload, spec: DeviceSpec, device) -> Un
         saved_values=list(memory.saved_values),
         outputs=output_bytes(graph, work),
         parameters=parameter_bytes(graph, work),
+        cast_parameters=memory.cast_parameters,
     )

@@ -39,6 +39,7 @@ from ..ir.interpreter import run_nodes
 from ..spec import Example
 from .devices import DeviceSpec
 from .flops import flop_counter
+from .precision import autocast
 from .profile import Profile, UnitCost, graph_digest
 from ..ir.analysis import UnitWorkload, unit_workloads
 from .rank_conditions import as_a_rank_runs
@@ -59,21 +60,27 @@ def profile_measured(
     device: torch.device | None = None,
     threads: int | None = None,
     in_step: bool | None = None,
+    bf16: bool = False,
 ) -> Profile:
     """Time every unit of ``graph`` on ``device`` (default: CUDA when present, else CPU) with
     ``threads`` intra-op threads (default on CPU: 1, what each torchrun rank runs with),
-    ``in_step`` (default: on a GPU) or unit by unit (see the module's text)."""
+    ``in_step`` (default: on a GPU) or unit by unit (see the module's text); ``bf16``: the
+    forwards under bf16 autocast, as train.py's ``--bf16`` runs them (:mod:`.precision`)."""
     device = device or local_device()
     threads = threads or (1 if device.type == "cpu" else torch.get_num_threads())
     in_step = device.type == "cuda" if in_step is None else in_step
     with as_a_rank_runs(device, threads):
         values = _example_values(graph, example, device)
-        with torch.no_grad():
+        with torch.no_grad(), autocast(device.type, bf16):
             run_nodes(graph.calls, values, device, graph.functions)
         works = unit_workloads(graph)
-        rounds = _in_step_rounds(graph, works, values, device, warmup, repeats) if in_step else None
+        rounds = (
+            _in_step_rounds(graph, works, values, device, warmup, repeats, bf16)
+            if in_step
+            else None
+        )
         if rounds is None:
-            samples = [partial(_sample, graph, work, values, device) for work in works]
+            samples = [partial(_sample, graph, work, values, device, bf16) for work in works]
             for _ in range(warmup):
                 for work, sample in zip(works, samples):
                     worst_branch(work.nodes, sample)
@@ -83,7 +90,9 @@ def profile_measured(
             ]
         costs = []
         for i, work in enumerate(works):
-            counted = worst_branch(work.nodes, partial(_footprint, graph, work, values, device))
+            counted = worst_branch(
+                work.nodes, partial(_footprint, graph, work, values, device, bf16)
+            )
             costs.append(
                 UnitCost(
                     statistics.median(r[i].forward for r in rounds),
@@ -96,10 +105,16 @@ def profile_measured(
                     saved_values=list(counted.saved_values),
                     outputs=output_bytes(graph, work),
                     parameters=parameter_bytes(graph, work),
+                    cast_parameters=counted.cast_parameters,
                 )
             )
     return Profile(
-        "measured", spec, costs, graph_digest(graph), measured_on=machine(device, threads)
+        "measured",
+        spec,
+        costs,
+        graph_digest(graph),
+        measured_on=machine(device, threads),
+        bf16=bf16,
     )
 
 
@@ -120,10 +135,11 @@ class _Sample:
 
 
 def _sample(
-    graph: Graph, work: UnitWorkload, values: dict[str, Any], device: torch.device
+    graph: Graph, work: UnitWorkload, values: dict[str, Any], device: torch.device, bf16: bool
 ) -> _Sample:
     return _Sample(
-        _run(graph, work, values, device, "forward"), _run(graph, work, values, device, "backward")
+        _run(graph, work, values, device, "forward", bf16),
+        _run(graph, work, values, device, "backward", bf16),
     )
 
 
@@ -157,6 +173,7 @@ def _in_step_rounds(
     device: torch.device,
     warmup: int,
     repeats: int,
+    bf16: bool,
 ) -> list[list[_Sample]] | None:
     """``repeats`` rounds timed in the step (after ``warmup``), each unit holding a cond at
     the larger of its times with every cond taking either branch; None where the whole step
@@ -165,11 +182,11 @@ def _in_step_rounds(
 
     def one_round() -> list[_Sample]:
         if not has_cond(graph.calls):
-            return _step_round(graph, works, values, device)
+            return _step_round(graph, works, values, device, bf16)
         with forced_branch(True):
-            taken = _step_round(graph, works, values, device)
+            taken = _step_round(graph, works, values, device, bf16)
         with forced_branch(False):
-            other = _step_round(graph, works, values, device)
+            other = _step_round(graph, works, values, device, bf16)
         return [
             _Sample(max(a.forward, b.forward), max(a.backward, b.backward))
             for a, b in zip(taken, other)
@@ -191,7 +208,11 @@ def _in_step_rounds(
 
 
 def _step_round(
-    graph: Graph, works: list[UnitWorkload], values: dict[str, Any], device: torch.device
+    graph: Graph,
+    works: list[UnitWorkload],
+    values: dict[str, Any],
+    device: torch.device,
+    bf16: bool,
 ) -> list[_Sample]:
     """One forward and backward of the whole graph, each unit's forward and backward timed
     where it runs in them (see the module's text)."""
@@ -205,9 +226,10 @@ def _step_round(
             env[node.name] = value if leaf_ok else value.clone()
     clock = _Clock(device)
     forward_marks = [clock.mark()]
-    for work in works:
-        run_nodes(work.nodes, env, device, graph.functions)
-        forward_marks.append(clock.mark())
+    with autocast(device.type, bf16):
+        for work in works:
+            run_nodes(work.nodes, env, device, graph.functions)
+            forward_marks.append(clock.mark())
     started: dict[int, Any] = {}  # unit -> when its outputs' gradients were all in (the last)
 
     def starts(unit: int) -> Callable[[torch.Tensor], None]:
@@ -270,14 +292,15 @@ class _Footprint:
     temporaries: int
     backward: int
     saved_values: tuple[int, ...]
+    cast_parameters: int
 
 
 def _footprint(
-    graph: Graph, work: UnitWorkload, values: dict[str, Any], device: torch.device
+    graph: Graph, work: UnitWorkload, values: dict[str, Any], device: torch.device, bf16: bool
 ) -> _Footprint:
     forward, backward = flop_counter(), flop_counter()
     memory = run_forward_backward(
-        graph, work, _fresh(graph, values), device, lambda: forward, lambda: backward
+        graph, work, _fresh(graph, values), device, lambda: forward, lambda: backward, bf16=bf16
     )
     return _Footprint(
         forward.get_total_flops(),
@@ -286,17 +309,25 @@ def _footprint(
         memory.temporaries,
         memory.backward,
         memory.saved_values,
+        memory.cast_parameters,
     )
 
 
 def _run(
-    graph: Graph, work: UnitWorkload, values: dict[str, Any], device: torch.device, timed: str
+    graph: Graph,
+    work: UnitWorkload,
+    values: dict[str, Any],
+    device: torch.device,
+    timed: str,
+    bf16: bool,
 ) -> float:
     """Seconds the unit's ``timed`` pass ("forward" or "backward") takes."""
     timer = _Timer(device)
     forward_mode: Callable = (lambda: timer) if timed == "forward" else nullcontext
     backward_mode: Callable = (lambda: timer) if timed == "backward" else nullcontext
-    run_forward_backward(graph, work, _fresh(graph, values), device, forward_mode, backward_mode)
+    run_forward_backward(
+        graph, work, _fresh(graph, values), device, forward_mode, backward_mode, bf16=bf16
+    )
     return timer.elapsed
 
 

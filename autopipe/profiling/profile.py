@@ -39,6 +39,9 @@ class UnitCost:
     #: bytes of the parameters it reads (the cost model takes from the graph which of them
     #: train: gradients and optimizer state scale with those alone)
     parameters: int = 0
+    #: of ``activations``, the bf16 copies of its parameters autocast made and autograd saves
+    #: (profiles for ``--bf16``; FSDP2 gathers the parameters in bf16 instead, and frees them)
+    cast_parameters: int = 0
 
     @property
     def time(self) -> float:
@@ -48,19 +51,29 @@ class UnitCost:
 _UNIT_FIELDS = set(UnitCost.__dataclass_fields__)
 
 
+def _unit_json(unit: UnitCost) -> dict:
+    """A unit's costs as the artefact holds them (``cast_parameters`` only where there are)."""
+    data = asdict(unit)
+    if not unit.cast_parameters:
+        del data["cast_parameters"]
+    return data
+
+
 def _is_positions(value) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) and v >= 0 for v in value)
 
 
-def profile_source(mode: str, device: str, measured_on: str = "") -> str:
+def profile_source(mode: str, device: str, measured_on: str = "", bf16: bool = False) -> str:
     """What a profile's times describe: ``analytic profile for H100``, ``measured on cpu
     (x86_64, 1 thread), memory and link of H100``, or ``measured in the run traced in DIR (...),
-    memory and link of H100``."""
+    memory and link of H100``; ``, bf16 autocast`` after it for a profile for ``--bf16``."""
+    precision = ", bf16 autocast" if bf16 else ""
     if mode == TRACED:
-        return f"measured in {measured_on or 'a traced run'}, memory and link of {device}"
+        where = measured_on or "a traced run"
+        return f"measured in {where}, memory and link of {device}{precision}"
     if measured_on:
-        return f"measured on {measured_on}, memory and link of {device}"
-    return f"{mode} profile for {device}"
+        return f"measured on {measured_on}, memory and link of {device}{precision}"
+    return f"{mode} profile for {device}{precision}"
 
 
 @dataclass
@@ -77,11 +90,14 @@ class Profile:
     #: tensor parallelism: each parameter (first name) and value (node name) of the graph that
     #: every rank holds ``1/N`` of, -> N (the cost model divides their bytes); empty without
     divided: dict[str, int] = field(default_factory=dict)
+    #: profiled for train.py's ``--bf16``: every unit's forward under bf16 autocast
+    #: (:mod:`.precision`)
+    bf16: bool = False
 
     @property
     def source(self) -> str:
         """What the times describe (see :func:`profile_source`)."""
-        return profile_source(self.mode, self.device.name, self.measured_on)
+        return profile_source(self.mode, self.device.name, self.measured_on, self.bf16)
 
     def check_graph(self, graph: Graph) -> None:
         if self.graph_digest != graph_digest(graph) or len(self.units) != len(graph.units):
@@ -97,10 +113,11 @@ class Profile:
                 "measured_on": self.measured_on,
                 "graph_digest": self.graph_digest,
                 "device": self.device.to_json(),
-                "units": [asdict(u) for u in self.units],
+                "units": [_unit_json(u) for u in self.units],
             }
             | ({"timed_at": dict(self.timed_at)} if self.timed_at else {})
             | ({"divided": dict(self.divided)} if self.divided else {})
+            | ({"bf16": True} if self.bf16 else {})
         )
 
     @classmethod
@@ -137,6 +154,8 @@ class Profile:
                 timed_at,
                 "sizes of dynamic dimensions by name",
             )
+            bf16 = data.get("bf16", False)
+            require(isinstance(bf16, bool), "bf16", bf16, "true or false")
             divided = data.get("divided", {})
             require(
                 isinstance(divided, dict)
@@ -161,6 +180,7 @@ class Profile:
             measured_on=measured_on,
             timed_at={k: int(v) for k, v in timed_at.items()},
             divided=dict(divided),
+            bf16=bf16,
         )
 
     def save(self, path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,7 @@ from ..ir import Graph
 from ..ir.interpreter import run_nodes
 from ..runtime.core.memory import LiveTensorBytes
 from ..ir.analysis import UnitWorkload
+from .precision import ParameterCasts, autocast
 
 
 @dataclass
@@ -26,6 +28,8 @@ class UnitMemory:
     #: which of its inputs and outputs (positions in ``inputs + outputs``) it saves: another
     #: unit of the stage may save the same tensor, which the cost model then counts once
     saved_values: tuple[int, ...] = ()
+    #: of ``saved``, the bf16 copies autocast made of its parameters (``bf16`` runs)
+    cast_parameters: int = 0
 
 
 def run_forward_backward(
@@ -35,8 +39,11 @@ def run_forward_backward(
     device: torch.device,
     forward_mode: Callable[[], Any],
     backward_mode: Callable[[], Any],
+    *,
+    bf16: bool = False,
 ) -> UnitMemory:
-    """Run a unit forward (inside ``forward_mode()``) and backward (inside ``backward_mode()``).
+    """Run a unit forward (inside ``forward_mode()``; with ``bf16``, under bf16 autocast as
+    train.py's ``--bf16`` runs a stage) and backward (inside ``backward_mode()``).
 
     ``make_value(name)`` gives a fresh tensor for each input and state placeholder. Returns what
     it holds: the bytes autograd saved for backward (storages counted once, parameters not),
@@ -63,8 +70,15 @@ def run_forward_backward(
         return tensor
 
     existing = {_storage(v) for v in [*env.values(), *leaves]}
-    with forward_mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    casts = ParameterCasts(params) if bf16 else None
+    with (
+        forward_mode(),
+        autocast(device.type, bf16),
+        casts if casts is not None else contextlib.nullcontext(),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
         run_nodes(work.nodes, env, device, graph.functions)
+    cast = sum(n for ref, n in saved.items() if casts is not None and ref in casts.casts)
     # the values the generated code names (its locals), other than what autograd saves and
     # what it hands to other units (which those save, or count as their inputs)
     held = {_storage(v): v.untyped_storage().nbytes() for v in env.values() if _is_tensor(v)}
@@ -88,7 +102,7 @@ def run_forward_backward(
         for i, n in enumerate((*work.inputs, *work.outputs))
         if _is_tensor(env[n]) and _storage(env[n]) in saved
     )
-    return UnitMemory(sum(saved.values()), temporaries, gradients.peak, shared)
+    return UnitMemory(sum(saved.values()), temporaries, gradients.peak, shared, cast)
 
 
 def _is_tensor(value: Any) -> bool:

@@ -266,8 +266,10 @@ def predicted_peak(
         pipeline.recomputed_blocks,
     ):
         notes.append("planned with the partitioner's recomputation")
-    if config.bf16:
-        notes.append("planned in the model's dtype, without --bf16")
+    if config.bf16 != pipeline.default_bf16:
+        notes.append(
+            "planned in the model's dtype, without --bf16" if config.bf16 else "planned for --bf16"
+        )
     if pipeline.dimensions:
         notes.append("planned at the dynamic dimensions' upper bounds")
     return peak, f" ({'; '.join(notes)})" if notes else ""

@@ -385,10 +385,13 @@ class TrainingPlan:
     device: str  # the device spec the prediction is for
     #: dynamic dimensions: the sizes the step time and FLOPs are for
     sizes: dict[str, int] = field(default_factory=dict)
+    #: planned for bf16 autocast: train.py runs ``--bf16`` by default (left out of the JSON
+    #: when false; plans from before it are in the model's dtype)
+    bf16: bool = False
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> TrainingPlan:
-        _read.fields(data, where, tuple(cls.__dataclass_fields__)[:-1], ("sizes",))
+        _read.fields(data, where, tuple(cls.__dataclass_fields__)[:-2], ("sizes", "bf16"))
         sizes = _read.check(
             data.get("sizes", {}),
             f"{where}.sizes",
@@ -403,13 +406,26 @@ class TrainingPlan:
             k: _read.check(data[k], f"{where}.{k}", lambda v: is_number(v) and v >= 0, ">= 0")
             for k in ("step_time", "flops_per_microbatch", "peak_flops")
         }
+        bf16 = _read.check(
+            data.get("bf16", False), f"{where}.bf16", lambda v: isinstance(v, bool), "true or false"
+        )
         return cls(
-            **counts, **figures, device=_read.text(data["device"], f"{where}.device"), sizes=sizes
+            **counts,
+            **figures,
+            device=_read.text(data["device"], f"{where}.device"),
+            sizes=sizes,
+            bf16=bf16,
         )
 
     def to_json(self) -> dict[str, Any]:
-        data = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "sizes"}
-        return ({"sizes": dict(self.sizes)} if self.sizes else {}) | data
+        data = {
+            k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("sizes", "bf16")
+        }
+        return (
+            ({"sizes": dict(self.sizes)} if self.sizes else {})
+            | data
+            | ({"bf16": True} if self.bf16 else {})
+        )
 
     def utilisation(self, seconds: float, microbatches: int, devices: int) -> float | None:
         """The model FLOPs utilisation of training ``microbatches`` microbatches in
@@ -887,6 +903,11 @@ class Pipeline:
     def default_accumulate(self) -> int:
         """train.py's default --accumulate: the plan's."""
         return self.plan.accumulate if self.plan else 1
+
+    @property
+    def default_bf16(self) -> bool:
+        """train.py's default for --bf16: the plan's precision."""
+        return self.plan.bf16 if self.plan else False
 
     @property
     def model_class(self) -> str:

@@ -1,0 +1,151 @@
+"""Plans for bf16 mixed precision (``autopipe compile --bf16``): autopipe/profiling/precision.py,
+the profile and cost model for it, and the package that runs it by default."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import replace
+
+import pytest
+import torch
+from torch._subclasses import FakeTensorMode
+
+from autopipe.compiler import CompileOptions, trace_step
+from autopipe.partitioning.cost import CostModel
+from autopipe.profiling import device_spec, profile
+from autopipe.profiling.precision import autocast_dtypes, cuda_policy
+from autopipe.profiling.profile import Profile
+from autopipe.runtime.core.pipeline import TrainingPlan
+from autopipe.spec import load_example
+from autopipe.verify import load_pipeline
+
+from conftest import compile_model, spec
+
+PRODUCTS = ("aten.addmm.default", "aten.linear.default")
+
+
+@pytest.fixture(scope="module")
+def gpt2_graph():
+    """The test zoo's GPT-2 (tanh GELU, tied head), traced."""
+    example = load_example(spec("gpt2"))
+    return example, trace_step(example, CompileOptions(stages=1))
+
+
+def test_cuda_policy_casts_as_cuda_on_fake_tensors_only():
+    x = torch.randn(4, 4, dtype=torch.bfloat16)
+    matrix, vector = torch.randn(4, 4), torch.randn(4)
+    with FakeTensorMode() as fakes:
+        fake, fake_matrix, fake_vector = (fakes.from_tensor(t) for t in (x, matrix, vector))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.pow(fake, 3).dtype == torch.bfloat16  # the CPU's policy
+            assert torch.mv(fake_matrix, fake_vector).dtype == torch.float32
+            with cuda_policy():
+                assert torch.pow(fake, 3).dtype == torch.float32  # CUDA's: in fp32
+                assert torch.exp(fake).dtype == torch.float32
+                assert torch.softmax(fake, -1).dtype == torch.float32
+                assert torch.mv(fake_matrix, fake_vector).dtype == torch.bfloat16
+                assert torch.mm(fake, fake).dtype == torch.bfloat16  # the CPU's kernel kept
+            assert torch.pow(fake, 3).dtype == torch.bfloat16  # removed on exit
+    with torch.autocast("cpu", dtype=torch.bfloat16), cuda_policy():
+        assert torch.pow(x, 3).dtype == torch.bfloat16  # real tensors: the CPU's policy
+
+
+def test_autocast_dtypes_follow_the_policy(gpt2_graph):
+    _, graph = gpt2_graph
+    cpu = autocast_dtypes(graph, torch.device("cpu"))
+    with cuda_policy():
+        cuda = autocast_dtypes(graph, torch.device("cpu"))
+    products = [n.name for n in graph.calls if n.target in PRODUCTS]
+    assert products and all(cuda[name] == torch.bfloat16 for name in products)
+    norms = [n.name for n in graph.calls if n.target == "aten.layer_norm.default"]
+    assert norms and not any(name in cuda for name in norms)  # fp32, as traced
+    powers = [n.name for n in graph.calls if n.target == "aten.pow.Tensor_Scalar"]
+    assert powers and all(cpu[name] == torch.bfloat16 for name in powers)
+    assert not any(name in cuda for name in powers)  # CUDA keeps the GELU's chain in fp32
+
+
+def test_a_bf16_profile_saves_weight_copies_and_round_trips(gpt2_graph):
+    _, graph = gpt2_graph
+    h100 = device_spec("h100")
+    fp32, bf16 = profile(graph, "analytic", h100), profile(graph, "analytic", h100, bf16=True)
+    assert bf16.bf16 and not fp32.bf16 and bf16.source.endswith(", bf16 autocast")
+    for unit, cost, plain in zip(graph.units, bf16.units, fp32.units):
+        reads_products = any(graph[n].target in PRODUCTS for n in unit.nodes)
+        # each weight a product reads, copied to bf16 and saved (its bias is not saved)
+        assert (cost.cast_parameters > 0) == reads_products, unit.label
+        assert cost.cast_parameters <= cost.parameters // 2
+        assert plain.cast_parameters == 0
+    mlp = [c for u, c in zip(graph.units, bf16.units) if "mlp.act" in u.label]
+    plain_mlp = [c for u, c in zip(graph.units, fp32.units) if "mlp.act" in u.label]
+    assert mlp and all(a.activations < b.activations for a, b in zip(mlp, plain_mlp))
+    again = Profile.from_json(bf16.to_json())
+    assert again.bf16 and [u.cast_parameters for u in again.units] == [
+        u.cast_parameters for u in bf16.units
+    ]
+    assert "bf16" not in fp32.to_json() and not Profile.from_json(fp32.to_json()).bf16
+
+
+def test_the_gpu_policy_keeps_more_than_the_cpus(gpt2_graph):
+    """A GPU spec's profile saves the GELU's fp32 chain that the CPU's bf16 policy would not."""
+    _, graph = gpt2_graph
+    gpu = profile(graph, "analytic", device_spec("h100"), bf16=True)
+    cpu = profile(graph, "analytic", replace(device_spec("h100"), device_type="cpu"), bf16=True)
+    mlp = [i for i, u in enumerate(graph.units) if "mlp.act" in u.label]
+    assert all(gpu.units[i].activations > cpu.units[i].activations for i in mlp)
+
+
+def test_measured_and_analytic_agree_on_bf16_memory(gpt2_graph):
+    """On this CPU, under its own autocast policy, the measured profile saves what the
+    analytic one of a CPU's spec does, weight copies included."""
+    example, graph = gpt2_graph
+    cpu = replace(device_spec(), device_type="cpu")
+    measured = profile(graph, "measured", cpu, example, bf16=True)
+    analytic = profile(graph, "analytic", cpu, bf16=True)
+    assert measured.bf16
+    assert [u.activations for u in measured.units] == [u.activations for u in analytic.units]
+    assert [u.cast_parameters for u in measured.units] == [
+        u.cast_parameters for u in analytic.units
+    ]
+
+
+def test_fsdp2_gathers_bf16_and_saves_no_weight_copies(gpt2_graph):
+    _, graph = gpt2_graph
+    bf16 = profile(graph, "analytic", device_spec("h100"), bf16=True)
+    fp32 = profile(graph, "analytic", device_spec("h100"))
+    whole, sharded = CostModel(graph, bf16), CostModel(graph, bf16, dp_shard=2)
+    assert whole.gather_scale == sharded.gather_scale == 0.5
+    assert CostModel(graph, fp32, dp_shard=2).gather_scale == 1.0
+    assert whole.activations == [u.activations for u in bf16.units]
+    assert sharded.activations == [u.activations - u.cast_parameters for u in bf16.units]
+    assert whole.compute_dtype == torch.bfloat16
+    # FSDP2's gathers move (and its buffers hold) half the bytes of the fp32 model's
+    stages, devices = [0] * len(graph.units), [0]
+    params = sharded.stage_parameters(stages, 1)
+    trained = sharded.stage_parameters(stages, 1, trainable=True)
+    half = sharded.gathered(stages, params, trained)
+    full = CostModel(graph, fp32, dp_shard=2).gathered(stages, params, trained)
+    assert 0 < half[0] < full[0]
+    gather = sharded.collective_time(sharded.gathered_bytes(params), devices)
+    assert gather[0] < CostModel(graph, fp32, dp_shard=2).collective_time(params, devices)[0]
+
+
+def test_a_package_planned_for_bf16_runs_it_by_default(tmp_path):
+    compiled = compile_model("examples/gpt2.py:build", tmp_path / "pipe", 2, bf16=True, dp_shard=1)
+    assert compiled.partition.settings.bf16 is True
+    assert "bf16 autocast" in compiled.partition.profile_source
+    package = load_pipeline(compiled.out)
+    plan = package.PIPELINE["plan"]
+    assert plan["bf16"] is True and plan["peak_flops"] == device_spec("h100").peak_flops(
+        torch.bfloat16
+    )
+    options = importlib.import_module(f"{package.__name__}.runtime.options")
+    pipeline = importlib.import_module(f"{package.__name__}.runtime.core.pipeline")
+    described = pipeline.Pipeline.from_json(package.PIPELINE)
+    assert options.parse_config([], described).bf16
+    assert not options.parse_config(["--no-bf16"], described).bf16
+    assert TrainingPlan.from_json(plan, "plan").bf16
+    unplanned = {k: v for k, v in plan.items() if k != "bf16"}
+    assert not TrainingPlan.from_json(unplanned, "plan").bf16  # packages from before it
+    assert TrainingPlan.from_json(unplanned, "plan").to_json() == unplanned
+    with pytest.raises(Exception, match="bf16"):
+        TrainingPlan.from_json(plan | {"bf16": "yes"}, "plan")
