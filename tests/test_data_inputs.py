@@ -117,13 +117,15 @@ def test_an_input_split_along_another_dimension_reaches_a_later_stage_whole(tmp_
         batch_dims={"y": 1},
     )
     assert stages_of(result.out)[1]["data_inputs"] == ["y"]
+    # at 0.01 (not 0.1, where the loss diverges 6 -> 28000 in 4 steps and rounding grows past
+    # any tolerance on some CPUs) the losses stay bounded, and equal to PyTorch's
     pipe = run_pipeline(
-        tmp_path, name, 2, "time_first_tail_batch", "--optimizer", "sgd", "--lr", "0.1",
+        tmp_path, name, 2, "time_first_tail_batch", "--optimizer", "sgd", "--lr", "0.01",
         package=result.out,
     )  # fmt: skip
     models = importlib.import_module("models")
     ref = reference_training(
-        load_example(name), models.time_first_tail_batch, STEPS, "sgd", 0.1, models.mse,
+        load_example(name), models.time_first_tail_batch, STEPS, "sgd", 0.01, models.mse,
         batch_dims={"y": 1},
     )  # fmt: skip
     assert_same_training(pipe, ref)

@@ -164,7 +164,7 @@ def _unit_cost(
     work: UnitWorkload,
     spec: DeviceSpec,
     device: torch.device,
-    dtypes: dict[str, torch.dtype] | None,
+    dtypes: dict[str, torch.dtype] | None = None,
 ) -> UnitCost:
     """One unit run forward and backward on fake tensors under the roofline; ``dtypes`` (None:
     the model's precision) the dtypes of the values under bf16 autocast that differ from the
