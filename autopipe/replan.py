@@ -127,6 +127,15 @@ def replan(
         )
     trace = RunTrace.load(trace_dir)
     trace.check(data.pipeline, package)
+    if trace.run.bf16 != data.profile.bf16:
+        ran = "ran" if trace.run.bf16 else "did not run"
+        planned = "for" if data.profile.bf16 else "without"
+        wanted = "--bf16" if data.profile.bf16 else "--no-bf16"
+        raise ArtifactError(
+            f"the run traced in {trace_dir} {ran} --bf16, and {package} was planned {planned} "
+            "it: the run's stage times are of another precision than the profile's unit times "
+            f"replan would spread them over; trace a run at the plan's (train.py {wanted})"
+        )
     graph = load_graph(package / "artifacts" / "graph.json")
     old, run = data.partition, trace.run
     settings = old.settings

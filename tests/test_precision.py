@@ -45,6 +45,11 @@ def test_cuda_policy_casts_as_cuda_on_fake_tensors_only():
                 assert torch.softmax(fake, -1).dtype == torch.float32
                 assert torch.mv(fake_matrix, fake_vector).dtype == torch.bfloat16
                 assert torch.mm(fake, fake).dtype == torch.bfloat16  # the CPU's kernel kept
+                assert torch.sum(fake).dtype == torch.float32
+                # mixed inputs promoted (an fp32 buffer updated with a bf16 value)
+                index = (torch.tensor([1]),)
+                updated = fake_matrix.index_put(index, fake[:1].reshape(1, 4))
+                assert updated.dtype == torch.float32
             assert torch.pow(fake, 3).dtype == torch.bfloat16  # removed on exit
     with torch.autocast("cpu", dtype=torch.bfloat16), cuda_policy():
         assert torch.pow(x, 3).dtype == torch.bfloat16  # real tensors: the CPU's policy
@@ -106,6 +111,8 @@ def test_measured_and_analytic_agree_on_bf16_memory(gpt2_graph):
     assert [u.cast_parameters for u in measured.units] == [
         u.cast_parameters for u in analytic.units
     ]
+    with pytest.warns(UserWarning, match="autocast casts as on cpu"):  # measured for a GPU
+        profile(graph, "measured", device_spec("h100"), example, bf16=True)
 
 
 def test_fsdp2_gathers_bf16_and_saves_no_weight_copies(gpt2_graph):

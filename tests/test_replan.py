@@ -160,13 +160,14 @@ def _trace(
     backward: tuple[float, ...],
     microbatches: int = 4,
     package: Path | None = None,
+    bf16: bool = False,
 ) -> Path:
     """A 2-step trace of ``part`` whose stages take ``forward`` / ``backward`` times the
     profile's stage sums per microbatch (one stage per rank, 1F1B's actions in turn), as a run
     of ``package`` (of another package without one)."""
     directory.mkdir(parents=True)
     digest = _digest(package) if package else "another package"
-    run = RunLayout(digest, "1f1b", microbatches, 1, part.num_stages, part.num_stages, 1)
+    run = RunLayout(digest, "1f1b", microbatches, 1, part.num_stages, part.num_stages, 1, bf16=bf16)
     for stage in range(part.num_stages):
         units = _units(part, stage)
         times = [
@@ -302,6 +303,12 @@ def test_replan_refusals_name_what_is_wrong(package, tmp_path, capsys):
         replan(package, other)
     with pytest.raises(ArtifactError, match="no rankR.json timelines"):
         replan(package, tmp_path)
+    # a run of another precision than the plan's: its times are not the profile's units'
+    mixed = _trace(
+        tmp_path / "bf16", part, prof, (1.0, 3.0), (1.0, 3.0), package=package, bf16=True
+    )
+    with pytest.raises(ArtifactError, match="ran --bf16, .* planned without it.*--no-bf16"):
+        replan(package, mixed)
     # a package generated without its profile
     bare = tmp_path / "bare"
     shutil.copytree(package, bare)

@@ -424,7 +424,7 @@ class CostModel:
             )
             if dp_shard > 1:  # FSDP2 gathers bf16 parameters: autocast copies none of them
                 self.activations = [
-                    a - u.cast_parameters for a, u in zip(self.activations, profile.units)
+                    max(a - u.cast_parameters, 0.0) for a, u in zip(self.activations, profile.units)
                 ]
         self.temporaries = [u.temporaries for u in profile.units]
         self.backward_memory = [u.backward_memory for u in profile.units]

@@ -213,21 +213,22 @@ def sharded_profile(
         saved += cost.forward + cost.backward - forward - backward
         communication += sum(comm)
         parameters_saved += held * (1 - 1 / t)
+        # the bf16 copies of the weights a rank holds (--bf16): its share of the sharded ones
+        casts = (
+            int(cost.cast_parameters * (1 - held * (1 - 1 / t) / cost.parameters))
+            if cost.parameters
+            else 0
+        )
         units.append(
             dataclasses.replace(
                 cost,
                 forward=forward + comm[0],
                 backward=backward + comm[1],
-                activations=int(cost.activations * kept),
+                activations=int((cost.activations - cost.cast_parameters) * kept) + casts,
                 temporaries=int(cost.temporaries * working),
                 backward_memory=int(cost.backward_memory * working),
                 parameters=max(0, int(cost.parameters - held * (1 - 1 / t))),
-                # the bf16 copies of the parameters a rank holds
-                cast_parameters=(
-                    int(cost.cast_parameters * (1 - held * (1 - 1 / t) / cost.parameters))
-                    if cost.parameters
-                    else 0
-                ),
+                cast_parameters=casts,
             )
         )
     changed = dataclasses.replace(profile, units=units, divided=divided)

@@ -67,6 +67,14 @@ def profile_measured(
     ``in_step`` (default: on a GPU) or unit by unit (see the module's text); ``bf16``: the
     forwards under bf16 autocast, as train.py's ``--bf16`` runs them (:mod:`.precision`)."""
     device = device or local_device()
+    if bf16 and device.type != spec.device_type:
+        warnings.warn(
+            f"--profile measured --bf16 on {device.type} for {spec.name} ({spec.device_type}): "
+            f"autocast casts as on {device.type}, which keeps other operators in fp32 than "
+            f"{spec.device_type} does (its memory differs); the analytic profile casts as "
+            f"{spec.device_type} does",
+            stacklevel=2,
+        )
     threads = threads or (1 if device.type == "cpu" else torch.get_num_threads())
     in_step = device.type == "cuda" if in_step is None else in_step
     with as_a_rank_runs(device, threads):

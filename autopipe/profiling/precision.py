@@ -23,7 +23,7 @@ import torch
 from torch._subclasses import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_any, tree_map
+from torch.utils._pytree import tree_any, tree_leaves, tree_map
 
 from ..ir import Graph
 from ..ir.interpreter import empty_placeholder, run_nodes
@@ -101,13 +101,20 @@ _CUDA_FP32 = (
     "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
     "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
     "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
-    "prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm",
-    "linalg_matrix_norm",
+    "prod", "softmax", "log_softmax", "cumprod", "cumsum", "sum", "norm", "linalg_vector_norm",
+    "linalg_matrix_norm", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+    "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+    "upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d",
 )  # fmt: skip
 #: products CUDA's autocast computes in bf16 that the CPU's does not
 _CUDA_LOWER = (
     "addmv", "addr", "mv", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
     "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell",
+)  # fmt: skip
+#: operators CUDA's autocast runs in the widest floating dtype of their inputs
+_CUDA_PROMOTE = (
+    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "index_put",
+    "scatter_add", "tensordot",
 )  # fmt: skip
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
@@ -116,10 +123,12 @@ _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 def cuda_policy() -> Iterator[None]:
     """Within it, bf16 autocast on fake CPU tensors casts as CUDA's does (see the module's
     text): kernels for the CPU's autocast key of the operators where the policies differ and
-    the CPU has none, removed on exit. Real tensors keep the CPU's policy."""
+    the CPU has none, removed on exit. Real tensors are not cast (those operators then run
+    below autocast)."""
     library: Any = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
     try:
-        for names, dtype in ((_CUDA_FP32, torch.float32), (_CUDA_LOWER, AUTOCAST_DTYPE)):
+        policies = ((_CUDA_FP32, torch.float32), (_CUDA_LOWER, AUTOCAST_DTYPE))
+        for names, dtype in (*policies, (_CUDA_PROMOTE, None)):
             for name in names:
                 for overload in _overloads(name):
                     library.impl(overload, _casting(overload, dtype), "AutocastCPU")
@@ -151,22 +160,31 @@ def _overloads(name: str) -> list[str]:
     return found
 
 
-def _casting(qualified: str, dtype: torch.dtype) -> Callable[..., Any]:
+def _casting(qualified: str, dtype: torch.dtype | None) -> Callable[..., Any]:
     """A CPU autocast kernel for ``aten.qualified`` that casts its floating tensor arguments
-    (on fake tensors) to ``dtype`` and runs it below autocast."""
+    (on fake tensors) to ``dtype`` (None: the widest of theirs) and runs it below autocast."""
     name, _, overload = qualified.partition(".")
     op = getattr(getattr(torch.ops.aten, name), overload or "default")
     others = (torch.float32, AUTOCAST_DTYPE, torch.float16)
 
-    def cast(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dtype in others and value.dtype != dtype:
-            return value.to(dtype)
-        return value
-
     def kernel(*args: Any, **kwargs: Any) -> Any:
         fake = tree_any(lambda v: isinstance(v, FakeTensor), (args, kwargs))
+        to = dtype
+        if to is None:  # promote: the widest floating dtype among the tensors
+            floating = [
+                v.dtype
+                for v in tree_leaves((args, kwargs))
+                if isinstance(v, torch.Tensor) and v.dtype in others
+            ]
+            to = max(floating, key=lambda d: d.itemsize, default=None)
+
+        def cast(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.dtype in others and value.dtype != to:
+                return value.to(to)
+            return value
+
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-            if fake:
+            if fake and to is not None:
                 args, kwargs = tree_map(cast, (args, kwargs))
             return op(*args, **kwargs)
 

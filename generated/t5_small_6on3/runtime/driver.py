@@ -988,6 +988,7 @@ class TrainingRun:
                 dp_size=layout.dp_size,
                 recompute=tuple(sorted(config.recompute)),
                 recompute_blocks=tuple(sorted(config.recompute_blocks)),
+                bf16=config.bf16,
             ),
             fsdp_root=StageRunner.STAGE if layout.sharded else None,
             tensor_parallel=layout.tensor_parallel,

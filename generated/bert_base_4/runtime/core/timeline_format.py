@@ -176,8 +176,9 @@ class RunLayout:
     """How the traced run ran the pipeline, which a prediction of it needs: the package
     (:meth:`Pipeline.digest` of its ``pipeline.json``), the schedule, the microbatches per
     pipeline run and the runs per step (``--accumulate``), the pipeline's stage count, the
-    ranks along the pipeline and across data parallelism (replicas x shards), and what
-    ``--recompute`` recomputed: stages whole, and blocks (by original name) one by one."""
+    ranks along the pipeline and across data parallelism (replicas x shards), what
+    ``--recompute`` recomputed: stages whole, and blocks (by original name) one by one, and
+    whether it ran ``--bf16`` (left out when not; traces from before it read as not)."""
 
     pipeline: str
     schedule: str
@@ -188,6 +189,7 @@ class RunLayout:
     dp_size: int
     recompute: tuple[int, ...] = ()
     recompute_blocks: tuple[str, ...] = ()
+    bf16: bool = False
 
     KEYS = (
         "pipeline",
@@ -203,14 +205,18 @@ class RunLayout:
     COUNTS = ("microbatches", "accumulate", "num_stages", "pp_size", "dp_size")
 
     def to_json(self) -> dict[str, Any]:
-        return {key: getattr(self, key) for key in self.KEYS} | {
-            "recompute": list(self.recompute),
-            "recompute_blocks": list(self.recompute_blocks),
-        }
+        return (
+            {key: getattr(self, key) for key in self.KEYS}
+            | {
+                "recompute": list(self.recompute),
+                "recompute_blocks": list(self.recompute_blocks),
+            }
+            | ({"bf16": True} if self.bf16 else {})
+        )
 
     @classmethod
     def from_json(cls, data: object, where: str = "timeline.run") -> RunLayout:
-        fields = _read.fields(data, where, cls.KEYS)
+        fields = _read.fields(data, where, cls.KEYS, ("bf16",))
         pipeline, schedule = (
             _read.check(fields[key], f"{where}.{key}", lambda v: isinstance(v, str) and v, what)
             for key, what in (("pipeline", "a digest"), ("schedule", "a name"))
@@ -222,7 +228,15 @@ class RunLayout:
         if any(s < 0 or s >= counts["num_stages"] for s in recompute):
             raise _read.fail(f"{where}.recompute", list(recompute), "stages of the pipeline")
         blocks = _read.names(fields["recompute_blocks"], f"{where}.recompute_blocks")
-        return cls(pipeline, schedule, **counts, recompute=recompute, recompute_blocks=blocks)
+        bf16 = _read.check(
+            fields.get("bf16", False),
+            f"{where}.bf16",
+            lambda v: isinstance(v, bool),
+            "true or false",
+        )
+        return cls(
+            pipeline, schedule, **counts, recompute=recompute, recompute_blocks=blocks, bf16=bf16
+        )
 
 
 @dataclass(frozen=True)

@@ -381,7 +381,8 @@ class TrainingPlan:
     accumulate: int  # pipeline runs per optimizer step
     step_time: float  # predicted seconds per optimizer step (0 when not predicted)
     flops_per_microbatch: float  # the model's forward + backward FLOPs on one microbatch
-    peak_flops: float  # one device's peak FLOP/s, for the model's dtype (0 when unknown)
+    peak_flops: float  # one device's peak FLOP/s, for the dtype it computes in (bf16 under
+    #: bf16, else the model's; 0 when unknown)
     device: str  # the device spec the prediction is for
     #: dynamic dimensions: the sizes the step time and FLOPs are for
     sizes: dict[str, int] = field(default_factory=dict)
