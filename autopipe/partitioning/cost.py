@@ -415,20 +415,18 @@ class CostModel:
         self.backward = [u.backward for u in profile.units]
         self.compute = [f + b for f, b in zip(self.forward, self.backward)]
         self.activations: list[float] = [u.activations for u in profile.units]
+        self.temporaries = [u.temporaries for u in profile.units]
+        self.backward_memory = [u.backward_memory for u in profile.units]
+        facts = graph_facts(graph)
         #: bytes FSDP2 gathers per byte of parameters it stores: their bf16 copies under
         #: --bf16 (its mixed-precision policy), else the parameters themselves
         self.gather_scale = 1.0
         if profile.bf16:
-            self.gather_scale = min(
-                1.0, AUTOCAST_DTYPE.itemsize / graph_facts(graph).dtype.itemsize
-            )
+            self.gather_scale = min(1.0, AUTOCAST_DTYPE.itemsize / facts.dtype.itemsize)
             if dp_shard > 1:  # FSDP2 gathers bf16 parameters: autocast copies none of them
                 self.activations = [
                     max(a - u.cast_parameters, 0.0) for a, u in zip(self.activations, profile.units)
                 ]
-        self.temporaries = [u.temporaries for u in profile.units]
-        self.backward_memory = [u.backward_memory for u in profile.units]
-        facts = graph_facts(graph)
         #: the values each unit saves among its inputs and outputs, by name
         self.saved_values = [
             {names[i] for i in unit.saved_values if i < len(names)}
@@ -573,26 +571,25 @@ class CostModel:
         stage under a split-backward schedule (gathered for the step). Nothing when not sharded.
         ``params``, ``trainable``: each stage's parameter bytes, and those of its trainable
         parameters (``stage_parameters``)."""
-        num_stages = len(params)
-        if self.dp_shard == 1:
-            return [0.0] * num_stages
-        if self.schedule in SPLIT_BACKWARD:
-            return [p + t for p, t in zip(self.gathered_bytes(params), trainable)]
-        return self._gathered(
-            self.sums.block_stages(self.sums.assignment(stage_of_unit)), params, trainable
-        )
+        blocks = self.sums.block_stages(self.sums.assignment(stage_of_unit))
+        return self._gathered(blocks, params, trainable)
 
     def _gathered(
         self, block_stages: np.ndarray, params: list[float], trainable: list[float]
     ) -> list[float]:
+        """:meth:`gathered` with the stage of each block (:meth:`StageSums.block_stages`)."""
         num_stages = len(params)
+        if self.dp_shard == 1:
+            return [0.0] * num_stages
+        gathered = self.gathered_bytes(params)
+        if self.schedule in SPLIT_BACKWARD:
+            return [g + t for g, t in zip(gathered, trainable)]
         largest, in_blocks = [0.0] * num_stages, [0.0] * num_stages
         for block, stage in zip(self.blocks.values(), block_stages.tolist()):
             if stage >= 0:  # a block cut by a boundary is inline: the stage's own
                 size = self.block_state[block.fqn]
                 in_blocks[stage] += size
                 largest[stage] = max(largest[stage], size)
-        gathered = self.gathered_bytes(params)
         return [gathered[s] + trainable[s] - in_blocks[s] + largest[s] for s in range(num_stages)]
 
     def gathered_bytes(self, params: list[float]) -> list[float]:
@@ -775,12 +772,7 @@ class CostModel:
         param_array, trainable_array = sums.parameters(stages, num_stages)
         params, trainable = param_array.tolist(), trainable_array.tolist()
         block_stages = sums.block_stages(stages)
-        if self.dp_shard == 1:
-            gathered = [0.0] * num_stages
-        elif self.schedule in SPLIT_BACKWARD:
-            gathered = [p + t for p, t in zip(self.gathered_bytes(params), trainable)]
-        else:
-            gathered = self._gathered(block_stages, params, trainable)
+        gathered = self._gathered(block_stages, params, trainable)
         act_array, grad_array = sums.crossing(stages, num_stages)
         act_cross, grad_cross = act_array.tolist(), grad_array.tolist()
         outputs = [*act_cross, sums.model_outputs]

@@ -168,23 +168,24 @@ def _casting(qualified: str, dtype: torch.dtype | None) -> Callable[..., Any]:
     others = (torch.float32, AUTOCAST_DTYPE, torch.float16)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        fake = tree_any(lambda v: isinstance(v, FakeTensor), (args, kwargs))
-        to = dtype
-        if to is None:  # promote: the widest floating dtype among the tensors
-            floating = [
-                v.dtype
-                for v in tree_leaves((args, kwargs))
-                if isinstance(v, torch.Tensor) and v.dtype in others
-            ]
-            to = max(floating, key=lambda d: d.itemsize, default=None)
-
-        def cast(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value.dtype in others and value.dtype != to:
-                return value.to(to)
-            return value
-
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-            if fake and to is not None:
+            if not tree_any(lambda v: isinstance(v, FakeTensor), (args, kwargs)):
+                return op(*args, **kwargs)  # a real tensor: not cast
+            to = dtype
+            if to is None:  # promote: the widest floating dtype among the tensors
+                floating = [
+                    v.dtype
+                    for v in tree_leaves((args, kwargs))
+                    if isinstance(v, torch.Tensor) and v.dtype in others
+                ]
+                to = max(floating, key=lambda d: d.itemsize, default=None)
+
+            def cast(value: Any) -> Any:
+                if isinstance(value, torch.Tensor) and value.dtype in others and value.dtype != to:
+                    return value.to(to)
+                return value
+
+            if to is not None:
                 args, kwargs = tree_map(cast, (args, kwargs))
             return op(*args, **kwargs)
 

@@ -240,8 +240,7 @@ def optimisation_options(parser: argparse.ArgumentParser, pipeline: Pipeline) ->
         action=argparse.BooleanOptionalAction,
         default=pipeline.default_bf16,
         help="run the stages under bfloat16 autocast (values between stages stay in their "
-        "dtype); --no-bf16 in the model's dtype (default: the plan's, "
-        f"{'bf16' if pipeline.default_bf16 else 'the model dtype'})",
+        "dtype); --no-bf16 in the model's dtype (default: the plan's precision)",
     )
     group.add_argument(
         "--compile",

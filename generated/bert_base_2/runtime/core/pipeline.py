@@ -407,9 +407,7 @@ class TrainingPlan:
             k: _read.check(data[k], f"{where}.{k}", lambda v: is_number(v) and v >= 0, ">= 0")
             for k in ("step_time", "flops_per_microbatch", "peak_flops")
         }
-        bf16 = _read.check(
-            data.get("bf16", False), f"{where}.bf16", lambda v: isinstance(v, bool), "true or false"
-        )
+        bf16 = _read.boolean(data.get("bf16", False), f"{where}.bf16")
         return cls(
             **counts,
             **figures,
@@ -749,18 +747,10 @@ class Pipeline:
             tp=_read.check(
                 data.get("tp", 1), f"{where}.tp", lambda v: is_int(v) and v >= 1, "1 or more"
             ),
-            sequence_parallel=_read.check(
-                data.get("sequence_parallel", False),
-                f"{where}.sequence_parallel",
-                lambda v: isinstance(v, bool),
-                "true or false",
+            sequence_parallel=_read.boolean(
+                data.get("sequence_parallel", False), f"{where}.sequence_parallel"
             ),
-            loss_parallel=_read.check(
-                data.get("loss_parallel", False),
-                f"{where}.loss_parallel",
-                lambda v: isinstance(v, bool),
-                "true or false",
-            ),
+            loss_parallel=_read.boolean(data.get("loss_parallel", False), f"{where}.loss_parallel"),
         )
         pipeline._check_references()
         pipeline._check_batch_dims()

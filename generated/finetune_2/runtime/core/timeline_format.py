@@ -228,12 +228,7 @@ class RunLayout:
         if any(s < 0 or s >= counts["num_stages"] for s in recompute):
             raise _read.fail(f"{where}.recompute", list(recompute), "stages of the pipeline")
         blocks = _read.names(fields["recompute_blocks"], f"{where}.recompute_blocks")
-        bf16 = _read.check(
-            fields.get("bf16", False),
-            f"{where}.bf16",
-            lambda v: isinstance(v, bool),
-            "true or false",
-        )
+        bf16 = _read.boolean(fields.get("bf16", False), f"{where}.bf16")
         return cls(
             pipeline, schedule, **counts, recompute=recompute, recompute_blocks=blocks, bf16=bf16
         )

@@ -67,6 +67,9 @@ class FieldReader:
     def text(self, value: Any, where: str) -> str:
         return cast(str, self.check(value, where, lambda v: isinstance(v, str), "a string"))
 
+    def boolean(self, value: Any, where: str) -> bool:
+        return cast(bool, self.check(value, where, lambda v: isinstance(v, bool), "true or false"))
+
     def integer(self, value: Any, where: str, minimum: int | None = None) -> int:
         """An integer, at least ``minimum`` when given."""
         return cast(int, self._at_least(value, where, is_int, "an integer", minimum))
