@@ -97,13 +97,13 @@ def test_unsharded_gpt2_peaks_within_the_plan_on_cuda(gpt2):
     partition = json.loads((GALLERY / "gpt2_4" / "artifacts" / "partition.json").read_text())
     assert [r.predicted for r in results] == partition["predicted"]["device_memory"]
     for r in results:
-        assert abs(r.peak - r.predicted) <= 0.1 * r.predicted, (r.rank, r.peak, r.predicted)
+        assert abs(r.peak - r.predicted) <= 0.05 * r.predicted, (r.rank, r.peak, r.predicted)
         assert r.prediction_note == ""
 
 
 def test_sharded_gpt2_peaks_within_its_plan_on_cuda(tmp_path):
     """GPT-2 (the gallery's) planned for --dp-shard 2 on 2 stages, played on fake GPUs for 2
-    steps: each rank's peak within 10 % of the plan's, which counts FSDP2's buffers block by
+    steps: each rank's peak within 5 % of the plan's, which counts FSDP2's buffers block by
     block (its embedding, the rest of stage 0, is gathered before the first block's copy-out)
     and attention as a GPU's flash or memory-efficient kernel keeps it."""
     compiled = compile_model("examples/gpt2.py:build", tmp_path / "pipe", 2, dp_shard=2)
@@ -113,18 +113,28 @@ def test_sharded_gpt2_peaks_within_its_plan_on_cuda(tmp_path):
     assert not problems(results), problems(results)
     for r in results:
         assert r.prediction_note == ""
-        assert abs(r.peak - r.predicted) <= 0.1 * r.predicted, (r.rank, r.peak, r.predicted)
+        assert abs(r.peak - r.predicted) <= 0.05 * r.predicted, (r.rank, r.peak, r.predicted)
 
 
-@pytest.mark.parametrize("dp_shard", [1, 2])
-def test_gpt2_planned_for_bf16_peaks_within_its_plan_on_cuda(tmp_path, dp_shard):
+@pytest.mark.parametrize(
+    "model, dp_shard",
+    [
+        ("examples/gpt2.py:build", 1),
+        ("examples/gpt2.py:build", 2),
+        ("tests/zoo/models.py:llama", 1),
+    ],
+    ids=["gpt2", "gpt2-sharded", "llama"],
+)
+def test_planned_for_bf16_peaks_within_its_plan_on_cuda(tmp_path, model, dp_shard):
     """GPT-2 compiled --bf16 (profiled under autocast as CUDA casts: its tanh GELU's chain in
     fp32, the products and attention in bf16, each weight's bf16 copy saved per microbatch)
     runs --bf16 by default; on fake GPUs, without and with FSDP2 (which gathers bf16 copies of
-    the weights instead, and saves none per microbatch), each rank within 10 % of its plan."""
-    compiled = compile_model(
-        "examples/gpt2.py:build", tmp_path / "pipe", 2, bf16=True, dp_shard=dp_shard
-    )
+    the weights instead, and saves none per microbatch), each rank within 5 % of its plan; and
+    the zoo's Llama (grouped heads, RMS norms, rotary tables), unsharded. The plan counts the
+    values a block hands between its units that none saves (the norms' outputs, read by the
+    products, which save their bf16 copies), while the block runs, when the activations after
+    it are not saved yet."""
+    compiled = compile_model(model, tmp_path / "pipe", 2, bf16=True, dp_shard=dp_shard)
     package = load_pipeline(compiled.out)
     assert package.PIPELINE["plan"]["bf16"] is True
     args = ("--device", "cuda", "--dp-shard", str(dp_shard), "--steps", "2")
@@ -133,7 +143,7 @@ def test_gpt2_planned_for_bf16_peaks_within_its_plan_on_cuda(tmp_path, dp_shard)
     for r in results:
         assert r.half_precision > 100  # the package's default: --bf16
         assert r.prediction_note == ""
-        assert abs(r.peak - r.predicted) <= 0.1 * r.predicted, (r.rank, r.peak, r.predicted)
+        assert abs(r.peak - r.predicted) <= 0.05 * r.predicted, (r.rank, r.peak, r.predicted)
     (fp32,), _ = play(package, *args, "--no-bf16", "--rank", "0", "--world-size", str(2 * dp_shard))
     assert fp32.half_precision == 0 and "planned for --bf16" in fp32.prediction_note
 

@@ -88,9 +88,9 @@ def _broken(edit) -> dict:
             lambda d: d["stages"][0].update(recompute=1),
             "pipeline.stages[0].recompute must be a bool",
         ),
-        (lambda d: d["stages"][0]["inputs"].append(3), "pipeline.stages[0].inputs[1] must be"),
+        (lambda d: d["stages"][0]["inputs"].insert(1, 3), "pipeline.stages[0].inputs[1] must be"),
         (
-            lambda d: d["stages"][0]["inputs"].append("nope"),
+            lambda d: d["stages"][0]["inputs"].insert(1, "nope"),
             "pipeline.stages[0].inputs[1] = 'nope'",
         ),
         (
@@ -153,28 +153,38 @@ def test_typed_objects_are_frozen_and_accepted_where_dicts_are():
 
 
 def test_derived_facts_of_several_stages_per_rank():
-    """t5_small_6on3: six stages on three ranks as Mixed-Pipe placed them (not looped: stages 0
-    and 5 on rank 0, the last stage on the first rank); tied embeddings in stages 0, 2 and 5."""
-    pipeline = Pipeline.from_json(_gallery("t5_small_6on3"))
+    """t5_small_6on3: six stages on three ranks as Mixed-Pipe placed them (looped: stages 0 and
+    3 on rank 0); tied embeddings in stages 0, 3 and 5. The same stages placed otherwise, as
+    Mixed-Pipe may (stages 0 and 5 on rank 0: the last stage on the first rank), derive their
+    ranks from the placement alone."""
+    data = _gallery("t5_small_6on3")
+    pipeline = Pipeline.from_json(data)
     assert pipeline.num_stages == 6 and pipeline.num_ranks == 3
-    assert pipeline.rank_of_stage == [0, 1, 2, 1, 2, 0]
-    assert [s.index for s in pipeline.stages_on(0)] == [0, 5]
-    assert pipeline.last_rank == 0
+    assert pipeline.rank_of_stage == [0, 1, 2, 0, 1, 2]
+    assert [s.index for s in pipeline.stages_on(0)] == [0, 3]
+    assert pipeline.last_rank == 2
     assert pipeline.default_microbatches == 12
     assert pipeline.model_class == "T5ForConditionalGeneration"
     assert pipeline.samples_per_microbatch == 8 and pipeline.tokens_per_sample == 128
     (tie,) = pipeline.tied
-    assert list(tie.holders) == [0, 2, 5] and list(tie.later_holders) == [2, 5]
+    assert list(tie.holders) == [0, 3, 5] and list(tie.later_holders) == [3, 5]
     assert pipeline.tie_ranks(tie) == [0, 2]
+    placed = copy.deepcopy(data)
+    for stage, rank in zip(placed["stages"], [0, 1, 2, 1, 2, 0]):
+        stage["device"] = rank
+    other = Pipeline.from_json(placed)
+    assert [s.index for s in other.stages_on(0)] == [0, 5] and other.last_rank == 0
+    assert other.tie_ranks(other.tied[0]) == [0, 1]
     stage = pipeline.stages[1]
     assert [v.name for v in pipeline.received(stage)] == list(stage.inputs)
     assert [v.name for v in pipeline.returned(stage)] == list(stage.outputs)
-    # the first stage takes the ids from the batch; the decoder's stages read the labels there
-    assert [v.name for v in pipeline.first_inputs] == ["input_ids"]
+    # the first stage takes the ids and the labels (shifted, the decoder's inputs) from the
+    # batch; the last stage reads the labels there for its loss, not from the stages before
+    assert [v.name for v in pipeline.first_inputs] == ["input_ids", "labels"]
     assert pipeline.received(pipeline.stages[0]) == pipeline.first_inputs
     assert [v.name for v in pipeline.data_inputs] == ["input_ids", "labels"]
     readers = [s.index for s in pipeline.stages if s.data_inputs]
-    assert readers and all(pipeline.stages[i].data_inputs == ("labels",) for i in readers)
+    assert readers == [5] and pipeline.stages[5].data_inputs == ("labels",)
     for i in readers:
         received = [v.name for v in pipeline.received(pipeline.stages[i])]
         assert "labels" not in received and "labels" in pipeline.stages[i].inputs
@@ -191,7 +201,7 @@ def test_train_config_defaults_come_from_the_pipeline():
     assert config.schedule == pipeline.schedule.name
     assert config.recompute == pipeline.recomputed
     assert parse_config(["--recompute", "all"], pipeline).recompute == frozenset(range(6))
-    assert "ranks [0, 1, 2, 1, 2, 0]" in schedule_problem("1f1b", pipeline, 12)
+    assert "ranks [0, 1, 2, 0, 1, 2]" in schedule_problem("1f1b", pipeline, 12)
     batches = Batches(pipeline, parse_config(["--dp", "2", "--accumulate", "3"], pipeline))
     assert batches.samples == 12 * 2 * 3 * pipeline.samples_per_microbatch
     inputs, target = batches(0)

@@ -119,11 +119,19 @@ def transients(model, stage_of_unit, num_stages):
         beyond = model.backward_memory[unit] + extra[unit] - freed[s] - pending[s]
         backward[s] = max(backward[s], beyond)
         freed[s] += model.activations[unit]
+    # the stage's own locals: its units' temporaries outside whole blocks, and the values it
+    # hands between units that none saves, where one stage makes and reads them
+    own = [0.0 if unit in blocked else model.temporaries[unit] for unit in range(model.num_units)]
+    for ex, local in zip(model.exchanges, model.stage_locals):
+        if local and stage_of_unit[ex.producer] == stage_of_unit[ex.last]:
+            own[ex.producer] += ex.activation
     inline = [0.0] * num_stages
     largest = [0.0] * num_stages
     for unit, s in enumerate(stage_of_unit):
-        if unit not in blocked:
-            inline[s] += model.temporaries[unit]
+        inline[s] += own[unit]
+
+    def made_before(stage, first):
+        return sum(own[u] for u in range(first) if stage_of_unit[u] == stage)
 
     def saved_from(stage, first):
         return sum(
@@ -133,17 +141,20 @@ def transients(model, stage_of_unit, num_stages):
     for block in model.blocks.values():
         stage = block.stage(stage_of_unit)
         if stage is not None:
+            # while the block runs: its locals and the stage's made before it, less the stage's
+            # activations after it (not saved yet), above the stage's locals at its end
             held = sum(model.temporaries[u] for u in block.units)
+            held += made_before(stage, min(block.units))
+            held -= saved_from(stage, max(block.units) + 1) + inline[stage]
             if per_block:
                 params = sum(model.param_bytes[u] for u in block.units)
                 unheld = sum(model.trainable_bytes[u] for u in block.units)
                 unheld = unheld if trained_rest[stage] > 0 else 0.0
-                after = saved_from(stage, max(block.units) + 1)
                 # the flat buffer gathered before: the rest's before the stage's first block
                 first = min(block.units) == opening[stage]
                 before = max(params_rest[stage], 0.0) if first else params
                 copy_out = before + params - saved_from(stage, min(block.units)) - inline[stage]
-                held = max(held, held + params - after - unheld, copy_out - unheld)
+                held = max(held, held + params - unheld, copy_out - unheld)
             largest[stage] = max(largest[stage], held)
     for s in range(num_stages):
         forward[s] = inline[s] + largest[s]

@@ -474,6 +474,27 @@ class CostModel:
             fqn: params * self.gather_scale + trained
             for fqn, (params, trained) in block_bytes.items()
         }
+        savers = [
+            [
+                unit
+                for unit in (e.producer, *e.readers)
+                if 0 <= unit < self.num_units and e.name in self.saved_values[unit]
+            ]
+            for e in self.exchanges
+        ]
+        #: a value handed between units that none of them saves is a local of the generated
+        #: code, alive until the forward naming it returns: the block's, where one block makes
+        #: and reads it (its producer's temporaries), else the stage's (see StageSums)
+        block_of = {u: fqn for fqn, block in self.blocks.items() for u in block.units}
+        #: per exchange, whether it is such a local of a stage (where one stage makes and reads it)
+        self.stage_locals: list[bool] = []
+        for e, saving in zip(self.exchanges, savers):
+            local = not saving and e.producer >= 0 and e.last < self.num_units
+            home = block_of.get(e.producer)
+            inside = local and home is not None and all(block_of.get(r) == home for r in e.readers)
+            if inside:
+                self.temporaries[e.producer] += e.activation
+            self.stage_locals.append(local and not inside)
         self.sums = StageSums(
             num_units=self.num_units,
             forward=self.forward,
@@ -488,14 +509,8 @@ class CostModel:
             frozen=self.frozen,
             step_time=self.optimizer_step_time,
             exchanges=[(e.producer, e.last, e.activation, e.gradient) for e in self.exchanges],
-            savers=[
-                [
-                    unit
-                    for unit in (e.producer, *e.readers)
-                    if 0 <= unit < self.num_units and e.name in self.saved_values[unit]
-                ]
-                for e in self.exchanges
-            ],
+            savers=savers,
+            stage_locals=self.stage_locals,
             blocks=[block.units for block in self.blocks.values()],
             block_gathers=(
                 list(block_bytes.values())
@@ -882,11 +897,10 @@ class CostModel:
     def _transients(
         self, stage_of_unit: list[int], num_stages: int
     ) -> tuple[list[float], list[float]]:
-        """Bytes a stage's forward holds besides what it saves (the generated code's locals:
-        those of the stage's own code until it returns, plus those of its largest block until
-        that returns), and the most a backward holds beyond its microbatch's activations and
-        the stage's gradients: a unit's backward, less the activations of the units after it
-        (freed by then) and the gradients of those before it (not allocated yet)."""
+        """The most a stage's forward holds beyond its microbatch's activations (the
+        generated code's locals: the stage's own until it returns, a block's while it runs,
+        when the activations after it are not saved yet), and the most a backward holds beyond
+        them and the stage's gradients (:meth:`StageSums.transients`)."""
         forward, backward = self.sums.transients(self.sums.assignment(stage_of_unit), num_stages)
         return forward.tolist(), backward.tolist()
 

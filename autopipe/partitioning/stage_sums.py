@@ -49,7 +49,10 @@ class StageSums:
 
     ``exchanges`` are ``(producer, last reader, activation bytes, gradient bytes)`` (producer
     -1: a model input; last reader ``num_units``: a model output); ``savers`` the units that save
-    each exchanged value among their activations, per exchange; ``unit_params`` each unit's
+    each exchanged value among their activations, per exchange; ``stage_locals`` whether each
+    is a local of the stage's own code where one stage makes and reads it (no unit saves it, the
+    model does not return it, and it is not a block's own local, which its producer's
+    temporaries count); ``unit_params`` each unit's
     parameters (bytes by name, in the unit's order); ``step_time`` the seconds of an optimizer
     step over a trained parameter of so many bytes; ``blocks`` each block's units;
     ``block_gathers`` each block's parameter and trained parameter bytes where FSDP2 gathers
@@ -73,6 +76,7 @@ class StageSums:
         exchanges: Sequence[tuple[int, int, int, int]],
         savers: Sequence[Sequence[int]],
         blocks: Sequence[Sequence[int]],
+        stage_locals: Sequence[bool] = (),
         block_gathers: Sequence[tuple[float, float]] | None = None,
         gather_scale: float = 1.0,
     ) -> None:
@@ -101,6 +105,8 @@ class StageSums:
         self.exchange_gradient = _floats([e[3] for e in exchanges])
         #: bytes of the model's outputs (their exchanges' last reader is the model)
         self.model_outputs = float(sum(e[2] for e in exchanges if e[1] == num_units))
+        self.stage_local = np.zeros(len(exchanges), dtype=bool)
+        self.stage_local[: len(stage_locals)] = stage_locals
         self.saver_exchange = _ints([e for e, units in enumerate(savers) for _ in units])
         self.saver_unit = _ints([u for units in savers for u in units])
         self.block_units = _ints([u for units in blocks for u in units])
@@ -222,12 +228,17 @@ class StageSums:
         blocks: Ints | None = None,
         stage_parameters: tuple[Floats, Floats] | None = None,
     ) -> tuple[Floats, Floats]:
-        """Bytes a stage's forward holds besides what it saves (its own code's locals, plus its
-        largest whole block's), and the most a backward holds beyond its microbatch's
-        activations and the stage's gradients (a unit's backward, less the activations of the
-        units after it in the stage, freed by then, and the gradients of those before it, not
-        allocated yet). ``blocks``: :meth:`block_stages`, and ``stage_parameters``:
-        :meth:`parameters`, if known.
+        """The most a stage's forward holds beyond its microbatch's activations, and the most a
+        backward holds beyond them and the stage's gradients (a unit's backward, less the
+        activations of the units after it in the stage, freed by then, and the gradients of
+        those before it, not allocated yet). ``blocks``: :meth:`block_stages`, and
+        ``stage_parameters``: :meth:`parameters`, if known.
+
+        A forward holds its own code's locals until it returns: the temporaries of its units in
+        no whole block and the values handed between units that none saves (``stage_locals``).
+        While a block runs it holds the block's locals (its units' temporaries) and the stage's
+        made before the block, and has not saved yet the activations of the stage's units after
+        the block: the forward's peak is the larger of the two moments.
 
         Where FSDP2 gathers block by block (``block_gathers``; the stage's state counts one
         block's parameters gathered and its gradients unsharded, :meth:`CostModel.gathered`):
@@ -244,21 +255,35 @@ class StageSums:
         the state counts, do not exist yet, and neither do those of the block's units before the
         one running."""
         blocks = self.block_stages(stages) if blocks is None else blocks
-        # forward: the temporaries of units in no whole block, and each stage's largest block's
+        # forward: the stage's own locals (the temporaries of units in no whole block, and the
+        # values its code hands between units that none saves), all alive as it returns; and
+        # while a block runs, the block's, the stage's made before it, less the activations
+        # the stage saves after it (not saved yet)
         inline = self.temporaries.copy()
         whole = np.repeat(blocks >= 0, self.block_lengths)
         inline[self.block_units[whole]] = 0.0
+        first_stage, end_stage = self.exchange_stages(stages, num_stages)
+        local = self.stage_local & (first_stage == end_stage)
+        inline += np.bincount(
+            self.producer[local], weights=self.exchange_activation[local], minlength=self.num_units
+        )
         forward = _summed(stages, inline, num_stages)
         largest = np.zeros(num_stages)
         kept = blocks >= 0
-        held = self.block_temporaries
         extra = np.zeros(self.num_units)  # a unit's backward's, in a whole block
-        if self.block_gathers is not None and self.num_blocks:
-            params, trained = self.block_gathers[:, 0], self.block_gathers[:, 1]
+        if self.num_blocks:
             after, since = self._saved_after(stages, num_stages)
             last = np.maximum.reduceat(self.block_units, self.block_starts)
             first = np.minimum.reduceat(self.block_units, self.block_starts)
             home = np.maximum(blocks, 0)
+            order = np.argsort(stages, kind="stable")
+            made = np.empty(self.num_units)  # the stage's locals made before each unit
+            made[order] = np.cumsum(inline[order]) - inline[order]
+            made -= np.r_[0.0, np.cumsum(forward)[:-1]][stages]
+            # a block's peak, above the stage's locals at its end
+            held = self.block_temporaries + made[first] - after[last] - forward[home]
+        if self.block_gathers is not None and self.num_blocks:
+            params, trained = self.block_gathers[:, 0], self.block_gathers[:, 1]
             params_here, trained_here = stage_parameters or self.parameters(stages, num_stages)
             rest_params = params_here - _summed(blocks[kept], params[kept], num_stages)
             rest_trained = trained_here - _summed(blocks[kept], trained[kept], num_stages)
@@ -277,7 +302,7 @@ class StageSums:
             # (gathered as the stage's forward starts) before the stage's first block
             before = np.where(opens, np.maximum(rest_params[home], 0.0), params)
             copy_out = before + params - since[first] - forward[home] - unheld
-            compute = held + params - after[last] - unheld
+            compute = held + params - unheld
             held = np.maximum(np.maximum(held, compute), copy_out)
             # the stage's first block gathers no block after its backward (the rest is gathered)
             prefetched = np.where(opens, 0.0, params)
@@ -300,7 +325,8 @@ class StageSums:
                                     self.block_lengths)  # fmt: skip
             not_computed = ran - trained_units - block_start
             extra[self.block_units[whole]] = (per_block - not_computed)[whole]
-        np.maximum.at(largest, blocks[kept], held[kept])
+        if self.num_blocks:
+            np.maximum.at(largest, blocks[kept], held[kept])
         forward = forward + largest
         # backward: each stage's units in a row (unit order), walked from the last as the loop
         # does, in columns padded with zeros (which change no sum)

@@ -22,6 +22,7 @@ from ..ir.cond import worst_branch
 from ..ir import Graph
 from ..ir.interpreter import empty_placeholder
 from .devices import DeviceSpec
+from .dropout import gpu_dropout
 from .flops import flop_counter
 from .operator_rates import operator_size
 from .precision import autocast_dtypes, cuda_policy, unit_dtypes
@@ -131,7 +132,7 @@ def profile_analytic(graph: Graph, spec: DeviceSpec, bf16: bool = False) -> Prof
     """Profile every unit of ``graph`` on fake tensors for the device ``spec``: on a GPU's,
     attention runs the fused kernel a GPU picks (its time, and the log-sum-exp it keeps for the
     backward), not the CPU's choice (the math path, which keeps the probabilities, where it
-    drops some out). ``bf16``: as train.py's ``--bf16`` runs it (:mod:`.precision`)."""
+    drops some out), and dropout a GPU's fused kernel (a boolean mask, :mod:`.dropout`). ``bf16``: as train.py's ``--bf16`` runs it (:mod:`.precision`)."""
     device = torch.device("cpu")
     costs = []
     known: dict[str, UnitCost] = {}  # structurally identical units (repeated layers) cost the same
@@ -139,6 +140,7 @@ def profile_analytic(graph: Graph, spec: DeviceSpec, bf16: bool = False) -> Prof
     with contextlib.ExitStack() as kernels:
         if spec.device_type == "cuda":
             kernels.enter_context(fused_kernels("cpu"))
+            kernels.enter_context(gpu_dropout())  # a boolean mask, not the CPU's
             if bf16:  # autocast casting as CUDA's does
                 kernels.enter_context(cuda_policy())
             # fake tensors' cache of operator outputs answers a fused kernel's repeated call
