@@ -69,7 +69,8 @@ def gpt2_graph():
 def test_a_gpu_specs_profile_counts_the_boolean_mask(gpt2_graph):
     """The embeddings' dropout of the gallery's GPT-2 saves its mask alone: one byte an element in
     the profile of an H100 (torch's fused kernel), four in the same spec run as a CPU's (its
-    random tensor), and takes one kernel's time there rather than three's."""
+    random tensor), and less time (one kernel, moving less, where the CPU's draws, scales and
+    multiplies)."""
     graph = gpt2_graph
     (unit,) = [u.index for u in graph.units if u.label == "transformer.drop (Dropout)"]
     (dropout,) = [n for n in graph.units[unit].nodes if "dropout" in graph[n].target]

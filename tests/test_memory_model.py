@@ -141,19 +141,29 @@ def test_stage_tables_from_the_profile(gpt2_model):
     assert [b.fqn for b in blocks] == ["transformer.h.0", "transformer.h.1"]
     in_blocks = {u for b in blocks for u in b.units}
     own = {u: 0.0 if u in in_blocks else model.temporaries[u] for u in units[0]}
-    handed = [
-        ex
-        for ex, local in zip(model.exchanges, model.stage_locals)
-        if local and stage_of_unit[ex.producer] == stage_of_unit[ex.last] == 0
-    ]
-    assert "add_1" in [ex.name for ex in handed]  # wte + wpe, read by the dropout alone
-    for ex in handed:
-        own[ex.producer] += ex.activation
+    handed = [v for v in model.handed if v.block < 0 and stage_of_unit[v.producer] == 0]
+    for value in handed:
+        assert {stage_of_unit[r] for r in value.readers} == {0}
+        own[value.producer] += value.nbytes
+    assert handed  # wte + wpe, read by the dropout alone
     peaks = [sum(own.values())]  # as the stage returns
     for b in blocks:
         made = sum(n for u, n in own.items() if u < min(b.units))
-        after = sum(model.activations[u] for u in units[0] if u > max(b.units))
-        peaks.append(made + sum(model.temporaries[u] for u in b.units) - after)
+        end = max(b.units)
+        after = sum(model.activations[u] for u in units[0] if u > end)
+        # of which the values that exist as the block ends (its output, which the next block's
+        # first norm saves; the position ids) are saved already in effect
+        existing = sum(
+            ex.activation
+            for ex in model.exchanges
+            if ex.producer <= end
+            for u in ex.readers
+            if end < u < model.num_units and stage_of_unit[u] == 0
+            if ex.name in model.saved_values[u]
+        )
+        assert existing > 0 or after == 0
+        locals_ = sum(model.temporaries[u] for u in b.units) + model.block_locals[b.fqn]
+        peaks.append(made + locals_ - (after - existing))
     assert got.transient_forward[0] == pytest.approx(max(peaks))
     params = model.stage_parameters(stage_of_unit, 2)
     assert got.static_memory == pytest.approx([STATE_FACTOR["adamw"] * p for p in params])
@@ -192,7 +202,8 @@ def test_saved_bytes_of_a_whole_model_match_autograd(name):
 
 def test_recomputation_keeps_inputs_and_rebuilds_in_backward(gpt2_model):
     """A recomputed block keeps only what it reads from outside, and its backward rebuilds its
-    activations and locals; a recomputed stage keeps only its inputs (and its outputs)."""
+    activations and locals (its units' temporaries and the values it hands between them); a
+    recomputed stage keeps only its inputs (and its outputs)."""
     graph, profile = gpt2_model
     model = CostModel(graph, profile, schedule="1f1b", microbatches=4)
     stage_of_unit = split(model)
@@ -201,8 +212,11 @@ def test_recomputation_keeps_inputs_and_rebuilds_in_backward(gpt2_model):
     one = model.pipeline_costs(stage_of_unit, [0, 1], recompute_blocks=frozenset({block.fqn}))
     kept = sum(model.activations[u] for u in block.units)
     assert one.activations[0] == pytest.approx(plain.activations[0] - (kept - block.inputs))
-    again = kept + sum(model.temporaries[u] for u in block.units)
+    again = kept + sum(model.temporaries[u] for u in block.units) + model.block_locals[block.fqn]
+    assert model.block_locals[block.fqn] > 0  # values its units hand on and none saves
     assert one.transient_backward[0] == pytest.approx(max(plain.transient_backward[0], again))
+    # the block before it has less not saved yet while it runs: h.1 saves its inputs alone
+    assert one.transient_forward[0] >= plain.transient_forward[0]
     assert one.activations[1] == plain.activations[1]
 
     whole = model.pipeline_costs(stage_of_unit, [0, 1], recompute=frozenset({1}))

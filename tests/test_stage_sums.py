@@ -119,12 +119,18 @@ def transients(model, stage_of_unit, num_stages):
         beyond = model.backward_memory[unit] + extra[unit] - freed[s] - pending[s]
         backward[s] = max(backward[s], beyond)
         freed[s] += model.activations[unit]
-    # the stage's own locals: its units' temporaries outside whole blocks, and the values it
-    # hands between units that none saves, where one stage makes and reads them
+    # the stage's own locals: its units' temporaries outside whole blocks, and the values
+    # handed between units that none keeps, where one stage makes and reads them (a whole
+    # block's own are the block's)
     own = [0.0 if unit in blocked else model.temporaries[unit] for unit in range(model.num_units)]
-    for ex, local in zip(model.exchanges, model.stage_locals):
-        if local and stage_of_unit[ex.producer] == stage_of_unit[ex.last]:
-            own[ex.producer] += ex.activation
+    fqns = list(model.blocks)
+    block_locals = dict.fromkeys(fqns, 0.0)
+    for value in model.handed:
+        home = stage_of_unit[value.producer]
+        if value.block >= 0 and model.blocks[fqns[value.block]].stage(stage_of_unit) is not None:
+            block_locals[fqns[value.block]] += value.nbytes
+        elif {stage_of_unit[r] for r in value.readers} == {home}:
+            own[value.producer] += value.nbytes
     inline = [0.0] * num_stages
     largest = [0.0] * num_stages
     for unit, s in enumerate(stage_of_unit):
@@ -138,14 +144,28 @@ def transients(model, stage_of_unit, num_stages):
             model.activations[u] for u in range(first, model.num_units) if stage_of_unit[u] == stage
         )
 
+    def existing_after(stage, end):
+        """Bytes the stage's units after ``end`` save of values that exist by then."""
+        total = 0.0
+        for ex in model.exchanges:
+            made_here = ex.producer >= 0 and stage_of_unit[ex.producer] == stage
+            if made_here and ex.producer > end:
+                continue
+            for unit in (ex.producer, *ex.readers):
+                if 0 <= unit < model.num_units and ex.name in model.saved_values[unit]:
+                    if stage_of_unit[unit] == stage and unit > end:
+                        total += ex.activation
+        return total
+
     for block in model.blocks.values():
         stage = block.stage(stage_of_unit)
         if stage is not None:
             # while the block runs: its locals and the stage's made before it, less the stage's
             # activations after it (not saved yet), above the stage's locals at its end
-            held = sum(model.temporaries[u] for u in block.units)
+            end = max(block.units)
+            held = sum(model.temporaries[u] for u in block.units) + block_locals[block.fqn]
             held += made_before(stage, min(block.units))
-            held -= saved_from(stage, max(block.units) + 1) + inline[stage]
+            held -= saved_from(stage, end + 1) - existing_after(stage, end) + inline[stage]
             if per_block:
                 params = sum(model.param_bytes[u] for u in block.units)
                 unheld = sum(model.trainable_bytes[u] for u in block.units)
@@ -153,7 +173,8 @@ def transients(model, stage_of_unit, num_stages):
                 # the flat buffer gathered before: the rest's before the stage's first block
                 first = min(block.units) == opening[stage]
                 before = max(params_rest[stage], 0.0) if first else params
-                copy_out = before + params - saved_from(stage, min(block.units)) - inline[stage]
+                copy_out = before + params - saved_from(stage, min(block.units))
+                copy_out += made_before(stage, min(block.units)) - inline[stage]
                 held = max(held, held + params - unheld, copy_out - unheld)
             largest[stage] = max(largest[stage], held)
     for s in range(num_stages):

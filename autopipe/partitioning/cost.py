@@ -30,7 +30,7 @@ import torch
 
 from ..errors import PartitionError
 from ..ir import Graph, TensorMeta
-from ..ir.ordering import order_edges
+from ..ir.ordering import alias_base, order_edges
 from ..profiling.devices import DeviceSpec
 from ..profiling.precision import AUTOCAST_DTYPE
 from ..profiling.profile import Profile
@@ -40,6 +40,7 @@ from ..runtime.core.schedules import SPLIT_BACKWARD, MemoryPeak, PipelineCosts
 from .partition import PartitionSettings, PredictedStage, PredictedStep, Traffic
 from .simulator import Simulation, schedule_memory, simulate_schedule
 from .network import Network, NetworkLink, RingCost
+from .handed_values import handed_values
 from .stage_sums import StageSums
 from .recomputed_values import recomputed_values
 
@@ -239,6 +240,8 @@ class GraphFacts:
     #: the units of every call of a block module (whole units or not), in program order
     block_call_units: list[tuple[int, ...]]
     exchanges: list[Exchange]
+    #: each exchanged value's storage's owner (itself, or the value it is a view of)
+    storage_of: dict[str, str]
     #: units and the edges no partition may point backwards: data (weighted by the bytes moved)
     #: and the order of in-place writes
     dag: nx.DiGraph
@@ -272,6 +275,7 @@ def graph_facts(graph: Graph) -> GraphFacts:
                 for call in block_calls(graph)
             ],
             exchanges=exchanges,
+            storage_of={e.name: alias_base(graph, e.name) for e in exchanges},
             dag=_unit_dag(graph, exchanges),
         )
         _FACTS[graph] = facts
@@ -482,19 +486,21 @@ class CostModel:
             ]
             for e in self.exchanges
         ]
-        #: a value handed between units that none of them saves is a local of the generated
-        #: code, alive until the forward naming it returns: the block's, where one block makes
-        #: and reads it (its producer's temporaries), else the stage's (see StageSums)
-        block_of = {u: fqn for fqn, block in self.blocks.items() for u in block.units}
-        #: per exchange, whether it is such a local of a stage (where one stage makes and reads it)
-        self.stage_locals: list[bool] = []
-        for e, saving in zip(self.exchanges, savers):
-            local = not saving and e.producer >= 0 and e.last < self.num_units
-            home = block_of.get(e.producer)
-            inside = local and home is not None and all(block_of.get(r) == home for r in e.readers)
-            if inside:
-                self.temporaries[e.producer] += e.activation
-            self.stage_locals.append(local and not inside)
+        #: the values handed between units that none of them keeps: locals of the generated
+        #: code, alive until the forward naming them returns (a block's, or the stage's)
+        self.handed = handed_values(
+            [(e.name, e.producer, e.readers, e.activation) for e in self.exchanges],
+            facts.storage_of,
+            self.saved_values,
+            [block.units for block in self.blocks.values()],
+            self.num_units,
+        )
+        #: of those, the bytes each block makes and reads alone (its own locals), by name
+        self.block_locals = {fqn: 0.0 for fqn in self.blocks}
+        fqns = list(self.blocks)
+        for value in self.handed:
+            if value.block >= 0:
+                self.block_locals[fqns[value.block]] += value.nbytes
         self.sums = StageSums(
             num_units=self.num_units,
             forward=self.forward,
@@ -510,7 +516,7 @@ class CostModel:
             step_time=self.optimizer_step_time,
             exchanges=[(e.producer, e.last, e.activation, e.gradient) for e in self.exchanges],
             savers=savers,
-            stage_locals=self.stage_locals,
+            handed=self.handed,
             blocks=[block.units for block in self.blocks.values()],
             block_gathers=(
                 list(block_bytes.values())
@@ -796,6 +802,14 @@ class CostModel:
             stages, num_stages, block_stages, (param_array, trainable_array)
         )
         transient_forward, transient_backward = forward_array.tolist(), backward_array.tolist()
+        # a recomputed block saves its inputs alone: what the stage saves after a block is less
+        recomputing = self._recomputed_activations(stage_of_unit, recompute, recompute_blocks)
+        if recomputing is not None:
+            lighter = sums.with_activations(recomputing)
+            forward_array = lighter.transients(
+                stages, num_stages, block_stages, (param_array, trainable_array)
+            )[0]
+            transient_forward = forward_array.tolist()
         for fqn in recompute_blocks:
             block = self.blocks[fqn]
             s = block.stage(stage_of_unit)
@@ -805,6 +819,7 @@ class CostModel:
             kept = sum(self.activations[u] for u in block.units)
             saved[s] -= max(kept - block.inputs, 0.0)
             again = sum(self.activations[u] + self.temporaries[u] for u in block.units)
+            again += self.block_locals[fqn]
             transient_backward[s] = max(transient_backward[s], again)  # its forward, rerun
         for s in recompute:
             backward[s] += forward[s]
@@ -847,6 +862,26 @@ class CostModel:
             receive_forward=waits[0],
             receive_backward=waits[1],
         )
+
+    def _recomputed_activations(
+        self, stage_of_unit: list[int], recompute: frozenset[int], recompute_blocks: frozenset[str]
+    ) -> list[float] | None:
+        """Each unit's saved bytes where the blocks in ``recompute_blocks`` (whole, in stages
+        not in ``recompute``) save their inputs alone (on their first unit), or None where
+        none does."""
+        activations = None
+        for fqn in recompute_blocks:
+            block = self.blocks[fqn]
+            s = block.stage(stage_of_unit)
+            if s is None or s in recompute:
+                continue
+            activations = activations or list(self.activations)
+            for u in block.units:
+                activations[u] = 0.0
+            activations[block.units[0]] = min(
+                block.inputs, sum(self.activations[u] for u in block.units)
+            )
+        return activations
 
     def _receive_waits(
         self, act_cross: list[float], grad_cross: list[float], device_of_stage: list[int]

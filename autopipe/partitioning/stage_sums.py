@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from .handed_values import HandedValue
+
 __all__ = ["StageSums"]
 
 Floats = npt.NDArray[np.float64]
@@ -49,10 +51,9 @@ class StageSums:
 
     ``exchanges`` are ``(producer, last reader, activation bytes, gradient bytes)`` (producer
     -1: a model input; last reader ``num_units``: a model output); ``savers`` the units that save
-    each exchanged value among their activations, per exchange; ``stage_locals`` whether each
-    is a local of the stage's own code where one stage makes and reads it (no unit saves it, the
-    model does not return it, and it is not a block's own local, which its producer's
-    temporaries count); ``unit_params`` each unit's
+    each exchanged value among their activations, per exchange; ``handed`` the values handed
+    between units that none keeps (:mod:`.handed_values`: locals of the generated code);
+    ``unit_params`` each unit's
     parameters (bytes by name, in the unit's order); ``step_time`` the seconds of an optimizer
     step over a trained parameter of so many bytes; ``blocks`` each block's units;
     ``block_gathers`` each block's parameter and trained parameter bytes where FSDP2 gathers
@@ -76,7 +77,7 @@ class StageSums:
         exchanges: Sequence[tuple[int, int, int, int]],
         savers: Sequence[Sequence[int]],
         blocks: Sequence[Sequence[int]],
-        stage_locals: Sequence[bool] = (),
+        handed: Sequence[HandedValue] = (),
         block_gathers: Sequence[tuple[float, float]] | None = None,
         gather_scale: float = 1.0,
     ) -> None:
@@ -105,8 +106,11 @@ class StageSums:
         self.exchange_gradient = _floats([e[3] for e in exchanges])
         #: bytes of the model's outputs (their exchanges' last reader is the model)
         self.model_outputs = float(sum(e[2] for e in exchanges if e[1] == num_units))
-        self.stage_local = np.zeros(len(exchanges), dtype=bool)
-        self.stage_local[: len(stage_locals)] = stage_locals
+        self.handed_producer = _ints([h.producer for h in handed])
+        self.handed_bytes = _floats([h.nbytes for h in handed])
+        self.handed_block = _ints([h.block for h in handed])
+        self.handed_reader_value = _ints([i for i, h in enumerate(handed) for _ in h.readers])
+        self.handed_reader = _ints([u for h in handed for u in h.readers])
         self.saver_exchange = _ints([e for e, units in enumerate(savers) for _ in units])
         self.saver_unit = _ints([u for units in savers for u in units])
         self.block_units = _ints([u for units in blocks for u in units])
@@ -221,6 +225,30 @@ class StageSums:
         after[order] = ends[stages[order]] - ran
         return after, after + self.activations
 
+    def _saved_existing(self, stages: Ints, num_stages: int, last: Ints, home: Ints) -> Floats:
+        """Per block (its last unit ``last``, in stage ``home``), the bytes the stage's units
+        after it save of values that exist as it ends: made by it or before it, received from
+        another stage or read from the batch."""
+        if not len(self.saver_unit) or not self.num_blocks:
+            return np.zeros(self.num_blocks)
+        saver = self.saver_unit
+        where = stages[saver]
+        producer = self.producer[self.saver_exchange]
+        local = (producer >= 0) & (stages[np.maximum(producer, 0)] == where)
+        since = np.where(local, producer, -1)
+        # the blocks ending in [since, saver) by their last unit: a range of the sorted ends
+        by_end = np.argsort(last, kind="stable")
+        ends = last[by_end]
+        low = np.searchsorted(ends, since, side="left")
+        high = np.searchsorted(ends, saver, side="left")
+        steps = np.zeros((num_stages, self.num_blocks + 1))
+        moved = self.exchange_activation[self.saver_exchange]
+        np.add.at(steps, (where, low), moved)
+        np.add.at(steps, (where, high), -moved)
+        existing = np.empty(self.num_blocks)
+        existing[by_end] = np.cumsum(steps, axis=1)[home[by_end], np.arange(self.num_blocks)]
+        return existing
+
     def transients(
         self,
         stages: Ints,
@@ -256,17 +284,27 @@ class StageSums:
         one running."""
         blocks = self.block_stages(stages) if blocks is None else blocks
         # forward: the stage's own locals (the temporaries of units in no whole block, and the
-        # values its code hands between units that none saves), all alive as it returns; and
-        # while a block runs, the block's, the stage's made before it, less the activations
-        # the stage saves after it (not saved yet)
+        # values handed between its units that none keeps), all alive as it returns; and while
+        # a block runs, the block's, the stage's made before it, less the activations the stage
+        # saves after it (not saved yet)
         inline = self.temporaries.copy()
         whole = np.repeat(blocks >= 0, self.block_lengths)
         inline[self.block_units[whole]] = 0.0
-        first_stage, end_stage = self.exchange_stages(stages, num_stages)
-        local = self.stage_local & (first_stage == end_stage)
-        inline += np.bincount(
-            self.producer[local], weights=self.exchange_activation[local], minlength=self.num_units
-        )
+        block_locals = np.zeros(self.num_blocks)
+        if len(self.handed_producer):
+            made_in = stages[self.handed_producer]
+            count = len(self.handed_producer)
+            latest = np.full(count, -1)
+            np.maximum.at(latest, self.handed_reader_value, stages[self.handed_reader])
+            earliest = np.full(count, num_stages)
+            np.minimum.at(earliest, self.handed_reader_value, stages[self.handed_reader])
+            own = self.handed_block >= 0
+            own[own] = blocks[self.handed_block[own]] >= 0  # the block whole in a stage
+            block_locals = _summed(self.handed_block[own], self.handed_bytes[own], self.num_blocks)
+            staged = ~own & (latest == made_in) & (earliest == made_in)
+            inline += _summed(
+                self.handed_producer[staged], self.handed_bytes[staged], self.num_units
+            )
         forward = _summed(stages, inline, num_stages)
         largest = np.zeros(num_stages)
         kept = blocks >= 0
@@ -280,8 +318,10 @@ class StageSums:
             made = np.empty(self.num_units)  # the stage's locals made before each unit
             made[order] = np.cumsum(inline[order]) - inline[order]
             made -= np.r_[0.0, np.cumsum(forward)[:-1]][stages]
-            # a block's peak, above the stage's locals at its end
-            held = self.block_temporaries + made[first] - after[last] - forward[home]
+            # a block's peak, above the stage's locals at its end: of what the stage saves after
+            # the block, the values made before its end exist already
+            unsaved = after[last] - self._saved_existing(stages, num_stages, last, home)
+            held = self.block_temporaries + block_locals + made[first] - unsaved - forward[home]
         if self.block_gathers is not None and self.num_blocks:
             params, trained = self.block_gathers[:, 0], self.block_gathers[:, 1]
             params_here, trained_here = stage_parameters or self.parameters(stages, num_stages)
@@ -301,7 +341,7 @@ class StageSums:
             # at a block's copy-out, the flat buffer of the unit gathered before it: the rest's
             # (gathered as the stage's forward starts) before the stage's first block
             before = np.where(opens, np.maximum(rest_params[home], 0.0), params)
-            copy_out = before + params - since[first] - forward[home] - unheld
+            copy_out = before + params - since[first] + made[first] - forward[home] - unheld
             compute = held + params - unheld
             held = np.maximum(np.maximum(held, compute), copy_out)
             # the stage's first block gathers no block after its backward (the rest is gathered)

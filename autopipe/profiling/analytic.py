@@ -132,7 +132,8 @@ def profile_analytic(graph: Graph, spec: DeviceSpec, bf16: bool = False) -> Prof
     """Profile every unit of ``graph`` on fake tensors for the device ``spec``: on a GPU's,
     attention runs the fused kernel a GPU picks (its time, and the log-sum-exp it keeps for the
     backward), not the CPU's choice (the math path, which keeps the probabilities, where it
-    drops some out), and dropout a GPU's fused kernel (a boolean mask, :mod:`.dropout`). ``bf16``: as train.py's ``--bf16`` runs it (:mod:`.precision`)."""
+    drops some out), and dropout a GPU's fused kernel (a boolean mask, :mod:`.dropout`).
+    ``bf16``: as train.py's ``--bf16`` runs it (:mod:`.precision`)."""
     device = torch.device("cpu")
     costs = []
     known: dict[str, UnitCost] = {}  # structurally identical units (repeated layers) cost the same

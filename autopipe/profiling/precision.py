@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_any, tree_leaves, tree_map
 
 from ..ir import Graph
 from ..ir.interpreter import empty_placeholder, run_nodes
+from ..runtime.core.mixed_precision import AUTOCAST_DTYPE, bf16_autocast
 
 __all__ = [
     "AUTOCAST_DTYPE",
@@ -37,15 +38,11 @@ __all__ = [
     "unit_dtypes",
 ]
 
-#: the dtype ``--bf16`` computes in
-AUTOCAST_DTYPE = torch.bfloat16
 
-
-def autocast(device_type: str, bf16: bool) -> contextlib.AbstractContextManager[None]:
-    """bf16 autocast on ``device_type`` as train.py's ``--bf16`` enters it, or nothing."""
-    if not bf16:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=AUTOCAST_DTYPE)
+def autocast(device_type: str, bf16: bool) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast on ``device_type`` as train.py's ``--bf16`` enters it (the runtime's own
+    context), or nothing."""
+    return bf16_autocast(device_type if bf16 else None)
 
 
 def autocast_dtypes(graph: Graph, device: torch.device) -> dict[str, torch.dtype]:

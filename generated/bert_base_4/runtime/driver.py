@@ -47,6 +47,7 @@ from .activity import ACTIVITY, BusyTimes, CudaBusyTimes, doing, recorded
 from .core.errors import RUN_TIME_CHECKS, PipelineRunError, UserCodeError, first_line
 from .core.host_memory import retain_freed_host_memory
 from .core.memory import LiveTensorBytes
+from .core.mixed_precision import bf16_autocast
 from .core.mesh import RankMesh
 from .core.pipeline import Pipeline, PipelineFormatError
 from .core.region_rng import set_tensor_parallel_rank
@@ -231,12 +232,7 @@ class StageRunner(nn.Module):
         if self.data_slots:
             for slot, tensor in zip(self.data_slots, self.batch_inputs[self.microbatch]):
                 inputs.insert(slot, tensor)
-        precision = (
-            torch.autocast(self.autocast, dtype=torch.bfloat16)
-            if self.autocast
-            else contextlib.nullcontext()
-        )
-        with precision:
+        with bf16_autocast(self.autocast):
             if self.recompute:
                 outputs = checkpointed(self.stage, self.stage)(*inputs)
             else:

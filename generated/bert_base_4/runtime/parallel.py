@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from .activity import ACTIVITY, doing, recorded, transfer
 from .core.errors import PipelineRunError
 from .core.mesh import RankMesh
+from .core.mixed_precision import AUTOCAST_DTYPE
 from .core.pipeline import MESH_DIMENSIONS, PIPELINE_INNERMOST, Pipeline
 from .core.sharded_layers import fsdp_placement, is_split
 from .support import local_shard
@@ -259,7 +260,7 @@ def shard_stage(
     backward. ``bf16``: bf16 compute, fp32 gradient reduction and fp32 stored (master)
     parameters."""
     policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        MixedPrecisionPolicy(param_dtype=AUTOCAST_DTYPE, reduce_dtype=torch.float32)
         if bf16
         else MixedPrecisionPolicy()
     )
