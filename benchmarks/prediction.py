@@ -1,6 +1,6 @@
 """How well autopipe predicts real training runs, on this CPU.
 
-    python benchmarks/prediction.py            # about 10 minutes on 2 cores
+    python benchmarks/prediction.py            # about 13 minutes on 2 cores
 
 ``autopipe calibrate`` measures this machine (one thread, as each torchrun rank has) into a
 device spec. Each of 4 models is compiled with the *analytic* profile for that spec into 4
@@ -22,14 +22,11 @@ with its plan's defaults under torchrun (gloo, 2 processes, one thread each, Ada
 
 Reported: Spearman rank correlation and mean absolute percentage error over all runs.
 
-The machine's own speed is measured beside them: a fixed one-thread workload (products,
-elementwise chains and a dropout, forward and backward: :data:`PROBE`) is timed after the
-calibration and before and after every run. On a shared machine its time drifts by a quarter
-within minutes (the same stage alone: 52.6, 62.9 and 79 ms in three runs of one morning), and
-a calibration made at one speed predicts a run made at another by that much. Each row shows
-the machine's slowdown at its run against the calibration's moment, and the time error is also
-given with each measured step divided by it, which tells the prediction's own error from the
-machine's drift.
+The CPU is calibrated again before each model's four plans, which then compile and run within
+about two minutes of it: on a shared machine the same stage run alone took 52.6 ms at one
+moment and 75.0 ms forty minutes later (2026-11-30), and a fixed one-thread workload timed
+beside each run did not follow that drift (it ranged 0.87-1.12x while the runs ranged -1 to
+-40 % against one calibration made at the start).
 """
 
 from __future__ import annotations
@@ -45,26 +42,6 @@ from pathlib import Path
 from commands import run
 
 STEPS = 10
-#: one thread's fixed workload, timed to follow the machine's speed (prints seconds, the
-#: median of 40 repeats)
-PROBE = """
-import statistics, time, torch
-torch.set_num_threads(1)
-torch.manual_seed(0)
-weight = torch.randn(512, 512, requires_grad=True)
-x = torch.randn(1024, 512)
-def once():
-    hidden = torch.nn.functional.dropout(torch.tanh(x @ weight) * 0.5 + x, 0.1)
-    (hidden @ weight).sum().backward()
-for _ in range(3):
-    once()
-times = []
-for _ in range(40):
-    start = time.perf_counter()
-    once()
-    times.append(time.perf_counter() - start)
-print(statistics.median(times))
-"""
 TRACKED = 2  # the first steps run under the memory tracker (slower); timed after them
 PLANS = [  # (stages, schedule, microbatches, accumulate) on 2 ranks: 4 microbatches a step
     (2, "1f1b", 4, 1),
@@ -155,18 +132,13 @@ def mape(predicted: list[float], measured: list[float]) -> float:
 
 
 def format_row(row: tuple) -> str:
-    model, plan, p_time, m_time, memory, slowdown = row
+    model, plan, p_time, m_time, memory = row
     p_mem = ", ".join(f"{p / 2**20:.1f}" for p, _ in memory)
     m_mem = ", ".join(f"{m / 2**20:.1f}" for _, m in memory)
     return (
         f"| {NAMES[model]} | {plan} | {p_time * 1e3:.1f} | {m_time * 1e3:.1f} "
-        f"| {100 * (p_time - m_time) / m_time:+.0f} % | {slowdown:.2f}x | {p_mem} | {m_mem} |"
+        f"| {100 * (p_time - m_time) / m_time:+.0f} % | {p_mem} | {m_mem} |"
     )
-
-
-def probe() -> float:
-    """Seconds of :data:`PROBE` on this machine now."""
-    return float(run([sys.executable, "-c", PROBE]).split()[-1])
 
 
 def main() -> None:
@@ -179,15 +151,15 @@ def main() -> None:
     models = parser.parse_args().models
     autopipe = [sys.executable, "-m", "autopipe"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    runs = []  # (model, plan, predicted s, measured s, [(predicted B, measured B)], slowdown)
+    runs = []  # (model, plan, predicted s, measured s, [(predicted B, measured B)])
+    calibrations = {}  # model -> the spec its plans were made for
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "models.py").write_text(MODELS)
-        spec_file = root / "cpu.json"
-        run([*autopipe, "calibrate", "--device", "cpu", "-o", str(spec_file)])
-        calibrated = probe()  # the machine's speed when it was calibrated
-        spec = json.loads(spec_file.read_text())
         for model in models:
+            spec_file = root / f"cpu-{model}.json"  # this machine now, for this model's plans
+            run([*autopipe, "calibrate", "--device", "cpu", "-o", str(spec_file)])
+            calibrations[model] = json.loads(spec_file.read_text())
             for stages, schedule, microbatches, accumulate in PLANS:
                 package = root / f"{model}-{stages}-{schedule}"
                 run(
@@ -202,34 +174,33 @@ def main() -> None:
                 pipeline = json.loads((package / "pipeline.json").read_text())
                 partition = json.loads((package / "artifacts" / "partition.json").read_text())
                 log = package / "log.jsonl"
-                before = probe()
                 run(
                     [
                         *torchrun, "--nproc-per-node=2", str(package / "train.py"), "--device",
                         "cpu", "--steps", str(STEPS), "--track-memory", "--log-json", str(log),
                     ]
                 )  # fmt: skip
-                slowdown = (before + probe()) / 2 / calibrated
                 records = [json.loads(line) for line in log.read_text().splitlines()]
                 seconds = statistics.median(r["time"] for r in records[TRACKED:])
                 memory = zip(partition["predicted"]["device_memory"], records[-1]["peak_memory"])
                 plan = f"{stages} stages, {schedule}, {microbatches} x {accumulate}"
                 predicted = pipeline["plan"]["step_time"]
-                runs.append((model, plan, predicted, seconds, list(memory), slowdown))
+                runs.append((model, plan, predicted, seconds, list(memory)))
                 print(f"# {format_row(runs[-1])}", file=sys.stderr)
-    print(
-        f"CPU calibrated by `autopipe calibrate` (1 thread): {spec['flops']['float32'] / 1e9:.1f} "
-        f"GFLOP/s fp32 matmul, {spec['memory_bandwidth'] / 1e9:.1f} GB/s memory, "
-        f"{spec['kernel_overhead'] * 1e6:.1f} us per operator, "
-        f"{spec['receive_overhead'] * 1e3:.1f} ms a receive waits while its sender computes; "
-        f"load average {os.getloadavg()[0]:.1f}"
-    )
+    for model, spec in calibrations.items():
+        print(
+            f"CPU calibrated by `autopipe calibrate` (1 thread) before {NAMES[model]}: "
+            f"{spec['flops']['float32'] / 1e9:.1f} GFLOP/s fp32 matmul, "
+            f"{spec['memory_bandwidth'] / 1e9:.1f} GB/s memory, "
+            f"{spec['kernel_overhead'] * 1e6:.1f} us per operator, "
+            f"{spec['receive_overhead'] * 1e3:.1f} ms a receive waits while its sender computes"
+        )
+    print(f"load average {os.getloadavg()[0]:.1f}")
     print(
         "| model | plan on 2 ranks (microbatches x accumulation) | predicted step ms | "
-        "measured step ms | error | machine's slowdown | predicted peak MiB (rank 0, 1) | "
-        "measured peak MiB (rank 0, 1) |"
+        "measured step ms | error | predicted peak MiB (rank 0, 1) | measured peak MiB (rank 0, 1) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for row in runs:
         print(format_row(row))
     times_p, times_m = [r[2] for r in runs], [r[3] for r in runs]
@@ -247,10 +218,7 @@ def main() -> None:
     )
     print(
         f"Stage time: Spearman {spearman(times_p, times_m):.2f}, mean absolute error "
-        f"{mape(times_p, times_m):.0f}% over {len(runs)} runs (step time of 2 ranks); "
-        f"{mape(times_p, [r[3] / r[5] for r in runs]):.0f}% with each measured step divided by "
-        f"the machine's slowdown at its run (range {min(r[5] for r in runs):.2f}x to "
-        f"{max(r[5] for r in runs):.2f}x of its speed at the calibration)"
+        f"{mape(times_p, times_m):.0f}% over {len(runs)} runs (step time of 2 ranks)"
     )
     print(
         f"Stage peak memory: Spearman {spearman(mem_p, mem_m):.2f}, mean absolute error "
