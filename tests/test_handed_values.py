@@ -3,6 +3,8 @@ and no unit keeps (its locals), found by storage, and how a stage's forward coun
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -60,12 +62,19 @@ def test_storages_saved_or_returned_under_another_name_are_not_handed():
         ("x_view", 1, (3,), 100.0),  # a view of x made by unit 1, read by 3
     ]
     storage_of = {"flat": "norm", "logits": "out", "x_view": "x"}
-    saved = [set(), set(), {"flat"}, set()]
-    handed = handed_values(exchanges, storage_of, saved, blocks=[(0, 1, 2)], num_units=4)
+    savers = [[], [2], [], [], [], []]  # unit 2 saves flat
+    handed = handed_values(exchanges, savers, storage_of, blocks=[(0, 1, 2)], num_units=4)
     # x and its view: one storage, made by unit 0, read by 1 (which made the view), 2 and 3; not
     # a block's own local (unit 3 is outside the block)
     assert handed == [HandedValue(producer=0, readers=(2, 3), nbytes=100.0, block=-1)]
-    assert handed_values(exchanges, storage_of, [set()] * 4, [(0, 1, 2)], 4) == []
+
+
+def test_a_profile_that_records_nothing_saved_hands_nothing_on(gpt2):
+    """What is kept cannot be told without the profile's ``saved_values``: no value counts as
+    a local (rather than every one)."""
+    profile = Profile.load(GPT2 / "profile.json")
+    blind = replace(profile, units=[replace(u, saved_values=[]) for u in profile.units])
+    assert gpt2.handed and CostModel(gpt2.graph, blind).handed == []
 
 
 def _sums(stages_blocks, handed):

@@ -20,6 +20,7 @@ weights only: no gradient, no optimizer state, no reduce-scatter, no optimizer s
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 import dataclasses
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -487,13 +488,18 @@ class CostModel:
             for e in self.exchanges
         ]
         #: the values handed between units that none of them keeps: locals of the generated
-        #: code, alive until the forward naming them returns (a block's, or the stage's)
-        self.handed = handed_values(
-            [(e.name, e.producer, e.readers, e.activation) for e in self.exchanges],
-            facts.storage_of,
-            self.saved_values,
-            [block.units for block in self.blocks.values()],
-            self.num_units,
+        #: code, alive until the forward naming them returns (a block's, or the stage's); none
+        #: where the profile records nothing saved (what is kept cannot be told)
+        self.handed = (
+            handed_values(
+                [(e.name, e.producer, e.readers, e.activation) for e in self.exchanges],
+                savers,
+                facts.storage_of,
+                [block.units for block in self.blocks.values()],
+                self.num_units,
+            )
+            if any(self.saved_values)
+            else []
         )
         #: of those, the bytes each block makes and reads alone (its own locals), by name
         self.block_locals = {fqn: 0.0 for fqn in self.blocks}
@@ -802,24 +808,24 @@ class CostModel:
             stages, num_stages, block_stages, (param_array, trainable_array)
         )
         transient_forward, transient_backward = forward_array.tolist(), backward_array.tolist()
-        # a recomputed block saves its inputs alone: what the stage saves after a block is less
-        recomputing = self._recomputed_activations(stage_of_unit, recompute, recompute_blocks)
-        if recomputing is not None:
-            lighter = sums.with_activations(recomputing)
+        alone = []  # blocks recomputed on their own, each with its stage
+        for fqn in recompute_blocks:
+            block = self.blocks[fqn]
+            s = block.stage(stage_of_unit)
+            if s is not None and s not in recompute:  # not cut by a boundary, nor in its stage's
+                alone.append((block, s))
+        if alone:  # they save their inputs alone: what the stage saves after a block is less
+            lighter = sums.with_activations(self._inputs_only(block for block, _ in alone))
             forward_array = lighter.transients(
                 stages, num_stages, block_stages, (param_array, trainable_array)
             )[0]
             transient_forward = forward_array.tolist()
-        for fqn in recompute_blocks:
-            block = self.blocks[fqn]
-            s = block.stage(stage_of_unit)
-            if s is None or s in recompute:
-                continue  # cut by a stage boundary, or recomputed with its stage
+        for block, s in alone:
             backward[s] += sum(self.forward[u] for u in block.units)
             kept = sum(self.activations[u] for u in block.units)
             saved[s] -= max(kept - block.inputs, 0.0)
             again = sum(self.activations[u] + self.temporaries[u] for u in block.units)
-            again += self.block_locals[fqn]
+            again += self.block_locals[block.fqn]
             transient_backward[s] = max(transient_backward[s], again)  # its forward, rerun
         for s in recompute:
             backward[s] += forward[s]
@@ -863,24 +869,15 @@ class CostModel:
             receive_backward=waits[1],
         )
 
-    def _recomputed_activations(
-        self, stage_of_unit: list[int], recompute: frozenset[int], recompute_blocks: frozenset[str]
-    ) -> list[float] | None:
-        """Each unit's saved bytes where the blocks in ``recompute_blocks`` (whole, in stages
-        not in ``recompute``) save their inputs alone (on their first unit), or None where
-        none does."""
-        activations = None
-        for fqn in recompute_blocks:
-            block = self.blocks[fqn]
-            s = block.stage(stage_of_unit)
-            if s is None or s in recompute:
-                continue
-            activations = activations or list(self.activations)
+    def _inputs_only(self, blocks: Iterable[BlockCost]) -> list[float]:
+        """Each unit's saved bytes where ``blocks`` save their inputs alone (on their first
+        unit), recomputing the rest in their backward."""
+        activations = list(self.activations)
+        for block in blocks:
+            kept = sum(self.activations[u] for u in block.units)
             for u in block.units:
                 activations[u] = 0.0
-            activations[block.units[0]] = min(
-                block.inputs, sum(self.activations[u] for u in block.units)
-            )
+            activations[block.units[0]] = min(block.inputs, kept)
         return activations
 
     def _receive_waits(

@@ -32,44 +32,35 @@ class HandedValue:
 
 def handed_values(
     exchanges: Sequence[tuple[str, int, Sequence[int], float]],
+    savers: Sequence[Sequence[int]],
     storage_of: Mapping[str, str],
-    saved: Sequence[set[str]],
     blocks: Sequence[Sequence[int]],
     num_units: int,
 ) -> list[HandedValue]:
     """The storages among ``exchanges`` (``(name, producer, readers, bytes)``: producer -1 for a
-    model input, a reader ``num_units`` for the model's output) that no unit saves (``saved``:
-    the names each unit saves among its inputs and outputs) under any name sharing the storage
-    (``storage_of``: each name's storage's owner), that the model does not return and that a
-    unit makes (not a model input), each once: made by the first unit making any of its names,
-    read by every unit reading one, as large as its largest name. Empty where no unit is known
-    to save anything (a profile without ``saved_values``: what is kept cannot be told)."""
-    if not any(saved):
-        return []
-    groups: dict[str, list[tuple[str, int, Sequence[int], float]]] = {}
-    for exchange in exchanges:
-        groups.setdefault(storage_of.get(exchange[0], exchange[0]), []).append(exchange)
+    model input, a reader ``num_units`` for the model's output) that no unit saves (``savers``:
+    the units saving each exchange) under any name sharing the storage (``storage_of``: each
+    name's storage's owner), that the model does not return and that a unit makes (not a model
+    input), each once: made by the first unit making any of its names, read by every unit
+    reading one, as large as its largest name."""
+    groups: dict[str, list[int]] = {}
+    for e, exchange in enumerate(exchanges):
+        groups.setdefault(storage_of.get(exchange[0], exchange[0]), []).append(e)
     block_of = {unit: b for b, units in enumerate(blocks) for unit in units}
     handed = []
     for members in groups.values():
-        producers = [producer for _, producer, _, _ in members]
-        readers = sorted({reader for _, _, read, _ in members for reader in read})
-        kept = any(
-            name in saved[unit]
-            for name, producer, read, _ in members
-            for unit in (producer, *read)
-            if 0 <= unit < num_units
-        )
-        if kept or min(producers) < 0 or not readers or readers[-1] >= num_units:
+        producer = min(exchanges[e][1] for e in members)
+        readers = sorted({reader for e in members for reader in exchanges[e][2]})
+        kept = any(savers[e] for e in members)
+        if kept or producer < 0 or not readers or readers[-1] >= num_units:
             continue
-        producer = min(producers)
         home = block_of.get(producer, -1)
         inside = home >= 0 and all(block_of.get(unit, -1) == home for unit in readers)
         handed.append(
             HandedValue(
                 producer,
                 tuple(readers),
-                float(max(nbytes for *_, nbytes in members)),
+                float(max(exchanges[e][3] for e in members)),
                 home if inside else -1,
             )
         )

@@ -53,8 +53,7 @@ class StageSums:
     -1: a model input; last reader ``num_units``: a model output); ``savers`` the units that save
     each exchanged value among their activations, per exchange; ``handed`` the values handed
     between units that none keeps (:mod:`.handed_values`: locals of the generated code);
-    ``unit_params`` each unit's
-    parameters (bytes by name, in the unit's order); ``step_time`` the seconds of an optimizer
+    ``unit_params`` each unit's parameters (bytes by name, in the unit's order); ``step_time`` the seconds of an optimizer
     step over a trained parameter of so many bytes; ``blocks`` each block's units;
     ``block_gathers`` each block's parameter and trained parameter bytes where FSDP2 gathers
     the stages block by block (see :meth:`transients`), else None; ``gather_scale`` the bytes
@@ -215,15 +214,21 @@ class StageSums:
         high = np.maximum.reduceat(held, self.block_starts)
         return np.where(low == high, low, -1)
 
+    def _before(self, values: Floats, stages: Ints, num_stages: int) -> Floats:
+        """Per unit, ``values`` summed over its stage's units before it (in unit order)."""
+        order = np.argsort(stages, kind="stable")
+        ran = np.cumsum(values[order])  # in each stage's unit order, stage by stage
+        before = np.empty(self.num_units)
+        before[order] = ran - values[order]
+        starts: Floats = np.r_[0.0, np.cumsum(_summed(stages, values, num_stages))[:-1]]
+        return before - starts[stages]
+
     def _saved_after(self, stages: Ints, num_stages: int) -> tuple[Floats, Floats]:
         """Per unit, the activations its stage's units after it save (not saved yet while it
         runs), and those it and they save."""
-        order = np.argsort(stages, kind="stable")
-        ran = np.cumsum(self.activations[order])  # in each stage's unit order, stage by stage
-        ends = np.cumsum(_summed(stages, self.activations, num_stages))
-        after = np.empty(self.num_units)
-        after[order] = ends[stages[order]] - ran
-        return after, after + self.activations
+        total = _summed(stages, self.activations, num_stages)[stages]
+        since = total - self._before(self.activations, stages, num_stages)
+        return since - self.activations, since
 
     def _saved_existing(self, stages: Ints, num_stages: int, last: Ints, home: Ints) -> Floats:
         """Per block (its last unit ``last``, in stage ``home``), the bytes the stage's units
@@ -263,7 +268,7 @@ class StageSums:
         ``stage_parameters``: :meth:`parameters`, if known.
 
         A forward holds its own code's locals until it returns: the temporaries of its units in
-        no whole block and the values handed between units that none saves (``stage_locals``).
+        no whole block and the values handed between units that none saves (``handed``).
         While a block runs it holds the block's locals (its units' temporaries) and the stage's
         made before the block, and has not saved yet the activations of the stage's units after
         the block: the forward's peak is the larger of the two moments.
@@ -314,10 +319,7 @@ class StageSums:
             last = np.maximum.reduceat(self.block_units, self.block_starts)
             first = np.minimum.reduceat(self.block_units, self.block_starts)
             home = np.maximum(blocks, 0)
-            order = np.argsort(stages, kind="stable")
-            made = np.empty(self.num_units)  # the stage's locals made before each unit
-            made[order] = np.cumsum(inline[order]) - inline[order]
-            made -= np.r_[0.0, np.cumsum(forward)[:-1]][stages]
+            made = self._before(inline, stages, num_stages)  # the stage's locals made so far
             # a block's peak, above the stage's locals at its end: of what the stage saves after
             # the block, the values made before its end exist already
             unsaved = after[last] - self._saved_existing(stages, num_stages, last, home)
