@@ -147,13 +147,16 @@ def replan(
     profiled = (
         tensor_parallel_profile(graph, data.profile, tp, cluster, sequence)[0] if tp > 1 else None
     )
-    measured = traced_profile(graph, old, profiled or data.profile, trace)
+    optimizer, dp_shard = settings.optimizer or "adamw", settings.dp_shard or 1
+    # a bf16 run sharded by FSDP2 cast no weights in its stages' passes (see CostModel)
+    measured = traced_profile(
+        graph, old, profiled or data.profile, trace, casts_ran=not (run.bf16 and dp_shard > 1)
+    )
     margin = settings.memory_margin or 0.0
     usable = dataclasses.replace(  # the memory the old partition was made to fit
         measured,
         device=dataclasses.replace(measured.device, memory=measured.device.memory * (1 - margin)),
     )
-    optimizer, dp_shard = settings.optimizer or "adamw", settings.dp_shard or 1
     gpus_per_node = max(1, cluster // tp)  # a node's places of tp ranks each
     mesh = settings.mesh or PIPELINE_INNERMOST
     model = CostModel(
@@ -198,12 +201,16 @@ def replan(
     return Replan(package, trace, graph, old, data.profile, measured, before, new)
 
 
-def traced_profile(graph: Graph, part: Partition, profile: Profile, trace: RunTrace) -> Profile:
+def traced_profile(
+    graph: Graph, part: Partition, profile: Profile, trace: RunTrace, casts_ran: bool = True
+) -> Profile:
     """``profile`` with its unit times replaced by what ``trace`` measured of the stages of
     ``part`` that ran them: each stage's forward per microbatch spread over its units in
     proportion to their profiled forwards (evenly where the profile gives them none), and its
     backward, less the forward it recomputed, in proportion to their profiled backwards. Memory,
-    FLOPs and bytes stay the profile's."""
+    FLOPs and bytes stay the profile's. Not ``casts_ran`` (a bf16 run sharded by FSDP2): the
+    stages did not cast their weights, and each unit's casts (``cast_time``) are added to its
+    times, which hold them as a profile's do."""
     profile.check_graph(graph)
     times = {t.stage: t for t in trace.stage_times}
     recomputed = _recomputed_units(graph, part, trace.run)
@@ -222,7 +229,8 @@ def traced_profile(graph: Graph, part: Partition, profile: Profile, trace: RunTr
             max(measured.backward - rerun, 0.0), [profile.units[u].backward for u in mine]
         )
         for u, f, b in zip(mine, forward, backward):
-            units[u] = dataclasses.replace(profile.units[u], forward=f, backward=b)
+            cast = 0.0 if casts_ran else profile.units[u].cast_time
+            units[u] = dataclasses.replace(profile.units[u], forward=f + cast, backward=b + cast)
     return Profile(
         mode=TRACED,
         device=profile.device,

@@ -11,6 +11,7 @@ import torch
 from torch._subclasses import FakeTensorMode
 
 from autopipe.compiler import CompileOptions, trace_step
+from autopipe.ir.analysis import unit_workloads
 from autopipe.partitioning.cost import CostModel
 from autopipe.profiling import device_spec, profile
 from autopipe.profiling.precision import autocast_dtypes, cuda_policy
@@ -156,3 +157,45 @@ def test_a_package_planned_for_bf16_runs_it_by_default(tmp_path):
     assert TrainingPlan.from_json(unplanned, "plan").to_json() == unplanned
     with pytest.raises(Exception, match="bf16"):
         TrainingPlan.from_json(plan | {"bf16": "yes"}, "plan")
+
+
+def test_a_bf16_profile_times_its_weight_casts(gpt2_graph):
+    """The analytic profile times autocast's copies of the parameters as the roofline times any
+    copy (each read in fp32, written in bf16, one launch); the measured one times them on this
+    CPU; units that cast nothing cost nothing."""
+    example, graph = gpt2_graph
+    h100 = device_spec("h100")
+    bf16, fp32 = profile(graph, "analytic", h100, bf16=True), profile(graph, "analytic", h100)
+    assert all(u.cast_time == 0 for u in fp32.units)
+    for unit, work, cost in zip(graph.units, unit_workloads(graph), bf16.units):
+        if not cost.cast_parameters:
+            assert cost.cast_time == 0, unit.label
+            continue
+        params = {graph.param_of(graph[n].target).names[0] for n in work.state}
+        numels = [graph.params[name].nbytes // 4 for name in params]
+        expected = sum(6 * n / h100.memory_rate(6 * n) + h100.kernel_overhead for n in numels)
+        assert cost.cast_time == pytest.approx(expected), unit.label
+        assert 0 < cost.cast_time < cost.forward
+    again = Profile.from_json(bf16.to_json())
+    assert [u.cast_time for u in again.units] == [u.cast_time for u in bf16.units]
+    assert "cast_time" not in fp32.to_json()["units"][0]
+    cpu = replace(device_spec(), device_type="cpu")
+    measured = profile(graph, "measured", cpu, example, bf16=True)
+    for cost, timed in zip(bf16.units, measured.units):
+        assert (timed.cast_time > 0) == (cost.cast_time > 0)
+        assert timed.cast_time < timed.forward
+
+
+def test_fsdp2_takes_the_weight_casts_off_the_stages_passes(gpt2_graph):
+    """With --dp-shard under --bf16, FSDP2 gathers bf16 shards: the stage's forward casts no
+    weight and its backward casts no gradient back (FSDP2 does both on its own streams)."""
+    _, graph = gpt2_graph
+    bf16 = profile(graph, "analytic", device_spec("h100"), bf16=True)
+    whole, sharded = CostModel(graph, bf16), CostModel(graph, bf16, dp_shard=2)
+    assert any(u.cast_time for u in bf16.units)
+    assert whole.forward == [u.forward for u in bf16.units]
+    assert sharded.forward == pytest.approx([u.forward - u.cast_time for u in bf16.units])
+    assert sharded.backward == pytest.approx([u.backward - u.cast_time for u in bf16.units])
+    assert sharded.compute == pytest.approx(
+        [u.forward + u.backward - 2 * u.cast_time for u in bf16.units]
+    )

@@ -240,6 +240,15 @@ def test_traced_profile_scales_each_stage_forward_and_backward_apart(package, tm
     assert sum(rerun.units[u].backward for u in stage1) == pytest.approx(
         measured.backward - measured.forward
     )
+    # a bf16 run sharded by FSDP2 cast no weights in its stages: each unit's casts go back on
+    # its times, which the cost model takes off again for that layout
+    casting = dataclasses.replace(
+        prof, units=[dataclasses.replace(u, cast_time=1e-5) for u in prof.units], bf16=True
+    )
+    sharded = traced_profile(graph, part, casting, trace, casts_ran=False)
+    for u, (plain, cast) in enumerate(zip(traced.units, sharded.units)):
+        assert cast.forward == pytest.approx(plain.forward + 1e-5), u
+        assert cast.backward == pytest.approx(plain.backward + 1e-5), u
 
 
 def test_replan_from_a_slowed_trace_writes_a_package_for_the_traced_run(package, tmp_path):

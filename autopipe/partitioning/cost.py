@@ -418,7 +418,6 @@ class CostModel:
         self.link_bandwidth = self.pipeline_link.bandwidth
         self.forward = [u.forward for u in profile.units]
         self.backward = [u.backward for u in profile.units]
-        self.compute = [f + b for f, b in zip(self.forward, self.backward)]
         self.activations: list[float] = [u.activations for u in profile.units]
         self.temporaries = [u.temporaries for u in profile.units]
         self.backward_memory = [u.backward_memory for u in profile.units]
@@ -428,10 +427,17 @@ class CostModel:
         self.gather_scale = 1.0
         if profile.bf16:
             self.gather_scale = min(1.0, AUTOCAST_DTYPE.itemsize / facts.dtype.itemsize)
-            if dp_shard > 1:  # FSDP2 gathers bf16 parameters: autocast copies none of them
+            if dp_shard > 1:
+                # FSDP2 gathers bf16 parameters: autocast copies none of them, and the casts
+                # (of the shards, before they are gathered; of the gradients back, as they are
+                # reduced) run on FSDP2's streams, not in the stage's forward and backward
+                units = profile.units
                 self.activations = [
-                    max(a - u.cast_parameters, 0.0) for a, u in zip(self.activations, profile.units)
+                    max(a - u.cast_parameters, 0.0) for a, u in zip(self.activations, units)
                 ]
+                self.forward = [max(f - u.cast_time, 0.0) for f, u in zip(self.forward, units)]
+                self.backward = [max(b - u.cast_time, 0.0) for b, u in zip(self.backward, units)]
+        self.compute = [f + b for f, b in zip(self.forward, self.backward)]
         #: the values each unit saves among its inputs and outputs, by name
         self.saved_values = [
             {names[i] for i in unit.saved_values if i < len(names)}

@@ -229,6 +229,10 @@ def sharded_profile(
                 backward_memory=int(cost.backward_memory * working),
                 parameters=max(0, int(cost.parameters - held * (1 - 1 / t))),
                 cast_parameters=casts,
+                # casting its share of the weights
+                cast_time=(
+                    cost.cast_time * casts / cost.cast_parameters if cost.cast_parameters else 0.0
+                ),
             )
         )
     changed = dataclasses.replace(profile, units=units, divided=divided)

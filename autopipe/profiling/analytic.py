@@ -25,7 +25,7 @@ from .devices import DeviceSpec
 from .dropout import gpu_dropout
 from .flops import flop_counter
 from .operator_rates import operator_size
-from .precision import autocast_dtypes, cuda_policy, unit_dtypes
+from .precision import AUTOCAST_DTYPE, autocast_dtypes, cuda_policy, unit_dtypes
 from .profile import Profile, UnitCost, graph_digest
 from ..ir.analysis import UnitWorkload, signature, unit_workloads
 from ..runtime.core.fused_attention import fused_kernels
@@ -183,6 +183,7 @@ def _unit_cost(
         partial(_counting, spec, forward),
         partial(_counting, spec, backward),
         bf16=dtypes is not None,
+        time_casts=partial(_cast_time, spec),
     )
     fwd = forward[0]
     bwd = backward[0] if backward else None
@@ -200,4 +201,15 @@ def _unit_cost(
         outputs=output_bytes(graph, work),
         parameters=parameter_bytes(graph, work),
         cast_parameters=memory.cast_parameters,
+        cast_time=memory.cast_time,
     )
+
+
+def _cast_time(spec: DeviceSpec, parameters: list[torch.Tensor]) -> float:
+    """The roofline time of casting ``parameters`` (fake tensors) to bf16, each copy timed as
+    the forward timed autocast's."""
+    sink: list[RooflineMode] = []
+    with torch.no_grad(), _counting(spec, sink):
+        for parameter in parameters:
+            torch.ops.aten._to_copy.default(parameter, dtype=AUTOCAST_DTYPE)
+    return sink[0].time

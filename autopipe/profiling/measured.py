@@ -39,7 +39,7 @@ from ..ir.interpreter import run_nodes
 from ..spec import Example
 from .devices import DeviceSpec
 from .flops import flop_counter
-from .precision import autocast
+from .precision import AUTOCAST_DTYPE, autocast
 from .profile import Profile, UnitCost, graph_digest
 from ..ir.analysis import UnitWorkload, unit_workloads
 from .rank_conditions import as_a_rank_runs
@@ -114,6 +114,7 @@ def profile_measured(
                     outputs=output_bytes(graph, work),
                     parameters=parameter_bytes(graph, work),
                     cast_parameters=counted.cast_parameters,
+                    cast_time=counted.cast_time,
                 )
             )
     return Profile(
@@ -301,6 +302,7 @@ class _Footprint:
     backward: int
     saved_values: tuple[int, ...]
     cast_parameters: int
+    cast_time: float
 
 
 def _footprint(
@@ -308,7 +310,14 @@ def _footprint(
 ) -> _Footprint:
     forward, backward = flop_counter(), flop_counter()
     memory = run_forward_backward(
-        graph, work, _fresh(graph, values), device, lambda: forward, lambda: backward, bf16=bf16
+        graph,
+        work,
+        _fresh(graph, values),
+        device,
+        lambda: forward,
+        lambda: backward,
+        bf16=bf16,
+        time_casts=partial(_cast_seconds, device),
     )
     return _Footprint(
         forward.get_total_flops(),
@@ -318,7 +327,24 @@ def _footprint(
         memory.backward,
         memory.saved_values,
         memory.cast_parameters,
+        memory.cast_time,
     )
+
+
+def _cast_seconds(device: torch.device, parameters: list[torch.Tensor], repeats: int = 5) -> float:
+    """Seconds casting ``parameters`` to bf16 takes (as autocast copies them in a forward): the
+    median of ``repeats`` timed rounds after one untimed."""
+    if not parameters:
+        return 0.0
+    rounds = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            timer = _Timer(device)
+            with timer:
+                for parameter in parameters:
+                    parameter.to(AUTOCAST_DTYPE)
+            rounds.append(timer.elapsed)
+    return statistics.median(rounds[1:])
 
 
 def _run(

@@ -64,13 +64,15 @@ def autocast_dtypes(graph: Graph, device: torch.device) -> dict[str, torch.dtype
 
 
 class ParameterCasts(TorchDispatchMode):
-    """Records the storages of the copies autocast makes of ``parameters`` (storages of
-    parameter tensors): a product's bf16 weight, which autograd saves for the backward."""
+    """Records the copies autocast makes of ``parameters`` (storages of parameter tensors): a
+    product's bf16 weight, which autograd saves for the backward. ``casts``: the copies'
+    storages; ``sources``: the parameters copied, in the order of their copies."""
 
     def __init__(self, parameters: set[StorageWeakRef]):
         super().__init__()
         self.parameters = parameters
         self.casts: set[StorageWeakRef] = set()
+        self.sources: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -78,6 +80,7 @@ class ParameterCasts(TorchDispatchMode):
             source = args[0]
             if StorageWeakRef(source.untyped_storage()) in self.parameters:
                 self.casts.add(StorageWeakRef(out.untyped_storage()))
+                self.sources.append(source)
         return out
 
 

@@ -42,6 +42,10 @@ class UnitCost:
     #: of ``activations``, the bf16 copies of its parameters autocast made and autograd saves
     #: (profiles for ``--bf16``; FSDP2 gathers the parameters in bf16 instead, and frees them)
     cast_parameters: int = 0
+    #: of ``forward``, the seconds autocast spends casting parameters to bf16 (those copies,
+    #: and the biases it does not save); the backward casts their gradients back, as many
+    #: bytes. FSDP2 casts shards as it gathers and gradients as it reduces, on its own streams
+    cast_time: float = 0.0
 
     @property
     def time(self) -> float:
@@ -52,10 +56,12 @@ _UNIT_FIELDS = set(UnitCost.__dataclass_fields__)
 
 
 def _unit_json(unit: UnitCost) -> dict:
-    """A unit's costs as the artefact holds them (``cast_parameters`` only where there are)."""
+    """A unit's costs as the artefact holds them (``cast_parameters`` and ``cast_time`` only
+    where there are)."""
     data = asdict(unit)
-    if not unit.cast_parameters:
-        del data["cast_parameters"]
+    for name in ("cast_parameters", "cast_time"):
+        if not data[name]:
+            del data[name]
     return data
 
 

@@ -30,6 +30,8 @@ class UnitMemory:
     saved_values: tuple[int, ...] = ()
     #: of ``saved``, the bf16 copies autocast made of its parameters (``bf16`` runs)
     cast_parameters: int = 0
+    #: seconds its forward spends making those copies (``time_casts`` of the run)
+    cast_time: float = 0.0
 
 
 def run_forward_backward(
@@ -41,9 +43,12 @@ def run_forward_backward(
     backward_mode: Callable[[], Any],
     *,
     bf16: bool = False,
+    time_casts: Callable[[list[torch.Tensor]], float] | None = None,
 ) -> UnitMemory:
     """Run a unit forward (inside ``forward_mode()``; with ``bf16``, under bf16 autocast as
     train.py's ``--bf16`` runs a stage) and backward (inside ``backward_mode()``).
+    ``time_casts(parameters)``, with ``bf16``: the seconds casting those parameters to bf16
+    takes (the copies autocast made in the forward), in ``cast_time``.
 
     ``make_value(name)`` gives a fresh tensor for each input and state placeholder. Returns what
     it holds: the bytes autograd saved for backward (storages counted once, parameters not),
@@ -79,6 +84,7 @@ def run_forward_backward(
     ):
         run_nodes(work.nodes, env, device, graph.functions)
     cast = sum(n for ref, n in saved.items() if casts is not None and ref in casts.casts)
+    cast_time = time_casts(casts.sources) if casts is not None and time_casts else 0.0
     # the values the generated code names (its locals), other than what autograd saves and
     # what it hands to other units (which those save, or count as their inputs)
     held = {_storage(v): v.untyped_storage().nbytes() for v in env.values() if _is_tensor(v)}
@@ -102,7 +108,7 @@ def run_forward_backward(
         for i, n in enumerate((*work.inputs, *work.outputs))
         if _is_tensor(env[n]) and _storage(env[n]) in saved
     )
-    return UnitMemory(sum(saved.values()), temporaries, gradients.peak, shared, cast)
+    return UnitMemory(sum(saved.values()), temporaries, gradients.peak, shared, cast, cast_time)
 
 
 def _is_tensor(value: Any) -> bool:
