@@ -240,6 +240,7 @@ def traced_profile(
         timed_at=dict(profile.timed_at),
         divided=dict(profile.divided),  # the parts of tensor-parallel ranks
         bf16=profile.bf16,
+        autocast_dtypes=dict(profile.autocast_dtypes),
     )
 
 

@@ -12,7 +12,8 @@ from torch._subclasses import FakeTensorMode
 
 from autopipe.compiler import CompileOptions, trace_step
 from autopipe.ir.analysis import unit_workloads
-from autopipe.partitioning.cost import CostModel
+from autopipe.partitioning.cost import CostModel, graph_facts
+from autopipe.partitioning.handed_values import handed_values
 from autopipe.profiling import device_spec, profile
 from autopipe.profiling.precision import autocast_dtypes, cuda_policy
 from autopipe.profiling.profile import Profile
@@ -199,3 +200,43 @@ def test_fsdp2_takes_the_weight_casts_off_the_stages_passes(gpt2_graph):
     assert sharded.compute == pytest.approx(
         [u.forward + u.backward - 2 * u.cast_time for u in bf16.units]
     )
+
+
+def test_a_stage_holds_the_values_autocast_makes_in_their_dtype(gpt2_graph):
+    """A bf16 profile records which values autocast makes in bf16 (a product's output); the
+    cost model holds those at half their traced bytes (the locals handed between units, a
+    value several units save) and still sends them in the traced dtype."""
+    _, graph = gpt2_graph
+    h100 = device_spec("h100")
+    bf16, fp32 = profile(graph, "analytic", h100, bf16=True), profile(graph, "analytic", h100)
+    with cuda_policy():
+        assert bf16.autocast_dtypes == autocast_dtypes(graph, torch.device("cpu"))
+    assert bf16.autocast_dtypes and set(bf16.autocast_dtypes.values()) == {torch.bfloat16}
+    assert Profile.from_json(bf16.to_json()).autocast_dtypes == bf16.autocast_dtypes
+    assert not fp32.autocast_dtypes and "autocast_dtypes" not in fp32.to_json()
+    model = CostModel(graph, bf16)
+    for exchange, held in zip(model.exchanges, model.held_bytes):
+        half = exchange.name in bf16.autocast_dtypes
+        assert held == (exchange.activation / 2 if half else exchange.activation), exchange.name
+    # the locals: the same values as the traced bytes would give, the bf16 ones at half
+    traced = handed_values(
+        [(e.name, e.producer, e.readers, e.activation) for e in model.exchanges],
+        [
+            [
+                u
+                for u in (e.producer, *e.readers)
+                if 0 <= u < model.num_units and e.name in model.saved_values[u]
+            ]
+            for e in model.exchanges
+        ],
+        graph_facts(graph).storage_of,
+        [block.units for block in model.blocks.values()],
+        model.num_units,
+    )
+    assert len(traced) == len(model.handed)
+    ratios = {held.nbytes / plain.nbytes for held, plain in zip(model.handed, traced)}
+    assert ratios == {0.5, 1.0}
+    # what crosses a boundary: the traced dtype's bytes
+    fp32_model = CostModel(graph, fp32)
+    stages = [0] * (len(graph.units) // 2) + [1] * (len(graph.units) - len(graph.units) // 2)
+    assert model._crossing(stages, 2) == fp32_model._crossing(stages, 2)

@@ -57,7 +57,7 @@ def crossing(model, stage_of_unit, num_stages):
 
 def counted_twice(model, stage_of_unit, num_stages):
     twice = [0.0] * num_stages
-    for ex in model.exchanges:
+    for ex, kept in zip(model.exchanges, model.held_bytes):
         home = stage_of_unit[ex.producer] if ex.producer >= 0 else -1
         savers = {}
         for unit in (ex.producer, *ex.readers):
@@ -68,7 +68,9 @@ def counted_twice(model, stage_of_unit, num_stages):
         end = stage_of_unit[last] if last < model.num_units else num_stages
         for stage, count in savers.items():
             held = (home >= 0 and stage != home) or end > stage
-            twice[stage] += ex.activation * (count if held else count - 1)
+            # a buffer or an output is the saved tensor where the stage holds it as it sends it
+            same = held and kept == ex.activation
+            twice[stage] += kept * (count - 1) + (ex.activation if same else 0.0)
     return twice
 
 
@@ -98,7 +100,8 @@ def transients(model, stage_of_unit, num_stages):
     for block in model.blocks.values():
         stage = block.stage(stage_of_unit)
         if per_block and stage is not None:
-            params = sum(model.param_bytes[v] for v in block.units)
+            # FSDP2 gathers bf16 copies of fp32 parameters under --bf16
+            params = sum(model.param_bytes[v] for v in block.units) * model.gather_scale
             trained = sum(model.trainable_bytes[v] for v in block.units)
             prefetched = 0.0 if min(block.units) == opening[stage] else params
             last = min(block.units) == closing[stage]
@@ -147,14 +150,14 @@ def transients(model, stage_of_unit, num_stages):
     def existing_after(stage, end):
         """Bytes the stage's units after ``end`` save of values that exist by then."""
         total = 0.0
-        for ex in model.exchanges:
+        for ex, kept in zip(model.exchanges, model.held_bytes):
             made_here = ex.producer >= 0 and stage_of_unit[ex.producer] == stage
             if made_here and ex.producer > end:
                 continue
             for unit in (ex.producer, *ex.readers):
                 if 0 <= unit < model.num_units and ex.name in model.saved_values[unit]:
                     if stage_of_unit[unit] == stage and unit > end:
-                        total += ex.activation
+                        total += kept
         return total
 
     for block in model.blocks.values():
@@ -167,12 +170,13 @@ def transients(model, stage_of_unit, num_stages):
             held += made_before(stage, min(block.units))
             held -= saved_from(stage, end + 1) - existing_after(stage, end) + inline[stage]
             if per_block:
-                params = sum(model.param_bytes[u] for u in block.units)
+                params = sum(model.param_bytes[u] for u in block.units) * model.gather_scale
                 unheld = sum(model.trainable_bytes[u] for u in block.units)
                 unheld = unheld if trained_rest[stage] > 0 else 0.0
                 # the flat buffer gathered before: the rest's before the stage's first block
                 first = min(block.units) == opening[stage]
-                before = max(params_rest[stage], 0.0) if first else params
+                rest = max(params_rest[stage], 0.0) * model.gather_scale
+                before = rest if first else params
                 copy_out = before + params - saved_from(stage, min(block.units))
                 copy_out += made_before(stage, min(block.units)) - inline[stage]
                 held = max(held, held + params - unheld, copy_out - unheld)
@@ -190,10 +194,14 @@ def gathered(model, stage_of_unit, params, trainable):
     for block in model.blocks.values():
         stage = block.stage(stage_of_unit)
         if stage is not None:
-            size = sum(model.param_bytes[u] + model.trainable_bytes[u] for u in block.units)
+            size = sum(
+                model.param_bytes[u] * model.gather_scale + model.trainable_bytes[u]
+                for u in block.units
+            )
             in_blocks[stage] += size
             largest[stage] = max(largest[stage], size)
-    return [params[s] + trainable[s] - in_blocks[s] + largest[s] for s in range(num_stages)]
+    gathered = [p * model.gather_scale for p in params]  # bf16 copies under --bf16
+    return [gathered[s] + trainable[s] - in_blocks[s] + largest[s] for s in range(num_stages)]
 
 
 # -- assignments ------------------------------------------------------------------------------
@@ -222,14 +230,17 @@ def monotone(model, rng, stages):
     return out
 
 
-MODELS = ["gpt2", "t5", "bert", "cnn", "multi_io"]
+MODELS = ["gpt2", "t5", "bert", "cnn", "multi_io", "gpt2-bf16"]
 
 
 @pytest.fixture(scope="module", params=MODELS)
 def traced(request):
-    example = load_example(spec(request.param))
+    """A model's graph and profile (``-bf16``: profiled for --bf16, its products' outputs
+    held in bf16)."""
+    name, _, precision = request.param.partition("-")
+    example = load_example(spec(name))
     graph = trace(example)
-    return graph, profile(graph)
+    return graph, profile(graph, bf16=precision == "bf16")
 
 
 @pytest.mark.parametrize("dp_shard, schedule", [(1, "1f1b"), (3, "1f1b"), (2, "zbv")])

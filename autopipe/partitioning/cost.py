@@ -386,6 +386,13 @@ def _unit_dag(graph: Graph, exchanges: list[Exchange]) -> nx.DiGraph:
     return dag
 
 
+def _held_scale(graph: Graph, name: str, dtypes: dict[str, torch.dtype]) -> float:
+    """The bytes of value ``name`` as autocast makes it (``dtypes``) per traced byte."""
+    dtype = dtypes.get(name)
+    meta = graph[name].tensor_meta if dtype is not None else None
+    return dtype.itemsize / meta.dtype.itemsize if dtype and meta else 1.0
+
+
 class CostModel:
     """Per-unit costs of one graph under one profile, and what any stage assignment costs."""
 
@@ -485,6 +492,12 @@ class CostModel:
             fqn: params * self.gather_scale + trained
             for fqn, (params, trained) in block_bytes.items()
         }
+        #: each exchanged value's bytes as a stage holds it: under --bf16, a product's output
+        #: in bf16 (a stage sends its copy in the traced dtype, the activation bytes)
+        self.held_bytes = [
+            e.activation * _held_scale(graph, e.name, profile.autocast_dtypes)
+            for e in self.exchanges
+        ]
         savers = [
             [
                 unit
@@ -498,7 +511,10 @@ class CostModel:
         #: where the profile records nothing saved (what is kept cannot be told)
         self.handed = (
             handed_values(
-                [(e.name, e.producer, e.readers, e.activation) for e in self.exchanges],
+                [
+                    (e.name, e.producer, e.readers, held)
+                    for e, held in zip(self.exchanges, self.held_bytes)
+                ],
                 savers,
                 facts.storage_of,
                 [block.units for block in self.blocks.values()],
@@ -529,6 +545,7 @@ class CostModel:
             exchanges=[(e.producer, e.last, e.activation, e.gradient) for e in self.exchanges],
             savers=savers,
             handed=self.handed,
+            held=self.held_bytes,
             blocks=[block.units for block in self.blocks.values()],
             block_gathers=(
                 list(block_bytes.values())

@@ -50,7 +50,10 @@ class StageSums:
     """The units' figures as arrays, and their sums per stage for any ``stage_of_unit``.
 
     ``exchanges`` are ``(producer, last reader, activation bytes, gradient bytes)`` (producer
-    -1: a model input; last reader ``num_units``: a model output); ``savers`` the units that save
+    -1: a model input; last reader ``num_units``: a model output), the activation bytes in the
+    traced dtype a stage sends and receives; ``held`` each one's bytes as a stage holds it
+    (under bf16 autocast a product's output is bf16: a stage sends a copy of the traced dtype),
+    default the activation bytes; ``savers`` the units that save
     each exchanged value among their activations, per exchange; ``handed`` the values handed
     between units that none keeps (:mod:`.handed_values`: locals of the generated code);
     ``unit_params`` each unit's parameters (bytes by name, in the unit's order); ``step_time`` the seconds of an optimizer
@@ -77,6 +80,7 @@ class StageSums:
         savers: Sequence[Sequence[int]],
         blocks: Sequence[Sequence[int]],
         handed: Sequence[HandedValue] = (),
+        held: Sequence[float] | None = None,
         block_gathers: Sequence[tuple[float, float]] | None = None,
         gather_scale: float = 1.0,
     ) -> None:
@@ -90,19 +94,22 @@ class StageSums:
         # parameters: (unit, parameter, bytes, trained) in the units' order, each unit's own
         # in its order, a parameter again in every unit reading it
         names: dict[str, int] = {}
-        held = [(u, names.setdefault(n, len(names)), b, n not in frozen)
+        reads = [(u, names.setdefault(n, len(names)), b, n not in frozen)
                 for u, params in enumerate(unit_params) for n, b in params.items()]  # fmt: skip
-        self.param_unit = _ints([h[0] for h in held])
-        self.param_id = _ints([h[1] for h in held])
-        self.param_bytes = _floats([h[2] for h in held])
-        self.param_trained = _floats([h[2] if h[3] else 0 for h in held])
+        self.param_unit = _ints([h[0] for h in reads])
+        self.param_id = _ints([h[1] for h in reads])
+        self.param_bytes = _floats([h[2] for h in reads])
+        self.param_trained = _floats([h[2] if h[3] else 0 for h in reads])
         #: each trained parameter's optimizer step (seconds), frozen ones' none
-        self.param_step = _floats([step_time(h[2]) if h[3] else 0.0 for h in held])
+        self.param_step = _floats([step_time(h[2]) if h[3] else 0.0 for h in reads])
         self.num_params = len(names)
         self.producer = _ints([e[0] for e in exchanges])
         self.last = _ints([e[1] for e in exchanges])
         self.exchange_activation = _floats([e[2] for e in exchanges])
         self.exchange_gradient = _floats([e[3] for e in exchanges])
+        self.exchange_held = self.exchange_activation if held is None else _floats(held)
+        #: the exchanges a stage holds in the dtype it sends (one tensor, not a cast copy)
+        self.sent_as_held = self.exchange_held == self.exchange_activation
         #: bytes of the model's outputs (their exchanges' last reader is the model)
         self.model_outputs = float(sum(e[2] for e in exchanges if e[1] == num_units))
         self.handed_producer = _ints([h.producer for h in handed])
@@ -188,7 +195,8 @@ class StageSums:
     def counted_twice(self, stages: Ints, num_stages: int) -> Floats:
         """Bytes per stage the units' saved activations count more than once: a value its
         producer and its readers in one stage all save (one tensor), or that a stage saves
-        and also holds as an output (until its backward) or a receive buffer."""
+        and also holds as an output (until its backward) or a receive buffer (where the stage
+        holds it in the dtype it sends: else these are its cast copies)."""
         if not len(self.saver_unit):
             return np.zeros(num_stages)
         n = self.num_units
@@ -202,7 +210,9 @@ class StageSums:
         last = self.last[exchange]
         end = np.where(last < n, stages[np.minimum(last, n - 1)], num_stages)
         held = ((home >= 0) & (stage != home)) | (end > stage)
-        counted = self.exchange_activation[exchange] * np.where(held, count, count - 1)
+        counted = self.exchange_held[exchange] * (count - 1) + np.where(
+            held & self.sent_as_held[exchange], self.exchange_activation[exchange], 0.0
+        )
         return _summed(stage, counted, num_stages)
 
     def block_stages(self, stages: Ints) -> Ints:
@@ -247,7 +257,7 @@ class StageSums:
         low = np.searchsorted(ends, since, side="left")
         high = np.searchsorted(ends, saver, side="left")
         steps = np.zeros((num_stages, self.num_blocks + 1))
-        moved = self.exchange_activation[self.saver_exchange]
+        moved = self.exchange_held[self.saver_exchange]
         np.add.at(steps, (where, low), moved)
         np.add.at(steps, (where, high), -moved)
         existing = np.empty(self.num_blocks)

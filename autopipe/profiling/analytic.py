@@ -159,7 +159,9 @@ def profile_analytic(graph: Graph, spec: DeviceSpec, bf16: bool = False) -> Prof
                 cost = partial(_unit_cost, graph, work, spec, device, dtypes)
                 costs.append(worst_branch(work.nodes, cost))
                 known[key] = costs[-1]
-    return Profile("analytic", spec, costs, graph_digest(graph), bf16=bf16)
+    return Profile(
+        "analytic", spec, costs, graph_digest(graph), bf16=bf16, autocast_dtypes=dtypes or {}
+    )
 
 
 def _unit_cost(

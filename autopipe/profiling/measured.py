@@ -39,7 +39,7 @@ from ..ir.interpreter import run_nodes
 from ..spec import Example
 from .devices import DeviceSpec
 from .flops import flop_counter
-from .precision import AUTOCAST_DTYPE, autocast
+from .precision import AUTOCAST_DTYPE, autocast, changed_dtypes
 from .profile import Profile, UnitCost, graph_digest
 from ..ir.analysis import UnitWorkload, unit_workloads
 from .rank_conditions import as_a_rank_runs
@@ -124,6 +124,7 @@ def profile_measured(
         graph_digest(graph),
         measured_on=machine(device, threads),
         bf16=bf16,
+        autocast_dtypes=changed_dtypes(graph, values) if bf16 else {},
     )
 
 

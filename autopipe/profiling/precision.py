@@ -34,6 +34,7 @@ __all__ = [
     "ParameterCasts",
     "autocast",
     "autocast_dtypes",
+    "changed_dtypes",
     "cuda_policy",
     "unit_dtypes",
 ]
@@ -55,8 +56,14 @@ def autocast_dtypes(graph: Graph, device: torch.device) -> dict[str, torch.dtype
             if node.is_placeholder:
                 env[node.name] = empty_placeholder(graph, node, device)
         run_nodes(graph.calls, env, device, graph.functions)
+    return changed_dtypes(graph, env)
+
+
+def changed_dtypes(graph: Graph, values: Mapping[str, object]) -> dict[str, torch.dtype]:
+    """Of ``values`` (by node name, from a run under autocast), the tensors whose dtype
+    differs from the traced one, -> their dtype."""
     changed = {}
-    for name, value in env.items():
+    for name, value in values.items():
         meta = graph[name].tensor_meta
         if isinstance(value, torch.Tensor) and meta is not None and value.dtype != meta.dtype:
             changed[name] = value.dtype

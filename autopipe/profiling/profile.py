@@ -8,7 +8,10 @@ from dataclasses import asdict, dataclass, field
 from ..artifacts import read_artifact, write_artifact
 from ..checks import is_number, is_text, require
 from ..errors import ArtifactError, AutopipeError
+import torch
+
 from ..ir import Graph
+from ..ir.types import dtype_from_name, dtype_name
 from .devices import DeviceSpec
 
 PROFILE_KIND = "profile"
@@ -99,6 +102,10 @@ class Profile:
     #: profiled for train.py's ``--bf16``: every unit's forward under bf16 autocast
     #: (:mod:`.precision`)
     bf16: bool = False
+    #: with ``bf16``, the values (node names) autocast makes in another dtype than the traced
+    #: one (a product's output: bf16), -> that dtype: a stage holds them so, and casts those it
+    #: sends back to the traced dtype
+    autocast_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
     @property
     def source(self) -> str:
@@ -124,6 +131,11 @@ class Profile:
             | ({"timed_at": dict(self.timed_at)} if self.timed_at else {})
             | ({"divided": dict(self.divided)} if self.divided else {})
             | ({"bf16": True} if self.bf16 else {})
+            | (
+                {"autocast_dtypes": {k: dtype_name(v) for k, v in self.autocast_dtypes.items()}}
+                if self.autocast_dtypes
+                else {}
+            )
         )
 
     @classmethod
@@ -162,6 +174,15 @@ class Profile:
             )
             bf16 = data.get("bf16", False)
             require(isinstance(bf16, bool), "bf16", bf16, "true or false")
+            dtypes = data.get("autocast_dtypes", {})
+            require(
+                isinstance(dtypes, dict)
+                and all(is_text(k) and is_text(v) for k, v in dtypes.items()),
+                "autocast_dtypes",
+                dtypes,
+                "dtype names by value name",
+            )
+            autocast_dtypes = {k: dtype_from_name(v) for k, v in dtypes.items()}
             divided = data.get("divided", {})
             require(
                 isinstance(divided, dict)
@@ -187,6 +208,7 @@ class Profile:
             timed_at={k: int(v) for k, v in timed_at.items()},
             divided=dict(divided),
             bf16=bf16,
+            autocast_dtypes=autocast_dtypes,
         )
 
     def save(self, path) -> None:
