@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+
+from ..runtime.core.aten_kernels import aten_kernels
 
 __all__ = ["gpu_dropout"]
 
@@ -37,9 +38,5 @@ def gpu_dropout() -> Iterator[None]:
     keeping a boolean mask): an implementation for the CPU's autograd key, ahead of the
     composite one, removed on exit. Other calls (real tensors, none in a profile; evaluation;
     integer inputs) run torch's composite dropout."""
-    library: Any = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
-    try:
-        library.impl("dropout", _dropout, "AutogradCPU")
+    with aten_kernels([("dropout", _dropout, "AutogradCPU")]):
         yield
-    finally:
-        library._destroy()

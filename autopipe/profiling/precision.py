@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_any, tree_leaves, tree_map
 
 from ..ir import Graph
 from ..ir.interpreter import empty_placeholder, run_nodes
+from ..runtime.core.aten_kernels import aten_kernels
 from ..runtime.core.mixed_precision import AUTOCAST_DTYPE, bf16_autocast
 
 __all__ = [
@@ -132,16 +133,19 @@ def cuda_policy() -> Iterator[None]:
     text): kernels for the CPU's autocast key of the operators where the policies differ and
     the CPU has none, removed on exit. Real tensors are not cast (those operators then run
     below autocast)."""
-    library: Any = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
-    try:
-        policies = ((_CUDA_FP32, torch.float32), (_CUDA_LOWER, AUTOCAST_DTYPE))
-        for names, dtype in (*policies, (_CUDA_PROMOTE, None)):
-            for name in names:
-                for overload in _overloads(name):
-                    library.impl(overload, _casting(overload, dtype), "AutocastCPU")
+    policies = (
+        (_CUDA_FP32, torch.float32),
+        (_CUDA_LOWER, AUTOCAST_DTYPE),
+        (_CUDA_PROMOTE, None),
+    )
+    kernels = [
+        (overload, _casting(overload, dtype), "AutocastCPU")
+        for names, dtype in policies
+        for name in names
+        for overload in _overloads(name)
+    ]
+    with aten_kernels(kernels):
         yield
-    finally:
-        library._destroy()
 
 
 def _overloads(name: str) -> list[str]:

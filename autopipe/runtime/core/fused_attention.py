@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+
+from .aten_kernels import aten_kernels
 
 __all__ = ["fused_kernels"]
 
@@ -84,9 +85,7 @@ def fused_kernels(device_type: str = "cuda") -> Iterator[None]:
     cpu for fake CPU tensors standing for a GPU's) runs the kernel a GPU picks (see the module's
     docstring): an implementation for the device's autograd key, ahead of the composite one,
     removed on exit."""
-    library: Any = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
-    try:
-        library.impl("scaled_dot_product_attention", _attention, f"Autograd{device_type.upper()}")
+    with aten_kernels(
+        [("scaled_dot_product_attention", _attention, f"Autograd{device_type.upper()}")]
+    ):
         yield
-    finally:
-        library._destroy()
