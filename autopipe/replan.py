@@ -37,7 +37,7 @@ from .compiler import generate_step, load_graph, tensor_parallel_profile
 from .errors import ArtifactError, AutopipeError
 from .ir import Graph
 from .partitioning import DEFAULT_METHOD, METHODS, CostModel, Partition, partition
-from .partitioning.cost import block_costs, iteration_time
+from .partitioning.cost import block_costs, iteration_time, unit_passes
 from .partitioning.network import Network
 from .partitioning.partition import PredictedStep
 from .profiling.profile import TRACED, Profile
@@ -148,10 +148,7 @@ def replan(
         tensor_parallel_profile(graph, data.profile, tp, cluster, sequence)[0] if tp > 1 else None
     )
     optimizer, dp_shard = settings.optimizer or "adamw", settings.dp_shard or 1
-    # a bf16 run sharded by FSDP2 cast no weights in its stages' passes (see CostModel)
-    measured = traced_profile(
-        graph, old, profiled or data.profile, trace, casts_ran=not (run.bf16 and dp_shard > 1)
-    )
+    measured = traced_profile(graph, old, profiled or data.profile, trace, _under_fsdp(run))
     margin = settings.memory_margin or 0.0
     usable = dataclasses.replace(  # the memory the old partition was made to fit
         measured,
@@ -201,20 +198,27 @@ def replan(
     return Replan(package, trace, graph, old, data.profile, measured, before, new)
 
 
+def _under_fsdp(run: RunLayout) -> bool:
+    """Whether FSDP2 managed the traced run's stages: any data parallelism (its bf16 policy
+    gathers bf16 weights, which autocast then does not cast)."""
+    return run.dp_size > 1
+
+
 def traced_profile(
-    graph: Graph, part: Partition, profile: Profile, trace: RunTrace, casts_ran: bool = True
+    graph: Graph, part: Partition, profile: Profile, trace: RunTrace, fsdp: bool = False
 ) -> Profile:
     """``profile`` with its unit times replaced by what ``trace`` measured of the stages of
     ``part`` that ran them: each stage's forward per microbatch spread over its units in
     proportion to their profiled forwards (evenly where the profile gives them none), and its
     backward, less the forward it recomputed, in proportion to their profiled backwards. Memory,
-    FLOPs and bytes stay the profile's. Not ``casts_ran`` (a bf16 run sharded by FSDP2): the
-    stages did not cast their weights, and each unit's casts (``cast_time``) are added to its
-    times, which hold them as a profile's do."""
+    FLOPs and bytes stay the profile's. With ``fsdp`` (FSDP2 managed the stages) a bf16 run's
+    forwards did not cast the weights: each unit's casts (``cast_time``) are added to its
+    forward, which holds them as a profile's does."""
     profile.check_graph(graph)
     times = {t.stage: t for t in trace.stage_times}
     recomputed = _recomputed_units(graph, part, trace.run)
     units = list(profile.units)
+    ran = unit_passes(profile, fsdp)[0]  # the forwards as the run ran them
     for stage in range(part.num_stages):
         mine = [u for u, s in enumerate(part.stage_of_unit) if s == stage]
         measured = times.get(stage)
@@ -223,14 +227,14 @@ def traced_profile(
                 f"{trace.directory} holds no forward of stage {stage}: trace steps the run "
                 "trained (train.py --trace-steps A:B)"
             )
-        forward = _spread(measured.forward, [profile.units[u].forward for u in mine])
+        forward = _spread(measured.forward, [ran[u] for u in mine])
         rerun = sum(f for u, f in zip(mine, forward) if u in recomputed)
         backward = _spread(
             max(measured.backward - rerun, 0.0), [profile.units[u].backward for u in mine]
         )
         for u, f, b in zip(mine, forward, backward):
-            cast = 0.0 if casts_ran else profile.units[u].cast_time
-            units[u] = dataclasses.replace(profile.units[u], forward=f + cast, backward=b + cast)
+            cast = profile.units[u].cast_time if fsdp and profile.bf16 else 0.0
+            units[u] = dataclasses.replace(profile.units[u], forward=f + cast, backward=b)
     return Profile(
         mode=TRACED,
         device=profile.device,
@@ -288,8 +292,9 @@ def replan_text(plan: Replan) -> str:
         + f"; measured {measured}",
         f"measured per microbatch, against the package's {plan.old_profile.source}:",
     ]
+    forward, backward = unit_passes(plan.old_profile, _under_fsdp(run))
     for times in trace.stage_times:
-        rows.append(_measured_row(times, old, plan.old_profile))
+        rows.append(_measured_row(times, old, forward, backward))
     rows.append(
         f"old split, predicted under the measured profile: step {_ms(plan.old_step)} "
         f"(pipeline run {_ms(plan.before.step_time)})"
@@ -305,21 +310,19 @@ def replan_text(plan: Replan) -> str:
     return "\n".join(rows)
 
 
-def _measured_row(times: MeasuredStage, part: Partition, profile: Profile) -> str:
-    """A stage's measured forward and backward, each against the package profile's."""
+def _measured_row(
+    times: MeasuredStage, part: Partition, forward: list[float], backward: list[float]
+) -> str:
+    """A stage's measured forward and backward, each against the package profile's units'
+    (``forward``, ``backward``: as the run ran them, :func:`.partitioning.cost.unit_passes`)."""
     mine = [u for u, s in enumerate(part.stage_of_unit) if s == times.stage]
-    profiled = (
-        sum(profile.units[u].forward for u in mine),
-        sum(profile.units[u].backward for u in mine),
-    )
-    forward, backward = (
+    profiled = (sum(forward[u] for u in mine), sum(backward[u] for u in mine))
+    forward_text, backward_text = (
         f"{_ms(t)}" + (f" (x{t / p:.3g})" if p > 0 else "")
         for t, p in zip((times.forward, times.backward), profiled)
     )
-    return (
-        f"  stage {times.stage} on rank {part.device_of_stage[times.stage]}: forward {forward}, "
-        f"backward {backward}"
-    )
+    rank = part.device_of_stage[times.stage]
+    return f"  stage {times.stage} on rank {rank}: forward {forward_text}, backward {backward_text}"
 
 
 def _split_rows(graph: Graph, part: Partition, predicted: PredictedStep) -> list[str]:

@@ -23,6 +23,7 @@ from autopipe.compiler import CompileOptions, profile_step, trace_step
 from autopipe.errors import PartitionError
 from autopipe.partitioning import partition
 from autopipe.partitioning.bounds import run_floor
+from autopipe.partitioning.cost import unit_passes
 import autopipe.partitioning.search as search_module
 from autopipe.partitioning.search import (
     NOT_SEARCHED,
@@ -208,7 +209,7 @@ def test_pruning_never_drops_the_best_plan(gpt2_graph, devices, global_batch):
     is at least its lower bound; and (with room) the bound prunes candidates."""
     graph, profile = gpt2_graph
     compute = sum(unit.forward + unit.backward for unit in profile.units)
-    lead = forward_share(profile)
+    lead = forward_share(*unit_passes(profile))
     for prof in (profile, with_memory(profile, small_device(graph, profile))):
         every = search(
             graph, prof, devices, global_batch=global_batch, method="mpipe", margin=0.0,
@@ -225,6 +226,24 @@ def test_pruning_never_drops_the_best_plan(gpt2_graph, devices, global_batch):
         ]  # fmt: skip
         if prof is profile:  # with room, the bound prunes
             assert any(p.problem.startswith(PRUNED) for p in pruned)
+
+
+def test_a_sharded_bf16_plan_is_bounded_without_its_weight_casts(gpt2_graph):
+    """Under --bf16 FSDP2 takes autocast's casts of the weights off a sharded stage's forward:
+    the search bounds those plans by the compute without them, so that none costs less than
+    its bound (a bound with the casts would prune plans that are better than it)."""
+    graph, _ = gpt2_graph
+    options = CompileOptions(stages=2, bf16=True, device_spec="h100")
+    bf16 = profile_step(graph, options, load_example(spec("gpt2")))
+    whole, sharded = unit_passes(bf16), unit_passes(bf16, fsdp=True)
+    assert sum(sharded[0]) < sum(whole[0]) and sharded[1] == whole[1]
+    compute = sum(sharded[0]) + sum(sharded[1])
+    lead = forward_share(*sharded)
+    plans = search(graph, bf16, 4, global_batch=16, method="mpipe", margin=0.0, prune=False)
+    shards = [plan for plan in plans if plan.fits and plan.candidate.dp_shard > 1]
+    assert shards
+    for plan in shards:
+        assert plan.step_time >= step_lower_bound(plan.candidate, compute, lead)
 
 
 @pytest.mark.parametrize("devices, global_batch", [(4, 16)])
@@ -279,7 +298,7 @@ def _fake_partitions(graph, profile, devices, global_batch, steps_and_seconds):
     the seconds ``steps_and_seconds(index, bound)`` gives, so that workers finish out of order."""
     listed = candidates(devices, global_batch, len(graph.units))
     compute = sum(unit.forward + unit.backward for unit in profile.units)
-    bounds = [step_lower_bound(c, compute, forward_share(profile)) for c in listed]
+    bounds = [step_lower_bound(c, compute, forward_share(*unit_passes(profile))) for c in listed]
     order = sorted(range(len(listed)), key=lambda c: (bounds[c], c))
     fake = {
         listed[c]: steps_and_seconds(index, bounds[c], bounds[order[0]])

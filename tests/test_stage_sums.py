@@ -57,7 +57,7 @@ def crossing(model, stage_of_unit, num_stages):
 
 def counted_twice(model, stage_of_unit, num_stages):
     twice = [0.0] * num_stages
-    for ex, kept in zip(model.exchanges, model.held_bytes):
+    for ex, kept, recast in zip(model.exchanges, model.held_bytes, model.recast):
         home = stage_of_unit[ex.producer] if ex.producer >= 0 else -1
         savers = {}
         for unit in (ex.producer, *ex.readers):
@@ -69,7 +69,7 @@ def counted_twice(model, stage_of_unit, num_stages):
         for stage, count in savers.items():
             held = (home >= 0 and stage != home) or end > stage
             # a buffer or an output is the saved tensor where the stage holds it as it sends it
-            same = held and kept == ex.activation
+            same = held and not recast
             twice[stage] += kept * (count - 1) + (ex.activation if same else 0.0)
     return twice
 

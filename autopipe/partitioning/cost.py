@@ -386,6 +386,19 @@ def _unit_dag(graph: Graph, exchanges: list[Exchange]) -> nx.DiGraph:
     return dag
 
 
+def unit_passes(profile: Profile, fsdp: bool = False) -> tuple[list[float], list[float]]:
+    """Each unit's forward and backward seconds as a stage runs them: with ``fsdp`` (FSDP2
+    manages the stage: the plan's ``--dp-shard`` > 1, or any data parallelism of train.py), a
+    bf16 profile's forwards without autocast's casts of the parameters (FSDP2 gathers them in
+    bf16, cast shard by shard as it copies them in: on its own stream on a GPU). The backwards
+    keep the casts of the gradients to fp32, which FSDP2 makes on the stage's stream."""
+    units = profile.units
+    forward = [u.forward for u in units]
+    if profile.bf16 and fsdp:
+        forward = [max(f - u.cast_time, 0.0) for f, u in zip(forward, units)]
+    return forward, [u.backward for u in units]
+
+
 def _held_scale(graph: Graph, name: str, dtypes: dict[str, torch.dtype]) -> float:
     """The bytes of value ``name`` as autocast makes it (``dtypes``) per traced byte."""
     dtype = dtypes.get(name)
@@ -423,8 +436,7 @@ class CostModel:
         #: between two neighbouring pipeline ranks
         self.pipeline_link = self._slowest_hop()
         self.link_bandwidth = self.pipeline_link.bandwidth
-        self.forward = [u.forward for u in profile.units]
-        self.backward = [u.backward for u in profile.units]
+        self.forward, self.backward = unit_passes(profile, dp_shard > 1)
         self.activations: list[float] = [u.activations for u in profile.units]
         self.temporaries = [u.temporaries for u in profile.units]
         self.backward_memory = [u.backward_memory for u in profile.units]
@@ -434,16 +446,10 @@ class CostModel:
         self.gather_scale = 1.0
         if profile.bf16:
             self.gather_scale = min(1.0, AUTOCAST_DTYPE.itemsize / facts.dtype.itemsize)
-            if dp_shard > 1:
-                # FSDP2 gathers bf16 parameters: autocast copies none of them, and the casts
-                # (of the shards, before they are gathered; of the gradients back, as they are
-                # reduced) run on FSDP2's streams, not in the stage's forward and backward
-                units = profile.units
+            if dp_shard > 1:  # FSDP2 gathers bf16 parameters: autocast copies none of them
                 self.activations = [
-                    max(a - u.cast_parameters, 0.0) for a, u in zip(self.activations, units)
+                    max(a - u.cast_parameters, 0.0) for a, u in zip(self.activations, profile.units)
                 ]
-                self.forward = [max(f - u.cast_time, 0.0) for f, u in zip(self.forward, units)]
-                self.backward = [max(b - u.cast_time, 0.0) for b, u in zip(self.backward, units)]
         self.compute = [f + b for f, b in zip(self.forward, self.backward)]
         #: the values each unit saves among its inputs and outputs, by name
         self.saved_values = [
@@ -498,6 +504,9 @@ class CostModel:
             e.activation * _held_scale(graph, e.name, profile.autocast_dtypes)
             for e in self.exchanges
         ]
+        #: whether autocast makes it in another dtype than the traced one (then the tensor a
+        #: stage sends or receives is not the one its units save)
+        self.recast = [e.name in profile.autocast_dtypes for e in self.exchanges]
         savers = [
             [
                 unit
@@ -545,7 +554,7 @@ class CostModel:
             exchanges=[(e.producer, e.last, e.activation, e.gradient) for e in self.exchanges],
             savers=savers,
             handed=self.handed,
-            held=self.held_bytes,
+            held=list(zip(self.held_bytes, self.recast)),
             blocks=[block.units for block in self.blocks.values()],
             block_gathers=(
                 list(block_bytes.values())

@@ -40,7 +40,7 @@ from ..runtime.core.schedules import (
 )
 from . import partition
 from .bounds import Crossings, crossings, memory_floor, run_floor
-from .cost import CostModel, graph_facts, iteration_time
+from .cost import CostModel, graph_facts, iteration_time, unit_passes
 from .network import Network
 from .partition import Partition, PredictedStep
 from .tensor_parallel import sharded_profile
@@ -304,10 +304,19 @@ def search(
         for t in tp_degrees
     }
     listed = candidates(devices, global_batch, len(graph.units), max_stages_per_rank, tp_degrees)
-    compute = {t: sum(u.forward + u.backward for u in p.units) for t, p in profiles.items()}
-    forward = {t: forward_share(p) for t, p in profiles.items()}
+    # a unit's passes as a stage runs them, by tensor-parallel degree and sharding (FSDP2
+    # takes a bf16 forward's casts of the parameters off it: :func:`.cost.unit_passes`)
+    passes = {
+        (t, fsdp): unit_passes(p, fsdp) for t, p in profiles.items() for fsdp in (False, True)
+    }
+    compute = {key: sum(f) + sum(b) for key, (f, b) in passes.items()}
+    forward = {key: forward_share(f, b) for key, (f, b) in passes.items()}
+
+    def passes_of(candidate: Candidate) -> tuple[int, bool]:
+        return candidate.tp, candidate.dp_shard > 1
+
     bounds = [
-        step_lower_bound(candidate, compute[candidate.tp], forward[candidate.tp])
+        step_lower_bound(candidate, compute[passes_of(candidate)], forward[passes_of(candidate)])
         for candidate in listed
     ]
     every = sorted(range(len(listed)), key=lambda c: (bounds[c], c))
@@ -401,12 +410,10 @@ def search(
     )
 
 
-def forward_share(profile: Profile) -> float:
-    """The least share of its compute any unit of ``profile`` spends on its forward (0 if none
-    computes)."""
-    shares = [
-        u.forward / (u.forward + u.backward) for u in profile.units if u.forward + u.backward > 0
-    ]
+def forward_share(forward: list[float], backward: list[float]) -> float:
+    """The least share of its compute any unit spends on its forward, of units with those
+    ``forward`` and ``backward`` seconds (0 if none computes)."""
+    shares = [f / (f + b) for f, b in zip(forward, backward) if f + b > 0]
     return min(shares, default=0.0)
 
 

@@ -51,9 +51,9 @@ class StageSums:
 
     ``exchanges`` are ``(producer, last reader, activation bytes, gradient bytes)`` (producer
     -1: a model input; last reader ``num_units``: a model output), the activation bytes in the
-    traced dtype a stage sends and receives; ``held`` each one's bytes as a stage holds it
-    (under bf16 autocast a product's output is bf16: a stage sends a copy of the traced dtype),
-    default the activation bytes; ``savers`` the units that save
+    traced dtype a stage sends and receives; ``held`` each one's bytes as a stage holds it and
+    whether autocast made it in another dtype than that (a product's output in bf16: a stage
+    sends a copy), default the activation bytes as sent; ``savers`` the units that save
     each exchanged value among their activations, per exchange; ``handed`` the values handed
     between units that none keeps (:mod:`.handed_values`: locals of the generated code);
     ``unit_params`` each unit's parameters (bytes by name, in the unit's order); ``step_time`` the seconds of an optimizer
@@ -80,7 +80,7 @@ class StageSums:
         savers: Sequence[Sequence[int]],
         blocks: Sequence[Sequence[int]],
         handed: Sequence[HandedValue] = (),
-        held: Sequence[float] | None = None,
+        held: Sequence[tuple[float, bool]] | None = None,
         block_gathers: Sequence[tuple[float, float]] | None = None,
         gather_scale: float = 1.0,
     ) -> None:
@@ -107,9 +107,10 @@ class StageSums:
         self.last = _ints([e[1] for e in exchanges])
         self.exchange_activation = _floats([e[2] for e in exchanges])
         self.exchange_gradient = _floats([e[3] for e in exchanges])
-        self.exchange_held = self.exchange_activation if held is None else _floats(held)
+        held = held if held is not None else [(e[2], False) for e in exchanges]
+        self.exchange_held = _floats([h[0] for h in held])
         #: the exchanges a stage holds in the dtype it sends (one tensor, not a cast copy)
-        self.sent_as_held = self.exchange_held == self.exchange_activation
+        self.sent_as_held = np.array([not h[1] for h in held], dtype=bool)
         #: bytes of the model's outputs (their exchanges' last reader is the model)
         self.model_outputs = float(sum(e[2] for e in exchanges if e[1] == num_units))
         self.handed_producer = _ints([h.producer for h in handed])

@@ -229,9 +229,11 @@ def sharded_profile(
                 backward_memory=int(cost.backward_memory * working),
                 parameters=max(0, int(cost.parameters - held * (1 - 1 / t))),
                 cast_parameters=casts,
-                # casting its share of the weights
+                # casting its share of the parameters
                 cast_time=(
-                    cost.cast_time * casts / cost.cast_parameters if cost.cast_parameters else 0.0
+                    cost.cast_time * (1 - held * (1 - 1 / t) / cost.parameters)
+                    if cost.parameters
+                    else 0.0
                 ),
             )
         )

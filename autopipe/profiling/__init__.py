@@ -19,6 +19,7 @@ TIME_FIELDS = (
     "flops_backward",
     "bytes_forward",
     "bytes_backward",
+    "cast_time",
 )
 
 

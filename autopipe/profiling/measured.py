@@ -101,9 +101,10 @@ def profile_measured(
             counted = worst_branch(
                 work.nodes, partial(_footprint, graph, work, values, device, bf16)
             )
+            forward = statistics.median(r[i].forward for r in rounds)
             costs.append(
                 UnitCost(
-                    statistics.median(r[i].forward for r in rounds),
+                    forward,
                     statistics.median(r[i].backward for r in rounds),
                     flops_forward=counted.flops_forward,
                     flops_backward=counted.flops_backward,
@@ -114,7 +115,7 @@ def profile_measured(
                     outputs=output_bytes(graph, work),
                     parameters=parameter_bytes(graph, work),
                     cast_parameters=counted.cast_parameters,
-                    cast_time=counted.cast_time,
+                    cast_time=min(counted.cast_time, forward),  # timed apart: noisy
                 )
             )
     return Profile(
@@ -334,18 +335,21 @@ def _footprint(
 
 def _cast_seconds(device: torch.device, parameters: list[torch.Tensor], repeats: int = 5) -> float:
     """Seconds casting ``parameters`` to bf16 takes (as autocast copies them in a forward): the
-    median of ``repeats`` timed rounds after one untimed."""
+    median of ``repeats`` rounds after one untimed, marked as a step's units are (no
+    synchronisation between them)."""
     if not parameters:
         return 0.0
-    rounds = []
+    clock = _Clock(device)
     with torch.no_grad():
-        for _ in range(repeats + 1):
-            timer = _Timer(device)
-            with timer:
-                for parameter in parameters:
-                    parameter.to(AUTOCAST_DTYPE)
-            rounds.append(timer.elapsed)
-    return statistics.median(rounds[1:])
+        for parameter in parameters:
+            parameter.to(AUTOCAST_DTYPE)
+        marks = [clock.mark()]
+        for _ in range(repeats):
+            for parameter in parameters:
+                parameter.to(AUTOCAST_DTYPE)
+            marks.append(clock.mark())
+    times = clock.seconds(marks)
+    return statistics.median(later - earlier for earlier, later in zip(times, times[1:]))
 
 
 def _run(

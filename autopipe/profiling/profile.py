@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from ..artifacts import read_artifact, write_artifact
 from ..checks import is_number, is_text, require
 from ..errors import ArtifactError, AutopipeError
-import torch
-
 from ..ir import Graph
 from ..ir.types import dtype_from_name, dtype_name
 from .devices import DeviceSpec
@@ -46,8 +46,8 @@ class UnitCost:
     #: (profiles for ``--bf16``; FSDP2 gathers the parameters in bf16 instead, and frees them)
     cast_parameters: int = 0
     #: of ``forward``, the seconds autocast spends casting parameters to bf16 (those copies,
-    #: and the biases it does not save); the backward casts their gradients back, as many
-    #: bytes. FSDP2 casts shards as it gathers and gradients as it reduces, on its own streams
+    #: and the biases it does not save); FSDP2 gathers bf16 parameters instead, cast shard by
+    #: shard as it copies them in (on its own stream on a GPU)
     cast_time: float = 0.0
 
     @property
