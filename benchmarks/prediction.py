@@ -1,6 +1,6 @@
 """How well autopipe predicts real training runs, on this CPU.
 
-    python benchmarks/prediction.py            # about 13 minutes on 2 cores
+    python benchmarks/prediction.py            # about 15 minutes on 2 cores
 
 ``autopipe calibrate`` measures this machine (one thread, as each torchrun rank has) into a
 device spec. Each of 4 models is compiled with the *analytic* profile for that spec into 4
@@ -22,11 +22,13 @@ with its plan's defaults under torchrun (gloo, 2 processes, one thread each, Ada
 
 Reported: Spearman rank correlation and mean absolute percentage error over all runs.
 
-The CPU is calibrated again before each model's four plans, which then compile and run within
-about two minutes of it: on a shared machine the same stage run alone took 52.6 ms at one
-moment and 75.0 ms forty minutes later (2026-11-30), and a fixed one-thread workload timed
-beside each run did not follow that drift (it ranged 0.87-1.12x while the runs ranged -1 to
--40 % against one calibration made at the start).
+The CPU is calibrated before each model's four plans, which then compile and run within
+about two minutes of it, and again after them: each plan's stages are then predicted with the
+second calibration too (``repredicted``: the split kept, profiled and simulated again), which
+shows how far the machine moved while they ran. On a shared machine the same stage run alone
+took 52.6 ms at one moment and 75.0 ms forty minutes later (2026-11-30), and a fixed
+one-thread workload timed beside each run did not follow that drift (it ranged 0.87-1.12x while
+the runs ranged -1 to -40 % against one calibration made at the start).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from autopipe.compiler import CompileOptions, load_graph, profile_step
+from autopipe.partitioning import Partition, partition
+from autopipe.partitioning.cost import iteration_time
 from commands import run
 
 STEPS = 10
@@ -113,6 +118,25 @@ NAMES = {"gpt2": "GPT-2 (4 x 256)", "bert": "BERT (4 x 256)", "t5": "T5 (2+2 x 2
 NAMES["cnn"] = "CNN (6 conv, BatchNorm)"
 
 
+def repredicted(package: Path, spec_file: Path, accumulate: int) -> float:
+    """The step a compiled package's stages predict under the device spec ``spec_file``: its
+    split kept, profiled, placed and simulated again as ``autopipe compile`` does."""
+    graph = load_graph(package / "artifacts" / "graph.json")
+    old = Partition.load(package / "artifacts" / "partition.json")
+    options = CompileOptions(stages=old.num_stages, device_spec=str(spec_file))
+    again = partition(
+        graph,
+        profile_step(graph, options),
+        old.num_stages,
+        num_devices=len(set(old.device_of_stage)),
+        schedule=old.settings.schedule,
+        microbatches=old.settings.microbatches,
+        split=old.stage_of_unit,
+    )
+    assert again.predicted is not None  # partition() predicts every partition it makes
+    return iteration_time(again.predicted, accumulate)
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     """Spearman's rank correlation (ties broken by position)."""
 
@@ -132,12 +156,15 @@ def mape(predicted: list[float], measured: list[float]) -> float:
 
 
 def format_row(row: tuple) -> str:
-    model, plan, p_time, m_time, memory = row
+    model, plan, p_time, m_time, memory, after = row
     p_mem = ", ".join(f"{p / 2**20:.1f}" for p, _ in memory)
     m_mem = ", ".join(f"{m / 2**20:.1f}" for _, m in memory)
+    again = (
+        "" if after is None else f" | {after * 1e3:.1f} | {100 * (after - m_time) / m_time:+.0f} %"
+    )
     return (
         f"| {NAMES[model]} | {plan} | {p_time * 1e3:.1f} | {m_time * 1e3:.1f} "
-        f"| {100 * (p_time - m_time) / m_time:+.0f} % | {p_mem} | {m_mem} |"
+        f"| {100 * (p_time - m_time) / m_time:+.0f} %{again} | {p_mem} | {m_mem} |"
     )
 
 
@@ -151,7 +178,9 @@ def main() -> None:
     models = parser.parse_args().models
     autopipe = [sys.executable, "-m", "autopipe"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    runs = []  # (model, plan, predicted s, measured s, [(predicted B, measured B)])
+    # (model, plan, predicted s, measured s, [(predicted B, measured B)], predicted s after)
+    runs: list[tuple] = []
+    packages: list[tuple[Path, int]] = []  # each run's package and accumulation
     calibrations = {}  # model -> the spec its plans were made for
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -185,8 +214,18 @@ def main() -> None:
                 memory = zip(partition["predicted"]["device_memory"], records[-1]["peak_memory"])
                 plan = f"{stages} stages, {schedule}, {microbatches} x {accumulate}"
                 predicted = pipeline["plan"]["step_time"]
-                runs.append((model, plan, predicted, seconds, list(memory)))
+                again = repredicted(package, spec_file, accumulate)
+                assert abs(again - predicted) <= 1e-6 * predicted, (again, predicted)
+                runs.append((model, plan, predicted, seconds, list(memory), None))
+                packages.append((package, accumulate))
                 print(f"# {format_row(runs[-1])}", file=sys.stderr)
+            # the machine again, after the model's runs: the same stages predicted with it
+            after_file = root / f"cpu-{model}-after.json"
+            run([*autopipe, "calibrate", "--device", "cpu", "-o", str(after_file)])
+            for index, (package, accumulate) in enumerate(packages):
+                if runs[index][0] == model:
+                    again = repredicted(package, after_file, accumulate)
+                    runs[index] = (*runs[index][:5], again)
     for model, spec in calibrations.items():
         print(
             f"CPU calibrated by `autopipe calibrate` (1 thread) before {NAMES[model]}: "
@@ -198,9 +237,10 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.1f}")
     print(
         "| model | plan on 2 ranks (microbatches x accumulation) | predicted step ms | "
-        "measured step ms | error | predicted peak MiB (rank 0, 1) | measured peak MiB (rank 0, 1) |"
+        "measured step ms | error | predicted after the runs, ms | error | "
+        "predicted peak MiB (rank 0, 1) | measured peak MiB (rank 0, 1) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in runs:
         print(format_row(row))
     times_p, times_m = [r[2] for r in runs], [r[3] for r in runs]
@@ -219,6 +259,15 @@ def main() -> None:
     print(
         f"Stage time: Spearman {spearman(times_p, times_m):.2f}, mean absolute error "
         f"{mape(times_p, times_m):.0f}% over {len(runs)} runs (step time of 2 ranks)"
+    )
+    after = [r[5] for r in runs]
+    middle = [(p + a) / 2 for p, a in zip(times_p, after)]
+    moved = [a / p - 1 for p, a in zip(times_p, after)]
+    print(
+        f"Calibrated again after each model's runs: mean absolute error "
+        f"{mape(after, times_m):.0f}%; the two calibrations' mean {mape(middle, times_m):.0f}%;"
+        f" the second predicted "
+        f"{min(moved):+.0%} to {max(moved):+.0%} against the first (the machine between them)"
     )
     print(
         f"Stage peak memory: Spearman {spearman(mem_p, mem_m):.2f}, mean absolute error "
