@@ -176,10 +176,14 @@ def test_lower_bound_and_hand_computed_costs():
     costs = [0.0] * UNITS
     costs[3], costs[10] = 6.0, 2.0
     model = CostModel(GRAPH, random_profile(costs, [0] * UNITS, 1e9))
-    assert model.lower_bound(2) == 6.0  # the heaviest unit, not total / 2 = 4
-    assert model.lower_bound(1) == 8.0
+    # each backward also adds its parameters' gradients into the step's (microseconds here)
+    added = model.accumulation
+    assert all(a > 0 for a, held in zip(added, model.trainable_bytes) if held)
+    assert model.lower_bound(2) == 6.0 + added[3]  # the heaviest unit, not total / 2 = 4
+    assert model.lower_bound(1) == pytest.approx(8.0 + sum(added))
     prediction = model.evaluate([0] * 5 + [1] * (UNITS - 5))
-    assert [round(s.forward + s.backward, 9) for s in prediction.stages] == [6.0, 2.0]
+    first, second = 6.0 + sum(added[:5]), 2.0 + sum(added[5:])
+    assert [s.forward + s.backward for s in prediction.stages] == pytest.approx([first, second])
     # communication: the bytes crossing the cut, both directions, over the link, each
     # message paying the link's latency
     crossing = model.boundary_bytes()[0][4] + model.boundary_bytes()[1][4]
@@ -187,7 +191,7 @@ def test_lower_bound_and_hand_computed_costs():
         crossing / model.device.link_bandwidth + 2 * model.device.link_latency
     )
     # 1F1B, 4 microbatches: the first stage (6 s per microbatch) never waits once started
-    assert prediction.step_time == pytest.approx(4 * 6.0, rel=1e-6)
+    assert prediction.step_time == pytest.approx(4 * first, rel=1e-6)
 
 
 def test_relayed_skip_connection_crosses_every_boundary():
@@ -224,8 +228,9 @@ def test_recomputation_switched_on_for_devices_short_of_memory():
     assert max(plain.device_memory) > 10 * 1024**3
     assert max(part.predicted.device_memory) <= 10 * 1024**3
     stages = part.predicted.stages
-    for s in part.recompute:  # backward pays for the forward again
-        assert stages[s].backward == pytest.approx(stages[s].forward / 0.4)
+    for s in part.recompute:  # backward pays for the forward again (and adds its gradients)
+        added = sum(a for a, t in zip(model.accumulation, part.stage_of_unit) if t == s)
+        assert stages[s].backward == pytest.approx(stages[s].forward / 0.4 + added)
 
     tiny = random_profile([1.0] * UNITS, [0] * UNITS, 1e3, memory_gib=1e-9)
     with pytest.raises(PartitionError, match="fits the memory of H100"):

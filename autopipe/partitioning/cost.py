@@ -34,7 +34,7 @@ from ..ir import Graph, TensorMeta
 from ..ir.ordering import alias_base, order_edges
 from ..profiling.devices import DeviceSpec
 from ..profiling.precision import AUTOCAST_DTYPE
-from ..profiling.profile import Profile
+from ..profiling.profile import TRACED, Profile
 from ..ir.analysis import block_calls, unit_workloads
 from ..runtime.core.pipeline import default_microbatches, flops_utilisation
 from ..runtime.core.schedules import SPLIT_BACKWARD, MemoryPeak, PipelineCosts
@@ -304,6 +304,18 @@ def _parameter_bytes(graph: Graph) -> tuple[list[dict[str, int]], list[int], lis
     return unit_params, param_bytes, trainable_bytes
 
 
+def _trained_first(
+    unit_params: list[dict[str, int]], frozen: frozenset[str]
+) -> list[dict[str, int]]:
+    """Per unit, the trained parameters it is the first unit to read (bytes by name)."""
+    seen: set[str] = set()
+    firsts: list[dict[str, int]] = []
+    for held in unit_params:
+        firsts.append({n: b for n, b in held.items() if n not in seen and n not in frozen})
+        seen.update(held)
+    return firsts
+
+
 def _first_readers(
     unit_params: list[dict[str, int]], frozen: frozenset[str]
 ) -> tuple[list[int], list[int]]:
@@ -450,7 +462,6 @@ class CostModel:
                 self.activations = [
                     max(a - u.cast_parameters, 0.0) for a, u in zip(self.activations, profile.units)
                 ]
-        self.compute = [f + b for f, b in zip(self.forward, self.backward)]
         #: the values each unit saves among its inputs and outputs, by name
         self.saved_values = [
             {names[i] for i in unit.saved_values if i < len(names)}
@@ -470,6 +481,15 @@ class CostModel:
                 for held in facts.unit_params
             ]
             self.param_bytes, self.trainable_bytes = _first_readers(self.unit_params, self.frozen)
+        #: seconds each unit's backward adds the gradients of the trained parameters it reads
+        #: first into the step's (``grad += new``, every microbatch): not in a profile's
+        #: backward (it takes them from autograd.grad), in a traced run's already
+        self.accumulation = [
+            0.0 if profile.mode == TRACED else sum(map(self.accumulation_time, first.values()))
+            for first in _trained_first(self.unit_params, self.frozen)
+        ]
+        self.backward = [b + a for b, a in zip(self.backward, self.accumulation)]
+        self.compute = [f + b for f, b in zip(self.forward, self.backward)]
         #: parameters, gradients and optimizer state per unit, this rank's share when sharded
         self.unit_state = [
             self.state_bytes(p, t) for p, t in zip(self.param_bytes, self.trainable_bytes)
@@ -786,6 +806,19 @@ class CostModel:
             return max(share, table.points[0][0]) / table.at(share) if share > 0 else 0.0
         speed = self.device.memory_bandwidth * self.device.memory_efficiency
         return share * OPTIMIZER_TRAFFIC[self.optimizer] / speed
+
+    def accumulation_time(self, nbytes: float) -> float:
+        """Seconds a backward spends adding a trained parameter's gradient of ``nbytes`` into
+        the one the step accumulates (autograd's ``grad += new``: two bytes read and one
+        written per byte). A step's first backward takes its gradient as it is: charged too,
+        one addition per step more than run. Where FSDP2 shards the stage and reduces every
+        microbatch's gradients, it adds the reduced shards on its own stream: nothing here
+        (under a split-backward schedule it reduces once a step, and autograd accumulates the
+        whole gradients until then)."""
+        if nbytes <= 0 or (self.dp_shard > 1 and self.schedule not in SPLIT_BACKWARD):
+            return 0.0
+        elements = nbytes / self.dtype.itemsize
+        return self.device.streaming_time("add_", self.dtype, elements, 3 * nbytes)
 
     def optimizer_time(self, stage_of_unit: list[int], device_of_stage: list[int]) -> float:
         """The slowest device's optimizer step: its stages' trained parameters, each stepped

@@ -184,6 +184,15 @@ class DeviceSpec:
             return None
         return size / table.at(size)
 
+    def streaming_time(self, name: str, dtype: torch.dtype, elements: float, moved: float) -> float:
+        """Seconds of an operator ``name`` that computes nothing to speak of, writing
+        ``elements`` and moving ``moved`` bytes: by its own table, as the analytic profile
+        times it, else at the memory rate, with a launch."""
+        measured = self.operator_time(name, dtype, elements, None)
+        if measured is not None:
+            return measured + self.view_overhead
+        return moved / self.memory_rate(moved) + self.kernel_overhead
+
     def memory_rate(self, nbytes: float) -> float:
         """Bytes/s a streaming operator moving ``nbytes`` reaches."""
         table = self.tables.get("memory")
