@@ -148,7 +148,9 @@ def replan(
         tensor_parallel_profile(graph, data.profile, tp, cluster, sequence)[0] if tp > 1 else None
     )
     optimizer, dp_shard = settings.optimizer or "adamw", settings.dp_shard or 1
-    measured = traced_profile(graph, old, profiled or data.profile, trace, _under_fsdp(run))
+    base = profiled or data.profile
+    added = _added_gradients(graph, base, run, dp_shard)
+    measured = traced_profile(graph, old, base, trace, _under_fsdp(run), added)
     margin = settings.memory_margin or 0.0
     usable = dataclasses.replace(  # the memory the old partition was made to fit
         measured,
@@ -204,8 +206,22 @@ def _under_fsdp(run: RunLayout) -> bool:
     return run.dp_size > 1
 
 
+def _added_gradients(graph: Graph, profile: Profile, run: RunLayout, dp_shard: int) -> list[float]:
+    """Per unit, the seconds the traced run's backwards spent adding gradients into the step's
+    (:meth:`CostModel.accumulation_time`): none where FSDP2 sharded the stages (the plan's
+    ``--dp-shard``, which a run of more than one data-parallel rank is taken to have run) and
+    reduced every microbatch."""
+    sharded = dp_shard if run.dp_size > 1 else 1
+    return CostModel(graph, profile, schedule=run.schedule, dp_shard=sharded).accumulation
+
+
 def traced_profile(
-    graph: Graph, part: Partition, profile: Profile, trace: RunTrace, fsdp: bool = False
+    graph: Graph,
+    part: Partition,
+    profile: Profile,
+    trace: RunTrace,
+    fsdp: bool = False,
+    added: list[float] | None = None,
 ) -> Profile:
     """``profile`` with its unit times replaced by what ``trace`` measured of the stages of
     ``part`` that ran them: each stage's forward per microbatch spread over its units in
@@ -213,7 +229,9 @@ def traced_profile(
     backward, less the forward it recomputed, in proportion to their profiled backwards. Memory,
     FLOPs and bytes stay the profile's. With ``fsdp`` (FSDP2 managed the stages) a bf16 run's
     forwards did not cast the weights: each unit's casts (``cast_time``) are added to its
-    forward, which holds them as a profile's does."""
+    forward, which holds them as a profile's does. ``added``: per unit, what the run's
+    backwards spent adding gradients into the step's, taken off them (a profile's backward
+    does not hold it: the cost model adds it for the layout it plans)."""
     profile.check_graph(graph)
     times = {t.stage: t for t in trace.stage_times}
     recomputed = _recomputed_units(graph, part, trace.run)
@@ -229,8 +247,9 @@ def traced_profile(
             )
         forward = _spread(measured.forward, [ran[u] for u in mine])
         rerun = sum(f for u, f in zip(mine, forward) if u in recomputed)
+        adding = sum(added[u] for u in mine) if added else 0.0
         backward = _spread(
-            max(measured.backward - rerun, 0.0), [profile.units[u].backward for u in mine]
+            max(measured.backward - rerun - adding, 0.0), [profile.units[u].backward for u in mine]
         )
         for u, f, b in zip(mine, forward, backward):
             cast = profile.units[u].cast_time if fsdp and profile.bf16 else 0.0
@@ -293,6 +312,9 @@ def replan_text(plan: Replan) -> str:
         f"measured per microbatch, against the package's {plan.old_profile.source}:",
     ]
     forward, backward = unit_passes(plan.old_profile, _under_fsdp(run))
+    dp_shard = old.settings.dp_shard or 1
+    added = _added_gradients(plan.graph, plan.old_profile, run, dp_shard)
+    backward = [b + a for b, a in zip(backward, added)]  # as the run's backward adds them
     for times in trace.stage_times:
         rows.append(_measured_row(times, old, forward, backward))
     rows.append(

@@ -194,6 +194,31 @@ def test_lower_bound_and_hand_computed_costs():
     assert prediction.step_time == pytest.approx(4 * first, rel=1e-6)
 
 
+def test_each_backward_adds_its_gradients_into_the_steps():
+    """A profile's backward takes its gradients from autograd.grad; a step's adds them into
+    .grad (two bytes read, one written, a launch each): charged to the unit reading each
+    trained parameter first (GPT-2's tied embedding once), on a spec without tables at the
+    memory rate. FSDP2 reducing every microbatch adds the shards itself; under a
+    split-backward schedule it reduces once a step, and autograd adds whole gradients."""
+    graph = trace_step(load_example(spec("gpt2")), CompileOptions(stages=1))
+    h100 = device_spec("h100")
+    prof = profile(graph, "analytic", h100)
+    model = CostModel(graph, prof)
+    seen: set[str] = set()
+    for unit, held in enumerate(model.unit_params):
+        first = [b for name, b in held.items() if name not in seen and name not in model.frozen]
+        seen.update(held)
+        expected = sum(3 * b / h100.memory_rate(3 * b) + h100.kernel_overhead for b in first)
+        assert model.accumulation[unit] == pytest.approx(expected), unit
+    assert sum(model.accumulation) > 0
+    assert model.backward == pytest.approx(
+        [u.backward + a for u, a in zip(prof.units, model.accumulation)]
+    )
+    assert not any(CostModel(graph, prof, dp_shard=2).accumulation)
+    split = CostModel(graph, prof, dp_shard=2, schedule="zbv")
+    assert split.accumulation == model.accumulation
+
+
 def test_relayed_skip_connection_crosses_every_boundary():
     model = CostModel(GRAPH, random_profile([1.0] * UNITS, [0] * UNITS, 1e3))
     value_bytes = 4 * 16 * 4  # one activation of the MLP: batch 4 x width 16 x float32

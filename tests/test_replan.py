@@ -240,6 +240,15 @@ def test_traced_profile_scales_each_stage_forward_and_backward_apart(package, tm
     assert sum(rerun.units[u].backward for u in stage1) == pytest.approx(
         measured.backward - measured.forward
     )
+    # what the run's backwards spent adding gradients into the step's is taken off them (the
+    # cost model adds it back for the layout it plans)
+    added = [1e-6 * (u % 3) for u in range(len(prof.units))]
+    less = traced_profile(graph, part, prof, trace, added=added)
+    for stage in range(part.num_stages):
+        mine = _units(part, stage)
+        assert sum(less.units[u].backward for u in mine) == pytest.approx(
+            trace.stage_times[stage].backward - sum(added[u] for u in mine)
+        )
     # a bf16 run under FSDP2 cast no weights in its stages' forwards: the measured forward is
     # spread over the units' forwards without their casts, which then go back on (the cost
     # model takes them off again for a sharded layout); the backwards as without

@@ -39,6 +39,25 @@ def optimizer_steps(model, stage_of_unit, num_stages):
     return [sum(model.optimizer_step_time(b) for b in params.values()) for params in held]
 
 
+def tied_accumulations(model, stage_of_unit, num_stages):
+    """Each stage's trained parameters (once) whose first reader in the model is in another
+    stage: their gradients added there too."""
+    first_reader = {}
+    for unit, params in enumerate(model.unit_params):
+        for name in params:
+            first_reader.setdefault(name, unit)
+    added, seen = [0.0] * num_stages, set()
+    for unit, params in enumerate(model.unit_params):
+        s = stage_of_unit[unit]
+        for name, nbytes in params.items():
+            if (s, name) in seen:
+                continue
+            seen.add((s, name))
+            if name not in model.frozen and stage_of_unit[first_reader[name]] != s:
+                added[s] += model.accumulation_time(nbytes)
+    return added
+
+
 def crossing(model, stage_of_unit, num_stages):
     act_cross = [0.0] * max(num_stages - 1, 0)
     grad_cross = [0.0] * max(num_stages - 1, 0)
@@ -263,6 +282,9 @@ def test_the_sums_equal_the_loops_to_the_last_bit(traced, dp_shard, schedule):
             assert recomputing.sums.optimizer_steps(
                 recomputing.sums.assignment(stage_of_unit), num_stages
             ).tolist() == pytest.approx(optimizer_steps(recomputing, stage_of_unit, num_stages))
+            assert recomputing.sums.tied_accumulations(
+                recomputing.sums.assignment(stage_of_unit), num_stages
+            ).tolist() == pytest.approx(tied_accumulations(recomputing, stage_of_unit, num_stages))
             assert recomputing._crossing(stage_of_unit, num_stages) == crossing(
                 recomputing, stage_of_unit, num_stages
             )

@@ -34,7 +34,7 @@ from ..ir import Graph, TensorMeta
 from ..ir.ordering import alias_base, order_edges
 from ..profiling.devices import DeviceSpec
 from ..profiling.precision import AUTOCAST_DTYPE
-from ..profiling.profile import TRACED, Profile
+from ..profiling.profile import Profile
 from ..ir.analysis import block_calls, unit_workloads
 from ..runtime.core.pipeline import default_microbatches, flops_utilisation
 from ..runtime.core.schedules import SPLIT_BACKWARD, MemoryPeak, PipelineCosts
@@ -483,9 +483,9 @@ class CostModel:
             self.param_bytes, self.trainable_bytes = _first_readers(self.unit_params, self.frozen)
         #: seconds each unit's backward adds the gradients of the trained parameters it reads
         #: first into the step's (``grad += new``, every microbatch): not in a profile's
-        #: backward (it takes them from autograd.grad), in a traced run's already
+        #: backward (it takes them from autograd.grad; a traced one's has them taken off)
         self.accumulation = [
-            0.0 if profile.mode == TRACED else sum(map(self.accumulation_time, first.values()))
+            sum(map(self.accumulation_time, first.values()))
             for first in _trained_first(self.unit_params, self.frozen)
         ]
         self.backward = [b + a for b, a in zip(self.backward, self.accumulation)]
@@ -571,6 +571,7 @@ class CostModel:
             unit_params=self.unit_params,
             frozen=self.frozen,
             step_time=self.optimizer_step_time,
+            accumulation_time=self.accumulation_time,
             exchanges=[(e.producer, e.last, e.activation, e.gradient) for e in self.exchanges],
             savers=savers,
             handed=self.handed,
@@ -856,7 +857,11 @@ class CostModel:
         sums = self.sums
         stages = sums.assignment(stage_of_unit)
         forward = sums.per_stage(sums.forward, stages, num_stages).tolist()
-        backward = sums.per_stage(sums.backward, stages, num_stages).tolist()
+        # a tied parameter's copy in a later stage adds its gradients too
+        backward = (
+            sums.per_stage(sums.backward, stages, num_stages)
+            + sums.tied_accumulations(stages, num_stages)
+        ).tolist()
         saved = (
             sums.per_stage(sums.activations, stages, num_stages)
             - sums.counted_twice(stages, num_stages)

@@ -57,7 +57,8 @@ class StageSums:
     each exchanged value among their activations, per exchange; ``handed`` the values handed
     between units that none keeps (:mod:`.handed_values`: locals of the generated code);
     ``unit_params`` each unit's parameters (bytes by name, in the unit's order); ``step_time`` the seconds of an optimizer
-    step over a trained parameter of so many bytes; ``blocks`` each block's units;
+    step over a trained parameter of so many bytes, ``accumulation_time`` of a backward adding
+    its gradient into the step's; ``blocks`` each block's units;
     ``block_gathers`` each block's parameter and trained parameter bytes where FSDP2 gathers
     the stages block by block (see :meth:`transients`), else None; ``gather_scale`` the bytes
     FSDP2 gathers per parameter byte (a half for fp32 parameters gathered in bf16)."""
@@ -76,6 +77,7 @@ class StageSums:
         unit_params: Sequence[dict[str, int]],
         frozen: frozenset[str],
         step_time: Callable[[int], float],
+        accumulation_time: Callable[[int], float] | None = None,
         exchanges: Sequence[tuple[int, int, int, int]],
         savers: Sequence[Sequence[int]],
         blocks: Sequence[Sequence[int]],
@@ -102,6 +104,9 @@ class StageSums:
         self.param_trained = _floats([h[2] if h[3] else 0 for h in reads])
         #: each trained parameter's optimizer step (seconds), frozen ones' none
         self.param_step = _floats([step_time(h[2]) if h[3] else 0.0 for h in reads])
+        #: and of adding its gradient into the step's, each backward (see ``tied_accumulations``)
+        adding = accumulation_time or (lambda nbytes: 0.0)
+        self.param_accumulation = _floats([adding(h[2]) if h[3] else 0.0 for h in reads])
         self.num_params = len(names)
         self.producer = _ints([e[0] for e in exchanges])
         self.last = _ints([e[1] for e in exchanges])
@@ -166,6 +171,18 @@ class StageSums:
             return np.zeros(num_stages)
         first, owner = self._held(stages)
         return _summed(owner, self.param_step[first], num_stages)
+
+    def tied_accumulations(self, stages: Ints, num_stages: int) -> Floats:
+        """Seconds each stage's backward spends adding the gradients of the trained parameters
+        it shares with an earlier unit of another stage into the step's: each stage holds its
+        own copy of a tied parameter, which the units' backwards (charged to a parameter's
+        first reader in the model) do not count again."""
+        if not self.num_params:
+            return np.zeros(num_stages)
+        first, owner = self._held(stages)
+        _, overall = np.unique(self.param_id, return_index=True)
+        again = first != overall[self.param_id[first]]
+        return _summed(owner[again], self.param_accumulation[first[again]], num_stages)
 
     def _held(self, stages: Ints) -> tuple[Ints, Ints]:
         """Each parameter's first entry in each stage holding it, and that stage."""
