@@ -20,9 +20,9 @@ weights only: no gradient, no optimizer state, no reduce-scatter, no optimizer s
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
 import dataclasses
 import weakref
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 import networkx as nx
@@ -304,14 +304,12 @@ def _parameter_bytes(graph: Graph) -> tuple[list[dict[str, int]], list[int], lis
     return unit_params, param_bytes, trainable_bytes
 
 
-def _trained_first(
-    unit_params: list[dict[str, int]], frozen: frozenset[str]
-) -> list[dict[str, int]]:
-    """Per unit, the trained parameters it is the first unit to read (bytes by name)."""
+def _first_reads(unit_params: list[dict[str, int]]) -> list[dict[str, int]]:
+    """Per unit, the parameters it is the first unit to read (bytes by name)."""
     seen: set[str] = set()
     firsts: list[dict[str, int]] = []
     for held in unit_params:
-        firsts.append({n: b for n, b in held.items() if n not in seen and n not in frozen})
+        firsts.append({n: b for n, b in held.items() if n not in seen})
         seen.update(held)
     return firsts
 
@@ -321,15 +319,9 @@ def _first_readers(
 ) -> tuple[list[int], list[int]]:
     """Parameter bytes per unit, each parameter counted in the first unit that reads it, and
     of those the trainable parameters' (see :func:`_parameter_bytes`)."""
-    param_bytes, trainable_bytes = [0] * len(unit_params), [0] * len(unit_params)
-    seen: set[str] = set()
-    for unit, held in enumerate(unit_params):
-        for name, nbytes in held.items():
-            if name not in seen:
-                seen.add(name)
-                param_bytes[unit] += nbytes
-                if name not in frozen:
-                    trainable_bytes[unit] += nbytes
+    firsts = _first_reads(unit_params)
+    param_bytes = [sum(first.values()) for first in firsts]
+    trainable_bytes = [sum(b for n, b in first.items() if n not in frozen) for first in firsts]
     return param_bytes, trainable_bytes
 
 
@@ -485,8 +477,8 @@ class CostModel:
         #: first into the step's (``grad += new``, every microbatch): not in a profile's
         #: backward (it takes them from autograd.grad; a traced one's has them taken off)
         self.accumulation = [
-            sum(map(self.accumulation_time, first.values()))
-            for first in _trained_first(self.unit_params, self.frozen)
+            sum(self.accumulation_time(b) for n, b in first.items() if n not in self.frozen)
+            for first in _first_reads(self.unit_params)
         ]
         self.backward = [b + a for b, a in zip(self.backward, self.accumulation)]
         self.compute = [f + b for f, b in zip(self.forward, self.backward)]
@@ -819,7 +811,7 @@ class CostModel:
         if nbytes <= 0 or (self.dp_shard > 1 and self.schedule not in SPLIT_BACKWARD):
             return 0.0
         elements = nbytes / self.dtype.itemsize
-        return self.device.streaming_time("add_", self.dtype, elements, 3 * nbytes)
+        return self.device.operator_seconds("add_", self.dtype, elements, 3 * nbytes)
 
     def optimizer_time(self, stage_of_unit: list[int], device_of_stage: list[int]) -> float:
         """The slowest device's optimizer step: its stages' trained parameters, each stepped

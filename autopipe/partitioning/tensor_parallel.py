@@ -213,12 +213,10 @@ def sharded_profile(
         saved += cost.forward + cost.backward - forward - backward
         communication += sum(comm)
         parameters_saved += held * (1 - 1 / t)
-        # the bf16 copies of the weights a rank holds (--bf16): its share of the sharded ones
-        casts = (
-            int(cost.cast_parameters * (1 - held * (1 - 1 / t) / cost.parameters))
-            if cost.parameters
-            else 0
-        )
+        # the share of its parameters a rank holds: of the bf16 copies of the weights (--bf16)
+        # and of the time casting them
+        held_share = 1 - held * (1 - 1 / t) / cost.parameters if cost.parameters else 0.0
+        casts = int(cost.cast_parameters * held_share)
         units.append(
             dataclasses.replace(
                 cost,
@@ -229,12 +227,7 @@ def sharded_profile(
                 backward_memory=int(cost.backward_memory * working),
                 parameters=max(0, int(cost.parameters - held * (1 - 1 / t))),
                 cast_parameters=casts,
-                # casting its share of the parameters
-                cast_time=(
-                    cost.cast_time * (1 - held * (1 - 1 / t) / cost.parameters)
-                    if cost.parameters
-                    else 0.0
-                ),
+                cast_time=cost.cast_time * held_share,
             )
         )
     changed = dataclasses.replace(profile, units=units, divided=divided)

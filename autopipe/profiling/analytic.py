@@ -86,15 +86,10 @@ class RooflineMode(TorchDispatchMode):
         if func._opname in _GATHERS:
             read = min(read, 2 * written)
         dtype = next((t.dtype for t in inputs if t.is_floating_point()), None)
-        moved = read + written
-        kind = _kind(func, args, kwargs)
-        measured = self.spec.operator_time(func._opname, dtype, operator_size(flops, outputs), kind)
-        if measured is not None:  # its own rate, launch included, and the caller's dispatch
-            self.time += measured + self.spec.view_overhead
-        else:
-            compute = flops / self.spec.compute_rate(kind, dtype, flops)
-            memory = moved / self.spec.memory_rate(moved) if moved else 0.0
-            self.time += max(compute, memory) + self.spec.kernel_overhead
+        size, kind = operator_size(flops, outputs), _kind(func, args, kwargs)
+        self.time += self.spec.operator_seconds(
+            func._opname, dtype, size, read + written, flops, kind
+        )
         self.flops += flops
         self.bytes += read + written
         return out

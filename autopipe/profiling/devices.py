@@ -184,14 +184,26 @@ class DeviceSpec:
             return None
         return size / table.at(size)
 
-    def streaming_time(self, name: str, dtype: torch.dtype, elements: float, moved: float) -> float:
-        """Seconds of an operator ``name`` that computes nothing to speak of, writing
-        ``elements`` and moving ``moved`` bytes: by its own table, as the analytic profile
-        times it, else at the memory rate, with a launch."""
-        measured = self.operator_time(name, dtype, elements, None)
+    def operator_seconds(
+        self,
+        name: str,
+        dtype: torch.dtype | None,
+        size: float,
+        moved: float,
+        flops: float = 0.0,
+        kind: str | None = None,
+    ) -> float:
+        """Seconds of one launch of operator ``name`` (of ``size``: its FLOPs, else the
+        elements it writes; ``moved`` bytes read and written; ``kind`` its table's, None for an
+        operator of no table kind): by its own table (:meth:`operator_time`, with the caller's
+        dispatch), else the roofline, the slower of its FLOPs at the compute rate and its bytes
+        at the memory rate, with a launch. The analytic profile times every operator so."""
+        measured = self.operator_time(name, dtype, size, kind)
         if measured is not None:
             return measured + self.view_overhead
-        return moved / self.memory_rate(moved) + self.kernel_overhead
+        compute = flops / self.compute_rate(kind, dtype, flops)
+        memory = moved / self.memory_rate(moved) if moved else 0.0
+        return max(compute, memory) + self.kernel_overhead
 
     def memory_rate(self, nbytes: float) -> float:
         """Bytes/s a streaming operator moving ``nbytes`` reaches."""
