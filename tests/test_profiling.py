@@ -314,6 +314,11 @@ def test_the_local_cpu_is_calibrated_once_and_cached(tmp_path, monkeypatch, caps
     use, kept in autopipe's cache, read from it afterwards (no second measurement), and named so
     that train.py compares a run on the CPU with its plan."""
     monkeypatch.setenv("AUTOPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    # the measurements themselves: test_calibrate_writes_a_usable_spec (half a minute)
+    rates = device_spec("h100")
+    monkeypatch.setattr(
+        calibrate, "_calibrate", lambda device, name, log: replace(rates, name=name)
+    )
     local = calibrate.resolve_device_spec("cpu", log=print)
     (cached,) = (tmp_path / "cache" / "devices").glob("cpu_*.json")
     assert f"calibrating this machine's cpu (first use; the spec is kept in {cached})" in (

@@ -110,6 +110,12 @@ def test_run_section_shows_the_trace(package, written, trace_dir):
     assert f"predicted {comparison.simulation.step_time * 1e3:.3f} ms" in html
     assert f"predicted {comparison.simulation.bubble * 100:.1f}% idle" in html
     assert f"<td>{comparison.stages[0].verdict}</td>" in html
+    # and what the plan puts outside the pipeline runs: its gradients and optimizer step (the
+    # run had the plan's data parallelism: none)
+    assert trace.run.dp_size == 1 and data.partition.predicted is not None
+    once = data.partition.predicted.once_per_step
+    assert comparison.predicted_outside_runs == once > 0
+    assert f"(gradients, optimizer: predicted {once * 1e3:.3f} ms)" in html
     section = html[html.index('id="run-deviations"') :]
     assert section.count("<tr>") == 1 + DEVIATIONS
 

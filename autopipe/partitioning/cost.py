@@ -92,7 +92,7 @@ class Prediction:
     device_memory: list[float]  # peak bytes per device
     bubble: float  # idle fraction of device time in the simulated step
     memory_peaks: list[MemoryPeak] = field(default_factory=list)  # what each device's peak holds
-    optimizer_time: float = 0.0  # the slowest device's optimizer step
+    optimizer_time: float = 0.0  # the slowest device's gradients and optimizer step
     data_parallel_time: float = 0.0  # collectives once per step that no compute hides
     flops: float = 0.0  # the model's forward + backward FLOPs per microbatch (no recomputation)
     peak_flops: float = 0.0  # one device's peak FLOP/s for the model's parameter dtype
@@ -562,7 +562,7 @@ class CostModel:
             gather_scale=self.gather_scale,
             unit_params=self.unit_params,
             frozen=self.frozen,
-            step_time=self.optimizer_step_time,
+            step_time=self.parameter_step_time,
             accumulation_time=self.accumulation_time,
             exchanges=[(e.producer, e.last, e.activation, e.gradient) for e in self.exchanges],
             savers=savers,
@@ -800,6 +800,29 @@ class CostModel:
         speed = self.device.memory_bandwidth * self.device.memory_efficiency
         return share * OPTIMIZER_TRAFFIC[self.optimizer] / speed
 
+    def gradient_step_time(self, nbytes: float) -> float:
+        """Seconds train.py spends on a trained parameter's gradient of ``nbytes`` (this rank's
+        share, ``1/dp_shard``) between the step's last backward and its optimizer step: scaled
+        to the mean over the step's microbatches (``mul_``), then squared and summed into the
+        global norm (``pow``, and ``sum``: a reduction, which no table keyed by the elements it
+        writes times), a launch each. A run's ``--clip-grad-norm``, which no plan knows, scales
+        each gradient once more."""
+        share = nbytes / self.dp_shard
+        if share <= 0:
+            return 0.0
+        elements = share / self.dtype.itemsize
+        return (
+            self.device.operator_seconds("mul", self.dtype, elements, 2 * share)
+            + self.device.operator_seconds("pow", self.dtype, elements, 2 * share)
+            + self.device.operator_seconds(None, self.dtype, 1.0, share)
+        )
+
+    def parameter_step_time(self, nbytes: float) -> float:
+        """Seconds a step spends once on a trained parameter of ``nbytes`` after its pipeline
+        runs: its gradient (:meth:`gradient_step_time`) and its optimizer step
+        (:meth:`optimizer_step_time`)."""
+        return self.gradient_step_time(nbytes) + self.optimizer_step_time(nbytes)
+
     def accumulation_time(self, nbytes: float) -> float:
         """Seconds a backward spends adding a trained parameter's gradient of ``nbytes`` into
         the one the step accumulates (autograd's ``grad += new``: two bytes read and one
@@ -814,8 +837,9 @@ class CostModel:
         return self.device.operator_seconds("add_", self.dtype, elements, 3 * nbytes)
 
     def optimizer_time(self, stage_of_unit: list[int], device_of_stage: list[int]) -> float:
-        """The slowest device's optimizer step: its stages' trained parameters, each stepped
-        as :meth:`optimizer_step_time` costs it."""
+        """The slowest device's step after its pipeline runs: its stages' trained parameters,
+        each as :meth:`parameter_step_time` costs it (its gradient scaled and normed, then the
+        optimizer's step)."""
         steps = self.sums.optimizer_steps(self.sums.assignment(stage_of_unit), len(device_of_stage))
         times = [0.0] * (max(device_of_stage) + 1)
         for seconds, device in zip(steps.tolist(), device_of_stage):

@@ -56,8 +56,9 @@ class StageSums:
     sends a copy), default the activation bytes as sent; ``savers`` the units that save
     each exchanged value among their activations, per exchange; ``handed`` the values handed
     between units that none keeps (:mod:`.handed_values`: locals of the generated code);
-    ``unit_params`` each unit's parameters (bytes by name, in the unit's order); ``step_time`` the seconds of an optimizer
-    step over a trained parameter of so many bytes, ``accumulation_time`` of a backward adding
+    ``unit_params`` each unit's parameters (bytes by name, in the unit's order); ``step_time``
+    the seconds a step spends once on a trained parameter of so many bytes after its pipeline
+    runs (its gradient, the optimizer's step), ``accumulation_time`` those of a backward adding
     its gradient into the step's; ``blocks`` each block's units;
     ``block_gathers`` each block's parameter and trained parameter bytes where FSDP2 gathers
     the stages block by block (see :meth:`transients`), else None; ``gather_scale`` the bytes
@@ -166,7 +167,8 @@ class StageSums:
         )
 
     def optimizer_steps(self, stages: Ints, num_stages: int) -> Floats:
-        """Seconds of each stage's optimizer step: its trained parameters' (each once)."""
+        """Seconds of each stage's step after its pipeline runs: its trained parameters'
+        (each once) gradients and optimizer step."""
         if not self.num_params:
             return np.zeros(num_stages)
         first, owner = self._held(stages)

@@ -186,7 +186,7 @@ class DeviceSpec:
 
     def operator_seconds(
         self,
-        name: str,
+        name: str | None,
         dtype: torch.dtype | None,
         size: float,
         moved: float,
@@ -196,9 +196,10 @@ class DeviceSpec:
         """Seconds of one launch of operator ``name`` (of ``size``: its FLOPs, else the
         elements it writes; ``moved`` bytes read and written; ``kind`` its table's, None for an
         operator of no table kind): by its own table (:meth:`operator_time`, with the caller's
-        dispatch), else the roofline, the slower of its FLOPs at the compute rate and its bytes
-        at the memory rate, with a launch. The analytic profile times every operator so."""
-        measured = self.operator_time(name, dtype, size, kind)
+        dispatch; no name: none), else the roofline, the slower of its FLOPs at the compute rate
+        and its bytes at the memory rate, with a launch. The analytic profile times every
+        operator so."""
+        measured = None if name is None else self.operator_time(name, dtype, size, kind)
         if measured is not None:
             return measured + self.view_overhead
         compute = flops / self.compute_rate(kind, dtype, flops)

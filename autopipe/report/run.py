@@ -205,12 +205,29 @@ class RunComparison:
         """A step's measured seconds outside its pipeline runs (gradient reduction, optimizer)."""
         return max(self.trace.step_time - self.trace.run.accumulate * self.trace.run_time, 0.0)
 
+    @property
+    def predicted_outside_runs(self) -> float | None:
+        """The plan's seconds of a step outside its pipeline runs (the gradients, the collectives
+        no compute hides, the optimizer step), where the run's data parallelism is the plan's;
+        None where the partition predicted none or the run had other data-parallel ranks."""
+        partition = self.data.partition
+        predicted, planned = partition.predicted, partition.settings.dp_shard or 1
+        if predicted is None or predicted.optimizer_time is None:
+            return None
+        return predicted.once_per_step if self.trace.run.dp_size == planned else None
+
     def summary_rows(self) -> list[tuple[str, str]]:
         """The section's header table (also the start of :meth:`summary`)."""
         run, trace = self.trace.run, self.trace
         steps = trace.steps
         replicas = f"{run.dp_size} data-parallel replica{'s' if run.dp_size > 1 else ''}"
         accumulate = f", {run.accumulate} runs per step" if run.accumulate > 1 else ""
+        outside = self.predicted_outside_runs
+        besides = (
+            "not predicted for this run's data parallelism"
+            if outside is None
+            else f"predicted {outside * 1e3:.3f} ms"
+        )
         return [
             ("trace", str(trace.directory)),
             (
@@ -235,7 +252,7 @@ class RunComparison:
                 "step",
                 f"measured {trace.step_time * 1e3:.3f} ms: {run.accumulate} pipeline "
                 f"run{'s' if run.accumulate > 1 else ''} and {self.outside_runs * 1e3:.3f} ms "
-                "besides (gradient reduction, optimizer: not predicted)",
+                f"besides (gradients, optimizer: {besides})",
             ),
             (
                 "scale",
