@@ -8,12 +8,13 @@ import random
 from dataclasses import replace
 
 import pytest
+import torch
 
 from autopipe.partitioning.cost import OPTIMIZER_TRAFFIC, CostModel
 from autopipe.runtime.core.schedules import SPLIT_BACKWARD
 from autopipe.profiling import profile
 from autopipe.profiling.devices import RateTable
-from autopipe.spec import load_example
+from autopipe.spec import Example, load_example
 from autopipe.tracing import trace
 
 from conftest import spec
@@ -40,10 +41,23 @@ def trained_parameters(model, stage_of_unit, num_stages):
     return held
 
 
+def first_stages(model, stage_of_unit):
+    """Each parameter's stage of its first reader in the model (the copy the norm counts)."""
+    first = {}
+    for unit, params in enumerate(model.unit_params):
+        for name in params:
+            first.setdefault(name, stage_of_unit[unit])
+    return first
+
+
 def optimizer_steps(model, stage_of_unit, num_stages):
+    first = first_stages(model, stage_of_unit)
     return [
-        sum(model.parameter_step_time(b) for b in params.values())
-        for params in trained_parameters(model, stage_of_unit, num_stages)
+        sum(
+            model.parameter_step_time(b) + (model.norm_time(b) if first[n] == s else 0.0)
+            for n, b in params.items()
+        )
+        for s, params in enumerate(trained_parameters(model, stage_of_unit, num_stages))
     ]
 
 
@@ -336,17 +350,33 @@ def test_the_optimizer_step_costs_each_tensor_at_its_sizes_rate(traced):
         assert model.evaluate(stage_of_unit, [0, 1]).optimizer_time == pytest.approx(max(steps))
         looped = CostModel(graph, timed, schedule="auto", microbatches=4, dp_shard=dp_shard)
         assert looped.evaluate(stage_of_unit, [0, 0]).optimizer_time == pytest.approx(sum(steps))
-        # each gradient scaled (2 bytes moved per byte) and squared (2) and summed (1), each
-        # operator a launch, then AdamW's 18 bytes per byte streamed
-        launch = prof.device.kernel_overhead
+        # each gradient scaled (2 bytes moved per byte), then AdamW's 18 bytes per byte
+        # streamed; squared (2) and summed (1) into the norm in its first stage alone (a tied
+        # copy in a later stage is left out), each operator a launch
+        launch, first = prof.device.kernel_overhead, first_stages(plain, stage_of_unit)
         streamed = [
             sum(
-                3 * launch + b / dp_shard * (5 + OPTIMIZER_TRAFFIC["adamw"]) / speed
-                for b in params.values()
+                launch
+                + b / dp_shard * (2 + OPTIMIZER_TRAFFIC["adamw"]) / speed
+                + (2 * launch + b / dp_shard * 3 / speed if first[n] == s else 0.0)
+                for n, b in params.items()
             )
-            for params in trained_parameters(plain, stage_of_unit, 2)
+            for s, params in enumerate(trained_parameters(plain, stage_of_unit, 2))
         ]
         assert plain.evaluate(stage_of_unit, [0, 1]).optimizer_time == pytest.approx(max(streamed))
+
+
+def test_a_bf16_gradient_is_normed_in_fp32():
+    """Parameters held in bf16: the gradient is scaled in bf16 (2 bytes moved per byte), then
+    cast to fp32 (1 read, 2 written) for the norm's square and sum (4 and 2 per bf16 byte)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).bfloat16()
+    graph = trace(Example(model, (torch.randn(8, 64, dtype=torch.bfloat16),)))
+    costs = CostModel(graph, profile(graph), microbatches=2)
+    assert costs.dtype == torch.bfloat16
+    device = costs.device
+    speed, launch = device.memory_bandwidth * device.memory_efficiency, device.kernel_overhead
+    assert costs.scale_time(4096) == pytest.approx(launch + 2 * 4096 / speed)
+    assert costs.norm_time(4096) == pytest.approx(3 * launch + (3 + 4 + 2) * 4096 / speed)
 
 
 @pytest.mark.parametrize("schedule, devices", [("1f1b", None), ("zbv", 2), ("auto", 2)])

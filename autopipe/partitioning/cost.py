@@ -563,6 +563,7 @@ class CostModel:
             unit_params=self.unit_params,
             frozen=self.frozen,
             step_time=self.parameter_step_time,
+            norm_time=self.norm_time,
             accumulation_time=self.accumulation_time,
             exchanges=[(e.producer, e.last, e.activation, e.gradient) for e in self.exchanges],
             savers=savers,
@@ -800,28 +801,45 @@ class CostModel:
         speed = self.device.memory_bandwidth * self.device.memory_efficiency
         return share * OPTIMIZER_TRAFFIC[self.optimizer] / speed
 
-    def gradient_step_time(self, nbytes: float) -> float:
-        """Seconds train.py spends on a trained parameter's gradient of ``nbytes`` (this rank's
-        share, ``1/dp_shard``) between the step's last backward and its optimizer step: scaled
-        to the mean over the step's microbatches (``mul_``), then squared and summed into the
-        global norm (``pow``, and ``sum``: a reduction, which no table keyed by the elements it
-        writes times), a launch each. A run's ``--clip-grad-norm``, which no plan knows, scales
-        each gradient once more."""
+    def scale_time(self, nbytes: float) -> float:
+        """Seconds train.py spends scaling a trained parameter's gradient of ``nbytes`` (this
+        rank's share, ``1/dp_shard``) to the mean over the step's microbatches, after the step's
+        last backward: one ``mul_`` (timed by the spec's ``mul`` table, the kernel an in-place
+        ``mul_`` runs), every copy of a tied parameter. A run's ``--clip-grad-norm``, which no
+        plan knows, scales each gradient once more."""
+        share = nbytes / self.dp_shard
+        if share <= 0:
+            return 0.0
+        return self.device.operator_seconds(
+            "mul", self.dtype, share / self.dtype.itemsize, 2 * share
+        )
+
+    def norm_time(self, nbytes: float) -> float:
+        """Seconds train.py spends adding a trained parameter's gradient of ``nbytes`` (this
+        rank's share) into the global norm, a tied parameter's first copy alone: the gradient
+        in fp32 (a cast of a lower-precision one), squared (``pow``) and summed (``sum``: a
+        reduction, which no table keyed by the elements it writes times), a launch each."""
         share = nbytes / self.dp_shard
         if share <= 0:
             return 0.0
         elements = share / self.dtype.itemsize
+        single = elements * torch.float32.itemsize
+        cast = (
+            self.device.operator_seconds("_to_copy", self.dtype, elements, share + single)
+            if self.dtype.itemsize < torch.float32.itemsize
+            else 0.0
+        )
         return (
-            self.device.operator_seconds("mul", self.dtype, elements, 2 * share)
-            + self.device.operator_seconds("pow", self.dtype, elements, 2 * share)
-            + self.device.operator_seconds(None, self.dtype, 1.0, share)
+            cast
+            + self.device.operator_seconds("pow", torch.float32, elements, 2 * single)
+            + self.device.operator_seconds(None, torch.float32, 1.0, single)
         )
 
     def parameter_step_time(self, nbytes: float) -> float:
-        """Seconds a step spends once on a trained parameter of ``nbytes`` after its pipeline
-        runs: its gradient (:meth:`gradient_step_time`) and its optimizer step
-        (:meth:`optimizer_step_time`)."""
-        return self.gradient_step_time(nbytes) + self.optimizer_step_time(nbytes)
+        """Seconds a step spends once on every copy of a trained parameter of ``nbytes`` after
+        its pipeline runs: its gradient scaled (:meth:`scale_time`) and its optimizer step
+        (:meth:`optimizer_step_time`); its norm (:meth:`norm_time`) is once per parameter."""
+        return self.scale_time(nbytes) + self.optimizer_step_time(nbytes)
 
     def accumulation_time(self, nbytes: float) -> float:
         """Seconds a backward spends adding a trained parameter's gradient of ``nbytes`` into
@@ -838,8 +856,8 @@ class CostModel:
 
     def optimizer_time(self, stage_of_unit: list[int], device_of_stage: list[int]) -> float:
         """The slowest device's step after its pipeline runs: its stages' trained parameters,
-        each as :meth:`parameter_step_time` costs it (its gradient scaled and normed, then the
-        optimizer's step)."""
+        each as :meth:`parameter_step_time` costs it (its gradient scaled, then the optimizer's
+        step), and each one's norm (:meth:`norm_time`) in the first stage holding it."""
         steps = self.sums.optimizer_steps(self.sums.assignment(stage_of_unit), len(device_of_stage))
         times = [0.0] * (max(device_of_stage) + 1)
         for seconds, device in zip(steps.tolist(), device_of_stage):

@@ -58,7 +58,8 @@ class StageSums:
     between units that none keeps (:mod:`.handed_values`: locals of the generated code);
     ``unit_params`` each unit's parameters (bytes by name, in the unit's order); ``step_time``
     the seconds a step spends once on a trained parameter of so many bytes after its pipeline
-    runs (its gradient, the optimizer's step), ``accumulation_time`` those of a backward adding
+    runs (every copy's), ``norm_time`` those of its gradient's norm (a tied parameter's first
+    copy alone), ``accumulation_time`` those of a backward adding
     its gradient into the step's; ``blocks`` each block's units;
     ``block_gathers`` each block's parameter and trained parameter bytes where FSDP2 gathers
     the stages block by block (see :meth:`transients`), else None; ``gather_scale`` the bytes
@@ -78,6 +79,7 @@ class StageSums:
         unit_params: Sequence[dict[str, int]],
         frozen: frozenset[str],
         step_time: Callable[[int], float],
+        norm_time: Callable[[int], float] | None = None,
         accumulation_time: Callable[[int], float] | None = None,
         exchanges: Sequence[tuple[int, int, int, int]],
         savers: Sequence[Sequence[int]],
@@ -103,8 +105,11 @@ class StageSums:
         self.param_id = _ints([h[1] for h in reads])
         self.param_bytes = _floats([h[2] for h in reads])
         self.param_trained = _floats([h[2] if h[3] else 0 for h in reads])
-        #: each trained parameter's optimizer step (seconds), frozen ones' none
+        #: each trained parameter's step after the runs (seconds), frozen ones' none: every
+        #: copy's, and the norm's of its first copy alone (see ``optimizer_steps``)
         self.param_step = _floats([step_time(h[2]) if h[3] else 0.0 for h in reads])
+        norm = norm_time or (lambda nbytes: 0.0)
+        self.param_norm = _floats([norm(h[2]) if h[3] else 0.0 for h in reads])
         #: and of adding its gradient into the step's, each backward (see ``tied_accumulations``)
         adding = accumulation_time or (lambda nbytes: 0.0)
         self.param_accumulation = _floats([adding(h[2]) if h[3] else 0.0 for h in reads])
@@ -168,11 +173,15 @@ class StageSums:
 
     def optimizer_steps(self, stages: Ints, num_stages: int) -> Floats:
         """Seconds of each stage's step after its pipeline runs: its trained parameters'
-        (each once) gradients and optimizer step."""
+        (each once) gradients and optimizer step, and the norm of those it holds first (a
+        tied parameter's later copies are left out of the norm)."""
         if not self.num_params:
             return np.zeros(num_stages)
         first, owner = self._held(stages)
-        return _summed(owner, self.param_step[first], num_stages)
+        again = self._again(first)
+        return _summed(owner, self.param_step[first], num_stages) + _summed(
+            owner[~again], self.param_norm[first[~again]], num_stages
+        )
 
     def tied_accumulations(self, stages: Ints, num_stages: int) -> Floats:
         """Seconds each stage's backward spends adding the gradients of the trained parameters
@@ -182,9 +191,15 @@ class StageSums:
         if not self.num_params:
             return np.zeros(num_stages)
         first, owner = self._held(stages)
-        _, overall = np.unique(self.param_id, return_index=True)
-        again = first != overall[self.param_id[first]]
+        again = self._again(first)
         return _summed(owner[again], self.param_accumulation[first[again]], num_stages)
+
+    def _again(self, first: Ints) -> npt.NDArray[np.bool_]:
+        """Which of the parameter entries ``first`` (a stage's first of each parameter) are
+        not the parameter's first entry in the model: a tied parameter's later copies."""
+        _, overall = np.unique(self.param_id, return_index=True)
+        again: npt.NDArray[np.bool_] = first != overall[self.param_id[first]]
+        return again
 
     def _held(self, stages: Ints) -> tuple[Ints, Ints]:
         """Each parameter's first entry in each stage holding it, and that stage."""

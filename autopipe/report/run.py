@@ -208,13 +208,15 @@ class RunComparison:
     @property
     def predicted_outside_runs(self) -> float | None:
         """The plan's seconds of a step outside its pipeline runs (the gradients, the collectives
-        no compute hides, the optimizer step), where the run's data parallelism is the plan's;
-        None where the partition predicted none or the run had other data-parallel ranks."""
+        no compute hides, the optimizer step), where neither the plan nor the run had data
+        parallelism; None where the partition predicted none, or either had: a trace records
+        its data-parallel ranks (replicas x shards) but not how they split, and FSDP2's
+        once-a-step gather is timed inside the first forward."""
         partition = self.data.partition
         predicted, planned = partition.predicted, partition.settings.dp_shard or 1
         if predicted is None or predicted.optimizer_time is None:
             return None
-        return predicted.once_per_step if self.trace.run.dp_size == planned else None
+        return predicted.once_per_step if self.trace.run.dp_size == planned == 1 else None
 
     def summary_rows(self) -> list[tuple[str, str]]:
         """The section's header table (also the start of :meth:`summary`)."""
@@ -224,7 +226,7 @@ class RunComparison:
         accumulate = f", {run.accumulate} runs per step" if run.accumulate > 1 else ""
         outside = self.predicted_outside_runs
         besides = (
-            "not predicted for this run's data parallelism"
+            "not compared under data parallelism"
             if outside is None
             else f"predicted {outside * 1e3:.3f} ms"
         )
