@@ -114,6 +114,8 @@ class StageSums:
         adding = accumulation_time or (lambda nbytes: 0.0)
         self.param_accumulation = _floats([adding(h[2]) if h[3] else 0.0 for h in reads])
         self.num_params = len(names)
+        #: each parameter's first entry in the model (its first reader's), by parameter id
+        self.param_first: Ints = np.unique(self.param_id, return_index=True)[1]
         self.producer = _ints([e[0] for e in exchanges])
         self.last = _ints([e[1] for e in exchanges])
         self.exchange_activation = _floats([e[2] for e in exchanges])
@@ -197,8 +199,7 @@ class StageSums:
     def _again(self, first: Ints) -> npt.NDArray[np.bool_]:
         """Which of the parameter entries ``first`` (a stage's first of each parameter) are
         not the parameter's first entry in the model: a tied parameter's later copies."""
-        _, overall = np.unique(self.param_id, return_index=True)
-        again: npt.NDArray[np.bool_] = first != overall[self.param_id[first]]
+        again: npt.NDArray[np.bool_] = first != self.param_first[self.param_id[first]]
         return again
 
     def _held(self, stages: Ints) -> tuple[Ints, Ints]:
