@@ -224,12 +224,13 @@ class RunComparison:
         steps = trace.steps
         replicas = f"{run.dp_size} data-parallel replica{'s' if run.dp_size > 1 else ''}"
         accumulate = f", {run.accumulate} runs per step" if run.accumulate > 1 else ""
-        outside = self.predicted_outside_runs
-        besides = (
-            "not compared under data parallelism"
-            if outside is None
-            else f"predicted {outside * 1e3:.3f} ms"
-        )
+        outside, predicted = self.predicted_outside_runs, self.data.partition.predicted
+        if outside is not None:
+            besides = f"predicted {outside * 1e3:.3f} ms"
+        elif predicted is None or predicted.optimizer_time is None:
+            besides = "not predicted by this partition"
+        else:
+            besides = "not compared under data parallelism"
         return [
             ("trace", str(trace.directory)),
             (
