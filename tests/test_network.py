@@ -9,13 +9,14 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 
 from autopipe.compiler import CompileOptions, trace_step
 from autopipe.partitioning import CostModel, Partition, partition
 from autopipe.partitioning.network import Network
 from autopipe.partitioning.simulator import simulate_schedule
 from autopipe.profiling import device_spec, profile, with_link
-from autopipe.profiling.devices import DeviceSpec
+from autopipe.profiling.devices import DeviceSpec, RateTable
 from autopipe.report.summary import format_partition
 from autopipe.runtime.core.mesh import RankMesh
 from autopipe.runtime.core.pipeline import PIPELINE_INNERMOST, SHARDS_INNERMOST
@@ -58,6 +59,31 @@ def test_ring_within_one_node():
     assert network.collective("all_reduce", GB, ranks) == pytest.approx(
         2 * (7 * NVLINK_LATENCY + 7 / 8 * GB / NVLINK)
     )
+
+
+def test_collectives_measured_between_two_ranks_cost_a_group_within_a_node():
+    """A calibrated spec's ``collectives`` (bus bandwidth by the bytes a rank sends, measured
+    between two ranks) cost a group within one node: an all-reduce of n bytes over 2 ranks
+    sends n at the table's rate for n; over 4 ranks 3/2 n at its rate for that, plus the 2 x 2
+    ring steps past the two ranks' own at the node's latency; a gather sends (k - 1) / k of
+    its bytes; in 3 calls each call pays its own; a message below the table's smallest takes
+    that one's time; a collective the table lacks, and a group
+    across nodes, take the ring as before."""
+    slow, fast = 1e9, 2e9  # bytes/s at 1 MB sent and at 4 MB and more
+    rates = RateTable(((1e6, slow), (4e6, fast)))
+    measured = replace(H100, collectives={"all_reduce": rates, "all_gather": rates})
+    network, plain = Network(measured, 8), Network(H100, 8)
+    assert network.collective("all_reduce", 1e6, [0, 1]) == pytest.approx(1e6 / slow)
+    # below the table's smallest message: that one's time, its latencies
+    assert network.collective("all_reduce", 4, [0, 1]) == pytest.approx(1e6 / slow)
+    assert network.collective("all_reduce", 8e6, [0, 1, 2, 3]) == pytest.approx(
+        12e6 / fast + 4 * NVLINK_LATENCY
+    )
+    assert network.collective("all_gather", 8e6, [0, 1]) == pytest.approx(4e6 / fast)
+    ring = network.ring([0, 1])
+    assert ring.time("all_gather", 6e6, calls=3) == pytest.approx(3 * 1e6 / slow)
+    for kind, ranks in (("reduce_scatter", [0, 1]), ("all_reduce", [0, 8])):
+        assert network.collective(kind, 8e6, ranks) == plain.collective(kind, 8e6, ranks)
 
 
 def test_ring_across_two_full_nodes_runs_over_every_nic():
@@ -250,7 +276,8 @@ def test_tied_parameters_sum_their_gradients_once_per_step(gpt2_graph, gpt2_prof
     """GPT-2's embedding and head are one parameter held by the first and the last stage: each
     step sums its gradient between their ranks (an all-reduce over 2 ranks of a node: two
     latencies and the bytes once over NVLink), which the prediction charges once per step and
-    lists as tied traffic."""
+    lists as tied traffic; the step also all-reduces the gradient norm (one float) over the 4
+    pipeline ranks: 2 x 3 latencies."""
     part = partition(gpt2_graph, gpt2_profile, 4, microbatches=8)
     predicted = part.predicted
     assert predicted is not None
@@ -259,7 +286,53 @@ def test_tied_parameters_sum_their_gradients_once_per_step(gpt2_graph, gpt2_prof
     tied = [t for t in predicted.traffic if t.kind == "tied"]
     assert len(tied) == 1 and not tied[0].crosses_nodes
     assert tied[0].seconds == pytest.approx(expected)
-    assert predicted.data_parallel_time == pytest.approx(expected)
+    norm = 2 * 3 * NVLINK_LATENCY + 2 * 3 / 4 * 4 / NVLINK
+    assert predicted.data_parallel_time == pytest.approx(expected + norm)
+
+
+def test_a_rank_holding_two_copies_of_a_tied_parameter_sums_them(gpt2_graph, gpt2_profile):
+    """Where one rank holds GPT-2's embedding and head (the first and last stage of a V), it
+    sums their gradients on its own: a stack of the two, a sum of the stack and a copy back
+    into each (hand-computed from the spec's rates), and no collective; a rank with one copy
+    all-reduces it where it lies (the tie's all-reduce alone, above)."""
+    model = CostModel(gpt2_graph, gpt2_profile)
+    stage_of_unit = partition(gpt2_graph, gpt2_profile, 4).stage_of_unit
+    wte = next(p for p in gpt2_graph.params.values() if len(p.names) > 1)
+    n, elements, spec = wte.nbytes, wte.nbytes / 4, gpt2_profile.device
+    by_hand = (
+        spec.operator_seconds("stack", torch.float32, 2 * elements, 4 * n)
+        + spec.operator_seconds("sum", torch.float32, elements, 3 * n)
+        + 2 * spec.operator_seconds(None, torch.float32, elements, 2 * n)
+    )
+    v_shape = [0, 1, 1, 0]
+    assert model.tied_local_times(stage_of_unit, v_shape) == pytest.approx([by_hand, 0.0])
+    assert model.tie_rings(stage_of_unit, v_shape) == []
+    assert model.tied_local_times(stage_of_unit, [0, 1, 2, 3]) == [0.0] * 4
+    predicted = model.evaluate(stage_of_unit, v_shape, "zbv")
+    norm = model.norm_reduce_time(v_shape)  # the norm's all-reduce over the 2 ranks
+    assert norm == pytest.approx(2 * NVLINK_LATENCY + 4 / NVLINK)
+    assert predicted.data_parallel_time == pytest.approx(by_hand + norm)
+
+
+def test_the_gradient_norm_is_all_reduced_over_the_pipeline_then_the_shards(gpt2_graph):
+    """train.py sums the norm's squares (one float) over the pipeline ranks, then over each
+    rank's shard group: their latencies, over the links the groups cross; one rank alone sums
+    nothing."""
+    network = Network(H100, 8)
+    four = CostModel(gpt2_graph, profile(gpt2_graph, "analytic", H100))
+    assert four.norm_reduce_time([0]) == 0.0
+    assert four.norm_reduce_time([0, 1, 2, 3]) == pytest.approx(
+        network.collective("all_reduce", 4, [0, 1, 2, 3])
+    )
+    sharded = CostModel(
+        gpt2_graph, profile(gpt2_graph, "analytic", H100), dp_shard=4, network=network
+    )
+    pipeline = [sharded.network.rank(p, 0, 4, 4) for p in range(4)]
+    shards = sharded.network.shard_group(0, 4, 4)
+    assert sharded.norm_reduce_time([0, 1, 2, 3]) == pytest.approx(
+        network.collective("all_reduce", 4, pipeline) + network.collective("all_reduce", 4, shards)
+    )
+    assert network.ring(shards).crosses_nodes  # pipeline ranks innermost: shards 4 ranks apart
 
 
 def test_a_rank_waits_on_each_tensor_it_receives(gpt2_graph, gpt2_profile):

@@ -171,29 +171,37 @@ def test_calibrate_writes_a_usable_spec(tmp_path):
     kinds = {"matmul", "attention", "causal_attention", "attention_backward"}
     assert {f"{kind}.float32" for kind in kinds} | {"memory"} <= set(spec.tables)
     assert len(spec.tables["matmul.float32"].points) >= 4
+    # gloo's collectives between the two ranks, by the bytes a rank sends
+    assert set(spec.collectives) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert all(len(table.points) == 4 for table in spec.collectives.values())
     _, graph = linear_graph()
     assert sum(u.time for u in profile(graph, "analytic", spec).units) > 0
 
 
-def test_a_spec_file_with_optimizer_steps_reads_strictly(tmp_path):
-    """A calibrated spec's optimizer steps (rates by tensor size) round-trip; a step of another
-    optimizer, or one that is no table, is refused naming it."""
+def test_a_spec_file_with_optimizer_steps_and_collectives_reads_strictly(tmp_path):
+    """A calibrated spec's optimizer steps and collectives (rates by size) round-trip; a step
+    of another optimizer, a collective no plan costs, or one that is no table, is refused
+    naming it."""
     spec = replace(
         device_spec("H100"),
         optimizer_steps={
             "adamw": RateTable(((1024.0, 1e8), (1e6, 2e9))),
             "sgd": RateTable(((1024.0, 5e8),)),
         },
+        collectives={"all_reduce": RateTable(((16384.0, 2e8), (1.6e7, 1.5e9)))},
     )
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec.to_json()))
     assert device_spec(str(path)) == spec
-    assert "optimizer_steps" not in device_spec("H100").to_json()  # none measured: none written
-    for bad, message in (
-        ({"lamb": [[1024.0, 1e8]]}, "steps by optimizer"),
-        ({"adamw": {"per_byte": 1e-12}}, r"optimizer_steps\['adamw'\] must be"),
+    written = device_spec("H100").to_json()  # none measured: none written
+    assert "optimizer_steps" not in written and "collectives" not in written
+    for field, bad, message in (
+        ("optimizer_steps", {"lamb": [[1024.0, 1e8]]}, "steps by optimizer"),
+        ("optimizer_steps", {"adamw": {"per_byte": 1e-12}}, r"optimizer_steps\['adamw'\] must be"),
+        ("collectives", {"broadcast": [[1024.0, 1e8]]}, "rates by collective"),
+        ("collectives", {"all_gather": [[1024.0, -1.0]]}, r"collectives\['all_gather'\] must be"),
     ):
-        path.write_text(json.dumps(spec.to_json() | {"optimizer_steps": bad}))
+        path.write_text(json.dumps(spec.to_json() | {field: bad}))
         with pytest.raises(AutopipeError, match=message):
             device_spec(str(path))
 

@@ -57,6 +57,8 @@ OPTIMIZER_TEMPORARIES = {"sgd": 0.0, "adamw": 1.0}
 #: momentum reads the parameter and its gradient and writes the parameter. A calibrated spec's
 #: measured step (``DeviceSpec.optimizer_steps``) replaces these.
 OPTIMIZER_TRAFFIC = {"sgd": 3, "adamw": 18}
+#: the bytes of each all-reduce of the gradient norm: one fp32 sum of squares
+NORM_BYTES = 4.0
 
 
 def stage_time(forward: float, backward: float, comm_forward: float, comm_backward: float) -> float:
@@ -744,19 +746,68 @@ class CostModel:
         embedding and head), each summed once per step: the bytes each rank's sum moves (its
         shard when sharded), the pipeline ranks holding it, and the ring over their ranks."""
         ranks = self._pipeline_size(device_of_stage)
-        holders: dict[str, set[int]] = {}
+        ties = []
+        for nbytes, copies in self._tied_copies(stage_of_unit, device_of_stage):
+            if len(copies) > 1:
+                held = sorted(copies)
+                group = [self.network.rank(p, 0, ranks, self.dp_shard) for p in held]
+                ties.append((nbytes / self.dp_shard, held, self.network.ring(group)))
+        return ties
+
+    def _tied_copies(
+        self, stage_of_unit: list[int], device_of_stage: list[int]
+    ) -> list[tuple[int, dict[int, int]]]:
+        """Each trained parameter's bytes and the copies of it each pipeline rank holds (one
+        per stage holding it)."""
+        stages: dict[str, set[int]] = {}
         sizes: dict[str, int] = {}
         for unit, owned in enumerate(self.unit_params):
             for name, nbytes in owned.items():
                 if name not in self.frozen:
-                    holders.setdefault(name, set()).add(device_of_stage[stage_of_unit[unit]])
+                    stages.setdefault(name, set()).add(stage_of_unit[unit])
                     sizes[name] = nbytes
-        ties = []
-        for name, held in holders.items():
-            if len(held) > 1:
-                group = [self.network.rank(p, 0, ranks, self.dp_shard) for p in sorted(held)]
-                ties.append((sizes[name] / self.dp_shard, sorted(held), self.network.ring(group)))
-        return ties
+        found = []
+        for name, held in stages.items():
+            copies: dict[int, int] = {}
+            for stage in held:
+                copies[device_of_stage[stage]] = copies.get(device_of_stage[stage], 0) + 1
+            found.append((sizes[name], copies))
+        return found
+
+    def norm_reduce_time(self, device_of_stage: list[int]) -> float:
+        """Seconds of the all-reduces train.py sums the gradient norm's squares by (one float):
+        over the pipeline ranks, then over the shard group; their latencies alone."""
+        ranks = self._pipeline_size(device_of_stage)
+        seconds = 0.0
+        if ranks > 1:
+            group = [self.network.rank(p, 0, ranks, self.dp_shard) for p in range(ranks)]
+            seconds += self.network.ring(group).time("all_reduce", NORM_BYTES)
+        if self.dp_shard > 1:
+            seconds += self.shard_rings(ranks)[0].time("all_reduce", NORM_BYTES)
+        return seconds
+
+    def tied_local_times(self, stage_of_unit: list[int], device_of_stage: list[int]) -> list[float]:
+        """Seconds each pipeline rank spends summing the copies of a tied parameter it holds
+        more than one of (a V-shaped schedule's first and last stages): train.py stacks them,
+        sums the stack and copies the sum back into each (a rank's one copy is all-reduced
+        where it lies, :meth:`tie_times`)."""
+        times = [0.0] * self._pipeline_size(device_of_stage)
+        for nbytes, copies in self._tied_copies(stage_of_unit, device_of_stage):
+            share = nbytes / self.dp_shard
+            elements = share / self.dtype.itemsize
+            for rank, count in copies.items():
+                if count > 1 and share > 0:
+                    times[rank] += (
+                        self.device.operator_seconds(
+                            "stack", self.dtype, count * elements, 2 * count * share
+                        )
+                        + self.device.operator_seconds(
+                            "sum", self.dtype, elements, (count + 1) * share
+                        )
+                        + count
+                        * self.device.operator_seconds(None, self.dtype, elements, 2 * share)
+                    )
+        return times
 
     @staticmethod
     def tie_times(ties: list[tuple[float, list[int], RingCost]], ranks: int) -> list[float]:
@@ -1099,7 +1150,12 @@ class CostModel:
                 per_device[device_of_stage[s]] += gather[s] + reduce[s]
             once = max(per_device)
         ties = self.tie_rings(stage_of_unit, device_of_stage)
-        once += max(self.tie_times(ties, self._pipeline_size(device_of_stage)), default=0.0)
+        tied = zip(
+            self.tie_times(ties, self._pipeline_size(device_of_stage)),
+            self.tied_local_times(stage_of_unit, device_of_stage),
+        )
+        once += max((summed + local for summed, local in tied), default=0.0)
+        once += self.norm_reduce_time(device_of_stage)
         traffic = self._traffic(
             stage_of_unit, device_of_stage, schedule, microbatches, params, trainable, calls, ties
         )

@@ -19,7 +19,11 @@ Costs, per message of ``n`` bytes:
 - *tree all-reduce* (NCCL's double binary tree between nodes, a chain within each): every rank
   sends and receives about ``n`` each way, ``2 n / bandwidth``, in ``2 x (log2(nodes) +
   ranks per node - 1)`` latencies; an all-reduce costs the faster of ring and tree, as NCCL's
-  tuner picks (the tree wins for small messages over many nodes).
+  tuner picks (the tree wins for small messages over many nodes);
+- *measured*: a calibrated spec's ``collectives`` (``autopipe calibrate`` on a CPU times gloo's
+  collectives between two processes, which reach a fraction of what their sends and receives
+  do) cost a group within one node by the bus bandwidth measured at the bytes each rank sends,
+  plus the node's latency for each ring step past the two ranks' own.
 
 The bandwidth of a collective whose ranks span nodes is that of the slowest link its ring
 crosses: within a node the node's link; between nodes the NICs of the group's ranks in a node
@@ -35,7 +39,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from ..profiling.devices import DeviceSpec
+from ..profiling.devices import COLLECTIVES, DeviceSpec, RateTable
 from ..runtime.core.mesh import RankMesh
 from ..runtime.core.pipeline import MESH_DIMENSIONS, PIPELINE_INNERMOST
 
@@ -45,9 +49,6 @@ __all__ = [
     "NetworkLink",
     "RingCost",
 ]
-
-#: the collectives costed: FSDP2's gather of parameters and reduction of gradients; all-reduce
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,9 @@ class RingCost:
     per_node: int
     node_latency: float  # a step within a node
     link: str = ""  # the slowest link's name
+    #: a group within one node: the bus bandwidth its collectives reached between two ranks
+    #: (a calibrated spec's ``collectives``, by kind), used instead of the link's ring
+    measured: tuple[tuple[str, RateTable], ...] = ()
 
     def step_latencies(self) -> float:
         """Seconds of latency of one ring collective's ``k - 1`` steps: a chunk crosses
@@ -95,6 +99,16 @@ class RingCost:
         if self.ranks <= 1 or nbytes <= 0:
             return 0.0
         k = self.ranks
+        measured = dict(self.measured).get(kind)
+        if measured is not None and not self.crosses_nodes:
+            # each rank sends 2 (k - 1) / k of an all-reduce's bytes, (k - 1) / k of a gather's;
+            # the table's two ranks paid one ring step's latency (two in an all-reduce's), the
+            # other k - 2 steps pay the node's
+            rounds = 2 if kind == "all_reduce" else 1
+            sent = rounds * (k - 1) / k * nbytes / calls
+            extra = rounds * (k - 2) * self.node_latency
+            # a message below the table's smallest takes that one's time (its latencies)
+            return calls * (max(sent, measured.points[0][0]) / measured.at(sent) + extra)
         ring = calls * self.step_latencies() + (k - 1) / k * nbytes / self.bandwidth
         if kind != "all_reduce":
             return ring
@@ -192,6 +206,7 @@ class Network:
                 per_node,
                 link.latency,
                 link.name,
+                tuple(sorted(self.device.collectives.items())),
             )
         nics = self.device.nics_per_node or per_node  # one per GPU by default
         bandwidth = min(per_node, nics) * self.nic.bandwidth

@@ -3,7 +3,8 @@
 Measured, not looked up: matrix-multiply FLOP/s per dtype, streaming memory bandwidth, the cost of
 launching a tiny operator (and on CPU of a view, which the dispatcher spends in line), the
 device's memory size, and the bandwidth between two pipeline stages (two local processes over
-gloo on CPU; a device-to-device copy on CUDA, or a host-device copy when there is a single GPU).
+gloo on CPU, with the rates of gloo's collectives between them; a device-to-device copy on CUDA,
+or a host-device copy when there is a single GPU).
 The fractions of peak are 1: these are achieved rates already. The spec's tables hold the rates
 by size (products by their FLOPs, attention by its FLOPs with and without a causal mask, copies
 by their bytes), which the analytic profile interpolates. An optimizer step (AdamW and SGD, as
@@ -27,6 +28,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
 
@@ -38,7 +40,14 @@ from ..artifacts import atomic_write_text
 from ..errors import AutopipeError
 from torch.nn import functional as F
 
-from .devices import KNOWN_DEVICES, OPTIMIZERS, DeviceSpec, RateTable, device_spec
+from .devices import (
+    COLLECTIVES,
+    KNOWN_DEVICES,
+    OPTIMIZERS,
+    DeviceSpec,
+    RateTable,
+    device_spec,
+)
 from .flops import flop_counter
 from .operator_rates import operator_tables
 from .rank_conditions import as_a_rank_runs
@@ -56,8 +65,8 @@ __all__ = [
 #: again (v2: the tables by size and the view overhead; v3: a CPU's operators in real layers;
 #: v4: the link's latency; v5: SDPA's math path, the receive wait, freed memory kept; v6: the
 #: optimizer step; v7: the optimizer step by tensor size; v8: the device type, which picks the
-#: attention kernels the analytic profile runs)
-CALIBRATION = "calibration-v8"
+#: attention kernels the analytic profile runs; v9: the collectives)
+CALIBRATION = "calibration-v9"
 #: the sizes (elements) of the parameter tensors an optimizer step is timed over: from a
 #: launch-bound one to one a CPU's caches do not hold (a GPU's table adds 64 Mi)
 OPTIMIZER_TENSOR_SIZES = (256, 4096, 65536, 1 << 20, 8 << 20)
@@ -68,6 +77,10 @@ OPTIMIZER_TENSORS = 512
 #: receives timed under load (:func:`_receive_waits`): the mean of a wait that is bimodal (a
 #: busy sender's transfer thread gets a core at once, or after the scheduler's slice)
 RECEIVE_ROUNDS = 96
+#: the bytes of the tensors each collective is timed on (:func:`_collective_rates`), and the
+#: calls timed at each size
+COLLECTIVE_SIZES = (16 << 10, 256 << 10, 2 << 20, 16 << 20)
+COLLECTIVE_ROUNDS = 9
 #: ``--device-spec`` names of this machine's devices, calibrated on first use
 LOCAL_DEVICES = ("cpu", "cuda")
 #: the specs this process calibrated, by cache file
@@ -240,23 +253,55 @@ def _round_trips(rank: int, tensor: torch.Tensor, count: int, barrier: bool) -> 
 
 def _gloo_bandwidth_worker(rank: int, init_file: str, nbytes: int, result, threads: int) -> None:
     """One of two processes computing with ``threads`` threads, as the ranks do: the bandwidth
-    of ``nbytes`` messages, the latency of a tiny one and the wait of a receive under load
-    (:func:`_receive_waits`), over gloo, put on ``result`` by rank 0."""
+    of ``nbytes`` messages, the latency of a tiny one, the wait of a receive under load
+    (:func:`_receive_waits`) and the collectives' rates (:func:`_collective_rates`), over
+    gloo, put on ``result`` by rank 0."""
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     large = _round_trips(rank, torch.ones(nbytes // 4), 6, barrier=True)[1:]
     small = _round_trips(rank, torch.ones(1), 50, barrier=False)
     waited = torch.tensor([statistics.mean(_receive_waits(rank, RECEIVE_ROUNDS))])
     dist.broadcast(waited, src=1)
+    collectives = _collective_rates()
     if rank == 0:
         result.put(
             (
                 2 * nbytes / statistics.median(large),
                 statistics.median(small) / 2,
                 float(waited),
+                collectives,
             )
         )
     dist.destroy_process_group()
+
+
+def _collective_rates() -> dict[str, RateTable]:
+    """The bus bandwidth of each collective (:data:`COLLECTIVE_SIZES`, the medians of
+    :data:`COLLECTIVE_ROUNDS`) between the two ranks of the default group: the bytes a rank
+    sends per second (an all-reduce's whole tensor, half a gathered or reduced one; see
+    :attr:`DeviceSpec.collectives`), by the slower rank's median time."""
+    rates: dict[str, RateTable] = {}
+    for kind in COLLECTIVES:
+        points = []
+        for nbytes in COLLECTIVE_SIZES:
+            whole, half = torch.ones(nbytes // 4), torch.ones(nbytes // 8)
+            samples = []
+            for _ in range(COLLECTIVE_ROUNDS + 1):  # the first warms the buffers up
+                dist.barrier()
+                start = time.perf_counter()
+                if kind == "all_reduce":
+                    dist.all_reduce(whole)
+                elif kind == "all_gather":
+                    dist.all_gather_into_tensor(whole, half)
+                else:
+                    dist.reduce_scatter_tensor(half, whole)
+                samples.append(time.perf_counter() - start)
+            seconds = torch.tensor([statistics.median(samples[1:])])
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            sent = nbytes if kind == "all_reduce" else nbytes / 2
+            points.append((float(sent), sent / float(seconds)))
+        rates[kind] = RateTable(tuple(points))
+    return rates
 
 
 def _receive_waits(rank: int, rounds: int) -> list[float]:
@@ -290,22 +335,34 @@ def _receive_waits(rank: int, rounds: int) -> list[float]:
     return waits or [0.0]
 
 
-def link_bandwidth(device: torch.device, nbytes: int) -> tuple[float, float, float, str]:
-    """Bytes/s between two pipeline stages on this machine, the seconds of a message and the
-    seconds a receive under load waits (:func:`_receive_waits`; 0 where not measured), and
-    what was measured."""
+@dataclass(frozen=True)
+class Link:
+    """What :func:`link_bandwidth` measured between two ranks."""
+
+    bandwidth: float  # bytes/s of a large message
+    latency: float  # seconds of a tiny one
+    waited: float  # seconds a receive waits for a busy sender (0: not measured)
+    collectives: dict[str, RateTable]  # bus bandwidth by collective (empty: not measured)
+    how: str  # what was measured
+
+
+def link_bandwidth(device: torch.device, nbytes: int) -> Link:
+    """Bytes/s between two pipeline stages on this machine, the seconds of a message, the
+    seconds a receive under load waits (:func:`_receive_waits`; 0 where not measured), the
+    collectives' rates (on a CPU) and what was measured."""
     if device.type == "cuda":
         if torch.cuda.device_count() > 1:
             source = torch.empty(nbytes // 4, device="cuda:0")
             target = torch.empty(nbytes // 4, device="cuda:1")
             seconds = _timed(lambda: target.copy_(source), device, 5)
-            return nbytes / seconds, 0.0, 0.0, "cuda:0 -> cuda:1 copy"
+            return Link(nbytes / seconds, 0.0, 0.0, {}, "cuda:0 -> cuda:1 copy")
         host = torch.empty(nbytes // 4).pin_memory()
         on_device = torch.empty(nbytes // 4, device=device)
-        return (
+        return Link(
             nbytes / _timed(lambda: on_device.copy_(host), device, 5),
             0.0,
             0.0,
+            {},
             "pinned host -> device copy",
         )
     context = mp.get_context("spawn")
@@ -317,8 +374,8 @@ def link_bandwidth(device: torch.device, nbytes: int) -> tuple[float, float, flo
             nprocs=2,
             start_method="spawn",
         )
-    bandwidth, latency, waited = result.get()
-    return bandwidth, latency, waited, "gloo between two local processes"
+    bandwidth, latency, waited, collectives = result.get()
+    return Link(bandwidth, latency, waited, collectives, "gloo between two local processes")
 
 
 def total_memory(device: torch.device) -> float:
@@ -378,17 +435,21 @@ def _calibrate(device: torch.device, name: str | None, log: Callable[[str], None
     for optimizer, table in steps.items():
         rates = ", ".join(f"{size / 1024:.0f} KiB {rate / 1e9:.2f}" for size, rate in table.points)
         log(f"{optimizer} step, GB/s of parameters by tensor size: {rates}")
-    link, latency, waited, how = link_bandwidth(device, (256 << 20) if on_gpu else (64 << 20))
+    link = link_bandwidth(device, (256 << 20) if on_gpu else (64 << 20))
     log(
-        f"link ({how}): {link / 1e9:.2f} GB/s, {latency * 1e6:.0f} us per message, "
-        f"{waited * 1e6:.0f} us a receive waits while its sender computes"
+        f"link ({link.how}): {link.bandwidth / 1e9:.2f} GB/s, {link.latency * 1e6:.0f} us per "
+        f"message, {link.waited * 1e6:.0f} us a receive waits while its sender computes"
     )
+    for kind, table in link.collectives.items():
+        rates = ", ".join(f"{size / 1024:.0f} KiB {rate / 1e9:.2f}" for size, rate in table.points)
+        log(f"{kind} over two ranks, GB/s a rank sends by the bytes it sends: {rates}")
     label = name or torch.cuda.get_device_name(device)
     links: dict[str, Any] = {
-        "link_bandwidth": link,
-        "link": f"measured: {how}",
-        "link_latency": latency,
-        "receive_overhead": waited,
+        "link_bandwidth": link.bandwidth,
+        "link": f"measured: {link.how}",
+        "link_latency": link.latency,
+        "receive_overhead": link.waited,
+        "collectives": link.collectives,
     }
     known = known_gpu(torch.cuda.get_device_name(device)) if on_gpu else None
     if known is not None and torch.cuda.device_count() < 2:

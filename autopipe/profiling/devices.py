@@ -86,6 +86,9 @@ class RateTable:
 
 #: the optimizers train.py steps with (``--optimizer``), as a spec's ``optimizer_steps`` names them
 OPTIMIZERS = ("adamw", "sgd")
+#: the collectives a plan costs (FSDP2's gather of parameters and reduction of gradients, the
+#: all-reduce of tied gradients and of the norm), as a spec's ``collectives`` names them
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 #: the kinds of calibrated tables: matrix products, attention's forward and backward kernels
@@ -140,6 +143,14 @@ class DeviceSpec:
     #: fit its caches update faster than those streamed from memory. Without it, the cost model
     #: streams the optimizer's traffic at the memory rate.
     optimizer_steps: dict[str, RateTable] = field(default_factory=dict)
+    #: what a collective over ranks of one node costs, by kind (:data:`COLLECTIVES`), as
+    #: ``autopipe calibrate`` measures it between two ranks (gloo between two processes on a
+    #: CPU, where a collective reaches a fraction of its send and receive's rate): the bytes
+    #: each rank sends per second (the bus bandwidth: a ring all-reduce of ``n`` bytes over
+    #: ``k`` ranks sends ``2 (k - 1) / k x n``, an all-gather of ``n`` gathered bytes
+    #: ``(k - 1) / k x n``) by those bytes, the two ranks' latencies included. Without it, the
+    #: ring over ``link_bandwidth`` and ``link_latency`` (:mod:`autopipe.partitioning.network`).
+    collectives: dict[str, RateTable] = field(default_factory=dict)
     #: the kind of device its kernels are: "cuda" (a GPU, whose attention runs a fused kernel
     #: that keeps no probabilities for the backward) or "cpu" (torch's CPU kernels)
     device_type: str = "cuda"
@@ -223,7 +234,9 @@ class DeviceSpec:
         data = asdict(self)
         data["tables"] = {kind: table.to_json() for kind, table in self.tables.items()}
         data["optimizer_steps"] = {k: t.to_json() for k, t in self.optimizer_steps.items()}
-        for optional in ("tables", "optimizer_steps"):  # a spec without measurements has none
+        data["collectives"] = {k: t.to_json() for k, t in self.collectives.items()}
+        # a spec without measurements has none
+        for optional in ("tables", "optimizer_steps", "collectives"):
             if not data[optional]:
                 del data[optional]
         return data
@@ -271,6 +284,12 @@ class DeviceSpec:
                 f"{where}: optimizer_steps must be an object of steps by optimizer "
                 f"({', '.join(OPTIMIZERS)}), got {steps!r}"
             )
+        collectives = data.get("collectives", {})
+        if not isinstance(collectives, dict) or not set(collectives) <= set(COLLECTIVES):
+            raise AutopipeError(
+                f"{where}: collectives must be an object of rates by collective "
+                f"({', '.join(COLLECTIVES)}), got {collectives!r}"
+            )
         return cls(
             **(data | {"flops": dict(flops)})
             | {
@@ -281,6 +300,10 @@ class DeviceSpec:
                 "optimizer_steps": {
                     name: RateTable.from_json(table, f"{where}: optimizer_steps[{name!r}]")
                     for name, table in steps.items()
+                },
+                "collectives": {
+                    kind: RateTable.from_json(table, f"{where}: collectives[{kind!r}]")
+                    for kind, table in collectives.items()
                 },
             }
         )

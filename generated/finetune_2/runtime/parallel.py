@@ -541,18 +541,21 @@ class GradientSync:
         tensor parallelism over the tensor-parallel ranks (in one all-reduce)."""
         for tie in self.ties:
             present = [local_shard(p.grad) for p in tie.copies if p.grad is not None]
-            total = (
-                torch.stack(present).sum(0)
-                if present
-                else torch.zeros_like(local_shard(tie.copies[0].data))
-            )
+            if len(present) == 1 and present[0].is_contiguous():
+                total = present[0]  # this rank's one gradient, summed where it lies
+            elif present:
+                total = torch.stack(present).sum(0)
+            else:
+                total = torch.zeros_like(local_shard(tie.copies[0].data))
             if tie.group is not None:
                 with doing("tied_sum", ranks=tie.ranks):
                     dist.all_reduce(total, group=tie.group)
             for p in tie.copies:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                local_shard(p.grad).copy_(total)
+                grad = local_shard(p.grad)
+                if grad.data_ptr() != total.data_ptr():
+                    grad.copy_(total)
         present = [local_shard(p.grad) for p in self.partial if p.grad is not None]
         if present and self.layout.tp_mesh is not None:
             tp_group = self.layout.tp_mesh.get_group()
