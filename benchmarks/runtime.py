@@ -186,11 +186,14 @@ def main():
     def sync_tied_grads():
         for group, params in ties:
             grads = [p.grad for p in params if p.grad is not None]
-            total = torch.stack(grads).sum(0) if grads else torch.zeros_like(params[0])
+            if len(grads) == 1:
+                total = grads[0]  # a rank's one copy, summed where it lies
+            else:
+                total = torch.stack(grads).sum(0) if grads else torch.zeros_like(params[0])
             if group is not None:
                 dist.all_reduce(total, group=group)
             for p in params:
-                if p.grad is not None:
+                if p.grad is not None and p.grad is not total:
                     p.grad = total.clone()
 
     def loss_fn(output, _target):

@@ -84,6 +84,11 @@ def test_collectives_measured_between_two_ranks_cost_a_group_within_a_node():
     assert ring.time("all_gather", 6e6, calls=3) == pytest.approx(3 * 1e6 / slow)
     for kind, ranks in (("reduce_scatter", [0, 1]), ("all_reduce", [0, 8])):
         assert network.collective(kind, 8e6, ranks) == plain.collective(kind, 8e6, ranks)
+    # --link: the collectives measured over the old link go with it
+    relinked = Network(with_link(measured, "nvlink4"), 8)
+    assert relinked.collective("all_reduce", 8e6, [0, 1]) == plain.collective(
+        "all_reduce", 8e6, [0, 1]
+    )
 
 
 def test_ring_across_two_full_nodes_runs_over_every_nic():
@@ -277,7 +282,7 @@ def test_tied_parameters_sum_their_gradients_once_per_step(gpt2_graph, gpt2_prof
     step sums its gradient between their ranks (an all-reduce over 2 ranks of a node: two
     latencies and the bytes once over NVLink), which the prediction charges once per step and
     lists as tied traffic; the step also all-reduces the gradient norm (one float) over the 4
-    pipeline ranks: 2 x 3 latencies."""
+    pipeline ranks and checks that it is finite over every rank: 2 x 3 latencies each."""
     part = partition(gpt2_graph, gpt2_profile, 4, microbatches=8)
     predicted = part.predicted
     assert predicted is not None
@@ -286,8 +291,9 @@ def test_tied_parameters_sum_their_gradients_once_per_step(gpt2_graph, gpt2_prof
     tied = [t for t in predicted.traffic if t.kind == "tied"]
     assert len(tied) == 1 and not tied[0].crosses_nodes
     assert tied[0].seconds == pytest.approx(expected)
+    # and the step's numbers: the norm over the 4 pipeline ranks, the finite check over them
     norm = 2 * 3 * NVLINK_LATENCY + 2 * 3 / 4 * 4 / NVLINK
-    assert predicted.data_parallel_time == pytest.approx(expected + norm)
+    assert predicted.data_parallel_time == pytest.approx(expected + 2 * norm)
 
 
 def test_a_rank_holding_two_copies_of_a_tied_parameter_sums_them(gpt2_graph, gpt2_profile):
@@ -309,30 +315,40 @@ def test_a_rank_holding_two_copies_of_a_tied_parameter_sums_them(gpt2_graph, gpt
     assert model.tie_rings(stage_of_unit, v_shape) == []
     assert model.tied_local_times(stage_of_unit, [0, 1, 2, 3]) == [0.0] * 4
     predicted = model.evaluate(stage_of_unit, v_shape, "zbv")
-    norm = model.norm_reduce_time(v_shape)  # the norm's all-reduce over the 2 ranks
-    assert norm == pytest.approx(2 * NVLINK_LATENCY + 4 / NVLINK)
+    norm = model.scalar_reduce_time(v_shape)  # the norm's and the finite check's, 2 ranks
+    assert norm == pytest.approx(2 * (2 * NVLINK_LATENCY + 4 / NVLINK))
     assert predicted.data_parallel_time == pytest.approx(by_hand + norm)
 
 
-def test_the_gradient_norm_is_all_reduced_over_the_pipeline_then_the_shards(gpt2_graph):
-    """train.py sums the norm's squares (one float) over the pipeline ranks, then over each
-    rank's shard group: their latencies, over the links the groups cross; one rank alone sums
-    nothing."""
+def test_a_step_all_reduces_its_numbers_over_each_group(gpt2_graph):
+    """After its pipeline runs, train.py all-reduces a number or two at a time: the gradient
+    norm's squares over the tensor-parallel group, the pipeline ranks and the shard group, the
+    loss's mean over the last stage's shard group, and the finite check over every rank; each
+    takes its group's latencies over the links it crosses (4 pipeline ranks x 4 shards, pipeline
+    innermost: the shards of a pipeline rank are 4 ranks apart, over two nodes); one rank alone
+    waits on none."""
     network = Network(H100, 8)
-    four = CostModel(gpt2_graph, profile(gpt2_graph, "analytic", H100))
-    assert four.norm_reduce_time([0]) == 0.0
-    assert four.norm_reduce_time([0, 1, 2, 3]) == pytest.approx(
-        network.collective("all_reduce", 4, [0, 1, 2, 3])
+    H100_profile = profile(gpt2_graph, "analytic", H100)
+
+    def reduced(ranks: list[int]) -> float:
+        return network.collective("all_reduce", 4, ranks)
+
+    assert CostModel(gpt2_graph, H100_profile).scalar_reduce_time([0]) == 0.0
+    sharded = CostModel(gpt2_graph, H100_profile, dp_shard=4, network=network)
+    pipelines = [[network.rank(p, d, 4, 4) for p in range(4)] for d in range(4)]
+    shards = [network.shard_group(p, 4, 4) for p in range(4)]
+    assert network.ring(shards[0]).crosses_nodes and not network.ring(pipelines[0]).crosses_nodes
+    by_hand = (
+        max(map(reduced, pipelines))
+        + 2 * max(map(reduced, shards))  # the norm, then the loss's mean
+        + reduced(list(range(16)))  # the finite check
     )
-    sharded = CostModel(
-        gpt2_graph, profile(gpt2_graph, "analytic", H100), dp_shard=4, network=network
+    assert sharded.scalar_reduce_time([0, 1, 2, 3]) == pytest.approx(by_hand)
+    split = replace(H100_profile, divided={name: 2 for name in gpt2_graph.params})
+    tensor_parallel = CostModel(gpt2_graph, split, dp_shard=4, network=network)
+    assert tensor_parallel.scalar_reduce_time([0, 1, 2, 3]) == pytest.approx(
+        by_hand + reduced([0, 1])
     )
-    pipeline = [sharded.network.rank(p, 0, 4, 4) for p in range(4)]
-    shards = sharded.network.shard_group(0, 4, 4)
-    assert sharded.norm_reduce_time([0, 1, 2, 3]) == pytest.approx(
-        network.collective("all_reduce", 4, pipeline) + network.collective("all_reduce", 4, shards)
-    )
-    assert network.ring(shards).crosses_nodes  # pipeline ranks innermost: shards 4 ranks apart
 
 
 def test_a_rank_waits_on_each_tensor_it_receives(gpt2_graph, gpt2_profile):

@@ -173,7 +173,7 @@ def test_calibrate_writes_a_usable_spec(tmp_path):
     assert len(spec.tables["matmul.float32"].points) >= 4
     # gloo's collectives between the two ranks, by the bytes a rank sends
     assert set(spec.collectives) == {"all_reduce", "all_gather", "reduce_scatter"}
-    assert all(len(table.points) == 4 for table in spec.collectives.values())
+    assert all(len(table.points) == 5 for table in spec.collectives.values())
     _, graph = linear_graph()
     assert sum(u.time for u in profile(graph, "analytic", spec).units) > 0
 

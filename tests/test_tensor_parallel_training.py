@@ -283,14 +283,14 @@ def test_the_fake_cuda_dry_run_of_a_70b_shaped_rank(tmp_path):
     assert description["tp"] == 8 and description["sequence_parallel"] is True
     package = load_pipeline(compiled.out)
     blocks = [len(stage["blocks"]) for stage in description["stages"]]
-    # rank (dp_shard * 4 + pp) * 8 + tp: the first three stages' first ranks, and the last
-    # stage's last rank, which is the job's (its second shard, its eighth GPU of a node)
-    ranks = [str(pp * 8) for pp in range(3)] + ["63"]
+    # rank (shard * 4 + pp) * 8 + tp: a rank of each stage, the last stage's the one that
+    # reports (first shard, tp rank 0), stage 1's on the second shard's eighth GPU of a node
+    ranks = ["0", str((4 + 1) * 8 + 7), "16", "24"]
     args = ("--device", "cuda", "--dp-shard", "2", "--world-size", "64", "--steps", "2")
     results = [play(package, *args, "--rank", rank)[0][0] for rank in ranks]
     assert not problems(results), problems(results)
     assert [r.stages for r in results] == [(0,), (1,), (2,), (3,)]
-    assert results[-1].device == "cuda:7"
+    assert results[1].device == "cuda:7"
     microbatches = 2 * description["plan"]["microbatches"]  # over the 2 steps
     for result in results:
         per_block = 2 * blocks[result.stages[0]] * microbatches

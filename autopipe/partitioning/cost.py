@@ -57,7 +57,8 @@ OPTIMIZER_TEMPORARIES = {"sgd": 0.0, "adamw": 1.0}
 #: momentum reads the parameter and its gradient and writes the parameter. A calibrated spec's
 #: measured step (``DeviceSpec.optimizer_steps``) replaces these.
 OPTIMIZER_TRAFFIC = {"sgd": 3, "adamw": 18}
-#: the bytes of each all-reduce of the gradient norm: one fp32 sum of squares
+#: the bytes of each all-reduce of a number a step runs (the gradient norm's fp32 sum of
+#: squares, the loss's mean; the finite check's two flags are as short)
 NORM_BYTES = 4.0
 
 
@@ -95,7 +96,7 @@ class Prediction:
     bubble: float  # idle fraction of device time in the simulated step
     memory_peaks: list[MemoryPeak] = field(default_factory=list)  # what each device's peak holds
     optimizer_time: float = 0.0  # the slowest device's gradients and optimizer step
-    data_parallel_time: float = 0.0  # collectives once per step that no compute hides
+    data_parallel_time: float = 0.0  # once a step, no compute hiding it: collectives, tied sums
     flops: float = 0.0  # the model's forward + backward FLOPs per microbatch (no recomputation)
     peak_flops: float = 0.0  # one device's peak FLOP/s for the model's parameter dtype
     traffic: list[Traffic] = field(default_factory=list)  # by kind and link, busiest rank
@@ -469,6 +470,8 @@ class CostModel:
         self.frozen = facts.frozen
         self.param_bytes, self.trainable_bytes = facts.param_bytes, facts.trainable_bytes
         self.unit_params = facts.unit_params
+        #: the tensor-parallel degree (1: none)
+        self.tp = max(profile.divided.values(), default=1)
         if profile.divided:  # tensor parallelism: each rank's part of the sharded parameters
             self.unit_params = [
                 {name: nbytes // profile.divided.get(name, 1) for name, nbytes in held.items()}
@@ -774,23 +777,38 @@ class CostModel:
             found.append((sizes[name], copies))
         return found
 
-    def norm_reduce_time(self, device_of_stage: list[int]) -> float:
-        """Seconds of the all-reduces train.py sums the gradient norm's squares by (one float):
-        over the pipeline ranks, then over the shard group; their latencies alone."""
-        ranks = self._pipeline_size(device_of_stage)
-        seconds = 0.0
-        if ranks > 1:
-            group = [self.network.rank(p, 0, ranks, self.dp_shard) for p in range(ranks)]
-            seconds += self.network.ring(group).time("all_reduce", NORM_BYTES)
-        if self.dp_shard > 1:
-            seconds += self.shard_rings(ranks)[0].time("all_reduce", NORM_BYTES)
+    def scalar_reduce_time(self, device_of_stage: list[int]) -> float:
+        """Seconds of the all-reduces of a number or two every step runs after its pipeline
+        runs, one after another, each as slow as its slowest group: the gradient norm's squares
+        over the tensor-parallel group (a node holds whole groups), the pipeline ranks and the
+        shard group; the loss's mean over the last stage's shard group; the finite check over
+        every rank. Their latencies, over the links each group crosses."""
+        ranks, last = self._pipeline_size(device_of_stage), device_of_stage[-1]
+        known: dict[tuple[int, int], float] = self.__dict__.setdefault("_scalar_reduces", {})
+        if (ranks, last) in known:
+            return known[ranks, last]
+        network, shards = self.network, self.dp_shard
+        groups: list[list[list[int]]] = []  # each all-reduce's groups
+        if self.tp > 1:
+            groups.append([list(range(self.tp))])
+        pipelines = [
+            [network.rank(p, d, ranks, shards) for p in range(ranks)] for d in range(shards)
+        ]
+        shard_groups = [network.shard_group(p, ranks, shards) for p in range(ranks)]
+        groups += [pipelines, shard_groups, [shard_groups[last]], [sum(pipelines, [])]]
+        seconds = sum(
+            max(network.ring(group).time("all_reduce", NORM_BYTES) for group in each)
+            for each in groups
+        )
+        known[ranks, last] = seconds
         return seconds
 
     def tied_local_times(self, stage_of_unit: list[int], device_of_stage: list[int]) -> list[float]:
         """Seconds each pipeline rank spends summing the copies of a tied parameter it holds
         more than one of (a V-shaped schedule's first and last stages): train.py stacks them,
-        sums the stack and copies the sum back into each (a rank's one copy is all-reduced
-        where it lies, :meth:`tie_times`)."""
+        sums the stack (by the roofline, as :meth:`norm_time` sums: the ``sum`` table is of
+        reductions to few elements) and copies the sum back into each (a rank's one copy is
+        all-reduced where it lies, :meth:`tie_times`)."""
         times = [0.0] * self._pipeline_size(device_of_stage)
         for nbytes, copies in self._tied_copies(stage_of_unit, device_of_stage):
             share = nbytes / self.dp_shard
@@ -802,7 +820,7 @@ class CostModel:
                             "stack", self.dtype, count * elements, 2 * count * share
                         )
                         + self.device.operator_seconds(
-                            "sum", self.dtype, elements, (count + 1) * share
+                            None, self.dtype, elements, (count + 1) * share
                         )
                         + count
                         * self.device.operator_seconds(None, self.dtype, elements, 2 * share)
@@ -1155,7 +1173,7 @@ class CostModel:
             self.tied_local_times(stage_of_unit, device_of_stage),
         )
         once += max((summed + local for summed, local in tied), default=0.0)
-        once += self.norm_reduce_time(device_of_stage)
+        once += self.scalar_reduce_time(device_of_stage)
         traffic = self._traffic(
             stage_of_unit, device_of_stage, schedule, microbatches, params, trainable, calls, ties
         )

@@ -262,7 +262,7 @@ class PredictedStep:
     device_memory: tuple[float, ...]  # peak bytes per device
     memory_peaks: tuple[MemoryPeak, ...] | None  # what each device's peak holds
     optimizer_time: float | None  # the slowest device's gradients and optimizer step
-    data_parallel_time: float | None  # collectives once per step that no compute hides
+    data_parallel_time: float | None  # once a step, no compute hiding it: collectives, tied sums
     flops: float | None  # forward + backward FLOPs per microbatch (no recomputation)
     peak_flops: float | None  # one device's peak FLOP/s for the model's parameter dtype
     stages: tuple[PredictedStage, ...]

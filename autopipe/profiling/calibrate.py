@@ -79,7 +79,7 @@ OPTIMIZER_TENSORS = 512
 RECEIVE_ROUNDS = 96
 #: the bytes of the tensors each collective is timed on (:func:`_collective_rates`), and the
 #: calls timed at each size
-COLLECTIVE_SIZES = (16 << 10, 256 << 10, 2 << 20, 16 << 20)
+COLLECTIVE_SIZES = (1 << 10, 16 << 10, 256 << 10, 2 << 20, 16 << 20)
 COLLECTIVE_ROUNDS = 9
 #: ``--device-spec`` names of this machine's devices, calibrated on first use
 LOCAL_DEVICES = ("cpu", "cuda")

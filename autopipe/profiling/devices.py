@@ -496,11 +496,12 @@ def with_link(
 ) -> DeviceSpec:
     """The spec with the link between the GPUs of a node replaced (``--link nvlink4`` or a GB/s
     number) and the link from each GPU to other nodes (``--network ib-ndr`` or GB/s); a bare
-    bandwidth keeps the latency the spec had."""
+    bandwidth keeps the latency the spec had. A new link drops the collectives measured over
+    the old one (a calibrated CPU's): its collectives are then the ring over the new link."""
     changed: dict[str, Any] = {}
     if link is not None and link != "":
         bandwidth, latency, label = known_link(link)
-        changed |= {"link_bandwidth": bandwidth, "link": label}
+        changed |= {"link_bandwidth": bandwidth, "link": label, "collectives": {}}
         if latency is not None:
             changed["link_latency"] = latency
     if network is not None and network != "":
