@@ -80,7 +80,7 @@ RECEIVE_ROUNDS = 96
 #: the bytes of the tensors each collective is timed on (:func:`_collective_rates`), and the
 #: calls timed at each size
 COLLECTIVE_SIZES = (1 << 10, 16 << 10, 256 << 10, 2 << 20, 16 << 20)
-COLLECTIVE_ROUNDS = 9
+COLLECTIVE_ROUNDS = 24
 #: ``--device-spec`` names of this machine's devices, calibrated on first use
 LOCAL_DEVICES = ("cpu", "cuda")
 #: the specs this process calibrated, by cache file
@@ -276,13 +276,17 @@ def _gloo_bandwidth_worker(rank: int, init_file: str, nbytes: int, result, threa
 
 
 def _collective_rates() -> dict[str, RateTable]:
-    """The bus bandwidth of each collective (:data:`COLLECTIVE_SIZES`, the medians of
+    """The bus bandwidth of each collective (:data:`COLLECTIVE_SIZES`, the mean of
     :data:`COLLECTIVE_ROUNDS`) between the two ranks of the default group: the bytes a rank
     sends per second (an all-reduce's whole tensor, half a gathered or reduced one; see
-    :attr:`DeviceSpec.collectives`), by the slower rank's median time."""
+    :attr:`DeviceSpec.collectives`), by the slower rank's mean time. The mean, as of a
+    receive's wait (:func:`_receive_waits`): on a CPU whose cores the ranks fill a collective
+    takes 0.15 ms or 4 at random (gloo's thread woken at once or after the scheduler's slice),
+    and a median of a few flips between the two."""
     rates: dict[str, RateTable] = {}
     for kind in COLLECTIVES:
         points = []
+        slowest = 0.0  # a larger message takes at least a smaller one's time (the noise's)
         for nbytes in COLLECTIVE_SIZES:
             whole, half = torch.ones(nbytes // 4), torch.ones(nbytes // 8)
             samples = []
@@ -292,14 +296,15 @@ def _collective_rates() -> dict[str, RateTable]:
                 if kind == "all_reduce":
                     dist.all_reduce(whole)
                 elif kind == "all_gather":
-                    dist.all_gather_into_tensor(whole, half)
+                    dist.all_gather_single(whole, half)
                 else:
-                    dist.reduce_scatter_tensor(half, whole)
+                    dist.reduce_scatter_single(half, whole)
                 samples.append(time.perf_counter() - start)
-            seconds = torch.tensor([statistics.median(samples[1:])])
+            seconds = torch.tensor([statistics.mean(samples[1:])])
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            slowest = max(slowest, float(seconds))
             sent = nbytes if kind == "all_reduce" else nbytes / 2
-            points.append((float(sent), sent / float(seconds)))
+            points.append((float(sent), sent / slowest))
         rates[kind] = RateTable(tuple(points))
     return rates
 
