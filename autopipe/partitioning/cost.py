@@ -788,18 +788,20 @@ class CostModel:
         if (ranks, last) in known:
             return known[ranks, last]
         network, shards = self.network, self.dp_shard
-        groups: list[list[list[int]]] = []  # each all-reduce's groups
+        rings: list[list[RingCost]] = []  # each all-reduce's groups, in the order they run
         if self.tp > 1:
-            groups.append([list(range(self.tp))])
+            rings.append([network.ring(list(range(self.tp)))])
         pipelines = [
             [network.rank(p, d, ranks, shards) for p in range(ranks)] for d in range(shards)
         ]
-        shard_groups = [network.shard_group(p, ranks, shards) for p in range(ranks)]
-        groups += [pipelines, shard_groups, [shard_groups[last]], [sum(pipelines, [])]]
-        seconds = sum(
-            max(network.ring(group).time("all_reduce", NORM_BYTES) for group in each)
-            for each in groups
-        )
+        shard_rings = self.shard_rings(ranks)  # the norm's, then the loss's on the last stage
+        rings += [
+            [network.ring(group) for group in pipelines],
+            shard_rings,
+            [shard_rings[last]],
+            [network.ring(sum(pipelines, []))],
+        ]
+        seconds = sum(max(ring.time("all_reduce", NORM_BYTES) for ring in each) for each in rings)
         known[ranks, last] = seconds
         return seconds
 

@@ -438,16 +438,14 @@ def _calibrate(device: torch.device, name: str | None, log: Callable[[str], None
     log(f"view overhead: {views * 1e6:.2f} us")
     steps = optimizer_steps(device)
     for optimizer, table in steps.items():
-        rates = ", ".join(f"{size / 1024:.0f} KiB {rate / 1e9:.2f}" for size, rate in table.points)
-        log(f"{optimizer} step, GB/s of parameters by tensor size: {rates}")
+        log(f"{optimizer} step, GB/s of parameters by tensor size: {_by_size(table)}")
     link = link_bandwidth(device, (256 << 20) if on_gpu else (64 << 20))
     log(
         f"link ({link.how}): {link.bandwidth / 1e9:.2f} GB/s, {link.latency * 1e6:.0f} us per "
         f"message, {link.waited * 1e6:.0f} us a receive waits while its sender computes"
     )
     for kind, table in link.collectives.items():
-        rates = ", ".join(f"{size / 1024:.0f} KiB {rate / 1e9:.2f}" for size, rate in table.points)
-        log(f"{kind} over two ranks, GB/s a rank sends by the bytes it sends: {rates}")
+        log(f"{kind} over two ranks, GB/s a rank sends by the bytes it sends: {_by_size(table)}")
     label = name or torch.cuda.get_device_name(device)
     links: dict[str, Any] = {
         "link_bandwidth": link.bandwidth,
@@ -479,6 +477,11 @@ def _calibrate(device: torch.device, name: str | None, log: Callable[[str], None
         tables=tables,
         **links,
     )
+
+
+def _by_size(table: RateTable) -> str:
+    """A table of bytes/s by bytes, for the log: ``16 KiB 0.12, 256 KiB 0.56, ...`` (GB/s)."""
+    return ", ".join(f"{size / 1024:.0f} KiB {rate / 1e9:.2f}" for size, rate in table.points)
 
 
 def known_gpu(name: str) -> DeviceSpec | None:
