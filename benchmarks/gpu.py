@@ -1,46 +1,54 @@
 """The one-GPU kit: autopipe's CUDA path checked and measured on one GPU, in a few minutes.
 
-    python benchmarks/gpu.py            # about 8 minutes on one H100, and the parity ladder
-    python benchmarks/gpu.py --quick    # smaller speed model, fewer steps and cases
-    python benchmarks/gpu.py --json results.json --work DIR
+    python benchmarks/gpu.py --quick    # one command on a lent GPU: within 7 minutes (--budget)
+    python benchmarks/gpu.py            # every case, both ladders: about 20 minutes on an H100
+    python benchmarks/gpu.py --parts speed,prediction --json results.json --work DIR
 
-Five parts, each case in fresh processes (a failure is reported in its row and the kit goes on):
+On this project's lent GPU machine (``benchmarks/gpu_device.sh``: the packages it lacks, carried
+as wheels, and the command line) the figures land in ``$OUT``. The parts, in the order the kit
+runs them, each case in fresh processes (a failure is reported in its row and the kit goes on):
 
-(a) **Exactness on CUDA.** GPT-2 and a Llama (tiny configs, fp32, dropout off) compiled into 2
-    and 4 stages on one device (``--devices 1``: every stage on the one GPU, torch's looped
-    interleaved 1F1B) and trained by ``train.py --device cuda`` on one rank, against the original
-    model trained on the same GPU from the same weights on the same batches
-    (benchmarks/gpu_worker.py reference): fp32 per-step losses and the trained weights must agree
-    (losses to 1e-5 relative, each parameter's update to 1e-3 of its norm); with
+(a) **Exactness on CUDA** (``exactness``). GPT-2 and a Llama (tiny configs, fp32, dropout off)
+    compiled into 2 and 4 stages on one device (``--devices 1``: every stage on the one GPU,
+    torch's looped interleaved 1F1B) and trained by ``train.py --device cuda`` on one rank,
+    against the original model trained on the same GPU from the same weights on the same
+    batches (benchmarks/gpu_worker.py reference): fp32 per-step losses and the trained weights
+    must agree (losses to 1e-5 relative, each parameter's update to 1e-3 of its norm); with
     ``--bf16`` (autocast in each stage, as autocast around the original model) the loss curves
-    must agree to 1e-2 relative at every step.
-(b) **Speed.** A Llama in bf16 weights (1.1 B parameters, 8 microbatches of 1 x 2048 tokens; with
-    ``--quick`` 0.2 B and 1 x 1024): training tokens/s and MFU of the original model eager and
-    under ``torch.compile``, of the compiled two-stage package run by ``train.py`` on the one GPU
-    with and without ``--compile``, and of torch's ``pipeline()`` splitting the model at the same
-    layer into two stages on the same GPU under the same schedule. Every variant trains the same
-    batches with the same AdamW step; MFU counts the model's FLOPs (no recomputation) over the
-    GPU's bf16 peak in its device spec.
-(c) **Prediction.** The speed model's analytic profile (the device spec matching this GPU)
-    against ``--profile measured`` on it, unit by unit (forward and backward time, bytes saved for
-    backward), and the plan's predicted step time and peak memory against the train.py run's
-    median step and ``torch.cuda.max_memory_allocated``; the step is also predicted again from
-    the measured profile.
+    must agree to 1e-2 relative at every step. ``--quick``: 2 stages, GPT-2 in fp32, the Llama
+    in both.
+(b) **Calibration** (``calibration``). ``autopipe calibrate`` measures this GPU (products,
+    attention and copies by size, the launch floor, the optimizer step) into
+    ``calibrated.json`` beside ``--json``: commit it as ``autopipe/profiling/specs/<gpu>.json``
+    (``h100.json``, ``h200.json``), where it replaces the datasheet spec of that name.
+(c) **Speed** (``speed``). A Llama in bf16 weights (1.1 B parameters, 8 microbatches of 1 x
+    2048 tokens; with ``--quick`` 0.2 B and 1 x 1024): training tokens/s and MFU of the original
+    model eager and of the compiled two-stage package run by ``train.py`` on the one GPU, torch's
+    ``pipeline()`` splitting the model at the same layer into two stages on the same GPU under
+    the same schedule (not with ``--quick``); after (d), the original under ``torch.compile``
+    and the package under ``--compile``. Every variant trains the same batches with the same
+    AdamW step; MFU counts the model's FLOPs (no recomputation) over the GPU's bf16 peak in its
+    device spec.
+(d) **Prediction** (``prediction``). The speed model's analytic profile (the device spec
+    matching this GPU) against ``--profile measured`` on it, unit by unit (forward and backward
+    time, bytes saved for backward); the plan's predicted step time and peak memory against the
+    eager train.py run's median step and ``torch.cuda.max_memory_allocated`` (issue 44: within 5
+    %), the step predicted again from the measured profile, and from the analytic profile under
+    (b)'s spec (issue 44: within 10 %).
+(e) **Parity** (``parity``). The parity ladder (benchmarks/parity.py) on this device: the
+    original model against the generated stages without the runtime and ``train.py`` with one
+    and two stages, each rung's tokens/s over the original's against issue 43's targets
+    (``--quick``: the Llama alone, its short sequence, no profiled step; otherwise GPT-2 and the
+    Llama with the ladder's profiler diffs), its own figures in ``parity.json`` beside ``--json``.
+(f) **CUDA paths** (``paths``). GPT-2 of (a): a DCP checkpoint and ``--resume``, a ``--trace``
+    of CUDA events read back by ``autopipe report --run``.
 
-(e) **Calibration.** ``autopipe calibrate`` measures this GPU (products, attention and copies
-    by size, the launch floor) into ``calibrated.json`` beside ``--json`` (commit it as
-    ``autopipe/profiling/specs/<gpu>.json``); (c) then also predicts the speed model's step from
-    the analytic profile under that spec, against the run (issue 44's target: within 10 %).
-
-(d) **Parity.** The parity ladder (benchmarks/parity.py) on this device: the original model
-    against the generated stages without the runtime and ``train.py`` with one and two stages,
-    each rung's tokens/s over the original's against issue 43's targets (``--quick``: the Llama
-    alone, its short sequence, no profiled step; otherwise GPT-2 and the Llama with the
-    ladder's profiler diffs in its own JSON, ``parity.json`` in ``--work``).
-
-It prints one table and writes every figure to ``--json``. Without a CUDA device it exits with a
-message; ``--device cpu`` rehearses every step on this machine's CPU (gloo, the smallest speed
-model) to check the kit itself, and its figures mean nothing.
+``--budget SECONDS`` (420 with ``--quick``) bounds the whole kit: every process gets at most what
+is left, and a case that would start with too little left is skipped with a row that says so.
+It prints one table and writes every figure to ``--json`` after every row (a kit cut short keeps
+what it measured). Without a CUDA device it exits with a message; ``--device cpu`` rehearses
+every step on this machine's CPU (gloo, the smallest speed model) to check the kit itself, and
+its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -49,12 +57,14 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +88,10 @@ MODELS = "benchmarks/gpu_models.py"
 WORKER = HERE / "gpu_worker.py"
 MICROBATCHES = 8  # gpu_models.MICROBATCHES
 SCHEDULE = "interleaved-1f1b"  # every stage on one rank: torch's looped 1F1B
+#: the kit's parts, in the order it runs them: what no earlier GPU run measured first
+PARTS = ("exactness", "calibration", "speed", "prediction", "parity", "paths")
+#: seconds --quick runs for: 8 minutes of device time, less the machine's start and the wheels
+QUICK_BUDGET = 420
 
 #: fp32: per-step losses, relative; and each parameter's training update (trained - initial),
 #: the norm of the difference over the norm of the reference's update. Element-wise closeness is
@@ -97,8 +111,14 @@ class Row:
     case: str
     measured: str
     against: str = ""
-    verdict: str = ""  # "ok", "FAIL", "error", or "" for a figure without a pass mark
+    #: "ok", "FAIL", "miss" (a target not met), "error", "skipped" (the budget spent or a
+    #: case --quick leaves out), or "" for a figure without a pass mark
+    verdict: str = ""
     data: dict[str, Any] = field(default_factory=dict)
+
+
+class OutOfTime(Exception):
+    """Too little of the kit's ``--budget`` is left to start a case: it is skipped."""
 
 
 @dataclass
@@ -110,6 +130,17 @@ class Kit:
     output: Path  # the JSON file, rewritten after every row (a kit cut short keeps its figures)
     facts: dict[str, Any]
     rows: list[Row] = field(default_factory=list)
+    deadline: float | None = None  # time.monotonic() by which the kit ends (--budget)
+
+    def timeout(self, seconds: float, least: float = 20.0) -> float:
+        """``seconds`` for a step of a case, cut to what the budget has left (:class:`OutOfTime`
+        when that is under ``least``)."""
+        if self.deadline is None:
+            return seconds
+        left = self.deadline - time.monotonic()
+        if left < least:
+            raise OutOfTime(f"{max(left, 0):.0f} s of --budget left")
+        return min(seconds, left)
 
     def add(self, row: Row) -> Row:
         self.rows.append(row)
@@ -143,16 +174,18 @@ def train(kit: Kit, package: Path, log: Path, *options: str, timeout: float = 60
         str(log),
         *options,
     ]
-    run(command, timeout)
+    run(command, kit.timeout(timeout))
     return [json.loads(line) for line in log.read_text().splitlines() if '"loss"' in line]
 
 
 def worker(kit: Kit, *arguments: str, timeout: float = 600) -> None:
-    run([sys.executable, str(WORKER), *arguments, "--device", kit.device], timeout)
+    run([sys.executable, str(WORKER), *arguments, "--device", kit.device], kit.timeout(timeout))
 
 
 def compiled(kit: Kit, model: str, stages: int) -> Path:
-    """``model`` of gpu_models.py compiled into ``stages`` stages on one device."""
+    """``model`` of gpu_models.py compiled into ``stages`` stages on one device (in this
+    process: started only with a minute of the budget left)."""
+    kit.timeout(60, least=60)
     out = kit.work / f"{model}_{stages}"
     options = CompileOptions(
         stages=stages,
@@ -169,6 +202,8 @@ def attempt(kit: Kit, part: str, case: str, measure) -> None:
     """Run one case; a failure becomes an error row instead of ending the kit."""
     try:
         measure()
+    except OutOfTime as exc:
+        kit.add(Row(part, case, f"skipped: {exc}", verdict="skipped"))
     except Exception as exc:  # the kit reports every failure and goes on
         message = str(exc) if isinstance(exc, Failed) else traceback.format_exc(limit=6)
         first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
@@ -178,11 +213,16 @@ def attempt(kit: Kit, part: str, case: str, measure) -> None:
 
 # -- (a) exactness ----------------------------------------------------------------------------
 def exactness(kit: Kit) -> None:
+    """Every case of (a); with --quick 2 stages only, GPT-2 in fp32 and the Llama in both."""
     steps = {"fp32": 6, "bf16": 10}
-    cases = [("gpt2", 2), ("gpt2", 4), ("llama", 2), ("llama", 4)]
+    cases = (
+        [("gpt2", 2), ("llama", 2)]
+        if kit.quick
+        else [("gpt2", 2), ("gpt2", 4), ("llama", 2), ("llama", 4)]
+    )
     references: dict[tuple[str, str], Path] = {}
     for model, stages in cases:
-        precisions = ["fp32", "bf16"] if not (kit.quick and stages == 4) else ["fp32"]
+        precisions = ["fp32"] if kit.quick and model == "gpt2" else ["fp32", "bf16"]
         for precision in precisions:
             case = f"{model}, {stages} stages, {precision}"
             attempt(
@@ -318,24 +358,46 @@ def speed_model(kit: Kit) -> tuple[str, str, int]:
     return f"speed_llama{suffix}", f"speed_batches{suffix}", sequence
 
 
-def speed(kit: Kit) -> Path | None:
-    model, batches, sequence = speed_model(kit)
-    warmup, timed = (2, 4) if kit.quick or kit.device == "cpu" else (3, 10)
-    steps = warmup + timed
-    built: list[Path] = []
-    attempt(kit, "speed", f"compile {model}", lambda: built.append(compiled(kit, model, 2)))
-    if not built:
-        return None
-    package = built[0]
-    pipeline = Pipeline.from_json(json.loads((package / "pipeline.json").read_text()))
-    plan = pipeline.plan
-    assert plan is not None
-    tokens = MICROBATCHES * sequence
+@dataclass
+class Speed:
+    """Part (b): the speed Llama's two-stage package and the runs measured against it."""
 
-    def figure(case: str, seconds: float, peak: int | None, losses: list[float], **data) -> None:
-        mfu = plan.utilisation(seconds, MICROBATCHES, 1)
+    kit: Kit
+    package: Path
+    model: str
+    batches: str
+    sequence: int
+    warmup: int
+    steps: int
+
+    @property
+    def plan(self) -> Any:
+        plan = Pipeline.from_json(json.loads((self.package / "pipeline.json").read_text())).plan
+        assert plan is not None
+        return plan
+
+    def eager(self) -> None:
+        """The original model and the package without ``torch.compile``, then torch's
+        ``pipeline()`` on the same split (left out by --quick)."""
+        attempt(self.kit, "speed", "original, eager", lambda: self.original(False))
+        attempt(self.kit, "speed", "autopipe 2 stages, eager", lambda: self.autopipe(False))
+        if self.kit.quick:
+            self.kit.add(Row("speed", "pipeline() 2 stages", "skipped: --quick", verdict="skipped"))
+        else:
+            attempt(self.kit, "speed", "pipeline() 2 stages", self.torch_pipeline)
+
+    def compiled(self) -> None:
+        """The original under ``torch.compile`` and the package under ``--compile``."""
+        attempt(self.kit, "speed", "original, torch.compile", lambda: self.original(True))
+        attempt(self.kit, "speed", "autopipe 2 stages, --compile", lambda: self.autopipe(True))
+
+    def figure(
+        self, case: str, seconds: float, peak: int | None, losses: list[float], **data
+    ) -> None:
+        tokens = MICROBATCHES * self.sequence
+        mfu = self.plan.utilisation(seconds, MICROBATCHES, 1)
         peak_text = f", peak {peak / 2**30:.1f} GiB" if peak else ""
-        kit.add(
+        self.kit.add(
             Row(
                 "speed",
                 case,
@@ -353,45 +415,53 @@ def speed(kit: Kit) -> Path | None:
             )
         )
 
-    def original(compiled_model: bool) -> None:
+    def original(self, compiled_model: bool) -> None:
+        kit = self.kit
         out = kit.work / f"original{'_compiled' if compiled_model else ''}.json"
         flag = ["--compile"] if compiled_model else []
-        worker(kit, "original", model, "--batches", batches, "--steps", str(steps),
-               "--warmup", str(warmup), "--out", str(out), *flag)  # fmt: skip
+        worker(kit, "original", self.model, "--batches", self.batches, "--steps", str(self.steps),
+               "--warmup", str(self.warmup), "--out", str(out), *flag)  # fmt: skip
         result = json.loads(out.read_text())
         name = "original, torch.compile" if compiled_model else "original, eager"
-        figure(name, result["step_time"], result["peak_memory"], result["losses"])
+        self.figure(name, result["step_time"], result["peak_memory"], result["losses"])
 
-    def autopipe(compile_stages: bool) -> None:
+    def autopipe(self, compile_stages: bool) -> None:
+        kit = self.kit
         tag = "compiled" if compile_stages else "eager"
         flag = ["--compile"] if compile_stages else []
-        records = train(kit, package, kit.work / f"autopipe_{tag}.jsonl", "--steps", str(steps),
-                        "--data", f"{MODELS}:{batches}", *flag)  # fmt: skip
-        seconds = statistics.median(r["time"] for r in records[warmup:])
+        records = train(kit, self.package, kit.work / f"autopipe_{tag}.jsonl", "--steps",
+                        str(self.steps), "--data", f"{MODELS}:{self.batches}", *flag)  # fmt: skip
+        seconds = statistics.median(r["time"] for r in records[self.warmup :])
         peak = max(records[-1]["peak_memory"])
-        figure(f"autopipe 2 stages, {'--compile' if compile_stages else 'eager'}", seconds,
-               peak, [r["loss"] for r in records], predicted_step=plan.step_time)  # fmt: skip
+        self.figure(f"autopipe 2 stages, {'--compile' if compile_stages else 'eager'}", seconds,
+                    peak, [r["loss"] for r in records], predicted_step=self.plan.step_time)  # fmt: skip
 
-    def torch_pipeline() -> None:
+    def torch_pipeline(self) -> None:
+        kit = self.kit
         runtime = load_module("benchmarks_runtime", HERE / "runtime.py")
-        points, moved = runtime.split_points(package)
+        points, moved = runtime.split_points(self.package)
         out = kit.work / "pipeline.json"
-        worker(kit, "pipeline", model, "--batches", batches, "--steps", str(steps), "--warmup",
-               str(warmup), "--split", points[0], "--out", str(out))  # fmt: skip
+        worker(kit, "pipeline", self.model, "--batches", self.batches, "--steps", str(self.steps),
+               "--warmup", str(self.warmup), "--split", points[0], "--out", str(out))  # fmt: skip
         result = json.loads(out.read_text())
-        figure(f"pipeline() 2 stages at {points[0]}", result["step_time"],
-               result["peak_memory"], result["losses"], moved=moved[0])  # fmt: skip
+        self.figure(f"pipeline() 2 stages at {points[0]}", result["step_time"],
+                    result["peak_memory"], result["losses"], moved=moved[0])  # fmt: skip
 
-    attempt(kit, "speed", "original, eager", lambda: original(False))
-    attempt(kit, "speed", "original, torch.compile", lambda: original(True))
-    attempt(kit, "speed", "autopipe 2 stages, eager", lambda: autopipe(False))
-    attempt(kit, "speed", "autopipe 2 stages, --compile", lambda: autopipe(True))
-    attempt(kit, "speed", "pipeline() 2 stages", torch_pipeline)
-    return package
+
+def speed(kit: Kit) -> Speed | None:
+    """Part (b)'s package compiled; None (and an error row) when it cannot be."""
+    model, batches, sequence = speed_model(kit)
+    warmup, timed = (2, 4) if kit.quick or kit.device == "cpu" else (3, 10)
+    built: list[Path] = []
+    attempt(kit, "speed", f"compile {model}", lambda: built.append(compiled(kit, model, 2)))
+    if not built:
+        return None
+    return Speed(kit, built[0], model, batches, sequence, warmup, warmup + timed)
 
 
 # -- (c) prediction ----------------------------------------------------------------------------
 def prediction(kit: Kit, package: Path) -> None:
+    kit.timeout(60, least=60)  # the measured profile runs in this process
     model, _, _ = speed_model(kit)
     graph = load_graph(package / "artifacts" / "graph.json")
     analytic = Profile.load(package / "artifacts" / "profile.json")
@@ -441,72 +511,80 @@ def prediction(kit: Kit, package: Path) -> None:
     )
     runs = {r.case: r for r in kit.rows if r.part == "speed"}
     run = runs.get("autopipe 2 stages, eager")
-    predicted = partition.predicted
-    settings = partition.settings
-    remodel = CostModel(
-        graph, measured, schedule=settings.schedule, microbatches=settings.microbatches
-    ).evaluate(
-        partition.stage_of_unit,
-        partition.device_of_stage,
-        recompute=frozenset(partition.recompute),
-        recompute_blocks=frozenset(partition.recompute_blocks),
+    if run is None or "step_time" not in run.data:
+        why = "no eager autopipe run to predict (speed's row above says why)"
+        kit.add(
+            Row("prediction", "step time: plan vs train.py", f"skipped: {why}", verdict="skipped")
+        )
+        return
+    predicted, settings = partition.predicted, partition.settings
+
+    def step_time(under: Profile) -> float:
+        """The step the cost model predicts for the package's partition under a profile."""
+        return (
+            CostModel(graph, under, schedule=settings.schedule, microbatches=settings.microbatches)
+            .evaluate(
+                partition.stage_of_unit,
+                partition.device_of_stage,
+                recompute=frozenset(partition.recompute),
+                recompute_blocks=frozenset(partition.recompute_blocks),
+            )
+            .step_time
+        )
+
+    step, remodelled = run.data["step_time"], step_time(measured)
+    kit.add(
+        Row(
+            "prediction",
+            "step time: plan vs train.py",
+            f"analytic plan {predicted.step_time * 1e3:.1f} ms, from measured units "
+            f"{remodelled * 1e3:.1f} ms, run {step * 1e3:.1f} ms",
+            f"run/plan {step / predicted.step_time:.2f}x, "
+            f"run/measured-units {step / remodelled:.2f}x",
+            data={"plan": predicted.step_time, "measured_units": remodelled, "run": step},
+        )
     )
+    peak = run.data.get("peak_memory")
+    if peak:
+        planned = max(predicted.device_memory)
+        kit.add(
+            Row(
+                "prediction",
+                "peak memory: plan vs train.py",
+                f"plan {planned / 2**30:.2f} GiB, run {peak / 2**30:.2f} GiB "
+                "(torch.cuda.max_memory_allocated)",
+                f"run/plan {peak / planned:.2f}x (target within 5%)",
+                verdict="ok" if abs(peak / planned - 1) <= 0.05 else "miss",
+                data={"plan": planned, "run": peak},
+            )
+        )
+    attempt(kit, "prediction", "step time: calibrated plan vs run",
+            lambda: calibrated_prediction(kit, graph, step, step_time))  # fmt: skip
+
+
+def calibrated_prediction(
+    kit: Kit, graph: Any, step: float, step_time: Callable[[Profile], float]
+) -> None:
+    """The run's step predicted from the analytic profile under the spec the calibration part
+    wrote (issue 44's target: within 10 %)."""
     calibrated_file = kit.output.parent / "calibrated.json"
-    calibrated = None
-    if calibrated_file.is_file():
-        spec = device_spec(str(calibrated_file))
-        under = profile(graph, "analytic", spec)
-        calibrated = CostModel(
-            graph, under, schedule=settings.schedule, microbatches=settings.microbatches
-        ).evaluate(
-            partition.stage_of_unit,
-            partition.device_of_stage,
-            recompute=frozenset(partition.recompute),
-            recompute_blocks=frozenset(partition.recompute_blocks),
+    case = "step time: calibrated plan vs run"
+    if not calibrated_file.is_file():
+        why = f"no {calibrated_file.name} beside {kit.output.name} (the calibration part did not run or failed)"
+        kit.add(Row("prediction", case, f"skipped: {why}", verdict="skipped"))
+        return
+    predicted = step_time(profile(graph, "analytic", device_spec(str(calibrated_file))))
+    error = predicted / step - 1
+    kit.add(
+        Row(
+            "prediction",
+            case,
+            f"calibrated analytic {predicted * 1e3:.1f} ms, run {step * 1e3:.1f} ms",
+            f"error {error:+.1%} (target within 10%)",
+            verdict="ok" if abs(error) <= 0.10 else "miss",
+            data={"calibrated": predicted, "run": step},
         )
-    if run is not None and "step_time" in run.data and calibrated is not None:
-        step = run.data["step_time"]
-        error = calibrated.step_time / step - 1
-        kit.add(
-            Row(
-                "prediction",
-                "step time: calibrated plan vs run",
-                f"calibrated analytic {calibrated.step_time * 1e3:.1f} ms, run {step * 1e3:.1f} ms",
-                f"error {error:+.1%} (target within 10%)",
-                verdict="ok" if abs(error) <= 0.10 else "miss",
-                data={"calibrated": calibrated.step_time, "run": step},
-            )
-        )
-    if run is not None and "step_time" in run.data:
-        step = run.data["step_time"]
-        kit.add(
-            Row(
-                "prediction",
-                "step time: plan vs train.py",
-                f"analytic plan {predicted.step_time * 1e3:.1f} ms, from measured units "
-                f"{remodel.step_time * 1e3:.1f} ms, run {step * 1e3:.1f} ms",
-                f"run/plan {step / predicted.step_time:.2f}x, "
-                f"run/measured-units {step / remodel.step_time:.2f}x",
-                data={
-                    "plan": predicted.step_time,
-                    "measured_units": remodel.step_time,
-                    "run": step,
-                },
-            )
-        )
-        peak = run.data.get("peak_memory")
-        if peak:
-            planned = max(predicted.device_memory)
-            kit.add(
-                Row(
-                    "prediction",
-                    "peak memory: plan vs train.py",
-                    f"plan {planned / 2**30:.2f} GiB, run {peak / 2**30:.2f} GiB "
-                    "(torch.cuda.max_memory_allocated)",
-                    f"run/plan {peak / planned:.2f}x",
-                    data={"plan": planned, "run": peak},
-                )
-            )
+    )
 
 
 def calibration(kit: Kit) -> None:
@@ -514,7 +592,7 @@ def calibration(kit: Kit) -> None:
     target = kit.output.parent / "calibrated.json"
     started = time.perf_counter()
     run([sys.executable, "-m", "autopipe", "calibrate", "--device", kit.device, "-o",
-         str(target)], 900)  # fmt: skip
+         str(target)], kit.timeout(900, least=60))  # fmt: skip
     spec = device_spec(str(target))
     seconds = time.perf_counter() - started
     dtype = "bfloat16" if "matmul.bfloat16" in spec.tables else "float32"
@@ -534,22 +612,30 @@ def calibration(kit: Kit) -> None:
 
 
 def parity(kit: Kit) -> None:
-    """The parity ladder on this device, one kit row per rung (its ratio to the original)."""
-    output = kit.work / "parity.json"
+    """The parity ladder on this device, one kit row per rung (its ratio to the original), its
+    own figures in ``parity.json`` beside the kit's JSON (written after every rung: a ladder
+    cut short keeps the rungs it measured). The ladder gets what is left of the budget."""
+    output = kit.output.parent / "parity.json"
+    output.unlink(missing_ok=True)  # a figure of an earlier run is no figure of this one
     command = [sys.executable, str(HERE / "parity.py"), "--device", kit.device]
     command += ["--json", str(output), "--work", str(kit.work / "parity")]
     if kit.quick:
         command += ["--quick", "--model", "llama", "--no-profile"]
+    timeout = kit.timeout(1800, least=90)
+    if kit.deadline is not None:  # the ladder stops itself in time, ratios and all
+        command += ["--budget", f"{timeout - 15:.0f}"]
+    failure = None
     try:
-        run(command, timeout=1800)
-    except Failed:
+        run(command, timeout)
+    except Failed as exc:
         if not output.is_file():
             raise
-        # a rung that failed: the ladder wrote every row, that one with its error
+        failure = str(exc)  # a rung failed (its row says so) or the ladder ran out of time
     for row in json.loads(output.read_text())["rows"]:
         case = f"{row['model']} {row['rung']}: {row['what']}"
         if row.get("error"):
-            kit.add(Row("parity", case, row["error"].splitlines()[0][:120], verdict="error"))
+            verdict = "skipped" if row["error"].startswith("skipped") else "error"
+            kit.add(Row("parity", case, row["error"].splitlines()[0][:120], verdict=verdict))
             continue
         ratio = row.get("ratio")
         measured = f"{row['tokens_per_s']:,.0f} tokens/s" + (
@@ -558,6 +644,10 @@ def parity(kit: Kit) -> None:
         target = row.get("target", "")
         verdict = "FAIL" if "MISSED" in target else ("ok" if target.startswith(">=") else "")
         kit.add(Row("parity", case, measured, target, verdict, data=row))
+    if failure is not None:
+        first = failure.strip().splitlines()[0]
+        kit.add(Row("parity", "the ladder", f"failed: {first[:90]}", verdict="error",
+                    data={"error": failure}))  # fmt: skip
 
 
 def _log_ratio(pair: list[float]) -> float:
@@ -614,14 +704,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="autopipe on one GPU: exactness, speed and prediction (see the module text)"
     )
-    parser.add_argument("--quick", action="store_true", help="the smaller speed model, fewer cases")
-    parser.add_argument("--json", default="gpu.json", help="where to write every figure")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"the smaller speed model, fewer cases, a budget of {QUICK_BUDGET} s",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds the kit may take: a case that would start with too little left is "
+        f"skipped, and says so (default: {QUICK_BUDGET} with --quick, none without)",
+    )
+    parser.add_argument(
+        "--json",
+        default=str(Path(os.environ.get("OUT", "."), "gpu.json")),
+        help="where to write every figure; calibrated.json and parity.json go beside it "
+        "(default: gpu.json in $OUT where the device tool sets it, else here)",
+    )
     parser.add_argument("--work", help="a directory for packages and logs (default: temporary)")
     parser.add_argument(
         "--parts",
-        default="exactness,paths,calibration,speed,prediction,parity",
-        help="which parts to run, comma-separated (prediction needs speed's package, and "
-        "reads calibration's spec when it ran)",
+        default=",".join(PARTS),
+        help="which parts to run, comma-separated, in the kit's order "
+        f"({', '.join(PARTS)}): prediction needs speed's package and reads calibration's spec",
     )
     parser.add_argument(
         "--device",
@@ -641,34 +746,45 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = set(parts) - {"exactness", "paths", "calibration", "speed", "prediction", "parity"}
+    unknown = set(parts) - set(PARTS)
     if unknown:
         parser.error(f"--parts: unknown {', '.join(sorted(unknown))}")
+    budget = args.budget if args.budget is not None else QUICK_BUDGET if args.quick else None
+    if budget is not None and budget <= 0:
+        parser.error(f"--budget must be a number of seconds above 0, not {budget:g}")
     started = time.perf_counter()
+    output = Path(args.json).resolve()  # the kit's processes run in the repository
+    output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="autopipe-gpu-") as scratch:
-        work = Path(args.work) if args.work else Path(scratch)
+        work = Path(args.work).resolve() if args.work else Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
-        facts = describe(args.device)
+        facts = describe(args.device) | {"budget": budget}
         spec = matching_spec(args.device, work)
         facts["device_spec"] = spec
         print(f"autopipe GPU kit: {json.dumps(facts)}", flush=True)
-        kit = Kit(args.device, args.quick, work, spec, Path(args.json), facts)
+        deadline = None if budget is None else time.monotonic() + budget
+        kit = Kit(args.device, args.quick, work, spec, output, facts, deadline=deadline)
         if "exactness" in parts:
             exactness(kit)
-        if "paths" in parts:
-            attempt(kit, "paths", "checkpoint, resume, trace", lambda: paths(kit))
         if "calibration" in parts:
             attempt(kit, "calibration", "autopipe calibrate", lambda: calibration(kit))
-        package = speed(kit) if "speed" in parts or "prediction" in parts else None
-        if "prediction" in parts and package is not None:
-            attempt(kit, "prediction", "measured profile", lambda: prediction(kit, package))
+        measured = speed(kit) if "speed" in parts or "prediction" in parts else None
+        if measured is not None:  # eager first: prediction predicts the eager run
+            measured.eager()
+            if "prediction" in parts:
+                attempt(kit, "prediction", "measured profile",
+                        lambda: prediction(kit, measured.package))  # fmt: skip
+            if "speed" in parts:
+                measured.compiled()
         if "parity" in parts:
             attempt(kit, "parity", "the ladder", lambda: parity(kit))
+        if "paths" in parts:
+            attempt(kit, "paths", "checkpoint, resume, trace", lambda: paths(kit))
         facts["seconds"] = round(time.perf_counter() - started, 1)
         kit.write()
     print()
     print(table(kit.rows))
-    print(f"\n{len(kit.rows)} rows in {facts['seconds']:.0f} s; figures in {args.json}")
+    print(f"\n{len(kit.rows)} rows in {facts['seconds']:.0f} s; figures in {output}")
     failed = [r for r in kit.rows if r.verdict in ("FAIL", "error")]
     return 1 if failed else 0
 

@@ -75,6 +75,29 @@ def error_of(result: subprocess.CompletedProcess, package: Path) -> str:
     return lines[0]
 
 
+def test_a_bad_option_is_said_once_by_the_first_rank(gpt2_pipe, monkeypatch, capsys):
+    """Every rank reads the same command line: the first rank says what is wrong with it, the
+    others exit as quietly with argparse's status."""
+    pipeline = Pipeline.from_json(load_pipeline(gpt2_pipe).PIPELINE)
+    for rank, says in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as stopped:
+            parse_config(["--stepz", "3"], pipeline)
+        assert stopped.value.code == 2
+        said = capsys.readouterr().err
+        assert ("train.py: error: unrecognized arguments: --stepz 3" in said) == says, said
+
+
+def test_a_failed_run_points_to_a_checkpoint_only_where_one_is(tmp_path):
+    """A failed run's message says to resume from --checkpoint-dir's latest checkpoint once
+    one is complete there (read when the run fails), and says nothing of one before."""
+    hint = driver.ResumeHint(str(tmp_path / "ckpt"))
+    assert str(hint) == "" and str(driver.ResumeHint(None)) == ""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest").write_text("step-00000002\n")
+    assert f"rerun with --resume to continue from {tmp_path / 'ckpt'}/latest" in str(hint)
+
+
 def losses(log: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, log.read_text().splitlines())]
 
@@ -128,12 +151,21 @@ def test_output_paths_are_checked_before_the_first_step(gpt2_pipe, tmp_path):
         ("--save", str(tmp_path / "a_file" / "model.pt")): "is a file, not a directory",
         ("--checkpoint-dir", str(tmp_path / "a_file")): "is a file, not a directory",
         ("--log-json", "/proc/autopipe/log.jsonl"): "cannot write in /proc",
+        # a file of the user's, which the run would replace: only with --force
+        ("--save", str(tmp_path / "a_file")): "exists: the run would replace it; pass --force",
+        ("--log-json", str(tmp_path / "a_file")): "is not a log of a run's steps",
     }
     for (option, value), problem in cases.items():
         paths = dict.fromkeys(("save", "log_json", "checkpoint_dir"))
         paths[option.removeprefix("--").replace("-", "_")] = value
         (found,) = output_problems(**paths)
         assert option in found and problem in found
+    (tmp_path / "log.jsonl").write_text('{"step": 0, "loss": 1.0}\n')  # a run's log: replaced
+    replaced = {"save": str(tmp_path / "a_file"), "log_json": str(tmp_path / "a_file")}
+    assert output_problems(**replaced, checkpoint_dir=None, replace=True) == []
+    assert (
+        output_problems(save=None, log_json=str(tmp_path / "log.jsonl"), checkpoint_dir=None) == []
+    )
     (option, value), problem = next(iter(cases.items()))  # as train.py says it
     message = error_of(run(gpt2_pipe, *STEPS, "--steps", "2", option, value), gpt2_pipe)
     assert option in message and problem in message and "Nothing was trained" in message
@@ -259,7 +291,8 @@ def _umask() -> int:
 @pytest.mark.slow
 def test_a_checkpoint_dir_belongs_to_one_run(gpt2_pipe, tmp_path):
     """A second run on a live run's --checkpoint-dir is refused, naming the owner; the first
-    finishes intact; a lock left by a dead process is taken over."""
+    finishes intact; a lock left by a dead process is taken over (by a resume with no step
+    left to train, which says so)."""
     ckpt, gate = tmp_path / "ckpt", tmp_path / "go-on"
     held = ["--microbatches", "4", "--data", "tests/models.py:gpt2_batch_held_at_step_2"]
     with open(tmp_path / "first.err", "w") as errors:
@@ -289,10 +322,13 @@ def test_a_checkpoint_dir_belongs_to_one_run(gpt2_pipe, tmp_path):
     gone.wait()  # its pid names no live process
     dead = gone.pid
     (ckpt / ".lock").write_text(json.dumps({**owner, "pid": dead, "start": "0"}))
-    resumed = run(gpt2_pipe, *STEPS, "--steps", "9", "--checkpoint-dir", str(ckpt), "--resume")
+    resumed = run(gpt2_pipe, *STEPS, "--steps", "8", "--checkpoint-dir", str(ckpt), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "took over the stale lock" in resumed.stdout
     assert not (ckpt / ".lock").exists()
+    # the run it resumes had trained every step asked for: it says so, and trains none
+    assert "at or past --steps 8: nothing is left to train" in resumed.stdout
+    assert "step 8 loss" not in resumed.stdout
 
 
 def test_lock_of_another_host_is_respected(tmp_path):

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from autopipe.cli import main as autopipe_main
-from autopipe.runtime import huggingface
+from autopipe.runtime import huggingface, train_state
 from autopipe.runtime.checkpoint import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from autopipe.runtime.core.errors import PipelineRunError
 from autopipe.runtime.core.pipeline import Pipeline
@@ -161,6 +161,29 @@ def test_sharded_directories_load_with_their_index(gpt2_package, tmp_path):
     assert count == len(index["weight_map"]) == len(state) - 1  # the LM head is tied
     loaded = type(model).from_pretrained(tmp_path / "hf")
     torch.testing.assert_close(logits(loaded, ids), logits(model, ids), rtol=0, atol=0)
+
+
+def test_a_model_directory_under_other_names_says_how_to_load_it(gpt2_package, tmp_path):
+    """A save_pretrained directory whose tensors are not under the model's names (transformers
+    saves some models under older ones and converts them in from_pretrained, which a package
+    does not): --load names the way through from_pretrained, not --load-partial; a directory
+    missing a tensor says the same."""
+    package, pipeline = gpt2_package
+    assert pipeline.huggingface is not None
+    model, _ = original("gpt2")
+    state = {name.replace(".attn.", ".attention."): t for name, t in model.state_dict().items()}
+    write_pretrained(state, pipeline.huggingface, pipeline.aliases, tmp_path / "hf")
+    stages = {0: load_pipeline(package).build_stage(0)}
+    with pytest.raises(PipelineRunError) as refused:
+        train_state.load_weights(stages, str(tmp_path / "hf"), pipeline, torch.device("cpu"))
+    said = str(refused.value)
+    assert "is a Hugging Face model directory whose tensors are not all under the names" in said
+    assert "from_pretrained, save torch.save(model.state_dict()" in said
+    assert "--load-partial" not in said
+    with pytest.raises(PipelineRunError, match="has no entry .*from_pretrained"):
+        train_state.load_weights(
+            stages, str(tmp_path / "hf"), pipeline, torch.device("cpu"), partial=True
+        )
 
 
 def test_shards_keep_order_and_size():
@@ -414,12 +437,12 @@ def test_train_py_keeps_a_save_directory_holding_other_files(gpt2_package, tmp_p
 
 def test_save_options_refuse_a_file_name_and_ask_for_force(gpt2_package, tmp_path, capsys):
     """train.py's options, checked before anything runs: --save-format hf into a name like a
-    file's, --force without a model directory to replace; an earlier model directory at
+    file's, --force without anything to replace; an earlier model directory at
     --save is replaced only with --force (train.py's output check)."""
     _, pipeline = gpt2_package
     for argv, message in (
         (["--save", "x.safetensors", "--save-format", "hf"], "drop the suffix (e.g. x)"),
-        (["--save", "x.pt", "--force"], "--force lets --save DIR --save-format hf replace"),
+        (["--force"], "--force lets --save replace a file or model directory"),
     ):
         with pytest.raises(SystemExit):
             parse_config(argv, pipeline)

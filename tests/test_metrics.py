@@ -92,6 +92,10 @@ def test_log_lines_are_strict_json_and_an_evaluation_alone_only_appends(tmp_path
     resumed.close()
     assert path.read_text().splitlines() == [lines[0], after[3]]  # the lines of step 0
 
+    elsewhere = tmp_path / "logs" / "of" / "run.jsonl"  # folders checked writable, then made
+    Metrics(True, 3, 4, None, str(elsewhere), 1, None).close()
+    assert elsewhere.is_file()
+
 
 def test_json_lines_name_nested_values_that_are_not_finite():
     line = json_line({"step": 2, "rank_times": [{"rank": 0, "vs_plan": math.inf}]})

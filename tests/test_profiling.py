@@ -12,7 +12,7 @@ from torch import nn
 from autopipe.cli import main as autopipe_main
 from autopipe.compiler import CompileOptions, trace_step
 from autopipe.errors import AutopipeError
-from autopipe.profiling import calibrate, device_spec, measured, profile
+from autopipe.profiling import calibrate, device_spec, devices, measured, profile
 from autopipe.profiling.devices import DeviceSpec, RateTable
 from autopipe.profiling.measured import profile_measured
 from autopipe.spec import Example, load_example
@@ -147,6 +147,38 @@ def test_device_spec_file(tmp_path):
         AutopipeError, match="missing flops, link_bandwidth, memory, memory_bandwidth"
     ):
         device_spec(str(path))
+
+
+def test_a_committed_calibrated_spec_replaces_the_datasheet_one(tmp_path):
+    """A calibrated H200 committed as ``specs/h200.json`` (``calibrate``'s spec, named after
+    the GPU as CUDA names it) is the table's H200 under the table's name; the other devices keep
+    their datasheet figures; a file named after no device of the table, or holding no measured
+    tables, is refused naming the file."""
+    datasheet = devices.DATASHEET_DEVICES["h200"]
+    measured = replace(
+        datasheet,
+        name="NVIDIA H200",
+        memory=139 * 2**30,
+        compute_efficiency=1.0,
+        tables={"matmul.bfloat16": RateTable(((1e9, 3e14), (1e12, 7.5e14)))},
+    )
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    (folder / "h200.json").write_text(json.dumps(measured.to_json()))
+    known = devices.known_devices(folder)
+    assert known["h200"] == replace(measured, name="H200") and known["h200"].calibrated
+    assert known["h100"] is devices.DATASHEET_DEVICES["h100"]
+    assert not any(spec.calibrated for spec in devices.known_devices(tmp_path).values())
+    (folder / "h300.json").write_text(json.dumps(measured.to_json()))
+    with pytest.raises(AutopipeError, match=r"h300\.json: 'h300' is not a device of the table"):
+        devices.known_devices(folder)
+    (folder / "h300.json").unlink()
+    (folder / "h200.json").write_text(json.dumps(datasheet.to_json()))
+    with pytest.raises(AutopipeError, match=r"h200\.json holds no measured tables"):
+        devices.known_devices(folder)
+    # what autopipe ships: each committed spec is its device's, calibrated
+    for path in devices.CALIBRATED_SPECS.glob("*.json"):
+        assert devices.KNOWN_DEVICES[path.stem].calibrated
 
 
 @pytest.mark.slow

@@ -197,6 +197,50 @@ def test_timeline_records_and_writes_in_one_process(tmp_path, single_process_gro
     assert not list((tmp_path / "trace").glob(".*.tmp"))  # written atomically
 
 
+class DeviceClock:
+    """A GPU's clock for CUDA events played on the CPU: it moves only when the test says the
+    device worked, while the host runs ahead."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+
+    def event(self, enable_timing: bool = False) -> "DeviceClock.Event":
+        return DeviceClock.Event(self)
+
+    class Event:
+        def __init__(self, clock: "DeviceClock") -> None:
+            self.clock, self.at = clock, None
+
+        def record(self) -> None:
+            self.at = self.clock.ns
+
+        def elapsed_time(self, other: "DeviceClock.Event") -> float:
+            return (other.at - self.at) / 1e6  # milliseconds, as CUDA's
+
+
+def test_a_cuda_timeline_reads_sends_off_the_device_clock(
+    tmp_path, single_process_group, monkeypatch
+):
+    """On CUDA a send is placed where the device's stream reached when it was posted, as the
+    spans are: after the forward that made what it sends, though the host posted it before the
+    GPU ran that forward."""
+    clock = DeviceClock()
+    monkeypatch.setattr(torch.cuda, "Event", clock.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    timeline = Timeline(tmp_path / "trace", (1, 2), rank=0, pp_rank=0, dp_rank=0, stages=(0,),
+                        device=torch.device("cuda"), run=RUN)  # fmt: skip
+    timeline.align()
+    timeline.begin_step(1)
+    with timeline.span("forward", 0, 0):
+        clock.ns += 5_000_000  # the GPU runs the forward for 5 ms
+    timeline.instant("send_activation", 0, 0, 1)
+    timeline.end_step()
+    forward, send = timeline.records
+    assert (forward.kind, send.kind) == ("forward", "send_activation")
+    assert forward.end_ns - forward.start_ns == 5_000_000
+    assert send.start_ns == send.end_ns == forward.end_ns  # not at the host's time, 5 ms early
+
+
 # -- a 4-rank run -------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_trace_of_a_four_rank_run_has_every_action_once_in_order(tmp_path):

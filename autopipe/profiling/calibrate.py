@@ -275,6 +275,12 @@ def _gloo_bandwidth_worker(rank: int, init_file: str, nbytes: int, result, threa
     dist.destroy_process_group()
 
 
+#: the collectives into one tensor and out of one, by torch 2.13's names (an older torch, as the
+#: lent GPU machine's image has, holds only the names 2.13 deprecates: same arguments)
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _collective_rates() -> dict[str, RateTable]:
     """The bus bandwidth of each collective (:data:`COLLECTIVE_SIZES`, the mean of
     :data:`COLLECTIVE_ROUNDS`) between the two ranks of the default group: the bytes a rank
@@ -296,9 +302,9 @@ def _collective_rates() -> dict[str, RateTable]:
                 if kind == "all_reduce":
                     dist.all_reduce(whole)
                 elif kind == "all_gather":
-                    dist.all_gather_single(whole, half)
+                    _ALL_GATHER_SINGLE(whole, half)
                 else:
-                    dist.reduce_scatter_single(half, whole)
+                    _REDUCE_SCATTER_SINGLE(half, whole)
                 samples.append(time.perf_counter() - start)
             seconds = torch.tensor([statistics.mean(samples[1:])])
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)

@@ -16,7 +16,7 @@ import bisect
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -423,10 +423,10 @@ def _gpu(
     )
 
 
-#: Known devices, by lower-case name. Datasheet dense peaks; the link between the GPUs of a node
-#: and each GPU's NIC of the systems they are usually built into (DGX/HGX: one 400 Gb/s NIC per
-#: H100, H200 or B200, 200 Gb/s per A100)
-KNOWN_DEVICES: dict[str, DeviceSpec] = {
+#: Devices of the table by datasheet, by lower-case name: dense peaks; the link between the GPUs of
+#: a node and each GPU's NIC of the systems they are usually built into (DGX/HGX: one 400 Gb/s NIC
+#: per H100, H200 or B200, 200 Gb/s per A100)
+DATASHEET_DEVICES: dict[str, DeviceSpec] = {
     spec.name.lower(): spec
     for spec in [
         _gpu("H100", 67, 495, 989, 3350, 80, "nvlink4", "ib-ndr", fp8=1979, fp64=67),
@@ -443,6 +443,38 @@ KNOWN_DEVICES: dict[str, DeviceSpec] = {
         _gpu("T4", 8.1, 8.1, 65, 320, 16, "pcie3", "ethernet-25g"),
     ]
 }
+
+#: calibrated specs committed with autopipe (``autopipe calibrate`` on one of the table's GPUs,
+#: ``benchmarks/gpu.py``'s ``calibrated.json``), one per device: ``<name>.json``, the table's
+#: lower-case name
+CALIBRATED_SPECS = Path(__file__).resolve().parent / "specs"
+
+
+def known_devices(folder: Path = CALIBRATED_SPECS) -> dict[str, DeviceSpec]:
+    """The table's devices: each one's calibrated spec where ``folder`` holds one (as
+    ``autopipe calibrate`` wrote it on one such GPU: its measured rates and memory, the links of
+    the nodes the table's device is built into; under the table's name), else its datasheet
+    figures."""
+    devices = dict(DATASHEET_DEVICES)
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        key = path.stem.lower()
+        where = f"calibrated device spec {path}"
+        if key not in DATASHEET_DEVICES:
+            known = ", ".join(sorted(DATASHEET_DEVICES))
+            raise AutopipeError(f"{where}: {path.stem!r} is not a device of the table ({known})")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise AutopipeError(f"{where} cannot be read: {exc}") from None
+        spec = DeviceSpec.from_json(data, where)
+        if not spec.calibrated:
+            raise AutopipeError(f"{where} holds no measured tables: it is not calibrated")
+        devices[key] = replace(spec, name=DATASHEET_DEVICES[key].name)
+    return devices
+
+
+#: Known devices, by lower-case name: the table's, calibrated where autopipe ships a spec
+KNOWN_DEVICES: dict[str, DeviceSpec] = known_devices()
 
 DEFAULT_DEVICE = "h100"
 

@@ -7,7 +7,12 @@ torch's counter leaves at zero although it counts the same attention on a GPU's 
 model's attention would cost no compute and be missing from its FLOPs. It is counted here as
 torch counts the GPU's flash attention (no discount for a causal mask, as torch's). Likewise an
 ``nn.LSTM`` runs on the CPU as oneDNN's ``mkldnn_rnn_layer``, which the counter does not know:
-it is counted as the matrix products of its weights at every step."""
+it is counted as the matrix products of its weights at every step.
+
+Attention with grouped key/value heads (``enable_gqa``: fewer key and value heads than query
+heads, each shared by a group) is counted as torch 2.13 counts it, the key and value broadcast to
+the query's heads, on every kernel: an older torch's formulas (2.11's, which the lent GPU
+machine's image has) refuse the shapes."""
 
 from __future__ import annotations
 
@@ -19,19 +24,29 @@ __all__ = ["flop_counter"]
 aten = torch.ops.aten
 
 
-def _attention(query: object, key: object, value: object, *_: object, **__: object) -> int:
-    """FLOPs of the CPU's flash attention (the shapes of its query, key and value)."""
-    return int(sdpa_flop_count(query, key, value))
+Shape = tuple[int, ...]
+
+
+def _query_heads(query: Shape, other: Shape) -> Shape:
+    """A key's or value's shape ``(batch, heads, sequence, head size)`` with the query's heads
+    (grouped heads broadcast, as the kernel reads them)."""
+    return (other[0], query[1], *other[2:])
+
+
+def _attention(query: Shape, key: Shape, value: Shape, *_: object, **__: object) -> int:
+    """FLOPs of a fused attention kernel (the shapes of its query, key and value)."""
+    return int(sdpa_flop_count(query, _query_heads(query, key), _query_heads(query, value)))
 
 
 def _attention_backward(
-    grad: object, query: object, key: object, value: object, *_: object, **__: object
+    grad: Shape, query: Shape, key: Shape, value: Shape, *_: object, **__: object
 ) -> int:
     """FLOPs of its backward (the shapes of the output's gradient, the query, key and value)."""
+    key, value = _query_heads(query, key), _query_heads(query, value)
     return int(sdpa_backward_flop_count(grad, query, key, value))
 
 
-def _steps(shape: tuple[int, ...]) -> int:
+def _steps(shape: Shape) -> int:
     """Time steps x batch of an RNN layer's input (either layout)."""
     return int(shape[0]) * int(shape[1])
 
@@ -59,10 +74,17 @@ def _rnn_layer_backward(
 
 
 #: operators torch's counter leaves out, with the formulas of their GPU counterparts (or, for
-#: the CPU's LSTM kernel, which has none, of the matrix products it makes)
+#: the CPU's LSTM kernel, which has none, of the matrix products it makes); a GPU's fused
+#: attention with grouped heads broadcast on every torch
 MORE_FORMULAS = {
     aten._scaled_dot_product_flash_attention_for_cpu: _attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward,
+    aten._scaled_dot_product_flash_attention: _attention,
+    aten._scaled_dot_product_flash_attention_backward: _attention_backward,
+    aten._scaled_dot_product_efficient_attention: _attention,
+    aten._scaled_dot_product_efficient_attention_backward: _attention_backward,
+    aten._scaled_dot_product_cudnn_attention: _attention,
+    aten._scaled_dot_product_cudnn_attention_backward: _attention_backward,
     aten.mkldnn_rnn_layer: _rnn_layer,
     aten.mkldnn_rnn_layer_backward: _rnn_layer_backward,
 }

@@ -47,10 +47,10 @@ from typing import Any, Generic, TypeVar, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.pipelining.schedules as torch_schedules
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensor,
-    FakeTensorDeviceMismatchError,
     FakeTensorMode,
     unset_fake_temporarily,
 )
@@ -112,6 +112,17 @@ _DEVICE_OP = torch.ops.prim.device.default
 _ITEM_OP = torch.ops.aten._local_scalar_dense.default
 _WAIT_OP = torch.ops._c10d_functional.wait_tensor.default
 _HALF = (torch.bfloat16, torch.float16)
+
+
+class _NoSuchError(Exception):
+    """Never raised: stands for an error class this torch does not have."""
+
+
+#: what fake tensors raise for operands on two devices (torch 2.13; an older torch, as the lent
+#: GPU machine's image has, raises a bare RuntimeError, which the dry run passes on as it is)
+_DEVICE_MISMATCH: type[Exception] = getattr(
+    fake_tensor, "FakeTensorDeviceMismatchError", _NoSuchError
+)
 #: c10d's point-to-point operators, by what they do
 _TRANSFERS = {"send": "sends", "recv": "receives", "recv_any_source": "receives"}
 
@@ -374,7 +385,7 @@ class Rehearsal(LiveTensorBytes):
             self.on_device(func, args)
         try:
             out = func(*args, **kwargs)
-        except FakeTensorDeviceMismatchError as exc:
+        except _DEVICE_MISMATCH as exc:
             raise self.mismatch(func, args, kwargs, exc) from exc
         except DynamicOutputShapeException as exc:
             raise DataDependentSize(

@@ -99,6 +99,35 @@ def _writable_dir_problem(directory: Path) -> str | None:
     return None
 
 
+def _replaced_file_problem(option: str, path: Path) -> str | None:
+    """Why writing ``option``'s file would lose something (None if it would not): a file
+    ``--save`` would replace (a model saved before, or anything else), or a ``--log-json`` file
+    that is not a run's log of steps (a run starting afresh replaces its log, a resumed one keeps
+    its steps before the checkpoint)."""
+    if option == "--log-json" and _is_json_lines(path):
+        return None
+    what = "is not a log of a run's steps" if option == "--log-json" else "exists"
+    return (
+        f"{option} {path} {what}: the run would replace it; pass --force to replace it, or "
+        "give another path"
+    )
+
+
+def _is_json_lines(path: Path) -> bool:
+    """Whether ``path`` is empty or its first line is a JSON object (a ``--log-json`` log)."""
+    try:
+        with path.open(encoding="utf-8") as lines:
+            first = lines.readline()
+    except (OSError, UnicodeDecodeError):
+        return False
+    if not first.strip():
+        return True
+    try:
+        return isinstance(json.loads(first), dict)
+    except ValueError:
+        return False
+
+
 def output_problems(
     *,
     save: str | None,
@@ -110,8 +139,9 @@ def output_problems(
     replace: bool = False,
 ) -> list[str]:
     """What is wrong with the outputs this rank will write, before any training is done.
-    ``save_directory``: ``save`` is a Hugging Face model directory, not a file, which may
-    replace one written before when ``replace`` (``--force``)."""
+    ``save_directory``: ``save`` is a Hugging Face model directory, not a file. ``replace``
+    (``--force``): ``save`` may replace a file or model directory there, and ``log_json`` a
+    file that is not a run's log."""
     problems = []
     if save is not None and save_directory:  # a model directory, checked as one
         problem = directory_problem(
@@ -131,6 +161,10 @@ def output_problems(
         problem = _writable_dir_problem(path.parent)
         if problem:
             problems.append(f"{option} {value}: {problem}")
+        elif path.exists() and not replace:
+            problem = _replaced_file_problem(option, path)
+            if problem:
+                problems.append(problem)
     for option, directory in (
         ("--checkpoint-dir", checkpoint_dir),
         ("--tensorboard", tensorboard),

@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -104,11 +105,21 @@ class TrainConfig:
         return self.dp * self.dp_shard
 
 
+class _OptionParser(argparse.ArgumentParser):
+    """train.py's parser: every rank reads the same command line and finds the same problem
+    with it, and the job's first rank alone says it (each rank exits with argparse's status)."""
+
+    def error(self, message: str) -> NoReturn:
+        if os.environ.get("RANK", "0") == "0":
+            super().error(message)
+        self.exit(2)
+
+
 def parse_config(argv: list[str], pipeline: Pipeline, package: Path | None = None) -> TrainConfig:
     """train.py's command line: the options of every concern's group (:data:`OPTION_GROUPS`),
     parsed and then checked once by :func:`validate` (a bad option exits with argparse's usage
     and message). ``package``: the package's directory, which no output may overwrite."""
-    parser = argparse.ArgumentParser(
+    parser = _OptionParser(
         prog="train.py",
         description=f"Train {pipeline.model_class} as a {pipeline.num_stages}-stage pipeline "
         f"(torchrun --nproc-per-node={pipeline.num_ranks * pipeline.dp_shard * pipeline.tp} "
@@ -328,9 +339,10 @@ def data_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> None:
     group.add_argument(
         "--force",
         action="store_true",
-        help="with --save-format hf: replace the model directory autopipe wrote at --save before "
-        "(only its own files are removed; a directory holding anything else, a tokenizer or a "
-        "README, is refused with or without --force)",
+        help="let --save replace the file there, or the model directory autopipe wrote there "
+        "before (--save-format hf: only its own files are removed; a directory holding anything "
+        "else, a tokenizer or a README, is refused with or without --force), and --log-json a "
+        "file that is not a run's log (without it, each is refused before the first step)",
     )
 
 
@@ -580,10 +592,10 @@ def validate(
             "was not compiled from a transformers PreTrainedModel (no config.json was recorded); "
             "use --save-format safetensors or torch"
         )
-    if args.force and args.save_format != "hf":
+    if args.force and not (args.save or args.log_json):
         parser.error(
-            "--force lets --save DIR --save-format hf replace a model directory written before; "
-            "give those, or leave --force out"
+            "--force lets --save replace a file or model directory written before, and "
+            "--log-json a file that is not a run's log; give one of them, or leave --force out"
         )
     if args.save:
         problem = save_path_problem(args.save, args.save_format, args.checkpoint_dir, package)

@@ -1041,6 +1041,11 @@ class TrainingRun:
             metrics.note(self.shared_cores)
         if self.resume is not None:
             metrics.note(f"resumed from {self.resume} at step {self.start}")
+            if self.start >= config.steps and not config.eval_only:
+                metrics.note(
+                    f"the checkpoint is at step {self.start}, at or past --steps "
+                    f"{config.steps}: nothing is left to train (give a larger --steps to train on)"
+                )
         elif config.resume:
             metrics.note(f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0")
         return metrics
@@ -1513,11 +1518,7 @@ def _main(package: ModuleType, argv: list[str]) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1") or 1)
     board = FailureBoard(rank, world)
     where = _where(pipeline, RankMesh.of(pipeline, config.dp, config.dp_shard), rank, world)
-    resume_hint = (
-        f" Checkpoints written so far are complete: rerun with --resume to continue from {config.checkpoint_dir}/latest."
-        if config.checkpoint_dir
-        else ""
-    )
+    resume_hint = ResumeHint(config.checkpoint_dir)
     signal.signal(signal.SIGTERM, _stop)  # torchrun stops every rank with SIGTERM
     if rank == 0:
         warn_if_edited(package)
@@ -1589,7 +1590,23 @@ def _ending() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _said_who_failed(board: FailureBoard, rank: int, resume_hint: str) -> bool:
+class ResumeHint:
+    """What a failed run says about resuming, read when it fails: where the last complete
+    checkpoint is, if the run's ``--checkpoint-dir`` holds one by then; nothing otherwise."""
+
+    def __init__(self, checkpoint_dir: str | None):
+        self.checkpoint_dir = checkpoint_dir
+
+    def __str__(self) -> str:
+        if not self.checkpoint_dir or not (Path(self.checkpoint_dir) / "latest").is_file():
+            return ""
+        return (
+            " Checkpoints written so far are complete: rerun with --resume to continue from "
+            f"{self.checkpoint_dir}/latest."
+        )
+
+
+def _said_who_failed(board: FailureBoard, rank: int, resume_hint: ResumeHint) -> bool:
     """Whether another rank posted a failure, which this rank then names as why it stopped."""
     failed = board.first_failed()
     if failed is None:

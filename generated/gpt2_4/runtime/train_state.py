@@ -137,6 +137,23 @@ def load_weights(
     return left_out
 
 
+def _renamed_by_transformers(path: str, pipeline: Pipeline) -> str | None:
+    """What to do with a Hugging Face model directory whose tensors are not under the model's
+    names: transformers saves some models (ViT, Mixtral's experts) under older names, or split
+    differently, and converts them in ``from_pretrained``, which a package (torch alone) does
+    not; None for anything else."""
+    if pipeline.huggingface is None or not (Path(path) / "config.json").is_file():
+        return None
+    return (
+        f"{path} is a Hugging Face model directory whose tensors are not all under the names "
+        f"{pipeline.model_class} holds them by (transformers saves some models under older "
+        "names, or split differently, and converts them as from_pretrained loads them; this "
+        "package reads the names as the model holds them). Load it with "
+        f"{pipeline.model_class}.from_pretrained, save torch.save(model.state_dict(), "
+        "'model.pt') and pass --load model.pt"
+    )
+
+
 def _load_weights(
     stages: dict[int, nn.Module],
     path: str,
@@ -150,10 +167,15 @@ def _load_weights(
         raise PipelineRunError(f"--load: {exc}") from None
     left_out = _foreign_tensors(checkpoint, pipeline)
     if left_out and not partial:
+        renamed = _renamed_by_transformers(path, pipeline)
         raise PipelineRunError(
             f"--load: {path} holds {len(left_out)} tensor(s) that {pipeline.model_class} has not "
-            f"(the first: {left_out[0]}): it is a checkpoint of another model. To load this "
-            "model's tensors from it and leave the others out, add --load-partial"
+            f"(the first: {left_out[0]}): "
+            + (
+                renamed
+                or "it is a checkpoint of another model. To load this model's tensors from it "
+                "and leave the others out, add --load-partial"
+            )
         )
     mapped: set[str] = set()
     for index, stage in stages.items():
@@ -162,9 +184,10 @@ def _load_weights(
         try:
             names = stage_state(stage, {name: name for name in checkpoint}, pipeline.aliases)
         except KeyError as exc:
+            renamed = _renamed_by_transformers(path, pipeline)
             raise PipelineRunError(
-                f"--load: {path} has no entry {exc} (needed by stage {index}); is it a "
-                f"checkpoint of {pipeline.model}?"
+                f"--load: {path} has no entry {exc} (needed by stage {index}); "
+                + (renamed or f"is it a checkpoint of {pipeline.model}?")
             ) from None
         own = {}
         for key, source in names.items():

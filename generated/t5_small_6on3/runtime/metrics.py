@@ -154,6 +154,7 @@ class Metrics:
             if resumed_at is not None and not appends:
                 _truncate_log(Path(log_json), resumed_at)
             mode = "a" if resumed_at is not None or appends else "w"
+            Path(log_json).parent.mkdir(parents=True, exist_ok=True)  # checked writable
             self.log = open(log_json, mode, encoding="utf-8")
 
     def record(

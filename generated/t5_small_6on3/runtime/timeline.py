@@ -258,20 +258,27 @@ class Timeline:
             )
 
     def instant(self, kind: str, stage: int, microbatch: int, peer: int | None) -> None:
-        """The creation of a transfer: a send's is an event without duration, on the host clock;
-        a receive's opens its interval, closed when the action consuming it starts (see
-        :meth:`span`)."""
+        """The creation of a transfer: a send's is an event without duration; a receive's opens
+        its interval, closed when the action consuming it starts (see :meth:`span`). On CUDA
+        both are read off the device's stream, as the spans are (the host runs ahead of the GPU:
+        a send's host time would precede the forward that made what it sends)."""
         if self.step is None:
             return
+        created: Any = _now()
+        if self.cuda:
+            created = _event()
+            created.record()
         if kind in RECEIVES:
-            created: Any = _now()
-            if self.cuda:
-                created = _event()
-                created.record()
             self._receiving[kind, stage, microbatch, self.round] = (self.step, created, peer)
-            return
-        at = self._host(_now())
-        self.records.append(Record(self.step, kind, stage, microbatch, at, at, self.round, peer))
+        elif self.cuda:
+            self._pending.append(
+                (self.step, kind, stage, microbatch, self.round, created, created, peer)
+            )
+        else:
+            at = self._host(created)
+            self.records.append(
+                Record(self.step, kind, stage, microbatch, at, at, self.round, peer)
+            )
 
     def end_step(self) -> None:
         """Closes the traced step: CUDA intervals resolved (one synchronisation) onto the host
