@@ -8,7 +8,8 @@
 # prepare: the wheels of the packages autopipe imports that the image lacks or may hold too old
 # (black with its pytokens, platformdirs and pathspec; pymetis), for the image's Python (3.12), and this checkout's
 # torch.distributed.pipelining (pure Python), into .kit/ (ignored by git through
-# .git/info/exclude; carried to the machine by the call).
+# .git/info/exclude; carried to the machine by the call), read off the project's .venv (or
+# $PYTHON).
 # run: installs the wheels into /tmp/site, lays the carried pipelining over the image's torch
 # where that torch is another version (2.11's refuses the integer labels a stage passes on), and
 # runs benchmarks/gpu.py with the arguments given; its figures (gpu.json, calibrated.json,
@@ -20,23 +21,25 @@ PYTHON_VERSION=3.12 # the image's python3
 
 case "${1:-}" in
 prepare)
-    exclude=.git/info/exclude
+    # the project's environment: its torch's pipelining, its black and pymetis versions
+    PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+    exclude=$(git rev-parse --git-path info/exclude) # a worktree's too
     mkdir -p "$(dirname "$exclude")"
     grep -qx '/.kit/' "$exclude" 2>/dev/null || echo '/.kit/' >>"$exclude"
     rm -rf "$KIT"
     mkdir -p "$KIT/wheels"
-    versions=$(python3 - <<'EOF'
+    versions=$("$PYTHON" - <<'EOF'
 from importlib.metadata import version
 print(" ".join(f"{name}=={version(name)}" for name in ("black", "pytokens", "platformdirs", "pathspec", "pymetis")))
 EOF
 )
     # shellcheck disable=SC2086 # one argument per requirement
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" \
+    "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 -d "$KIT/wheels" $versions
-    pipelining=$(python3 -c 'import os, torch.distributed.pipelining as p; print(os.path.dirname(p.__file__))')
+    pipelining=$("$PYTHON" -c 'import os, torch.distributed.pipelining as p; print(os.path.dirname(p.__file__))')
     cp -r "$pipelining" "$KIT/pipelining"
-    python3 -c 'import torch; print(torch.__version__)' >"$KIT/pipelining/TORCH_VERSION"
+    "$PYTHON" -c 'import torch; print(torch.__version__)' >"$KIT/pipelining/TORCH_VERSION"
     echo "prepared $KIT: $(ls "$KIT/wheels" | tr '\n' ' ')and torch $(cat "$KIT/pipelining/TORCH_VERSION")'s pipelining ($(du -sh "$KIT" | cut -f1))"
     ;;
 run)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from autopipe.cli import main as autopipe_main
-from autopipe.runtime import driver, train_state
+from autopipe.runtime import driver, options, train_state
 from autopipe.runtime.checkpoint import Checkpoint, CheckpointError, save_safetensors
 from autopipe.runtime.core.errors import PipelineRunError
 from autopipe.runtime.guards import RunLock, output_problems
@@ -76,16 +76,32 @@ def error_of(result: subprocess.CompletedProcess, package: Path) -> str:
 
 
 def test_a_bad_option_is_said_once_by_the_first_rank(gpt2_pipe, monkeypatch, capsys):
-    """Every rank reads the same command line: the first rank says what is wrong with it, the
-    others exit as quietly with argparse's status."""
+    """Every rank reads the same command line: the first rank says what is wrong with it at
+    once; the others wait for torchrun to end them once rank 0 has exited (so that rank 0 is
+    never ended before it says it), and say it themselves if it does not."""
     pipeline = Pipeline.from_json(load_pipeline(gpt2_pipe).PIPELINE)
-    for rank, says in (("1", False), ("0", True)):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    class Ended(BaseException):
+        """torchrun's SIGTERM, once rank 0 has exited"""
+
+    def ended(seconds):
+        assert seconds == options.OTHER_RANKS_WAIT
+        raise Ended
+
+    said_by = {}
+    for rank, wait in (("1", ended), ("0", ended), ("1", lambda seconds: None)):
         monkeypatch.setenv("RANK", rank)
-        with pytest.raises(SystemExit) as stopped:
+        monkeypatch.setattr(options.time, "sleep", wait)
+        with pytest.raises((SystemExit, Ended)) as stopped:
             parse_config(["--stepz", "3"], pipeline)
-        assert stopped.value.code == 2
-        said = capsys.readouterr().err
-        assert ("train.py: error: unrecognized arguments: --stepz 3" in said) == says, said
+        said = "train.py: error: unrecognized arguments: --stepz 3" in capsys.readouterr().err
+        said_by[rank, wait is ended] = (said, getattr(stopped.value, "code", None))
+    assert said_by == {
+        ("1", True): (False, None),  # ended while it waits: quiet
+        ("0", True): (True, 2),  # says it at once
+        ("1", False): (True, 2),  # not ended: rank 0 did not find it, so this rank says it
+    }
 
 
 def test_a_failed_run_points_to_a_checkpoint_only_where_one_is(tmp_path):
@@ -161,6 +177,14 @@ def test_output_paths_are_checked_before_the_first_step(gpt2_pipe, tmp_path):
         (found,) = output_problems(**paths)
         assert option in found and problem in found
     (tmp_path / "log.jsonl").write_text('{"step": 0, "loss": 1.0}\n')  # a run's log: replaced
+    (tmp_path / "config.json").write_text('{"lr": 0.1}\n')  # JSON, no log of steps
+    (found,) = output_problems(
+        save=None, log_json=str(tmp_path / "config.json"), checkpoint_dir=None
+    )
+    assert "is not a log of a run's steps" in found
+    # a run resuming from its checkpoint replaces the --save file it wrote when it ended before
+    assert output_problems(save=str(tmp_path / "a_file"), log_json=None, checkpoint_dir=None,
+                           resuming=True) == []  # fmt: skip
     replaced = {"save": str(tmp_path / "a_file"), "log_json": str(tmp_path / "a_file")}
     assert output_problems(**replaced, checkpoint_dir=None, replace=True) == []
     assert (

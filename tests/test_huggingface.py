@@ -184,6 +184,11 @@ def test_a_model_directory_under_other_names_says_how_to_load_it(gpt2_package, t
         train_state.load_weights(
             stages, str(tmp_path / "hf"), pipeline, torch.device("cpu"), partial=True
         )
+    # another kind of model's directory: a checkpoint of another model, as before
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
+    with pytest.raises(PipelineRunError, match="checkpoint of another model.*--load-partial"):
+        train_state.load_weights(stages, str(tmp_path / "hf"), pipeline, torch.device("cpu"))
 
 
 def test_shards_keep_order_and_size():

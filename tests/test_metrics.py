@@ -95,6 +95,11 @@ def test_log_lines_are_strict_json_and_an_evaluation_alone_only_appends(tmp_path
     elsewhere = tmp_path / "logs" / "of" / "run.jsonl"  # folders checked writable, then made
     Metrics(True, 3, 4, None, str(elsewhere), 1, None).close()
     assert elsewhere.is_file()
+    mine = tmp_path / "notes.txt"  # no run's log, replaced under --force: written anew
+    for resumed_at, appends in ((1, False), (None, True)):
+        mine.write_bytes(b"\xff not text, not a log\n")
+        Metrics(True, 3, 4, None, str(mine), 1, resumed_at, appends=appends).close()
+        assert mine.read_bytes() == b""
 
 
 def test_json_lines_name_nested_values_that_are_not_finite():

@@ -155,21 +155,28 @@ def test_a_committed_calibrated_spec_replaces_the_datasheet_one(tmp_path):
     their datasheet figures; a file named after no device of the table, or holding no measured
     tables, is refused naming the file."""
     datasheet = devices.DATASHEET_DEVICES["h200"]
-    measured = replace(
+    calibrated = replace(
         datasheet,
         name="NVIDIA H200",
+        flops={"float32": 4.5e13, "bfloat16": 7.5e14, "default": 4.5e13},  # as measured
         memory=139 * 2**30,
         compute_efficiency=1.0,
         tables={"matmul.bfloat16": RateTable(((1e9, 3e14), (1e12, 7.5e14)))},
     )
     folder = tmp_path / "specs"
     folder.mkdir()
-    (folder / "h200.json").write_text(json.dumps(measured.to_json()))
+    (folder / "h200.json").write_text(json.dumps(calibrated.to_json()))
     known = devices.known_devices(folder)
-    assert known["h200"] == replace(measured, name="H200") and known["h200"].calibrated
+    h200 = replace(calibrated, name="H200", datasheet_flops=datasheet.flops)
+    assert known["h200"] == h200 and known["h200"].calibrated
+    # the cost model reads the measured rates; MFU stays against the datasheet's peak
+    assert known["h200"].peak_flops(torch.bfloat16) == 7.5e14
+    assert known["h200"].utilisation_peak(torch.bfloat16) == datasheet.peak_flops(torch.bfloat16)
+    assert datasheet.utilisation_peak(torch.bfloat16) == datasheet.peak_flops(torch.bfloat16)
+    assert devices.DeviceSpec.from_json(h200.to_json()) == h200  # round trip
     assert known["h100"] is devices.DATASHEET_DEVICES["h100"]
     assert not any(spec.calibrated for spec in devices.known_devices(tmp_path).values())
-    (folder / "h300.json").write_text(json.dumps(measured.to_json()))
+    (folder / "h300.json").write_text(json.dumps(calibrated.to_json()))
     with pytest.raises(AutopipeError, match=r"h300\.json: 'h300' is not a device of the table"):
         devices.known_devices(folder)
     (folder / "h300.json").unlink()

@@ -234,11 +234,14 @@ def test_a_cuda_timeline_reads_sends_off_the_device_clock(
     with timeline.span("forward", 0, 0):
         clock.ns += 5_000_000  # the GPU runs the forward for 5 ms
     timeline.instant("send_activation", 0, 0, 1)
+    with timeline.span("forward", 0, 1):  # starts on the device where the send was posted
+        clock.ns += 5_000_000
     timeline.end_step()
-    forward, send = timeline.records
-    assert (forward.kind, send.kind) == ("forward", "send_activation")
+    forward, send, after = timeline.records
+    assert (forward.kind, send.kind, after.microbatch) == ("forward", "send_activation", 1)
     assert forward.end_ns - forward.start_ns == 5_000_000
     assert send.start_ns == send.end_ns == forward.end_ns  # not at the host's time, 5 ms early
+    assert after.start_ns == send.start_ns  # the send first, as it was posted
 
 
 # -- a 4-rank run -------------------------------------------------------------------------------

@@ -1191,7 +1191,7 @@ class CostModel:
             optimizer_time=self.optimizer_time(stage_of_unit, device_of_stage),
             data_parallel_time=once,
             flops=self.flops,
-            peak_flops=self.device.peak_flops(self.compute_dtype),
+            peak_flops=self.device.utilisation_peak(self.compute_dtype),
             traffic=traffic,
         )
 

@@ -481,6 +481,8 @@ def _calibrate(device: torch.device, name: str | None, log: Callable[[str], None
         device_type=device.type,
         optimizer_steps=steps,
         tables=tables,
+        # a GPU of the table: MFU stays reckoned against its datasheet's peak
+        datasheet_flops=dict(known.flops) if known is not None else {},
         **links,
     )
 

@@ -157,6 +157,9 @@ class DeviceSpec:
     #: measured rates by kind and dtype ("matmul.float32", "attention.bfloat16", "memory"), and
     #: by operator ("op.gelu.float32", a CPU's: :mod:`.operator_rates`)
     tables: dict[str, RateTable] = field(default_factory=dict)
+    #: the datasheet's peak dense FLOP/s by dtype, what MFU is measured against where ``flops``
+    #: holds the rates a calibration measured (a GPU of the table calibrated); empty: ``flops``
+    datasheet_flops: dict[str, float] = field(default_factory=dict)
 
     @property
     def calibrated(self) -> bool:
@@ -230,13 +233,20 @@ class DeviceSpec:
         assert peak is not None  # every spec has a "default" or "float32" entry (from_json checks)
         return peak
 
+    def utilisation_peak(self, dtype: torch.dtype | None) -> float:
+        """The peak FLOP/s a model FLOPs utilisation is reckoned against: the datasheet's where
+        the spec keeps it apart from measured rates, else :meth:`peak_flops`."""
+        if not self.datasheet_flops:
+            return self.peak_flops(dtype)
+        return replace(self, flops=self.datasheet_flops, datasheet_flops={}).peak_flops(dtype)
+
     def to_json(self) -> dict:
         data = asdict(self)
         data["tables"] = {kind: table.to_json() for kind, table in self.tables.items()}
         data["optimizer_steps"] = {k: t.to_json() for k, t in self.optimizer_steps.items()}
         data["collectives"] = {k: t.to_json() for k, t in self.collectives.items()}
         # a spec without measurements has none
-        for optional in ("tables", "optimizer_steps", "collectives"):
+        for optional in ("tables", "optimizer_steps", "collectives", "datasheet_flops"):
             if not data[optional]:
                 del data[optional]
         return data
@@ -261,14 +271,17 @@ class DeviceSpec:
         for name, (ok, rule) in _FIELD_RULES.items():
             if name in data and not ok(data[name]):
                 raise AutopipeError(f"{where}: {name} must be {rule}, got {data[name]!r}")
+        for peaks in ("flops", "datasheet_flops"):
+            flops = data.get(peaks, {})
+            bad = next((k for k, v in flops.items() if not is_number(v, 0, strict=True)), None)
+            if bad is not None:
+                raise AutopipeError(
+                    f"{where}: {peaks}[{bad!r}] must be a finite number of FLOP/s > 0, got "
+                    f"{flops[bad]!r}"
+                )
+            if flops and not {"default", "float32"} & set(flops):
+                raise AutopipeError(f'{where}: {peaks} needs a "default" or "float32" entry')
         flops = data["flops"]
-        bad = next((k for k, v in flops.items() if not is_number(v, 0, strict=True)), None)
-        if bad is not None:
-            raise AutopipeError(
-                f"{where}: flops[{bad!r}] must be a finite number of FLOP/s > 0, got {flops[bad]!r}"
-            )
-        if not {"default", "float32"} & set(flops):
-            raise AutopipeError(f'{where}: flops needs a "default" or "float32" entry')
         tables = data.get("tables", {})
         if not isinstance(tables, dict):
             raise AutopipeError(f"{where}: tables must be an object of rate tables by kind")
@@ -291,7 +304,10 @@ class DeviceSpec:
                 f"({', '.join(COLLECTIVES)}), got {collectives!r}"
             )
         return cls(
-            **(data | {"flops": dict(flops)})
+            **(
+                data
+                | {"flops": dict(flops), "datasheet_flops": dict(data.get("datasheet_flops", {}))}
+            )
             | {
                 "tables": {
                     kind: RateTable.from_json(table, f"{where}: tables[{kind!r}]")
@@ -335,6 +351,10 @@ _FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "flops": (
         lambda v: isinstance(v, dict) and bool(v) and all(map(is_text, v)),
         'an object of FLOP/s by dtype name ({"float32": ..., "default": ...})',
+    ),
+    "datasheet_flops": (
+        lambda v: isinstance(v, dict) and all(map(is_text, v)),
+        'an object of FLOP/s by dtype name ({"float32": ..., "default": ...}), or {}',
     ),
     "memory_bandwidth": (_positive, "a finite number of bytes/s > 0"),
     "memory": (_positive, "a finite number of bytes > 0"),
@@ -469,7 +489,10 @@ def known_devices(folder: Path = CALIBRATED_SPECS) -> dict[str, DeviceSpec]:
         spec = DeviceSpec.from_json(data, where)
         if not spec.calibrated:
             raise AutopipeError(f"{where} holds no measured tables: it is not calibrated")
-        devices[key] = replace(spec, name=DATASHEET_DEVICES[key].name)
+        datasheet = DATASHEET_DEVICES[key]
+        devices[key] = replace(
+            spec, name=datasheet.name, datasheet_flops=spec.datasheet_flops or datasheet.flops
+        )
     return devices
 
 

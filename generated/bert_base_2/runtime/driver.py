@@ -420,6 +420,10 @@ def check_outputs(config: TrainConfig, reporting: bool) -> None:
         save_directory=config.save_format == "hf",
         trace=config.trace,  # every rank writes its timeline there
         replace=config.force,
+        # continuing from a checkpoint there: the run's own --save file may be replaced
+        resuming=bool(config.resume or config.resume_from)
+        and config.checkpoint_dir is not None
+        and (Path(config.checkpoint_dir) / "latest").is_file(),
     )
     problem = agree("; ".join(problems) or None)
     if problem:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,14 +106,22 @@ class TrainConfig:
         return self.dp * self.dp_shard
 
 
+#: seconds a rank other than the job's first waits, on a bad option, before it says it: every rank
+#: finds the same problem, rank 0 says it, and torchrun ends the others once rank 0 has exited (a
+#: rank that exited first would have torchrun end rank 0 before it said anything); a rank still
+#: running after the wait found what rank 0 did not (a package missing on its node) and says it
+OTHER_RANKS_WAIT = 30.0
+
+
 class _OptionParser(argparse.ArgumentParser):
     """train.py's parser: every rank reads the same command line and finds the same problem
     with it, and the job's first rank alone says it (each rank exits with argparse's status)."""
 
     def error(self, message: str) -> NoReturn:
-        if os.environ.get("RANK", "0") == "0":
-            super().error(message)
-        self.exit(2)
+        rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+        if rank != "0" and world not in ("", "1"):
+            time.sleep(OTHER_RANKS_WAIT)  # torchrun ends this rank once rank 0 has said it
+        super().error(message)
 
 
 def parse_config(argv: list[str], pipeline: Pipeline, package: Path | None = None) -> TrainConfig:

@@ -104,7 +104,7 @@ def _replaced_file_problem(option: str, path: Path) -> str | None:
     ``--save`` would replace (a model saved before, or anything else), or a ``--log-json`` file
     that is not a run's log of steps (a run starting afresh replaces its log, a resumed one keeps
     its steps before the checkpoint)."""
-    if option == "--log-json" and _is_json_lines(path):
+    if option == "--log-json" and is_step_log(path):
         return None
     what = "is not a log of a run's steps" if option == "--log-json" else "exists"
     return (
@@ -113,19 +113,17 @@ def _replaced_file_problem(option: str, path: Path) -> str | None:
     )
 
 
-def _is_json_lines(path: Path) -> bool:
-    """Whether ``path`` is empty or its first line is a JSON object (a ``--log-json`` log)."""
+def is_step_log(path: Path) -> bool:
+    """Whether ``path`` is empty or a run's ``--log-json`` log: its first line a JSON object of
+    a step (``{"step": ...}``)."""
     try:
+        if path.stat().st_size == 0:
+            return True
         with path.open(encoding="utf-8") as lines:
-            first = lines.readline()
-    except (OSError, UnicodeDecodeError):
+            first = json.loads(lines.readline())
+    except (OSError, UnicodeDecodeError, ValueError):
         return False
-    if not first.strip():
-        return True
-    try:
-        return isinstance(json.loads(first), dict)
-    except ValueError:
-        return False
+    return isinstance(first, dict) and "step" in first
 
 
 def output_problems(
@@ -137,11 +135,13 @@ def output_problems(
     save_directory: bool = False,
     trace: str | None = None,
     replace: bool = False,
+    resuming: bool = False,
 ) -> list[str]:
     """What is wrong with the outputs this rank will write, before any training is done.
     ``save_directory``: ``save`` is a Hugging Face model directory, not a file. ``replace``
     (``--force``): ``save`` may replace a file or model directory there, and ``log_json`` a
-    file that is not a run's log."""
+    file that is not a run's log. ``resuming``: the run continues from a checkpoint of its own,
+    and its ``save`` file (the run's, written when it ended before) may be replaced."""
     problems = []
     if save is not None and save_directory:  # a model directory, checked as one
         problem = directory_problem(
@@ -161,7 +161,7 @@ def output_problems(
         problem = _writable_dir_problem(path.parent)
         if problem:
             problems.append(f"{option} {value}: {problem}")
-        elif path.exists() and not replace:
+        elif path.exists() and not replace and not (resuming and option == "--save"):
             problem = _replaced_file_problem(option, path)
             if problem:
                 problems.append(problem)

@@ -311,7 +311,9 @@ class Timeline:
             self._pending.clear()
         if self._units is not None:
             self._place(self._units.stop())
-        self.records.sort(key=lambda r: (r.step, r.start_ns, -r.end_ns))
+        # in the order they started; at one instant a send or receive before the span starting
+        # then (it was posted first), an enclosing span before what it encloses
+        self.records.sort(key=lambda r: (r.step, r.start_ns, r.end_ns != r.start_ns, -r.end_ns))
         self.step = None
 
     def _place(self, actions: Sequence[UnitAction]) -> None:

@@ -141,9 +141,16 @@ def _renamed_by_transformers(path: str, pipeline: Pipeline) -> str | None:
     """What to do with a Hugging Face model directory whose tensors are not under the model's
     names: transformers saves some models (ViT, Mixtral's experts) under older names, or split
     differently, and converts them in ``from_pretrained``, which a package (torch alone) does
-    not; None for anything else."""
-    if pipeline.huggingface is None or not (Path(path) / "config.json").is_file():
+    not; None for anything else (another kind of model's directory: its ``model_type``)."""
+    config = Path(path) / "config.json"
+    if pipeline.huggingface is None or not config.is_file():
         return None
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if model_type != pipeline.huggingface.config.get("model_type"):
+        return None  # another kind of model's directory
     return (
         f"{path} is a Hugging Face model directory whose tensors are not all under the names "
         f"{pipeline.model_class} holds them by (transformers saves some models under older "

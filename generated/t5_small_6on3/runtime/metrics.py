@@ -43,7 +43,7 @@ from torch import nn
 from .core.memory import LiveTensorBytes
 from .core.pipeline import PIPELINE_INNERMOST, Pipeline
 from .evaluation import EvalResult
-from .guards import write_atomically
+from .guards import is_step_log, write_atomically
 from .options import TrainConfig
 from .sinks import ConfigValue, Sink
 from .stragglers import RankTimes, Stragglers, slowest
@@ -151,9 +151,11 @@ class Metrics:
         self.bar = reporting and sys.stdout.isatty()
         self.log: IO[str] | None = None
         if reporting and log_json:
-            if resumed_at is not None and not appends:
+            # a file that is no run's log (replaced under --force) is written anew
+            ours = is_step_log(Path(log_json)) if Path(log_json).exists() else True
+            if resumed_at is not None and not appends and ours:
                 _truncate_log(Path(log_json), resumed_at)
-            mode = "a" if resumed_at is not None or appends else "w"
+            mode = "a" if (resumed_at is not None or appends) and ours else "w"
             Path(log_json).parent.mkdir(parents=True, exist_ok=True)  # checked writable
             self.log = open(log_json, mode, encoding="utf-8")
 
