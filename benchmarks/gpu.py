@@ -74,7 +74,13 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from kit_processes import REPO, Failed, run  # noqa: E402  (benchmarks/, the script's folder)
+from kit_processes import (
+    REPO,
+    Budget,
+    Failed,
+    OutOfTime,
+    run,
+)  # noqa: E402  (benchmarks/, the script's folder)
 
 from autopipe.compiler import CompileOptions, compile_spec, load_graph  # noqa: E402
 from autopipe.partitioning import Partition  # noqa: E402
@@ -117,10 +123,6 @@ class Row:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-class OutOfTime(Exception):
-    """Too little of the kit's ``--budget`` is left to start a case: it is skipped."""
-
-
 @dataclass
 class Kit:
     device: str
@@ -130,17 +132,11 @@ class Kit:
     output: Path  # the JSON file, rewritten after every row (a kit cut short keeps its figures)
     facts: dict[str, Any]
     rows: list[Row] = field(default_factory=list)
-    deadline: float | None = None  # time.monotonic() by which the kit ends (--budget)
+    budget: Budget = Budget()  # --budget
 
     def timeout(self, seconds: float, least: float = 20.0) -> float:
-        """``seconds`` for a step of a case, cut to what the budget has left (:class:`OutOfTime`
-        when that is under ``least``)."""
-        if self.deadline is None:
-            return seconds
-        left = self.deadline - time.monotonic()
-        if left < least:
-            raise OutOfTime(f"{max(left, 0):.0f} s of --budget left")
-        return min(seconds, left)
+        """``seconds`` for a step of a case, cut to what the budget has left."""
+        return self.budget.timeout(seconds, least)
 
     def add(self, row: Row) -> Row:
         self.rows.append(row)
@@ -628,7 +624,9 @@ def parity(kit: Kit) -> None:
     if kit.quick:
         command += ["--quick", "--model", "llama", "--no-profile"]
     timeout = kit.timeout(1800, least=90)
-    if kit.deadline is not None:  # the ladder stops itself in time, ratios and all (its start,
+    if (
+        kit.budget.deadline is not None
+    ):  # the ladder stops itself in time, ratios and all (its start,
         command += ["--budget", f"{timeout - 45:.0f}"]  # imports and CUDA, is not on its clock)
     failure = None
     try:
@@ -769,8 +767,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = matching_spec(args.device, work)
         facts["device_spec"] = spec
         print(f"autopipe GPU kit: {json.dumps(facts)}", flush=True)
-        deadline = None if budget is None else time.monotonic() + budget
-        kit = Kit(args.device, args.quick, work, spec, output, facts, deadline=deadline)
+        kit = Kit(args.device, args.quick, work, spec, output, facts, budget=Budget.of(budget))
         if "exactness" in parts:
             exactness(kit)
         if "calibration" in parts:

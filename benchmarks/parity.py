@@ -121,7 +121,13 @@ import torch
 
 from autopipe.profiling.calibrate import known_gpu
 from autopipe.runtime.core.host_memory import retain_freed_host_memory
-from kit_processes import REPO, Failed, run  # noqa: E402  (benchmarks/, the script's folder)
+from kit_processes import (
+    REPO,
+    Budget,
+    Failed,
+    OutOfTime,
+    run,
+)  # noqa: E402  (benchmarks/, the script's folder)
 
 HERE = REPO / "benchmarks"
 
@@ -542,10 +548,6 @@ def worker_main(kind: str, config_path: str) -> int:
 
 
 # -- the ladder ---------------------------------------------------------------------------------
-class OutOfTime(Exception):
-    """Too little of ``--budget`` is left to start a measurement: it is skipped."""
-
-
 @dataclass
 class Row:
     """One line of the table: a rung of one model, its throughput against the baseline."""
@@ -576,17 +578,11 @@ class Ladder:
     rows: list[Row] = field(default_factory=list)
     diffs: list[str] = field(default_factory=list)
     boundaries: dict[str, Any] = field(default_factory=dict)
-    deadline: float | None = None  # time.monotonic() by which the ladder ends (--budget)
+    budget: Budget = Budget()  # --budget
 
     def timeout(self, least: float = 20.0) -> float:
-        """Seconds a measurement may take: ``--timeout``, cut to what ``--budget`` has left
-        (:class:`OutOfTime` when that is under ``least``)."""
-        if self.deadline is None:
-            return self.args.timeout
-        left = self.deadline - time.monotonic()
-        if left < least:
-            raise OutOfTime(f"{max(left, 0):.0f} s of --budget left")
-        return min(self.args.timeout, left)
+        """Seconds a measurement may take: ``--timeout``, cut to what ``--budget`` has left."""
+        return self.budget.timeout(self.args.timeout, least)
 
     @property
     def tokens_per_step(self) -> int:
@@ -595,7 +591,8 @@ class Ladder:
     def add(self, row: Row) -> Row:
         self.rows.append(row)
         if row.error:
-            print(f"  {row.model:<6} {row.rung:<9} failed: {row.error.splitlines()[0][:100]}")
+            said = row.error if row.error.startswith("skipped") else f"failed: {row.error}"
+            print(f"  {row.model:<6} {row.rung:<9} {said.splitlines()[0][:108]}")
         else:
             print(
                 f"  {row.model:<6} {row.rung:<9} {row.tokens_per_s:>10,.0f} tokens/s"
@@ -1349,8 +1346,7 @@ def main(argv: list[str] | None = None) -> int:
         device_spec = matching_spec(args.device)
         facts = describe(args, device_spec)
         print(f"autopipe parity ladder: {json.dumps(facts)}", flush=True)
-        deadline = None if args.budget is None else time.monotonic() + args.budget
-        ladder = Ladder(args, work, device_spec, facts, deadline=deadline)
+        ladder = Ladder(args, work, device_spec, facts, budget=Budget.of(args.budget))
         models = ["gpt2", "llama"] if args.model == "all" else [args.model]
         for model in models:
             try:
