@@ -138,6 +138,10 @@ class Kit:
         """``seconds`` for a step of a case, cut to what the budget has left."""
         return self.budget.timeout(seconds, least)
 
+    def skip(self, part: str, case: str, why: object) -> None:
+        """A case not run, and why."""
+        self.add(Row(part, case, f"skipped: {why}", verdict="skipped"))
+
     def add(self, row: Row) -> Row:
         self.rows.append(row)
         mark = f"  [{row.verdict}]" if row.verdict else ""
@@ -199,7 +203,7 @@ def attempt(kit: Kit, part: str, case: str, measure) -> None:
     try:
         measure()
     except OutOfTime as exc:
-        kit.add(Row(part, case, f"skipped: {exc}", verdict="skipped"))
+        kit.skip(part, case, exc)
     except Exception as exc:  # the kit reports every failure and goes on
         message = str(exc) if isinstance(exc, Failed) else traceback.format_exc(limit=6)
         first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
@@ -367,12 +371,7 @@ class Speed:
     sequence: int
     warmup: int
     steps: int
-
-    @property
-    def plan(self) -> Any:
-        plan = Pipeline.from_json(json.loads((self.package / "pipeline.json").read_text())).plan
-        assert plan is not None
-        return plan
+    plan: Any  # the package's plan (pipeline.json)
 
     def eager(self) -> None:
         """The original model and the package without ``torch.compile``, then torch's
@@ -380,7 +379,7 @@ class Speed:
         attempt(self.kit, "speed", "original, eager", lambda: self.original(False))
         attempt(self.kit, "speed", "autopipe 2 stages, eager", lambda: self.autopipe(False))
         if self.kit.quick:
-            self.kit.add(Row("speed", "pipeline() 2 stages", "skipped: --quick", verdict="skipped"))
+            self.kit.skip("speed", "pipeline() 2 stages", "--quick")
         else:
             attempt(self.kit, "speed", "pipeline() 2 stages", self.torch_pipeline)
 
@@ -455,7 +454,9 @@ def speed(kit: Kit) -> Speed | None:
     attempt(kit, "speed", f"compile {model}", lambda: built.append(compiled(kit, model, 2)))
     if not built:
         return None
-    return Speed(kit, built[0], model, batches, sequence, warmup, warmup + timed)
+    plan = Pipeline.from_json(json.loads((built[0] / "pipeline.json").read_text())).plan
+    assert plan is not None
+    return Speed(kit, built[0], model, batches, sequence, warmup, warmup + timed, plan)
 
 
 # -- (d) prediction --------------------------------------------------------------------------------
@@ -512,9 +513,7 @@ def prediction(kit: Kit, package: Path) -> None:
     run = runs.get("autopipe 2 stages, eager")
     if run is None or "step_time" not in run.data:
         why = "no eager autopipe run to predict (speed's row above says why)"
-        kit.add(
-            Row("prediction", "step time: plan vs train.py", f"skipped: {why}", verdict="skipped")
-        )
+        kit.skip("prediction", "step time: plan vs train.py", why)
         return
     predicted, settings = partition.predicted, partition.settings
 
@@ -573,7 +572,7 @@ def calibrated_prediction(
             f"no {calibrated_file.name} beside {kit.output.name} (the calibration part did not "
             "run, or failed)"
         )
-        kit.add(Row("prediction", case, f"skipped: {why}", verdict="skipped"))
+        kit.skip("prediction", case, why)
         return
     predicted = step_time(profile(graph, "analytic", device_spec(str(calibrated_file))))
     error = predicted / step - 1
@@ -624,10 +623,10 @@ def parity(kit: Kit) -> None:
     if kit.quick:
         command += ["--quick", "--model", "llama", "--no-profile"]
     timeout = kit.timeout(1800, least=90)
-    if (
-        kit.budget.deadline is not None
-    ):  # the ladder stops itself in time, ratios and all (its start,
-        command += ["--budget", f"{timeout - 45:.0f}"]  # imports and CUDA, is not on its clock)
+    # the ladder stops itself in time, ratios and all (its start, imports and CUDA, is not on
+    # its clock: 45 s of margin)
+    if kit.budget.deadline is not None:
+        command += ["--budget", f"{timeout - 45:.0f}"]
     failure = None
     try:
         run(command, timeout)

@@ -228,17 +228,12 @@ class DeviceSpec:
         return self.memory_bandwidth * self.memory_efficiency
 
     def peak_flops(self, dtype: torch.dtype | None) -> float:
-        name = str(dtype).removeprefix("torch.") if dtype is not None else "default"
-        peak = self.flops.get(name, self.flops.get("default", self.flops.get("float32")))
-        assert peak is not None  # every spec has a "default" or "float32" entry (from_json checks)
-        return peak
+        return _by_dtype(self.flops, dtype)
 
     def utilisation_peak(self, dtype: torch.dtype | None) -> float:
         """The peak FLOP/s a model FLOPs utilisation is reckoned against: the datasheet's where
         the spec keeps it apart from measured rates, else :meth:`peak_flops`."""
-        if not self.datasheet_flops:
-            return self.peak_flops(dtype)
-        return replace(self, flops=self.datasheet_flops, datasheet_flops={}).peak_flops(dtype)
+        return _by_dtype(self.datasheet_flops or self.flops, dtype)
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -343,6 +338,14 @@ def _positive(value: Any) -> bool:
 
 def _fraction(value: Any) -> bool:
     return _positive(value) and value <= 1
+
+
+def _by_dtype(flops: dict[str, float], dtype: torch.dtype | None) -> float:
+    """The FLOP/s of ``dtype`` in a table of FLOP/s by dtype name, else its default."""
+    name = str(dtype).removeprefix("torch.") if dtype is not None else "default"
+    peak = flops.get(name, flops.get("default", flops.get("float32")))
+    assert peak is not None  # every table has a "default" or "float32" entry (from_json checks)
+    return peak
 
 
 #: field -> (check, what it must be); flops values are checked on their own

@@ -88,6 +88,7 @@ __all__ = [
     "fingerprint",
     "frozen_names",
     "gather_weights",
+    "has_checkpoint",
     "latest_checkpoint",
     "load_weights",
     "materialise",
@@ -857,12 +858,18 @@ def _materialise_each(module: nn.Module, device: torch.device) -> None:
                 owner._buffers[name] = made[id(buffer)]
 
 
+def has_checkpoint(root: str | Path | None) -> bool:
+    """Whether ``root`` holds a published checkpoint (its ``latest`` pointer, written only once
+    a checkpoint is complete), without reading or checking it (:func:`latest_checkpoint`)."""
+    return root is not None and (Path(root) / "latest").is_file()
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     """The checkpoint ``root/latest`` names, or None if there is none yet; refuses one that is
     damaged, naming the newest intact one to resume from instead."""
-    pointer = root / "latest"
-    if not pointer.is_file():
+    if not has_checkpoint(root):
         return None
+    pointer = root / "latest"
     try:
         name = pointer.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:

@@ -103,6 +103,7 @@ from .train_state import (
     FrozenSource,
     TrainingCheckpoints,
     gather_weights,
+    has_checkpoint,
     latest_checkpoint,
     load_weights,
     materialise,
@@ -422,8 +423,7 @@ def check_outputs(config: TrainConfig, reporting: bool) -> None:
         replace=config.force,
         # continuing from a checkpoint there: the run's own --save file may be replaced
         resuming=bool(config.resume or config.resume_from)
-        and config.checkpoint_dir is not None
-        and (Path(config.checkpoint_dir) / "latest").is_file(),
+        and has_checkpoint(config.checkpoint_dir),
     )
     problem = agree("; ".join(problems) or None)
     if problem:
@@ -1602,7 +1602,7 @@ class ResumeHint:
         self.checkpoint_dir = checkpoint_dir
 
     def __str__(self) -> str:
-        if not self.checkpoint_dir or not (Path(self.checkpoint_dir) / "latest").is_file():
+        if not has_checkpoint(self.checkpoint_dir):
             return ""
         return (
             " Checkpoints written so far are complete: rerun with --resume to continue from "

@@ -152,7 +152,7 @@ class Metrics:
         self.log: IO[str] | None = None
         if reporting and log_json:
             # a file that is no run's log (replaced under --force) is written anew
-            ours = is_step_log(Path(log_json)) if Path(log_json).exists() else True
+            ours = not Path(log_json).exists() or is_step_log(Path(log_json))
             if resumed_at is not None and not appends and ours:
                 _truncate_log(Path(log_json), resumed_at)
             mode = "a" if (resumed_at is not None or appends) and ours else "w"
