@@ -585,10 +585,22 @@ def test_merge_never_overwrites(tmp_path, single_process_group):
     before = {p: p.read_bytes() for p in step.iterdir()}
     assert autopipe_main(["merge", str(root), "-o", str(step / "__0_0.distcp")]) == 1
     assert autopipe_main(["merge", str(step), "-o", str(root / "latest")]) == 1
-    assert autopipe_main(["merge", str(root)]) == 0  # default: ckpt/merged.pt
+    assert autopipe_main(["merge", str(root)]) == 0  # default: ckpt/merged-step-00000001.pt
+    assert (root / "merged-step-00000001.pt").is_file()
     assert autopipe_main(["merge", str(root)]) == 1
     assert autopipe_main(["merge", str(root), "--force"]) == 0
     assert {p: p.read_bytes() for p in step.iterdir()} == before
+    # a later step merged by default keeps the earlier file: each is named after its step
+    later = train_state.TrainingCheckpoints(root, package.PIPELINE, ONE_PROCESS, keep=0).save(
+        2, stages, optimizers
+    )
+    assert autopipe_main(["merge", str(root)]) == 0
+    assert autopipe_main(["merge", str(step)]) == 1  # step 1's file exists: --force to replace
+    assert {path.name for path in root.glob("merged*")} == {
+        "merged-step-00000001.pt",
+        "merged-step-00000002.pt",
+    }
+    assert later.name == "step-00000002"
 
 
 @pytest.mark.slow

@@ -6,14 +6,18 @@ an evaluation alone appends to it without truncating."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
 import torch
 
+from autopipe.runtime.core.pipeline import Loss, Pipeline, Value
 from autopipe.runtime.evaluation import EvalResult
 from autopipe.runtime.metrics import Metrics, json_line, plan_device_problem
+
+from conftest import ROOT
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -100,6 +104,29 @@ def test_log_lines_are_strict_json_and_an_evaluation_alone_only_appends(tmp_path
         mine.write_bytes(b"\xff not text, not a log\n")
         Metrics(True, 3, 4, None, str(mine), 1, resumed_at, appends=appends).close()
         assert mine.read_bytes() == b""
+
+
+def test_perplexity_is_said_of_a_loss_over_tokens_only(tmp_path, capsys):
+    """An evaluation's console line gives the perplexity of a language model's loss (labels of
+    shape (batch, sequence)), not of a classifier's or a regression's; the log keeps the field
+    (issue 27's keys) either way."""
+    lm = Pipeline.from_json(json.loads((ROOT / "generated/gpt2_4/pipeline.json").read_text()))
+    assert lm.loss_over_tokens  # Hugging Face's labels input, (batch, sequence) integers
+    per_sample = Value("target", (4,), "int64", False)
+    for target, over_tokens in (
+        (per_sample, False),  # a classifier's class per sample
+        (dataclasses.replace(per_sample, shape=(4, 128)), True),  # a loss module's token labels
+        (dataclasses.replace(per_sample, shape=(4, 128), dtype="float32"), False),  # regression
+    ):
+        model = dataclasses.replace(lm, loss=Loss(module="loss", target=target))
+        assert model.loss_over_tokens == over_tokens
+    for perplexity in (True, False):
+        path = tmp_path / f"{perplexity}.jsonl"
+        metrics = Metrics(True, 1, 4, None, str(path), 1, None, perplexity=perplexity)
+        metrics.record_eval(1, EvalResult(0.5, 2, 0.1))
+        metrics.close()
+        assert ("perplexity 1.649" in capsys.readouterr().out) == perplexity
+        assert json.loads(path.read_text())["eval_perplexity"] == pytest.approx(math.exp(0.5))
 
 
 def test_json_lines_name_nested_values_that_are_not_finite():

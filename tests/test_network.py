@@ -259,6 +259,19 @@ def test_the_partition_puts_the_heavier_traffic_inside_nodes(gpt2_graph):
     assert all(not t.crosses_nodes for t in one_node.predicted.traffic)
 
 
+def test_a_cpu_plans_ranks_are_processes(gpt2_graph):
+    """Costed on a CPU's spec, the summary places the ranks on nodes of processes, not GPUs, and
+    the partition records the device type (absent for a GPU's)."""
+    cpu = replace(H100, name="a test CPU", device_type="cpu")
+    part = partition(gpt2_graph, profile(gpt2_graph, "analytic", cpu), 2, dp_shard=2)
+    assert part.settings.device_type == "cpu"
+    assert Partition.from_json(part.to_json()) == part
+    line = next(r for r in format_partition(gpt2_graph, part).splitlines() if "network: " in r)
+    assert "4 ranks on 1 node of 8 processes" in line and "GPU" not in line
+    gpu = partition(gpt2_graph, profile(gpt2_graph, "analytic", H100), 2, dp_shard=2)
+    assert gpu.settings.device_type is None and "device_type" not in gpu.settings.to_json()
+
+
 def test_no_step_is_faster_than_its_traffic(gpt2_graph, gpt2_profile):
     """A pipeline run takes at least as long as the busiest rank's transfers and collectives
     that the schedule cannot hide behind the step (each kind on its link alone)."""

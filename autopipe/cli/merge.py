@@ -34,7 +34,7 @@ def add_parser(subparsers: Subparsers) -> None:
         "--output",
         type=Path,
         help="file to write: .safetensors, or anything else for torch.save (default "
-        "merged.pt in the checkpoint directory)",
+        "merged-step-N.pt in the checkpoint directory, N the step merged)",
     )
     p.add_argument(
         "--hf",

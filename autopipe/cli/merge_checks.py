@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AutopipeError
+from ..runtime.core.errors import PipelineRunError
 from ..runtime.core.pipeline import HuggingFaceModel, PipelineFormatError
 
 __all__ = ["checked_output", "merged_model"]
@@ -19,7 +20,7 @@ def checked_output(args: argparse.Namespace, source: Path) -> Path:
     # imported here, not above: train_state brings torch.distributed.pipelining, torch._dynamo and
     # torch.distributed.checkpoint, which would slow every other command's start-up
     from ..runtime.huggingface import directory_problem
-    from ..runtime.train_state import STEP_NAME
+    from ..runtime.train_state import STEP_NAME, latest_checkpoint
 
     root = source.parent if STEP_NAME.fullmatch(source.name) else source
     if args.merge_adapters and not args.hf:
@@ -27,6 +28,13 @@ def checked_output(args: argparse.Namespace, source: Path) -> Path:
     if args.hf and args.output:
         raise AutopipeError("give -o FILE (a state_dict) or --hf DIR (a model directory), not both")
     out: Path = args.hf or (Path(args.output) if args.output else root / "merged.pt")
+    if not (args.hf or args.output):  # named after the step it merges: two steps keep two files
+        try:
+            latest = source if STEP_NAME.fullmatch(source.name) else latest_checkpoint(source)
+        except PipelineRunError:  # a damaged pointer: checked_checkpoint says what is wrong
+            latest = None
+        if latest is not None:
+            out = root / f"merged-{latest.name}.pt"
     target, home = out.resolve(), root.resolve()
     parts = target.relative_to(home).parts if target.is_relative_to(home) else ()
     option = "--hf" if args.hf else "-o"

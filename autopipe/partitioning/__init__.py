@@ -281,6 +281,7 @@ def _partition_in(
             optimizer=optimizer,
             dp_shard=dp_shard,
             device=profile.device.name,
+            device_type="cpu" if profile.device.device_type == "cpu" else None,
             link=profile.device.link,
             mesh=request.mesh if request.mesh != PIPELINE_INNERMOST else None,
             gpus_per_node=request.gpus_per_node,

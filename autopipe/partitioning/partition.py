@@ -82,6 +82,8 @@ class PartitionSettings:
     optimizer: str | None = None
     dp_shard: int | None = None  # data-parallel ranks per stage
     device: str | None = None
+    #: "cpu" for a plan costed on a CPU spec (its ranks are processes, not GPUs); None: a GPU
+    device_type: str | None = None
     link: str | None = None
     profile: str | None = None  # the profile's mode
     measured_on: str | None = None
@@ -164,6 +166,8 @@ class PartitionSettings:
         require(isinstance(sequence, bool), f"{where}.sequence_parallel", sequence, "true or false")
         bf16 = data.get("bf16", False)
         require(isinstance(bf16, bool), f"{where}.bf16", bf16, "true or false")
+        device_type = data.get("device_type", "cpu")
+        require(device_type == "cpu", f"{where}.device_type", device_type, '"cpu" (or absent)')
         _unknown(data, cls.__dataclass_fields__, where)
         special = ("timed_at", "plans", "mesh")
         return cls(

@@ -378,7 +378,8 @@ def network_lines(part: Partition) -> list[str]:
     nodes = -(-ranks // per_node)
     mesh = settings.mesh or PIPELINE_INNERMOST
     inner = "a pipeline's ranks" if mesh[-1] == "pp" else "each stage's shards"
-    where = f"{_count(ranks, 'rank')} on {_count(nodes, 'node')} of {per_node} GPUs"
+    unit = "processes" if settings.device_type == "cpu" else "GPUs"
+    where = f"{_count(ranks, 'rank')} on {_count(nodes, 'node')} of {per_node} {unit}"
     if nodes > 1 and (settings.dp_shard or 1) > 1 and len(set(part.device_of_stage)) > 1:
         where += f", mesh {' x '.join(mesh)} ({inner} next to each other)"
     moved = "; ".join(

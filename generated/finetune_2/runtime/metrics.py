@@ -132,6 +132,7 @@ class Metrics:
         sinks: Iterable[Sink] = (),
         stragglers: Stragglers | None = None,
         appends: bool = False,
+        perplexity: bool = True,
     ):
         """``resumed_at``: the step a resumed run starts at; the log keeps the steps before it
         (its later lines were written after the checkpoint, and are trained again); a run that
@@ -139,8 +140,11 @@ class Metrics:
         its lines (an evaluation alone, ``--eval-only``: it trains no step again).
         ``utilisation(seconds)``: the model FLOPs utilisation of a step that long, or None.
         ``sinks``: where the scalars also go (the reporting rank's; closed by :meth:`close`).
-        ``stragglers``: names a rank consistently slower than its peers, from the ranks' times."""
+        ``stragglers``: names a rank consistently slower than its peers, from the ranks' times.
+        ``perplexity``: whether an evaluation's console line gives the loss's exponential (a
+        loss over tokens, ``Pipeline.loss_over_tokens``); the log and the sinks always have it."""
         self.sinks = list(sinks)
+        self.perplexity = perplexity
         self.stragglers = stragglers
         self.reporting = reporting
         self.utilisation = utilisation
@@ -276,8 +280,9 @@ class Metrics:
             if result.empty
             else ""
         )
+        perplexity = f", perplexity {result.perplexity:.4g}" if self.perplexity else ""
         self.note(
-            f"eval {when}: loss {result.loss:.6f}, perplexity {result.perplexity:.4g} "
+            f"eval {when}: loss {result.loss:.6f}{perplexity} "
             f"({result.batches} held-out batch{'es' if result.batches > 1 else ''}, "
             f"{result.seconds:.3f} s{left_out})"
         )

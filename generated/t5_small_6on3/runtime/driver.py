@@ -1036,6 +1036,7 @@ class TrainingRun:
             sinks=sinks,
             stragglers=Stragglers(self.layout.rank_mesh),
             appends=config.eval_only,
+            perplexity=pipeline.loss_over_tokens,
         )
         if plan and plan.step_time:
             metrics.note(plan_note(pipeline, config, dist.get_world_size()))

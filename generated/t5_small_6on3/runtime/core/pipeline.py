@@ -972,6 +972,18 @@ class Pipeline:
         return shape[self.batch_dim(self.inputs[0])] if shape else 1
 
     @property
+    def loss_over_tokens(self) -> bool:
+        """Whether the loss is a mean over tokens, whose exponential is a perplexity: its labels
+        (the loss module's target, else the model's input ``labels``) are integers of shape
+        (batch, sequence). A classifier's labels (one per sample) and a regression's targets
+        (floating point) are not."""
+        if self.loss.target is not None:
+            labels: Value | None = self.loss.target
+        else:
+            labels = self.values.get("labels") if "labels" in self.inputs else None
+        return labels is not None and len(labels.shape) == 2 and labels.dtype in ("int64", "int32")
+
+    @property
     def tokens_per_sample(self) -> int | None:
         """Tokens in one sample, for language models: the length of an integer input of shape
         (batch, sequence) such as ``input_ids``; None when the model has none."""
