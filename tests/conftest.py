@@ -1,4 +1,4 @@
-"""Shared helpers: compile test models from their specs, run generated train.py under torchrun."""
+"""Shared helpers: compile test models from their specs, run generated train.py on local ranks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import black
@@ -21,6 +20,7 @@ from autopipe.codegen.package import BLACK_MODE
 from autopipe.compiler import CompileOptions, CompileResult, compile_spec
 from autopipe.runtime.parallel import Layout
 
+from ranks import run_together
 from zoo.packages import Packages
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,67 +125,28 @@ def start_torchrun(
     )
 
 
-def torchrun(
+def run_ranks(
     script: Path, nproc: int, *args: str, timeout: int = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """Run a generated train.py on ``nproc`` local gloo ranks (``env``: more variables)."""
-    result = subprocess.run(
-        torchrun_command(script, nproc, *args),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**torchrun_env(), **(env or {})},
-        cwd=ROOT,
-    )
-    if result.returncode != 0:
-        raise AssertionError(
-            f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
-        )
-    return result
+    """Run a generated train.py on ``nproc`` local gloo ranks as torchrun runs it, torch imported
+    once for all (tests/ranks.py), with ``env``'s variables more; its result, checked to have
+    succeeded. A run that must start as a user starts it: :func:`torchrun_failing`,
+    :func:`start_torchrun`."""
+    return run_ranks_together((script, nproc, list(args)), timeout=timeout, env=env)[0]
 
 
-def torchrun_together(
+def run_ranks_together(
     *runs: tuple[Path, int, list[str]], timeout: int = 600, env: dict[str, str] | None = None
 ) -> list[subprocess.CompletedProcess]:
     """Several independent runs of generated train.py files at once, each ``(script, nproc,
     args)`` on its own local gloo ranks (``env``: more variables for all), each checked as
-    :func:`torchrun` checks one: their start-up (torchrun's agent, then the ranks, each
-    importing torch) overlaps, which two cores otherwise spend one process at a time."""
-    started = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for index, (script, nproc, args) in enumerate(runs):
-            out = open(Path(scratch) / f"{index}.out", "w+")
-            err = open(Path(scratch) / f"{index}.err", "w+")
-            process = subprocess.Popen(
-                torchrun_command(script, nproc, *args),
-                cwd=ROOT,
-                env={**torchrun_env(), **(env or {})},
-                stdout=out,
-                stderr=err,
-                text=True,
-            )
-            started.append((process, out, err))
-        results = []
-        deadline = time.monotonic() + timeout
-        try:
-            for process, out, err in started:
-                code = process.wait(timeout=max(deadline - time.monotonic(), 1))
-                out.seek(0)
-                err.seek(0)
-                results.append(
-                    subprocess.CompletedProcess(process.args, code, out.read(), err.read())
-                )
-        finally:
-            for process, out, err in started:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-                out.close()
-                err.close()
+    :func:`run_ranks` checks one."""
+    on_cpu = [(script, nproc, ["--device", "cpu", *args]) for script, nproc, args in runs]
+    results = run_together(on_cpu, {**torchrun_env(), **(env or {})}, ROOT, timeout)
     for result in results:
         if result.returncode != 0:
             raise AssertionError(
-                f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
+                f"train.py failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
                 f"{result.stderr[-8000:]}"
             )
     return results

@@ -14,7 +14,7 @@ import torch
 import models
 from autopipe.spec import load_example
 
-from conftest import compile_model, spec, torchrun
+from conftest import compile_model, run_ranks, spec
 
 STEPS, MICROBATCHES = 4, 4
 
@@ -108,7 +108,7 @@ def run_pipeline(
     example = load_example(spec(train_spec or name))
     torch.save(example.model.state_dict(), tmp_path / "init.pt")
     log, saved = tmp_path / "log.jsonl", tmp_path / "trained.pt"
-    result = torchrun(
+    result = run_ranks(
         out / "train.py",
         nproc or devices or stages,
         "--steps",

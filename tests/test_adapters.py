@@ -35,7 +35,7 @@ from autopipe.runtime.parallel import GradientSync
 from autopipe.runtime.train_state import FrozenSource, read_manifest
 from autopipe.verify import load_pipeline
 
-from conftest import ONE_PROCESS, ROOT, compile_model, torchrun, torchrun_command, torchrun_env
+from conftest import ONE_PROCESS, ROOT, compile_model, run_ranks, torchrun_command, torchrun_env
 from lora_models import frozen_tower, gpt2_frozen_embeddings, lora_batch, lora_llama
 
 MICROBATCHES, STEPS, LR = 4, 4, 0.01
@@ -107,7 +107,7 @@ def runs(lora, base_weights, tmp_path_factory):
             shutil.copytree(root / "whole-ckpt" / "step-00000002", ckpt / "step-00000002")
             (ckpt / "latest").write_text("step-00000002\n")
         log, saved = root / f"{name}.jsonl", root / f"{name}.safetensors"
-        torchrun(
+        run_ranks(
             package / "train.py", 2, *common, "--checkpoint-dir", str(ckpt), "--checkpoint-every",
             "2", "--log-json", str(log), "--save", str(saved),
             *(["--resume"] if name == "resumed" else []),

@@ -39,7 +39,7 @@ from autopipe.runtime.data import Batches
 from autopipe.runtime.options import parse_config
 from autopipe.verify import load_pipeline
 
-from conftest import ROOT, compile_model, torchrun
+from conftest import ROOT, compile_model, run_ranks
 
 sys.path.insert(0, str(ROOT / "examples" / "data"))
 import make_corpus  # noqa: E402 - examples/data/make_corpus.py, the corpus's recipe
@@ -382,7 +382,7 @@ def test_a_packed_corpus_trains_and_resumes_mid_epoch_like_an_uninterrupted_run(
     common += ["--microbatches", str(MICROBATCHES), "--lr", "3e-3", "--eval-batches", "2"]
     common += ["--eval-data", str(forms["parquet"])]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    result = torchrun(
+    result = run_ranks(
         static / "train.py",
         2,
         *common,
@@ -393,7 +393,7 @@ def test_a_packed_corpus_trains_and_resumes_mid_epoch_like_an_uninterrupted_run(
     assert result.stdout.count("300 documents") == 2  # and once for --eval-data
     resumed.mkdir()
     shutil.copytree(whole / "step-00000003", resumed / "step-00000003")
-    torchrun(
+    run_ranks(
         static / "train.py",
         2,
         *common,

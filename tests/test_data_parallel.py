@@ -25,7 +25,7 @@ from autopipe.spec import load_example
 
 from autopipe.verify import load_pipeline
 
-from conftest import compile_model, spec, torchrun, torchrun_together
+from conftest import compile_model, run_ranks, run_ranks_together, spec, torchrun_failing
 from pipelines import STEPS, assert_same_training, reference_training, run_pipeline
 
 CLIPPED = (
@@ -189,7 +189,7 @@ def test_checkpoints_reshard_across_pipelines(tmp_path):
     first = tmp_path / "first"
     compile_model("gpt2", first, 2, method="dp")
     ckpt, log = tmp_path / "ckpt", tmp_path / "full.jsonl"
-    torchrun(
+    run_ranks(
         first / "train.py", 4, *data, "--steps", "4", "--microbatches", "2", "--dp-shard", "2",
         "--load", str(tmp_path / "init.pt"), "--checkpoint-dir", str(ckpt),
         "--checkpoint-every", "2", "--log-json", str(log),
@@ -209,7 +209,7 @@ def test_checkpoints_reshard_across_pipelines(tmp_path):
             *data, *flags, "--steps", "4", "--checkpoint-dir", str(tmp_path / f"{name}-ckpt"),
             "--resume-from", "step-00000002", "--log-json", str(tmp_path / f"{name}.jsonl"),
         ]))  # fmt: skip
-    for name, result in zip(resumes, torchrun_together(*runs)):
+    for name, result in zip(resumes, run_ranks_together(*runs)):
         resumed_log = tmp_path / f"{name}.jsonl"
         assert "resumed from" in result.stdout
         # planned for 2 shards, run on whole replicas: train.py says so
@@ -255,15 +255,14 @@ def test_a_rank_killed_while_dcp_writes_keeps_the_previous_checkpoint(tmp_path, 
     flags = ["--microbatches", "2", "--dp-shard", "2", "--checkpoint-dir", str(ckpt)]
     flags += ["--checkpoint-every", "1", "--steps", "3"]
     monkeypatch.setenv("PYTHONPATH", str(hooks))
-    with pytest.raises(AssertionError, match="torchrun failed"):
-        torchrun(out / "train.py", 4, *flags)
+    torchrun_failing(out / "train.py", 4, *flags)
     assert (ckpt / "latest").read_text().strip() == "step-00000001"
     assert not (ckpt / "step-00000002").exists()
     state, manifest = train_state.merge_checkpoint(ckpt)
     assert manifest["step"] == 1 and manifest["dp_shard"] == 2
     load_example(spec("gpt2")).model.load_state_dict(state)
     monkeypatch.delenv("PYTHONPATH")
-    result = torchrun(out / "train.py", 4, *flags, "--resume")
+    result = run_ranks(out / "train.py", 4, *flags, "--resume")
     assert "resumed from" in result.stdout
     assert train_state.merge_checkpoint(ckpt)[1]["step"] == 3
 
@@ -303,7 +302,7 @@ def test_sharded_stages_start_from_the_same_weights(tmp_path):
     package's ``build_stage``, which train.py's unsharded ranks run, with its seed)."""
     out = tmp_path / "pipe"
     compile_model("gpt2", out, 2)
-    torchrun(out / "train.py", 4, "--steps", "0", "--save", str(tmp_path / "sharded"),
+    run_ranks(out / "train.py", 4, "--steps", "0", "--save", str(tmp_path / "sharded"),
              "--dp-shard", "2")  # fmt: skip
     sharded = torch.load(tmp_path / "sharded", weights_only=True)
     assert set(sharded) == set(load_example(spec("gpt2")).model.state_dict())

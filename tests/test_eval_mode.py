@@ -24,7 +24,7 @@ from autopipe.report.summary import random_in_eval_lines
 from autopipe.tracing.export import trace
 from autopipe.verify import load_pipeline, verify
 
-from conftest import compile_model, torchrun_together
+from conftest import compile_model, run_ranks_together
 from models import cnn_batch, mode_net
 
 SPEC = "tests/models.py:mode_net"
@@ -187,7 +187,7 @@ def test_train_py_evaluates_like_the_model_in_eval_mode_under_any_seed(package, 
     common = ["--load", str(weights), "--eval-only", "--eval-data", "tests/models.py:cnn_batch"]
     common += ["--eval-batches", "2", "--microbatches", "4"]
     logs = {seed: tmp_path / f"seed{seed}.jsonl" for seed in (0, 7)}
-    torchrun_together(
+    run_ranks_together(
         *((out / "train.py", 2, [*common, "--seed", str(seed), "--log-json", str(log)])
           for seed, log in logs.items())
     )  # fmt: skip

@@ -30,7 +30,7 @@ from autopipe.runtime.evaluation import LossSums, label_tokens, random_states_ke
 from autopipe.runtime.options import parse_config
 from autopipe.verify import load_pipeline
 
-from conftest import compile_model, start_torchrun, torchrun, torchrun_together
+from conftest import compile_model, run_ranks, run_ranks_together, start_torchrun
 from models import BATCH, gpt2, gpt2_eval_batch, gpt2_eval_batch_partly_unlabelled
 
 MICROBATCHES, EVAL_BATCHES = 4, 2
@@ -104,7 +104,7 @@ def test_eval_only_gives_the_original_models_eval_loss(
         package = tmp_path / "pipe"
         compile_model("gpt2", package, stages, devices=ranks, schedule=schedule)
     log = tmp_path / "log.jsonl"
-    result = torchrun(
+    result = run_ranks(
         package / "train.py", ranks, "--load", str(weights), "--eval-only", *EVAL,
         "--microbatches", str(MICROBATCHES), "--log-json", str(log),
     )  # fmt: skip
@@ -137,7 +137,7 @@ def test_evaluating_every_step_leaves_training_unchanged(
     board = tmp_path / "tb"
     evaluated = [*EVAL, "--eval-every", "1", *ckpt, "--checkpoint-every", "1"]
     variants = {"plain": [], "evaluated": [*evaluated, "--tensorboard", str(board)]}
-    torchrun_together(  # independent: both at once
+    run_ranks_together(  # independent: both at once
         *((script, 2, [*common, *extra, "--log-json", str(tmp_path / f"{name}.jsonl"),
                        "--save", str(tmp_path / f"{name}.pt")])
           for name, extra in variants.items())
@@ -164,7 +164,7 @@ def test_evaluating_every_step_leaves_training_unchanged(
         "--eval-data", "tests/models.py:gpt2_eval_batch_unlabelled",
         stderr=subprocess.PIPE,
     )  # fmt: skip
-    torchrun_together(
+    run_ranks_together(
         (script, 2, [*only, "--eval-data", EVAL[1], *ckpt, "--resume-from", "1",
                      "--log-json", str(tmp_path / "evaluated.jsonl"), "--tensorboard", str(board)]),
         (two_stages / "train.py", 2,

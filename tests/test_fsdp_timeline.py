@@ -15,7 +15,7 @@ from autopipe.runtime.core.timeline_format import chrome_trace
 from autopipe.runtime.fsdp_timeline import UNIT_KINDS, Mark, UnitAction
 from autopipe.runtime.fsdp_timeline import unit_actions
 
-from conftest import ROOT, torchrun
+from conftest import ROOT, run_ranks
 
 
 class Events:
@@ -171,7 +171,7 @@ def test_fsdp2_really_marks_what_is_read_two_processes(tmp_path):
     relies on. Each microbatch gathers and frees each block in forward and again in backward
     (the backward's gather of a block may be prefetched during the one after it); the second
     microbatch reduces their gradients."""
-    torchrun(ROOT / "tests" / "fsdp_marks.py", 2, str(tmp_path))
+    run_ranks(ROOT / "tests" / "fsdp_marks.py", 2, str(tmp_path))
     actions = [UnitAction(**a) for a in json.loads((tmp_path / "0.json").read_text())]
     for unit in ("0", "2"):  # blocks (the root unit holds no parameter here)
         mine = [a.kind for a in actions if a.unit == unit]

@@ -37,7 +37,7 @@ from autopipe.runtime.train_state import TrainingCheckpoints
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline
 
-from conftest import ONE_PROCESS, compile_model, torchrun, torchrun_failing, training_state
+from conftest import ONE_PROCESS, compile_model, run_ranks, torchrun_failing, training_state
 
 MODELS = {  # name -> (spec, --data, the name from_pretrained does not find in the files)
     "gpt2": ("tests/models.py:gpt2", "tests/models.py:gpt2_batch", "lm_head.weight"),
@@ -77,7 +77,7 @@ def trained(request, tmp_path_factory):
     package = root / "pipe"
     compile_model(MODELS[name][0], package, 2)
     start = pretrained(name, root / "pretrained")
-    torchrun(
+    run_ranks(
         package / "train.py", 2, "--load", str(root / "pretrained"), "--steps", "2",
         "--data", MODELS[name][1], "--lr", "1e-2", "--checkpoint-dir", str(root / "ckpt"),
         "--save", str(root / "saved"), "--save-format", "hf",

@@ -18,7 +18,7 @@ from autopipe.partitioning.simulator import schedule_orders, simulate
 from autopipe.runtime.core.schedules import PipelineCosts, device_memory
 from autopipe.spec import load_example
 
-from conftest import compile_model, spec, torchrun
+from conftest import compile_model, run_ranks, spec
 
 
 def costs(stages: int, devices: list[int] | None = None, **tables) -> PipelineCosts:
@@ -266,7 +266,7 @@ def test_predicted_peaks_match_the_live_tensor_peaks_of_a_run(tmp_path, schedule
     out = tmp_path / "pipe"
     result = compile_model("gpt2", out, 2, schedule=schedule)
     log = tmp_path / "log.jsonl"
-    torchrun(out / "train.py", 2, "--steps", "3", "--track-memory", "--log-json", str(log))
+    run_ranks(out / "train.py", 2, "--steps", "3", "--track-memory", "--log-json", str(log))
     measured = json.loads(log.read_text().splitlines()[-1])["peak_memory"]
     predicted = list(result.partition.predicted.device_memory)
     assert predicted == pytest.approx(measured, rel=0.1)

@@ -34,7 +34,7 @@ from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.runtime.core.timeline_format import RankTimeline, Record, RunLayout
 from autopipe.verify import check_files
 
-from conftest import ROOT, compile_model, torchrun, torchrun_together
+from conftest import ROOT, compile_model, run_ranks, run_ranks_together
 
 MODEL = "block_stack_with_target"  # 16 identical blocks: boundaries move block by block
 SLOWED = {"SLOWED_RANK": "1", "SLOWED_FACTOR": "10"}  # rank 1's forwards 10x slower
@@ -55,7 +55,7 @@ def package(tmp_path_factory) -> Path:
 def _slowed_run(package: Path, *args: str) -> None:
     """The package's train.py on 2 gloo ranks, rank 1 slowed."""
     env = {**SLOWED, "SLOWED_PACKAGE": str(package)}
-    torchrun(ROOT / "tests" / "slowed_train.py", 2, *args, env=env)
+    run_ranks(ROOT / "tests" / "slowed_train.py", 2, *args, env=env)
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def runs(package: Path, tmp_path_factory) -> Runs:
             *options, "--steps", str(STEPS + MORE), "--checkpoint-dir", str(copy), "--resume",
             "--log-json", str(root / f"{name}.jsonl"),
         ]))  # fmt: skip
-    torchrun_together(*resumes)  # both resumed at once: neither is slowed
+    run_ranks_together(*resumes)  # both resumed at once: neither is slowed
     resumed = {name: _losses(root / f"{name}.jsonl") for name in ("old", "new")}
     return Runs(package, new, printed.getvalue(), trace, resumed["old"], resumed["new"])
 

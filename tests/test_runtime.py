@@ -29,9 +29,9 @@ from conftest import (
     ONE_PROCESS,
     ROOT,
     compile_model,
+    run_ranks,
     spec,
     start_torchrun,
-    torchrun,
     torchrun_env,
     training_state,
 )
@@ -302,7 +302,7 @@ def test_killed_rank_resumes_to_the_same_weights(tmp_path):
     assert full_run.wait(timeout=300) == 0, (tmp_path / "full.err").read_text()[-4000:]
     full_errors.close()
 
-    torchrun(
+    run_ranks(
         out / "train.py",
         2,
         *common,
@@ -412,7 +412,7 @@ def test_text_example_learns_from_its_dataset(tmp_path):
     out = tmp_path / "text"
     compile_spec("examples/text.py:build", out, CompileOptions(stages=2), report=False)
     log = tmp_path / "log.jsonl"
-    torchrun(
+    run_ranks(
         out / "train.py",
         2,
         "--data",

@@ -42,7 +42,7 @@ from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline
 
-from conftest import ROOT, compile_model, spec, torchrun
+from conftest import ROOT, compile_model, run_ranks, spec
 from pipelines import STEPS, assert_same_training, reference_training
 
 DEFAULT = dict(dp_shard=1, stages=2, ranks=2, schedule="1f1b", microbatches=4, accumulate=1, tp=1)
@@ -141,7 +141,7 @@ def test_search_fits_a_device_the_default_plan_does_not_and_trains_exactly(tmp_p
     example = load_example(spec("gpt2"))
     torch.save(example.model.state_dict(), tmp_path / "init.pt")
     log, saved = tmp_path / "log.jsonl", tmp_path / "trained.pt"
-    run = torchrun(
+    run = run_ranks(
         out / "train.py", 2, "--steps", str(STEPS), "--data", "tests/models.py:gpt2_batch",
         "--load", str(tmp_path / "init.pt"), "--save", str(saved), "--log-json", str(log),
     )  # fmt: skip

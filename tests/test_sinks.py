@@ -22,7 +22,7 @@ from autopipe.runtime.options import parse_config
 from autopipe.runtime.sinks import TensorBoardSink
 from autopipe.verify import load_pipeline
 
-from conftest import compile_model, torchrun
+from conftest import compile_model, run_ranks
 
 STEPS = 3
 
@@ -91,7 +91,7 @@ def test_tensorboard_and_wandb_hold_what_the_json_log_holds(package, tmp_path):
     log, board, wandb_dir = tmp_path / "log.jsonl", tmp_path / "tb", tmp_path / "wb"
     wandb_dir.mkdir()
     env = {"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"}
-    torchrun(
+    run_ranks(
         package / "train.py", 2, "--steps", str(STEPS), "--log-json", str(log),
         "--eval-data", "tests/models.py:gpt2_eval_batch", "--eval-every", "2",
         "--tensorboard", str(board), "--wandb", "autopipe-test", env=env,

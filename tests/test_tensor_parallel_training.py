@@ -34,7 +34,7 @@ from autopipe.spec import load_example
 from autopipe.tensor_parallel import sharding_plan, find_regions
 from autopipe.verify import load_pipeline, verify
 
-from conftest import compile_model, spec, torchrun, torchrun_failing
+from conftest import compile_model, run_ranks, spec, torchrun_failing
 from pipelines import (
     MICROBATCHES,
     STEPS,
@@ -439,10 +439,10 @@ def test_grouped_key_value_heads_replicated_at_a_degree_above_them(one_stage, tm
     common = ["--microbatches", str(MICROBATCHES), *TRAIN, "--data", BATCHES]
     common += ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]
     log = tmp_path / "log.jsonl"
-    said = torchrun(four.out / "train.py", 4, *common, "--steps", "2", "--load",
+    said = run_ranks(four.out / "train.py", 4, *common, "--steps", "2", "--load",
                     str(tmp_path / "init.pt"), "--log-json", str(log))  # fmt: skip
     assert "ReplicatedHeadsParallel" in said.stdout + said.stderr
-    torchrun(one_stage.out / "train.py", 2, *common, "--steps", "4", "--resume", "--log-json",
+    run_ranks(one_stage.out / "train.py", 2, *common, "--steps", "4", "--resume", "--log-json",
              str(log), "--save", str(tmp_path / "trained.pt"))  # fmt: skip
     records = [json.loads(line) for line in log.read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
@@ -470,11 +470,11 @@ def test_a_tp2_checkpoint_resumes_at_tp1_and_back(two_stages, tmp_path, referenc
     common = ["--microbatches", str(MICROBATCHES), *TRAIN, "--data", BATCHES]
     common += ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]
     log = tmp_path / "log.jsonl"
-    torchrun(two_stages.out / "train.py", 4, *common, "--steps", "2", "--load",
+    run_ranks(two_stages.out / "train.py", 4, *common, "--steps", "2", "--load",
              str(tmp_path / "init.pt"), "--log-json", str(log))  # fmt: skip
-    torchrun(plain.out / "train.py", 2, *common, "--steps", "3", "--resume", "--log-json",
+    run_ranks(plain.out / "train.py", 2, *common, "--steps", "3", "--resume", "--log-json",
              str(log))  # fmt: skip
-    torchrun(whole.out / "train.py", 2, *common, "--steps", "4", "--resume", "--log-json",
+    run_ranks(whole.out / "train.py", 2, *common, "--steps", "4", "--resume", "--log-json",
              str(log), "--save", str(tmp_path / "trained.pt"))  # fmt: skip
     records = [json.loads(line) for line in log.read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
@@ -582,11 +582,11 @@ def test_gpt2_trains_like_pytorch_in_every_layout_through_one_checkpoint(gpt2_tw
     log = tmp_path / "log.jsonl"
     common = ["--microbatches", str(MICROBATCHES), *TRAIN, "--data", BATCHES, "--log-json",
               str(log), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]  # fmt: skip
-    torchrun(gpt2_two_stages.out / "train.py", 4, *common, "--steps", "1", "--load",
+    run_ranks(gpt2_two_stages.out / "train.py", 4, *common, "--steps", "1", "--load",
              str(tmp_path / "init.pt"))  # fmt: skip
-    torchrun(one.out / "train.py", 2, *common, "--steps", "2", "--resume")
-    torchrun(plain.out / "train.py", 2, *common, "--steps", "3", "--resume")
-    said = torchrun(one.out / "train.py", 4, *common, "--steps", "4", "--resume", "--dp-shard",
+    run_ranks(one.out / "train.py", 2, *common, "--steps", "2", "--resume")
+    run_ranks(plain.out / "train.py", 2, *common, "--steps", "3", "--resume")
+    said = run_ranks(one.out / "train.py", 4, *common, "--steps", "4", "--resume", "--dp-shard",
                     "2", "--microbatches", "2", "--save", str(tmp_path / "hf"), "--save-format",
                     "hf")  # fmt: skip
     assert "x tensor parallel 2" in said.stdout and "FSDP2" in said.stdout

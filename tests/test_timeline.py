@@ -29,7 +29,7 @@ from autopipe.runtime.core.timeline_format import (
 )
 from autopipe.runtime.timeline import Timeline, default_steps, parse_steps
 
-from conftest import ROOT, compile_model, torchrun
+from conftest import ROOT, compile_model, run_ranks
 
 STAGES, MICROBATCHES, STEPS = 4, 4, 3
 
@@ -250,7 +250,7 @@ def test_trace_of_a_four_rank_run_has_every_action_once_in_order(tmp_path):
     package = tmp_path / "pipe"
     compile_model("gpt2", package, STAGES)
     out = tmp_path / "trace"
-    torchrun(
+    run_ranks(
         package / "train.py",
         STAGES,
         "--steps",

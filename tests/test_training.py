@@ -11,7 +11,7 @@ import models
 from autopipe.spec import load_example
 from autopipe.verify import load_pipeline
 
-from conftest import compile_model, spec, torchrun_together
+from conftest import compile_model, run_ranks_together, spec
 from pipelines import MICROBATCHES, STEPS, assert_same_training, reference_training, run_pipeline
 
 
@@ -57,7 +57,7 @@ def test_synthetic_data_and_defaults(tmp_path):
     out = tmp_path / "pipe"
     compile_model("bert", out, 2)
     runs = [tmp_path / f"log{run}.jsonl" for run in range(2)]
-    torchrun_together(
+    run_ranks_together(
         *((out / "train.py", 2, ["--steps", "3", "--microbatches", "2", "--log-json", str(log)])
           for log in runs)
     )  # fmt: skip
