@@ -152,14 +152,17 @@ def run_ranks_together(
     return results
 
 
-def torchrun_failing(script: Path, nproc: int, *args: str, timeout: int = 300):
-    """Run a generated train.py expected to fail on ``nproc`` local gloo ranks; its result."""
+def torchrun_failing(
+    script: Path, nproc: int, *args: str, timeout: int = 300, env: dict[str, str] | None = None
+):
+    """Run a generated train.py expected to fail on ``nproc`` local gloo ranks under torchrun
+    (``env``: more variables); its result."""
     result = subprocess.run(
         torchrun_command(script, nproc, *args),
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=torchrun_env(),
+        env={**torchrun_env(), **(env or {})},
         cwd=ROOT,
     )
     assert result.returncode != 0, f"train.py did not fail:\n{result.stdout[-4000:]}"

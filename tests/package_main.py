@@ -1,5 +1,5 @@
 """The shared part of the test scripts that run a generated package's train.py with something
-changed on one rank (``tests/planted_train.py``, ``tests/slowed_train.py``): under torchrun,
+changed on one rank (``tests/planted_train.py``, ``tests/slowed_train.py``): on a rank,
 each loads the package through its train.py, changes it, then runs its driver as train.py would.
 """
 

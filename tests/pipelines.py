@@ -1,4 +1,4 @@
-"""Train a generated pipeline with torchrun and the same model with plain PyTorch, to compare;
+"""Train a generated pipeline on gloo ranks and the same model with plain PyTorch, to compare;
 play its ranks in the dry run (``train.py --dry-run``) in this process."""
 
 from __future__ import annotations

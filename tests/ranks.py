@@ -3,18 +3,25 @@ import in every rank.
 
 ``torchrun --standalone`` is an agent process: it hosts the run's store, starts one Python
 process per rank under the environment of ``LocalElasticAgent`` (ranks, sizes,
-``MASTER_ADDR``/``MASTER_PORT`` of its store, the run's id and restart count), and ends the
-others when one fails. :class:`Ranks` does the same from the test's own process, with one
-difference: each rank is forked from a server that has imported torch and its distributed
-packages once (:mod:`multiprocessing`'s forkserver, started with the ranks' thread and warning
-settings), then runs train.py as ``python train.py ARGS`` would (``__main__``, ``sys.argv``,
-``sys.path[0]``, the working directory, the environment, exit status, output). Every rank is
-still a process of its own, joined to the others by a real gloo process group through the
-store; what it saves is the 3-4 CPU seconds of importing torch, ``torch._dynamo``, pipelining,
-FSDP2 and DCP that every rank paid (two thirds of the suite's time in its ~350 ranks).
-A run that must start as a user starts it (a failing run's report, signals, restarts, the
-README's command) runs the real torchrun (``conftest.torchrun_failing``,
-``conftest.start_torchrun``).
+``MASTER_ADDR``/``MASTER_PORT`` of its store, the run's id and restart count), each in a session
+of its own, and ends the others when one fails. :class:`Ranks` does the same from the test's own
+process, with one difference: each rank is forked from a server that has imported torch and its
+distributed packages once (:mod:`multiprocessing`'s forkserver), then runs train.py as ``python
+train.py ARGS`` would (``__main__``, ``sys.argv``, ``sys.path``, the working directory, the
+environment, exit status, output). Every rank is still a process of its own, joined to the
+others by a real gloo process group through the store; what it saves is the 3-4 CPU seconds of
+importing torch, ``torch._dynamo``, pipelining, FSDP2 and DCP that every rank paid (two thirds
+of the suite's time in its ~350 ranks).
+
+What a forked rank cannot have: its own string-hash seed and memory layout (all ranks share the
+server's), the seconds of skew that importing torch puts between ranks' starts, the values of
+variables read when Python or torch starts (a run given other values than the server's is
+refused: :data:`_READ_AT_START`), and the interpreter's own teardown (train.py ends its process
+with ``os._exit`` once its process groups are gone, under either launcher). Runs that must start
+as a user starts them (a failing run's report, signals, restarts, short timeouts) run the real
+torchrun (``conftest.torchrun_failing``, ``conftest.start_torchrun``), and tests/test_ranks.py
+checks that sharded stages trained, checkpointed and resumed on forked ranks match the real
+torchrun's.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +39,7 @@ import time
 import uuid
 import warnings
 from multiprocessing.context import ForkServerContext
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import torch.distributed as dist
@@ -54,9 +63,14 @@ _PRELOAD = [
     "torch.distributed.checkpoint",
 ]
 
-#: read when torch loads (OpenMP's threads) or when Python starts (warnings): the server starts
-#: with the values every rank runs with (conftest.torchrun_env)
-_AT_START = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+#: the variables read when Python starts (PYTHONPATH and its sitecustomize, warnings, hashing),
+#: when torch loads (OpenMP's and MKL's threads, logging) or when the C library does (malloc):
+#: a rank forked from the server has the server's, so a run given other values is refused
+_READ_AT_START = ("PYTHON", "OMP_", "MKL_", "MALLOC_", "GLIBC_", "LD_", "TORCH_LOGS", "TORCH_CPP")
+
+#: the environment the server starts with: the test process's when this module is imported
+#: (before any test changes it), with the values every rank runs with (conftest.torchrun_env)
+_SERVER_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 class Ranks:
@@ -68,30 +82,42 @@ class Ranks:
         self, script: Path, nproc: int, args: list[str], env: dict[str, str], cwd: Path, logs: Path
     ):
         self.command = [sys.executable, str(script), *args]
+        differ = sorted(
+            key
+            for key in {*env, *_SERVER_ENV}
+            if key.startswith(_READ_AT_START) and env.get(key) != _SERVER_ENV.get(key)
+        )
+        if differ:
+            raise ValueError(
+                f"{', '.join(differ)}: read when Python or torch starts, and the ranks' server "
+                "started without this value; run this under the real torchrun "
+                "(conftest.torchrun_command)"
+            )
         self._store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
         run_id = uuid.uuid4().hex
         logs.mkdir(parents=True)
         self._outputs = [(logs / f"{rank}.out", logs / f"{rank}.err") for rank in range(nproc)]
-        context, base_path = _server()
-        self._processes = []
-        for rank, (out, err) in enumerate(self._outputs):
-            rank_env = _worker_env(env, rank, nproc, self._store.port, run_id)
-            paths = [p for p in rank_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-            started = (str(script), list(args), rank_env, str(cwd), [*paths, *base_path])
-            process = context.Process(
-                target=run_script, args=(*started, str(out), str(err)), name=f"rank {rank}"
-            )
-            process.start()
-            self._processes.append(process)
+        context, path = _server()
+        self._processes: list[BaseProcess] = []
         self._failed_at: float | None = None
         self._first_failure = 0
         self._result: subprocess.CompletedProcess | None = None
+        try:
+            for rank, (out, err) in enumerate(self._outputs):
+                rank_env = _worker_env(env, rank, nproc, self._store.port, run_id)
+                started = (str(script), list(args), rank_env, str(cwd), path, str(out), str(err))
+                process = context.Process(target=run_script, args=started, name=f"rank {rank}")
+                process.start()
+                self._processes.append(process)
+        except BaseException:
+            self.close()
+            raise
 
     def poll(self) -> subprocess.CompletedProcess | None:
         """The ranks' result once all have ended, else None: the exit status of the first rank
-        that failed (the others are then sent SIGTERM, as torchrun does, and SIGKILL after
-        :data:`_GRACE` seconds), else 0; stdout and stderr each as every rank's in turn, rank 0
-        first."""
+        seen to fail (the lowest of those seen at once; the others are then sent SIGTERM, as
+        torchrun does, and SIGKILL after :data:`_GRACE` seconds), else 0; stdout and stderr each
+        as every rank's in turn, rank 0 first."""
         if self._result is not None:
             return self._result
         codes = [process.exitcode for process in self._processes]
@@ -100,8 +126,7 @@ class Ranks:
             self._failed_at = time.monotonic()
             self._first_failure = failed[0]
             for process in self._processes:
-                if process.exitcode is None:
-                    process.terminate()
+                _signal(process, signal.SIGTERM)
         if self._failed_at is not None and time.monotonic() > self._failed_at + _GRACE:
             self.close()
             codes = [process.exitcode for process in self._processes]
@@ -124,10 +149,9 @@ class Ranks:
         return result
 
     def close(self) -> None:
-        """Kill the ranks that still run, and wait for them."""
+        """Kill the ranks that still run (and what they started), and wait for them."""
         for process in self._processes:
-            if process.exitcode is None:
-                process.kill()
+            _signal(process, signal.SIGKILL)
             process.join()
 
 
@@ -153,7 +177,9 @@ def run_script(
 ) -> None:
     """In a rank forked from the server: ``python script *args`` as the interpreter runs it, in
     ``cwd`` under ``env`` alone, with the script's folder and then ``path`` to import from, its
-    output into the files ``out`` and ``err``; its exit status is the process's."""
+    output into the files ``out`` and ``err``, in a session of its own (as torchrun starts its
+    workers: a signal to its group reaches what it starts); its exit status is the process's."""
+    os.setsid()
     for fd, name in ((1, out), (2, err)):
         file = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(file, fd)
@@ -170,28 +196,29 @@ def run_script(
         atexit._run_exitfuncs()  # what the interpreter runs at exit, which a forked child skips
 
 
-#: the interpreter's own import path (without a script's folder or PYTHONPATH), once known
+#: the import path of a plain interpreter under the server's environment, once known
 _BASE_PATH: list[str] = []
 
 
 def _server() -> tuple[ForkServerContext, list[str]]:
-    """The forkserver context, its server started (once per process) with torch imported and
-    the variables :data:`_AT_START` set; and the import path of a plain interpreter (the test's
-    has pytest's additions), which a rank's script's folder and PYTHONPATH go before."""
+    """The forkserver context, its server started (once per process) with torch imported,
+    under :data:`_SERVER_ENV`; and the import path of a plain interpreter under it (PYTHONPATH
+    included; the test's own has pytest's additions), after which a rank's script's folder
+    goes first."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
     before = dict(os.environ)
-    os.environ.update(_AT_START)
+    os.environ.clear()
+    os.environ.update(_SERVER_ENV)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
         os.environ.clear()
         os.environ.update(before)
     if not _BASE_PATH:
-        plain = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         printed = subprocess.run(
             [sys.executable, "-c", "import sys; print('\\n'.join(sys.path[1:]))"],
-            env=plain,
+            env=_SERVER_ENV,
             capture_output=True,
             text=True,
             check=True,
@@ -199,6 +226,15 @@ def _server() -> tuple[ForkServerContext, list[str]]:
         ).stdout
         _BASE_PATH.extend(line for line in printed.splitlines() if line)
     return context, list(_BASE_PATH)
+
+
+def _signal(process: BaseProcess, signum: int) -> None:
+    """Send ``signum`` to the session of a rank that still runs (the rank and its children)."""
+    if process.exitcode is None and process.pid is not None:
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:  # ended meanwhile
+            pass
 
 
 def _worker_env(env: dict[str, str], rank: int, nproc: int, port: int, run_id: str) -> dict:

@@ -242,7 +242,7 @@ filesystem.FileSystemWriter.write_data = dies_writing_step_2
 
 
 @pytest.mark.slow
-def test_a_rank_killed_while_dcp_writes_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+def test_a_rank_killed_while_dcp_writes_keeps_the_previous_checkpoint(tmp_path):
     """Rank 1 of 2 stages x --dp-shard 2 dies inside DCP's write of step 2 (a fault injected
     through sitecustomize): the run stops, step 1 stays latest and loads, nothing partial is
     published, and --resume finishes the run."""
@@ -254,14 +254,12 @@ def test_a_rank_killed_while_dcp_writes_keeps_the_previous_checkpoint(tmp_path, 
     ckpt = tmp_path / "ckpt"
     flags = ["--microbatches", "2", "--dp-shard", "2", "--checkpoint-dir", str(ckpt)]
     flags += ["--checkpoint-every", "1", "--steps", "3"]
-    monkeypatch.setenv("PYTHONPATH", str(hooks))
-    torchrun_failing(out / "train.py", 4, *flags)
+    torchrun_failing(out / "train.py", 4, *flags, env={"PYTHONPATH": str(hooks)})
     assert (ckpt / "latest").read_text().strip() == "step-00000001"
     assert not (ckpt / "step-00000002").exists()
     state, manifest = train_state.merge_checkpoint(ckpt)
     assert manifest["step"] == 1 and manifest["dp_shard"] == 2
     load_example(spec("gpt2")).model.load_state_dict(state)
-    monkeypatch.delenv("PYTHONPATH")
     result = run_ranks(out / "train.py", 4, *flags, "--resume")
     assert "resumed from" in result.stdout
     assert train_state.merge_checkpoint(ckpt)[1]["step"] == 3

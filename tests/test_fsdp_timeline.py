@@ -3,7 +3,7 @@ reduction read from the ranges FSDP2 marks for the profiler. Here on hand-made e
 three ways a stage gathers (per block, per step, not at all) and of a CUDA run (the kernels'
 span on the device); the real 4-rank sharded runs with ``--trace`` are in
 tests/test_data_parallel.py, and a real profiler run of FSDP2 on 2 processes below
-(tests/fsdp_marks.py under torchrun)."""
+(tests/fsdp_marks.py on 2 ranks)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Multi-process training with torchrun and gloo matches plain single-process PyTorch."""
+"""Multi-process training on gloo ranks matches plain single-process PyTorch."""
 
 from __future__ import annotations
 
