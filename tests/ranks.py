@@ -90,7 +90,7 @@ class Ranks:
         if differ:
             raise ValueError(
                 f"{', '.join(differ)}: read when Python or torch starts, and the ranks' server "
-                "started without this value; run this under the real torchrun "
+                "started with another value (or none); run this under the real torchrun "
                 "(conftest.torchrun_command)"
             )
         self._store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
@@ -229,12 +229,15 @@ def _server() -> tuple[ForkServerContext, list[str]]:
 
 
 def _signal(process: BaseProcess, signum: int) -> None:
-    """Send ``signum`` to the session of a rank that still runs (the rank and its children)."""
+    """Send ``signum`` to the session of a rank that still runs (the rank and its children), or
+    to the rank alone before it has made its session."""
     if process.exitcode is None and process.pid is not None:
-        try:
-            os.killpg(process.pid, signum)
-        except ProcessLookupError:  # ended meanwhile
-            pass
+        for send in (os.killpg, os.kill):
+            try:
+                send(process.pid, signum)
+                return
+            except ProcessLookupError:  # no such group yet (or the rank ended meanwhile)
+                pass
 
 
 def _worker_env(env: dict[str, str], rank: int, nproc: int, port: int, run_id: str) -> dict:

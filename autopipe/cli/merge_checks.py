@@ -27,14 +27,14 @@ def checked_output(args: argparse.Namespace, source: Path) -> Path:
         raise AutopipeError("--merge-adapters says how --hf DIR is written; give --hf DIR")
     if args.hf and args.output:
         raise AutopipeError("give -o FILE (a state_dict) or --hf DIR (a model directory), not both")
-    out: Path = args.hf or (Path(args.output) if args.output else root / "merged.pt")
-    if not (args.hf or args.output):  # named after the step it merges: two steps keep two files
+    if args.hf or args.output:
+        out: Path = args.hf or Path(args.output)
+    else:  # named after the step it merges, so that two steps merged keep two files
         try:
-            latest = source if STEP_NAME.fullmatch(source.name) else latest_checkpoint(source)
+            step = source if STEP_NAME.fullmatch(source.name) else latest_checkpoint(source)
         except PipelineRunError:  # a damaged pointer: checked_checkpoint says what is wrong
-            latest = None
-        if latest is not None:
-            out = root / f"merged-{latest.name}.pt"
+            step = None
+        out = root / (f"merged-{step.name}.pt" if step is not None else "merged.pt")
     target, home = out.resolve(), root.resolve()
     parts = target.relative_to(home).parts if target.is_relative_to(home) else ()
     option = "--hf" if args.hf else "-o"
