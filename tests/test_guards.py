@@ -220,6 +220,12 @@ def test_save_stays_apart_from_the_checkpoints_and_the_package(tmp_path, capsys)
         assert relation in capsys.readouterr().err, argv
     apart = ["--save", str(out / "model"), "--checkpoint-dir", str(out / "checkpoints")]
     assert parse_config(apart, pipeline, package).save == str(out / "model")
+    # checkpoints asked for without a folder to write them into would be silently none
+    with pytest.raises(SystemExit):
+        parse_config(["--checkpoint-every", "2"], pipeline, package)
+    assert "--checkpoint-every 2 writes checkpoints into --checkpoint-dir DIR; give it" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_failed_final_save_is_written_elsewhere(tmp_path, monkeypatch):
@@ -572,7 +578,7 @@ def test_damaged_weight_files_are_named(tmp_path):
         Checkpoint(shards)
 
 
-def test_merge_never_overwrites(tmp_path, single_process_group):
+def test_merge_never_overwrites(tmp_path, single_process_group, capsys):
     """merge refuses -o inside a checkpoint's step directories and an existing file without
     --force; the checkpoint stays byte-identical."""
     compile_model("mlp", tmp_path / "pipe", 2)
@@ -601,6 +607,21 @@ def test_merge_never_overwrites(tmp_path, single_process_group):
         "merged-step-00000002.pt",
     }
     assert later.name == "step-00000002"
+    # what is no checkpoint is named so, with the steps there are; a folder as -o asks for a file
+    capsys.readouterr()
+    assert autopipe_main(["merge", str(root / "step-00000009")]) == 1
+    assert autopipe_main(["merge", str(tmp_path / "pipe")]) == 1
+    assert autopipe_main(["merge", str(root), "-o", str(tmp_path / "pipe")]) == 1
+    missing, package, folder = capsys.readouterr().err.splitlines()
+    assert missing.endswith(
+        f"checkpoint {root / 'step-00000009'} does not exist; {root} holds step-00000001, "
+        "step-00000002"
+    )
+    assert "holds no checkpoint (no checkpoint.json, no latest pointer); give a" in package
+    assert "damaged" not in missing + package
+    assert folder.endswith(
+        f"a directory; give the file to write, e.g. -o {tmp_path}/pipe/merged.pt"
+    )
 
 
 @pytest.mark.slow

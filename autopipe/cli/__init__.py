@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # the arguments as given, for a command that prints the command to run next (plan's best)
+    args.given = list(sys.argv[1:] if argv is None else argv)
     try:
         args.func(args)
     except AutopipeError as exc:

@@ -74,12 +74,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     c = best.candidate
     print(
         f"best: autopipe compile {shlex.quote(args.spec)} --out DIR --search "
-        f"--devices {args.devices}"
-        f"{f' --global-batch {args.global_batch}' if args.global_batch else ''}"
-        f"{f' --gpus-per-node {options.gpus_per_node}' if options.gpus_per_node != 8 else ''}"
-        f"{f' --tp {options.tp}' if options.tp is not None else ''}"
-        f"{f' --max-stages-per-device {options.max_stages_per_device}' if options.max_stages_per_device != 2 else ''}"
-        f"  (= --stages "
+        f"{shlex.join(_compile_options(args.given, args.spec))}  (= --stages "
         f"{c.stages} --devices {c.ranks} --schedule {c.schedule} --microbatches {c.microbatches} "
         f"--accumulate {c.accumulate} --dp-shard {c.dp_shard}"
         f"{f' --tp {c.tp}' if c.tp > 1 else ''})"
@@ -87,3 +82,21 @@ def cmd_plan(args: argparse.Namespace) -> None:
     assert best.partition is not None  # a plan that fits has its partition
     for line in network_lines(best.partition):
         print(f"best plan's {line}")
+
+
+def _compile_options(given: list[str], spec: str) -> list[str]:
+    """The options of ``autopipe plan``'s command line as given (every one is compile's too),
+    less the command, the spec and ``--top`` (plan's alone): what ``compile --search`` needs to
+    search the same plans (device spec, link, profile, tracing, search bounds)."""
+    rest = given[given.index("plan") + 1 :]
+    if spec in rest:
+        rest.remove(spec)
+    kept, skip = [], False
+    for token in rest:
+        if skip:
+            skip = False
+        elif token == "--top":
+            skip = True
+        elif not token.startswith("--top="):
+            kept.append(token)
+    return kept

@@ -577,6 +577,11 @@ def validate(
             "--pad-to-multiple pads dynamic dimensions; this pipeline has none (compile with "
             "--dynamic)"
         )
+    if args.checkpoint_every and not args.checkpoint_dir:
+        parser.error(
+            f"--checkpoint-every {args.checkpoint_every} writes checkpoints into --checkpoint-dir "
+            "DIR; give it (without, a run writes no checkpoint)"
+        )
     if (args.eval_every or args.eval_only) and not args.eval_data:
         flag = "--eval-only" if args.eval_only else "--eval-every"
         parser.error(f"{flag} evaluates --eval-data FILE.py:FN; give the held-out batches")

@@ -1030,10 +1030,37 @@ def checked_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:
         latest = latest_checkpoint(path)
         assert latest is not None  # its `latest` pointer is a file
         path = latest
+    absent = _not_a_checkpoint(path)
+    if absent:
+        raise PipelineRunError(absent)
     problem = damage(path)
     if problem:
         raise PipelineRunError(f"checkpoint {path} is damaged ({problem})")
     return path, read_manifest(path)
+
+
+def _not_a_checkpoint(path: Path) -> str | None:
+    """Why ``path`` is no checkpoint at all (missing, a file, a directory holding neither a
+    checkpoint nor a ``latest`` pointer), with the checkpoints there are; None for a directory
+    that holds a checkpoint's files or its manifest (:func:`damage` judges those)."""
+    if path.is_dir() and (
+        (path / MANIFEST).exists() or any(CHECKPOINT_FILE.fullmatch(p.name) for p in path.iterdir())
+    ):
+        return None
+    if not path.exists():
+        what = "does not exist"
+    elif not path.is_dir():
+        what = "is a file, not a checkpoint directory"
+    else:
+        what = "holds no checkpoint (no checkpoint.json, no latest pointer)"
+    root = path if path.is_dir() and not STEP_NAME.fullmatch(path.name) else path.parent
+    steps = [p.name for p in complete_checkpoints(root)] if root.is_dir() else []
+    there = (
+        f"; {root} holds {', '.join(steps)}"
+        if steps
+        else "; give a --checkpoint-dir of train.py, or one of its step-N directories"
+    )
+    return f"checkpoint {path} {what}{there}"
 
 
 def merged_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
