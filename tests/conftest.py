@@ -20,7 +20,7 @@ from autopipe.codegen.package import BLACK_MODE
 from autopipe.compiler import CompileOptions, CompileResult, compile_spec
 from autopipe.runtime.parallel import Layout
 
-from ranks import run_together
+from ranks import RANK_SETTINGS, run_together
 from zoo.packages import Packages
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,7 +101,7 @@ def assert_black_formatted(package: Path) -> None:
 
 def torchrun_env() -> dict[str, str]:
     """The environment of torchrun in the tests: one thread per rank, no warnings."""
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return {**os.environ, **RANK_SETTINGS}
 
 
 def torchrun_command(script: Path, nproc: int, *args: str) -> list[str]:

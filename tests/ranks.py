@@ -27,6 +27,7 @@ torchrun's.
 from __future__ import annotations
 
 import atexit
+import functools
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -44,7 +45,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-__all__ = ["Ranks", "run_together"]
+__all__ = ["RANK_SETTINGS", "Ranks", "run_together"]
 
 _HOST = "127.0.0.1"
 
@@ -68,9 +69,13 @@ _PRELOAD = [
 #: a rank forked from the server has the server's, so a run given other values is refused
 _READ_AT_START = ("PYTHON", "OMP_", "MKL_", "MALLOC_", "GLIBC_", "LD_", "TORCH_LOGS", "TORCH_CPP")
 
+#: what every rank of the tests runs with, under either launcher (conftest.torchrun_env): one
+#: thread, no warnings
+RANK_SETTINGS = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
 #: the environment the server starts with: the test process's when this module is imported
-#: (before any test changes it), with the values every rank runs with (conftest.torchrun_env)
-_SERVER_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+#: (before any test changes it), with :data:`RANK_SETTINGS`
+_SERVER_ENV = {**os.environ, **RANK_SETTINGS}
 
 
 class Ranks:
@@ -196,15 +201,10 @@ def run_script(
         atexit._run_exitfuncs()  # what the interpreter runs at exit, which a forked child skips
 
 
-#: the import path of a plain interpreter under the server's environment, once known
-_BASE_PATH: list[str] = []
-
-
 def _server() -> tuple[ForkServerContext, list[str]]:
     """The forkserver context, its server started (once per process) with torch imported,
-    under :data:`_SERVER_ENV`; and the import path of a plain interpreter under it (PYTHONPATH
-    included; the test's own has pytest's additions), after which a rank's script's folder
-    goes first."""
+    under :data:`_SERVER_ENV`; and the import path of a plain interpreter under it, after which
+    a rank's script's folder goes first."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
     before = dict(os.environ)
@@ -215,17 +215,22 @@ def _server() -> tuple[ForkServerContext, list[str]]:
     finally:
         os.environ.clear()
         os.environ.update(before)
-    if not _BASE_PATH:
-        printed = subprocess.run(
-            [sys.executable, "-c", "import sys; print('\\n'.join(sys.path[1:]))"],
-            env=_SERVER_ENV,
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=tempfile.gettempdir(),
-        ).stdout
-        _BASE_PATH.extend(line for line in printed.splitlines() if line)
-    return context, list(_BASE_PATH)
+    return context, list(_plain_path())
+
+
+@functools.cache
+def _plain_path() -> tuple[str, ...]:
+    """``sys.path`` of a plain interpreter under :data:`_SERVER_ENV` (PYTHONPATH included), less
+    its first entry (the script's folder): the test's own has pytest's additions."""
+    printed = subprocess.run(
+        [sys.executable, "-c", "import sys; print('\\n'.join(sys.path[1:]))"],
+        env=_SERVER_ENV,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tempfile.gettempdir(),
+    ).stdout
+    return tuple(line for line in printed.splitlines() if line)
 
 
 def _signal(process: BaseProcess, signum: int) -> None:
