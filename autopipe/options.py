@@ -564,7 +564,7 @@ class CompileOptions:
         help="GPUs per node of the cluster: the plan costs traffic between nodes over each "
         "GPU's --network link and within a node over --link, and the package's "
         "launch/slurm.sbatch asks for as few nodes of that many GPUs as its processes fill "
-        "(default 8)",
+        "(processes per node for a plan costed on a CPU; default 8)",
         rule=Count(1),
         metavar="G",
     )

@@ -38,6 +38,29 @@ def test_top_level_help_lists_every_command():
         assert command in text
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["trace", "tests/models.py:mlp", "-o"],
+        ["profile", "graph.json", "-o"],
+        ["partition", "graph.json", "profile.json", "--stages", "2", "-o"],
+        ["calibrate", "-o"],
+        ["generate", "graph.json", "partition.json", "--out", "pipe", "--profile-file"],
+        ["merge", "ckpt", "-o"],
+    ],
+)
+def test_a_file_to_write_is_no_directory(command, tmp_path, capsys):
+    """Every option naming a file to write refuses a directory, one that exists or any name
+    ending with a slash (argparse's Path would drop it and write a file of that name), before
+    any work is done."""
+    for folder in (str(tmp_path), f"{tmp_path}/new/"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, folder])
+        assert exit_info.value.code == 2
+        assert f"{folder} is a directory; give the file to write, e.g. " in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
 def test_console_script_and_module():
     script = str(Path(sys.executable).with_name("autopipe"))  # installed beside this interpreter
     for command in ([script, "--version"], [sys.executable, "-m", "autopipe", "--version"]):

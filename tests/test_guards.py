@@ -164,6 +164,8 @@ def test_output_paths_are_checked_before_the_first_step(gpt2_pipe, tmp_path):
     (tmp_path / "a_file").write_text("mine")
     cases = {
         ("--save", str(tmp_path / "a_dir")): "is a directory",
+        ("--save", f"{tmp_path}/new_dir/"): "is a directory",  # not written as a file new_dir
+        ("--log-json", f"{tmp_path}/logs/"): "is a directory",
         ("--save", str(tmp_path / "a_file" / "model.pt")): "is a file, not a directory",
         ("--checkpoint-dir", str(tmp_path / "a_file")): "is a file, not a directory",
         ("--log-json", "/proc/autopipe/log.jsonl"): "cannot write in /proc",
@@ -611,17 +613,27 @@ def test_merge_never_overwrites(tmp_path, single_process_group, capsys):
     capsys.readouterr()
     assert autopipe_main(["merge", str(root / "step-00000009")]) == 1
     assert autopipe_main(["merge", str(tmp_path / "pipe")]) == 1
-    assert autopipe_main(["merge", str(root), "-o", str(tmp_path / "pipe")]) == 1
-    missing, package, folder = capsys.readouterr().err.splitlines()
+    missing, package = capsys.readouterr().err.splitlines()
     assert missing.endswith(
         f"checkpoint {root / 'step-00000009'} does not exist; {root} holds step-00000001, "
         "step-00000002"
     )
     assert "holds no checkpoint (no checkpoint.json, no latest pointer); give a" in package
     assert "damaged" not in missing + package
-    assert folder.endswith(
-        f"a directory; give the file to write, e.g. -o {tmp_path}/pipe/merged.pt"
-    )
+    # a folder as -o, existing or named with a trailing slash, is refused before anything is read
+    for folder in (str(tmp_path / "pipe"), f"{tmp_path}/far/d3/"):
+        with pytest.raises(SystemExit) as refused:
+            autopipe_main(["merge", str(root), "-o", folder])
+        assert refused.value.code == 2
+        assert (
+            capsys.readouterr()
+            .err.rstrip()
+            .endswith(
+                f"argument -o/--output: {folder} is a directory; give the file to write, e.g. "
+                f"{folder.rstrip('/')}/merged.pt"
+            )
+        )
+    assert not (tmp_path / "far").exists()
 
 
 @pytest.mark.slow

@@ -1,11 +1,13 @@
 """Launching on more than one node (issue 27, item 6): ``autopipe compile`` writes
 ``launch/slurm.sbatch`` into the package, its nodes, GPUs per node and torchrun line derived from
-the plan (pipeline ranks x planned --dp-shard) and ``--gpus-per-node``; the script runs as SLURM
-would run it (``scontrol`` and ``srun`` stood in for by shims) and trains; and train.py names
-the numbers to change when torchrun starts another layout."""
+the plan (pipeline ranks x planned --dp-shard) and ``--gpus-per-node``; a plan costed on a CPU
+asks for CPU nodes (no GPUs, gloo, the node's CPUs shared by its processes); the script runs as
+SLURM would run it (``scontrol`` and ``srun`` stood in for by shims) and trains; and train.py
+names the numbers to change when torchrun starts another layout."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -42,7 +44,24 @@ def packages(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("launch")
     compile_model("mlp_with_target", root / "one_node", 2, loss="tests/models.py:mse")
     compile_model("gpt2", root / "two_nodes", 2, dp_shard=2, gpus_per_node=2)
-    return {"one_node": root / "one_node", "two_nodes": root / "two_nodes"}
+    cpu = root / "cpu.json"
+    cpu.write_text(json.dumps(CPU_SPEC))
+    compile_model(
+        "mlp_with_target", root / "cpu_node", 2, loss="tests/models.py:mse",
+        device_spec=str(cpu), gpus_per_node=2,
+    )  # fmt: skip
+    return {name: root / name for name in ("one_node", "two_nodes", "cpu_node")}
+
+
+#: a CPU's figures, as --device-spec cpu measures them
+CPU_SPEC = {
+    "name": "cpu (test)",
+    "flops": {"float32": 5e10, "default": 5e10},
+    "memory_bandwidth": 1e10,
+    "memory": 16 * 1024**3,
+    "link_bandwidth": 1.5e9,
+    "device_type": "cpu",
+}
 
 
 def test_the_script_asks_for_the_plans_processes(packages):
@@ -66,6 +85,33 @@ def test_the_script_asks_for_the_plans_processes(packages):
     assert "2 nodes x 2 GPUs = 4 processes, the plan's 2 pipeline ranks x --dp-shard 2" in two
     for script in (one, two):
         subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+        assert "--device cpu" not in script and "NCCL_DEBUG" in script
+
+
+def test_a_cpu_plans_script_asks_for_cpu_nodes(packages):
+    """Planned on a CPU, the script asks for nodes, not GPUs: torchrun starts the plan's
+    processes on each (SLURM sets no GPU count), train.py runs gloo (--device cpu), and each
+    process gets its share of the node's CPUs as threads (at least one)."""
+    script = (packages["cpu_node"] / "launch" / "slurm.sbatch").read_text()
+    assert _directives(script) == {
+        "job-name": "autopipe-SkipMLP",
+        "nodes": "1",
+        "ntasks-per-node": "1",
+        "output": "%x-%j.out",
+    }
+    assert "GPU" not in script and "NCCL" not in script
+    assert "on a SLURM cluster of CPU nodes" in script and "1 node x 2 processes" in script
+    assert "--nproc-per-node=2 \\\n" in _torchrun_flags(script)
+    assert '"${package}/train.py" --device cpu "$@"' in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    threads = script[script.index("threads=") : script.index("\n\n", script.index("threads="))]
+    for cpus, expected in (("16", "8"), ("3", "1"), ("1", "1")):
+        shown = subprocess.run(
+            ["bash", "-c", f"{threads}\necho $OMP_NUM_THREADS"],
+            env={"PATH": os.environ["PATH"], "SLURM_CPUS_ON_NODE": cpus},
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert shown.stdout.strip() == expected, (cpus, shown.stdout)
 
 
 def test_the_script_outside_slurm_says_how_to_run_it(packages, tmp_path):
@@ -96,12 +142,13 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_the_script_trains_as_slurm_runs_it(packages, tmp_path):
-    """The one-node script run the way sbatch runs it: from a copy in a spool directory, with
-    ``scontrol`` naming the submitted script and the node, ``srun`` running its command once;
-    torchrun's c10d rendezvous then trains the package."""
+    """The one-node script of a CPU plan run the way sbatch runs it on a CPU node: from a copy in
+    a spool directory, with ``scontrol`` naming the submitted script and the node, ``srun``
+    running its command once; torchrun's c10d rendezvous then trains the package on gloo, no
+    --device given."""
     shims = tmp_path / "bin"
     shims.mkdir()
-    submitted = packages["one_node"] / "launch" / "slurm.sbatch"
+    submitted = packages["cpu_node"] / "launch" / "slurm.sbatch"
     (shims / "scontrol").write_text(
         "#!/bin/bash\n"
         'if [ "$2" = job ]; then echo "   Command=' + str(submitted) + ' --steps 2"; '
@@ -121,7 +168,7 @@ def test_the_script_trains_as_slurm_runs_it(packages, tmp_path):
         "SLURM_SUBMIT_DIR": str(tmp_path),
         "RDZV_PORT": str(_free_port()),
     }
-    args = ["--device", "cpu", "--steps", "2", "--microbatches", "4"]
+    args = ["--steps", "2", "--microbatches", "4"]
     args += ["--data", "tests/models.py:mlp_batch"]
     result = subprocess.run(
         ["bash", str(spool), *args], cwd=ROOT, env=env, capture_output=True, text=True,

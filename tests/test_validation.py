@@ -220,11 +220,20 @@ def test_invalid_device_spec_file(tmp_path, capfd, change, message):
 
 
 def test_unknown_device_lists_the_known_ones(capfd, tmp_path):
+    """An unknown --device-spec names the closest known one, the table's devices and this
+    machine's own (cpu, cuda), before anything is written."""
     out = tmp_path / "out"
-    code, err = run(
-        capfd, "compile", "tests/models.py:mlp", "--stages", 2, "--out", out, "--device-spec", "h1"
-    )
-    assert code == 1 and "unknown device 'h1'; known devices: H100, H100-PCIe, " in err
+    for given, closest in (("h1", "H100"), ("cpuu", "cpu")):
+        code, err = run(
+            capfd, "compile", "tests/models.py:mlp", "--stages", 2, "--out", out,
+            "--device-spec", given,
+        )  # fmt: skip
+        assert code == 1 and (
+            f"unknown device '{given}' (did you mean {closest}?); known devices: H100, "
+            "H100-PCIe, " in err
+        )
+        assert "cpu or cuda for this machine's own (calibrated on first use)" in err
+        assert not out.exists()
 
 
 @pytest.mark.parametrize(

@@ -6,13 +6,13 @@ import argparse
 import json
 import shlex
 import sys
-from pathlib import Path
 
 import torch
 
 from ..artifacts import atomic_write_text
 from ..profiling.calibrate import calibrate
 from .arguments import Subparsers
+from .output_file import output_file
 
 __all__ = ["add_parser", "cmd_calibrate"]
 
@@ -27,7 +27,7 @@ def add_parser(subparsers: Subparsers) -> None:
         "-o",
         "--output",
         default="device.json",
-        type=Path,
+        type=output_file("device.json"),
         help="spec file to write (default device.json)",
     )
     p.add_argument(

@@ -10,6 +10,7 @@ from ..compiler import generate_step, load_graph
 from ..partitioning import Partition
 from ..profiling import Profile
 from .arguments import Subparsers, package_options
+from .output_file import output_file
 
 __all__ = ["add_parser", "cmd_generate", "node_size"]
 
@@ -26,7 +27,9 @@ def add_parser(subparsers: Subparsers) -> None:
         "--out", required=True, type=Path, help="directory of the generated pipeline package"
     )
     p.add_argument(
-        "--profile-file", type=Path, help="profile.json to keep beside the package (optional)"
+        "--profile-file",
+        type=output_file("profile.json"),
+        help="profile.json to keep beside the package (optional)",
     )
     package_options(p)
     p.set_defaults(func=cmd_generate)

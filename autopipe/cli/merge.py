@@ -13,6 +13,7 @@ from ..runtime.core.errors import PipelineRunError
 from .arguments import Subparsers
 from .merge_checks import checked_output, merged_model
 from .merge_hf import write_model
+from .output_file import output_file
 
 __all__ = ["add_parser", "cmd_merge"]
 
@@ -32,7 +33,7 @@ def add_parser(subparsers: Subparsers) -> None:
     p.add_argument(
         "-o",
         "--output",
-        type=Path,
+        type=output_file("merged.pt"),
         help="file to write: .safetensors, or anything else for torch.save (default "
         "merged-step-N.pt in the checkpoint directory, N the step merged)",
     )

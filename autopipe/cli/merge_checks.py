@@ -38,10 +38,6 @@ def checked_output(args: argparse.Namespace, source: Path) -> Path:
     target, home = out.resolve(), root.resolve()
     parts = target.relative_to(home).parts if target.is_relative_to(home) else ()
     option = "--hf" if args.hf else "-o"
-    if out.is_dir() and not args.hf and target != home and not home.is_relative_to(target):
-        raise AutopipeError(
-            f"-o {out} is a directory; give the file to write, e.g. -o {out / 'merged.pt'}"
-        )
     if (
         (out.is_dir() and not args.hf)
         or (parts and (STEP_NAME.fullmatch(parts[0]) or parts[0] in ("latest", ".lock")))

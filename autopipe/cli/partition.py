@@ -9,6 +9,7 @@ from ..compiler import load_graph, partition_step
 from ..profiling import Profile
 from ..report.summary import format_partition
 from .arguments import Subparsers, compile_options, partition_options
+from .output_file import output_file
 
 __all__ = ["add_parser", "cmd_partition"]
 
@@ -27,7 +28,7 @@ def add_parser(subparsers: Subparsers) -> None:
         "-o",
         "--output",
         default="partition.json",
-        type=Path,
+        type=output_file("partition.json"),
         help="partition artefact to write (default partition.json)",
     )
     partition_options(p)

@@ -8,6 +8,7 @@ from pathlib import Path
 from ..compiler import load_graph, profile_step
 from ..spec import load_example
 from .arguments import Subparsers, compile_options, profile_options
+from .output_file import output_file
 
 __all__ = ["add_parser", "cmd_profile"]
 
@@ -23,7 +24,7 @@ def add_parser(subparsers: Subparsers) -> None:
         "-o",
         "--output",
         default="profile.json",
-        type=Path,
+        type=output_file("profile.json"),
         help="profile artefact to write (default profile.json)",
     )
     p.add_argument(

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ..compiler import trace_step
 from ..spec import load_example
 from .arguments import SPEC_HELP, Subparsers, compile_options, trace_options
+from .output_file import output_file
 
 __all__ = ["add_parser", "cmd_trace"]
 
@@ -23,7 +23,7 @@ def add_parser(subparsers: Subparsers) -> None:
         "-o",
         "--output",
         default="graph.json",
-        type=Path,
+        type=output_file("graph.json"),
         help="graph artefact to write (default graph.json)",
     )
     trace_options(p)

@@ -92,6 +92,7 @@ class LaunchContext:
     nodes: int
     processes_per_node: int
     tp: int = 1  # the package's tensor-parallel degree
+    cpu: bool = False  # planned for CPU nodes (gloo, threads per process) instead of GPUs
 
     @classmethod
     def for_plan(
@@ -101,9 +102,10 @@ class LaunchContext:
         dp_shard: int,
         gpus_per_node: int,
         tp: int = 1,
+        cpu: bool = False,
     ) -> LaunchContext:
         nodes, per_node = node_layout(package.num_processes, gpus_per_node, tp)
-        return cls(package, num_ranks, dp_shard, nodes, per_node, tp)
+        return cls(package, num_ranks, dp_shard, nodes, per_node, tp, cpu)
 
     def variables(self) -> dict[str, Any]:
         """The template variables, by name."""

@@ -186,7 +186,14 @@ def package_files(graph: Graph, part: Partition, gpus_per_node: int = 8) -> dict
     )
     sources["train.py"] = render("train.py.j2", **common)
     ranks = len(set(device_of_stage))
-    launch = LaunchContext.for_plan(package, ranks, part.settings.dp_shard or 1, gpus_per_node, tp)
+    launch = LaunchContext.for_plan(
+        package,
+        ranks,
+        part.settings.dp_shard or 1,
+        gpus_per_node,
+        tp,
+        cpu=part.settings.device_type == "cpu",
+    )
     launch_script = render("slurm.sbatch.j2", **launch.variables())
     if graph.loss is not None:
         loss_context = _loss_context(graph.loss, model_class)

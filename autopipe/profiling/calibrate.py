@@ -43,6 +43,7 @@ from torch.nn import functional as F
 from .devices import (
     COLLECTIVES,
     KNOWN_DEVICES,
+    LOCAL_DEVICES,
     OPTIMIZERS,
     DeviceSpec,
     RateTable,
@@ -81,8 +82,6 @@ RECEIVE_ROUNDS = 96
 #: calls timed at each size
 COLLECTIVE_SIZES = (1 << 10, 16 << 10, 256 << 10, 2 << 20, 16 << 20)
 COLLECTIVE_ROUNDS = 24
-#: ``--device-spec`` names of this machine's devices, calibrated on first use
-LOCAL_DEVICES = ("cpu", "cuda")
 #: the specs this process calibrated, by cache file
 _CALIBRATED: dict[Path, DeviceSpec] = {}
 

@@ -13,6 +13,7 @@ without a network (a JSON file from before it, a calibrated CPU) has nodes joine
 from __future__ import annotations
 
 import bisect
+import difflib
 import json
 import math
 from collections.abc import Callable
@@ -503,6 +504,9 @@ def known_devices(folder: Path = CALIBRATED_SPECS) -> dict[str, DeviceSpec]:
 KNOWN_DEVICES: dict[str, DeviceSpec] = known_devices()
 
 DEFAULT_DEVICE = "h100"
+#: ``--device-spec`` names of this machine's own devices, calibrated on first use
+#: (:func:`autopipe.profiling.calibrate.resolve_device_spec`)
+LOCAL_DEVICES = ("cpu", "cuda")
 
 
 def device_spec(name_or_path: str | None = None) -> DeviceSpec:
@@ -521,8 +525,16 @@ def device_spec(name_or_path: str | None = None) -> DeviceSpec:
         except (OSError, ValueError) as exc:
             raise AutopipeError(f"device spec file {key} is not a valid spec: {exc}") from None
         return DeviceSpec.from_json(data, f"device spec file {key}")
+    shown = {name: spec.name for name, spec in KNOWN_DEVICES.items()}
+    shown |= {name: name for name in LOCAL_DEVICES}
+    close = difflib.get_close_matches(key.lower(), shown, n=1)
+    guess = f" (did you mean {shown[close[0]]}?)" if close else ""
     known = ", ".join(spec.name for spec in KNOWN_DEVICES.values())
-    raise AutopipeError(f"unknown device {key!r}; known devices: {known}; or give a JSON spec file")
+    raise AutopipeError(
+        f"unknown device {key!r}{guess}; known devices: {known}; "
+        f"{' or '.join(LOCAL_DEVICES)} for this machine's own (calibrated on first use); or give "
+        "a JSON spec file"
+    )
 
 
 def known_link(link: str | float, flag: str = "--link") -> tuple[float, float | None, str]:

@@ -50,7 +50,8 @@ def format_partition(graph: Graph, part: Partition) -> str:
     settings = part.settings
     rows.append(
         f"bottleneck {bottleneck * 1e3:.3f} ms, lower bound {bound * 1e3:.3f} ms (+{over:.1f}%); "
-        f"predicted step {predicted.step_time * 1e3:.3f} ms with {settings.microbatches} microbatches, "
+        f"pipeline run {predicted.step_time * 1e3:.3f} ms for {settings.microbatches} microbatches "
+        "(the plan's step adds accumulation and the optimizer), "
         f"{predicted.bubble * 100:.0f}% bubble ({settings.schedule} schedule, "
         f"{part.profile_source}, method {part.method})"
     )

@@ -39,6 +39,9 @@ __all__ = [
     "write_atomically",
 ]
 
+#: what a path naming a directory may end with
+_SEPARATORS = tuple(sep for sep in (os.sep, os.altsep) if sep)
+
 
 class RankFailedError(PipelineRunError):
     """This rank stops because rank ``failed`` found a problem, which that rank prints."""
@@ -151,12 +154,22 @@ def output_problems(
         if problem or parent:
             problems.append(problem or f"--save {save}: {parent}")
         save = None
-    for option, value in (("--save", save), ("--log-json", log_json)):
+    for option, value, example in (
+        ("--save", save, "model.safetensors"),
+        ("--log-json", log_json, "log.jsonl"),
+    ):
         if value is None:
             continue
         path = Path(value)
-        if path.is_dir():
-            problems.append(f"{option} {value} is a directory; give a file, e.g. {path / 'out'}")
+        if path.is_dir() or value.endswith(_SEPARATORS):  # Path("ck/") would be a file ck
+            problems.append(
+                f"{option} {value} is a directory; give a file, e.g. {path / example}"
+                + (
+                    ", or --save-format hf for a Hugging Face model directory"
+                    if option == "--save"
+                    else ""
+                )
+            )
             continue
         problem = _writable_dir_problem(path.parent)
         if problem:
