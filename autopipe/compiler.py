@@ -134,7 +134,7 @@ def plan_step(
         check_tensor_parallel(graph, options.tp, sequence)
     return search(
         graph,
-        prof,
+        _rank_profile(prof, options),
         devices,
         global_batch=options.global_batch or 2 * devices,
         method=options.method,
@@ -241,6 +241,7 @@ def _partition(
         best = plans[0]
         if not best.fits:
             margin = options.memory_margin
+            prof = _rank_profile(prof, options)
             floor = state_floor(graph, prof, optimizer=options.optimizer, margin=margin)
             raise PartitionError(
                 f"no plan for {options.devices} devices fits {prof.device.name}'s "
@@ -263,6 +264,7 @@ def _partition(
             memory_margin=options.memory_margin,
             plans=tuple(plan.to_json() for plan in recorded_plans(plans)),
         )
+    prof = _rank_profile(prof, options)
     asked = SplitPoints.parse(options.split_points) if options.split_points else None
     tp = options.tp or 1
     places = max(1, options.gpus_per_node // tp)  # a node's places of tp ranks each
@@ -292,6 +294,18 @@ def _partition(
             sequence_parallel=True if sharded.sequence is not None else None,
         )
     return part.with_settings(accumulate=options.accumulate) if options.accumulate > 1 else part
+
+
+def _rank_profile(prof: Profile, options: CompileOptions) -> Profile:
+    """``prof`` on the device as each rank has it (:meth:`DeviceSpec.shared_by`: a CPU's ranks
+    share a node's memory) when a node of ``--gpus-per-node`` runs the plan's processes: every
+    device a search plans for, else the pipeline's ranks x ``--dp-shard`` x ``--tp``."""
+    if options.search:
+        processes = options.devices or options.stages
+    else:
+        processes = (options.devices or options.stages) * options.dp_shard * (options.tp or 1)
+    device = prof.device.shared_by(min(options.gpus_per_node, processes))
+    return prof if device is prof.device else dataclasses.replace(prof, device=device)
 
 
 def markers_split(

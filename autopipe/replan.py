@@ -152,9 +152,9 @@ def replan(
     added = _added_gradients(graph, base, run, dp_shard)
     measured = traced_profile(graph, old, base, trace, _under_fsdp(run), added)
     margin = settings.memory_margin or 0.0
+    device = measured.device.shared_by(old.processes_per_node)  # a CPU's ranks share a node's
     usable = dataclasses.replace(  # the memory the old partition was made to fit
-        measured,
-        device=dataclasses.replace(measured.device, memory=measured.device.memory * (1 - margin)),
+        measured, device=dataclasses.replace(device, memory=device.memory * (1 - margin))
     )
     gpus_per_node = max(1, cluster // tp)  # a node's places of tp ranks each
     mesh = settings.mesh or PIPELINE_INNERMOST

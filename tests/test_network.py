@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from autopipe.compiler import CompileOptions, trace_step
+from autopipe.compiler import CompileOptions, partition_step, plan_step, trace_step
 from autopipe.partitioning import CostModel, Partition, partition
 from autopipe.partitioning.network import Network
 from autopipe.partitioning.simulator import simulate_schedule
@@ -270,6 +270,28 @@ def test_a_cpu_plans_ranks_are_processes(gpt2_graph):
     assert "4 ranks on 1 node of 8 processes" in line and "GPU" not in line
     gpu = partition(gpt2_graph, profile(gpt2_graph, "analytic", H100), 2, dp_shard=2)
     assert gpu.settings.device_type is None and "device_type" not in gpu.settings.to_json()
+
+
+def test_a_cpus_ranks_share_its_memory(gpt2_graph):
+    """A CPU's memory is the node's: each of the processes a node runs plans with its share
+    (the plan's ranks x --dp-shard, a node of --gpus-per-node at most; every device a search
+    plans for), and the summary says so; a GPU's ranks each have the GPU's."""
+    cpu = replace(H100, name="a test CPU", device_type="cpu")
+    prof = profile(gpt2_graph, "analytic", cpu)
+    for options, share in (
+        (CompileOptions(stages=2, dp_shard=2), 4),
+        (CompileOptions(stages=2, dp_shard=2, gpus_per_node=2), 2),
+        (CompileOptions(stages=1), 1),
+    ):
+        part = partition_step(gpt2_graph, prof, options)
+        assert part.costs is not None and part.costs.memory_capacity == cpu.memory / share
+        summary = format_partition(gpt2_graph, part)
+        assert (f"(a node's memory over its {share} processes)" in summary) == (share > 1)
+    (best, *_) = plan_step(gpt2_graph, prof, CompileOptions(stages=1, devices=4, search=True))
+    assert best.partition is not None and best.partition.costs is not None
+    assert best.partition.costs.memory_capacity == cpu.memory * (1 - 0.1) / 4  # less the margin
+    gpu = partition_step(gpt2_graph, profile(gpt2_graph, "analytic", H100), options)
+    assert gpu.costs is not None and gpu.costs.memory_capacity == H100.memory
 
 
 def test_no_step_is_faster_than_its_traffic(gpt2_graph, gpt2_profile):

@@ -532,6 +532,14 @@ class Partition:
         return len(self.device_of_stage)
 
     @property
+    def processes_per_node(self) -> int:
+        """The ranks of the plan a node runs: its pipeline ranks x --dp-shard x --tp, a node of
+        ``gpus_per_node`` (8 where the partition does not say) at most."""
+        settings = self.settings
+        ranks = len(set(self.device_of_stage)) * (settings.dp_shard or 1) * (settings.tp or 1)
+        return min(settings.gpus_per_node or 8, ranks)
+
+    @property
     def recomputed(self) -> int:
         """How many blocks and whole stages recompute their activations."""
         return len(self.recompute) + len(self.recompute_blocks)

@@ -167,6 +167,13 @@ class DeviceSpec:
         """Whether the spec holds measured rates (else datasheet peaks and efficiencies)."""
         return bool(self.tables)
 
+    def shared_by(self, processes: int) -> DeviceSpec:
+        """The device as each of ``processes`` ranks on one node has it: a CPU's memory is the
+        node's, which its processes share; a GPU's memory is its own (the spec unchanged)."""
+        if self.device_type != "cpu" or processes <= 1:
+            return self
+        return replace(self, memory=self.memory / processes)
+
     def compute_rate(self, kind: str | None, dtype: torch.dtype | None, flops: float) -> float:
         """FLOP/s an operator of ``kind`` (matmul, attention, None for the rest) reaches on
         ``flops`` in ``dtype``: the calibrated table's, else the peak times the efficiency."""

@@ -330,6 +330,8 @@ def memory_lines(part: Partition) -> list[str]:
     of = f" of {capacity / GiB:.2f} GiB" if capacity else ""
     if capacity and margin:
         of = f" of {capacity / (1 - margin) / GiB:.2f} GiB less the {margin:.0%} margin"
+    if capacity and part.settings.device_type == "cpu" and part.processes_per_node > 1:
+        of += f" (a node's memory over its {part.processes_per_node} processes)"  # shared_by
     totals = predicted.device_memory  # each rank's peak: its parts summed
     rows = []
     shown = sorted(range(len(peaks)), key=lambda r: -totals[r])
