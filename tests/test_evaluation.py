@@ -23,6 +23,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from autopipe.runtime.core.errors import PipelineRunError
 from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.runtime.data import Batches
 from autopipe.runtime.driver import evaluated_checkpoint_problem
@@ -129,7 +130,7 @@ def test_evaluating_every_step_leaves_training_unchanged(
     again, appended to the run's log and TensorBoard run, whose later steps stay; ``--eval-only
     --load`` onto the plain run's log appends its line, over held-out batches with a microbatch
     without label tokens (left out of the mean); held-out batches without any label token are
-    refused, exit non-zero."""
+    refused, exit non-zero, a run's --save written before its last evaluation."""
     script = dropout_stages / "train.py"
     common = ["--load", str(weights), "--steps", "3", "--microbatches", str(MICROBATCHES)]
     common += ["--data", "tests/models.py:gpt2_batch"]
@@ -159,10 +160,12 @@ def test_evaluating_every_step_leaves_training_unchanged(
 
     logs = {name: (tmp_path / f"{name}.jsonl").read_text().splitlines() for name in variants}
     only = ["--eval-only", "--microbatches", str(MICROBATCHES), "--eval-batches", "2"]
-    failing = start_torchrun(
-        two_stages / "train.py", 2, *only, "--load", str(weights),
+    failing = start_torchrun(  # the last evaluation fails: the trained model is saved before
+        two_stages / "train.py", 2, "--load", str(weights), "--steps", "1",
+        "--microbatches", str(MICROBATCHES), "--data", "tests/models.py:gpt2_batch",
+        "--eval-batches", "2",
         "--eval-data", "tests/models.py:gpt2_eval_batch_unlabelled",
-        stderr=subprocess.PIPE,
+        "--save", str(tmp_path / "failing.pt"), stderr=subprocess.PIPE,
     )  # fmt: skip
     run_ranks_together(
         (script, 2, [*only, "--eval-data", EVAL[1], *ckpt, "--resume-from", "1",
@@ -174,10 +177,11 @@ def test_evaluating_every_step_leaves_training_unchanged(
     _, stderr = failing.communicate(timeout=300)
     assert failing.returncode != 0
     assert (
-        "train.py: error: evaluation before training: the 2 held-out batches of --eval-data "
+        "train.py: error: evaluation after step 0: the 2 held-out batches of --eval-data "
         in (stderr.decode())
     )
     assert "hold no label tokens: every label is the ignore index -100" in stderr.decode()
+    assert torch.load(tmp_path / "failing.pt").keys() == plain[1].keys()
 
     for name, added in (("evaluated", 0), ("plain", -1)):
         now = (tmp_path / f"{name}.jsonl").read_text().splitlines()
@@ -263,3 +267,12 @@ def test_held_out_batches_that_read_their_data_again_say_so(two_stages):
     batches = Batches(pipeline, parse_config(argv, pipeline), held_out=True)
     assert batches.coverage(5) is None
     assert "give --eval-batches 5 to read each sample once" in batches.coverage(6)
+    # training data smaller than a step's batch is refused (each step would read some twice)
+    train = ["--microbatches", "4", "--data", "tests/models.py:gpt2_tiny_dataset"]
+    with pytest.raises(PipelineRunError) as small:
+        Batches(pipeline, parse_config(train, pipeline))
+    assert str(small.value) == (
+        "--data tests/models.py:gpt2_tiny_dataset: its dataset holds 3 samples, fewer than a "
+        "step's batch of 8 (--microbatches x --accumulate x --dp x --dp-shard x the example's "
+        "samples): each step would read some twice; give more samples, or fewer --microbatches"
+    )

@@ -228,6 +228,13 @@ def test_save_stays_apart_from_the_checkpoints_and_the_package(tmp_path, capsys)
     assert "--checkpoint-every 2 writes checkpoints into --checkpoint-dir DIR; give it" in (
         capsys.readouterr().err
     )
+    # and held-out batches counted without the data to read them from
+    with pytest.raises(SystemExit):
+        parse_config(["--eval-batches", "3"], pipeline, package)
+    assert "--eval-batches 3 counts the held-out batches of --eval-data FILE.py:FN; give" in (
+        capsys.readouterr().err
+    )
+    assert parse_config([], pipeline, package).eval_batches == 1
 
 
 def test_a_failed_final_save_is_written_elsewhere(tmp_path, monkeypatch):
@@ -528,7 +535,8 @@ def test_a_stop_inside_dcp_stops_the_run(tmp_path, monkeypatch, single_process_g
 @pytest.mark.slow
 def test_damaged_checkpoints_are_named_with_the_intact_one(gpt2_pipe, tmp_path):
     """A truncated data file in the latest checkpoint: --resume, merge and --load refuse it
-    naming the file; --resume-from the previous intact checkpoint continues."""
+    naming the file; without the `latest` pointer, --resume continues from the newest intact
+    checkpoint."""
     ckpt = tmp_path / "ckpt"
     first = run(
         gpt2_pipe, *STEPS, "--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"
@@ -550,13 +558,21 @@ def test_damaged_checkpoints_are_named_with_the_intact_one(gpt2_pipe, tmp_path):
         train_state.load_weights(stages, str(stage), package.PIPELINE, torch.device("cpu"))
     assert f"--load: {stage} is not a readable torch.save checkpoint" in str(loaded.value)
 
+    # without its `latest` pointer (step directories copied without it, a run stopped before
+    # it was written), the newest intact checkpoint is the latest: --resume continues from it
+    # (it started over at step 0 beside it), merge reads it
+    (ckpt / "latest").unlink()
+    assert train_state.has_checkpoint(ckpt)
+    assert train_state.latest_checkpoint(ckpt) == ckpt / "step-00000002"
+    assert train_state.checked_checkpoint(ckpt)[0] == ckpt / "step-00000002"
     log = tmp_path / "log.jsonl"
     again = run(
-        gpt2_pipe, *STEPS, "--steps", "6", "--checkpoint-dir", str(ckpt),
-        "--resume-from", "step-00000002", "--log-json", str(log),
+        gpt2_pipe, *STEPS, "--steps", "6", "--checkpoint-dir", str(ckpt), "--resume",
+        "--log-json", str(log),
     )  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from" in again.stdout and [s for s, _ in losses(log)] == [2, 3, 4, 5]
+    assert f"resumed from {ckpt / 'step-00000002'} at step 2" in again.stdout
+    assert [s for s, _ in losses(log)] == [2, 3, 4, 5]
     assert train_state.merge_checkpoint(ckpt)[1]["step"] == 6
 
 

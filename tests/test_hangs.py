@@ -206,7 +206,7 @@ def test_a_rank_reading_data_is_named_as_slow_data_loading():
 def test_ranks_wait_for_the_data_preparation_without_a_timeout():
     """The ranks that read a dataset file prepare it before the first step while the others
     wait through the store, polled, without a collective's timeout; a rank whose preparation
-    fails raises its error, the others stop naming it."""
+    fails raises its error, the others stop naming it, and ranks failing alike say it once."""
     for fails in (False, True):
         store, finished, errors = dist.HashStore(), {}, {}
 
@@ -237,6 +237,35 @@ def test_ranks_wait_for_the_data_preparation_without_a_timeout():
         assert str(errors[1]) == (
             "it could not prepare its data: --data corpus.jsonl: no column 'text'"
         )
+    # both ranks read the same file and fail alike: the lowest says it, the other names it (rank
+    # 1, quicker, waits for rank 0's answer); failing unlike, each says its own
+    for second in ("no column 'text'", "no such file"):
+        store, errors = dist.HashStore(), {}
+
+        def failing(number: int, message: str) -> None:
+            def prepare() -> None:
+                time.sleep(0.5 if number == 0 else 0.0)
+                raise PipelineRunError(f"--data corpus.jsonl: {message}")
+
+            try:
+                prepare_together(prepare, number, 2, store)
+            except PipelineRunError as exc:
+                errors[number] = exc
+
+        threads = [
+            threading.Thread(target=failing, args=(1, second)),
+            threading.Thread(target=failing, args=(0, "no column 'text'")),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert str(errors[0]) == "--data corpus.jsonl: no column 'text'"
+        if second == "no column 'text'":
+            assert isinstance(errors[1], RankFailedError) and errors[1].failed == 0
+            assert str(errors[1]) == "it could not prepare the same data"
+        else:
+            assert str(errors[1]) == "--data corpus.jsonl: no such file"
     ACTIVITY.reset()
 
 

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from autopipe.runtime.core.pipeline import Loss, Pipeline, Value
+from autopipe.runtime.driver import plan_note
 from autopipe.runtime.evaluation import EvalResult
 from autopipe.runtime.metrics import Metrics, json_line, plan_device_problem
+from autopipe.runtime.options import parse_config
 
 from conftest import ROOT
 
@@ -136,3 +138,15 @@ def test_json_lines_name_nested_values_that_are_not_finite():
         "rank_times": [{"rank": 0, "vs_plan": None}],
         "not_finite": {"rank_times[0].vs_plan": "inf"},
     }
+
+
+def test_the_plan_line_names_what_the_run_changed():
+    """The plan's line at a run's start names the options in which the run differs from the
+    plan (another microbatch count is no other layout), nothing where it runs the plan."""
+    gpt2 = Pipeline.from_json(json.loads((ROOT / "generated/gpt2_4/pipeline.json").read_text()))
+    assert gpt2.plan is not None and gpt2.plan.microbatches != 16
+    assert "(this run" not in plan_note(gpt2, parse_config([], gpt2), 4)
+    changed = parse_config(["--microbatches", "16", "--dp", "2"], gpt2)
+    assert plan_note(gpt2, changed, 8).endswith(
+        "(this run: --microbatches 16, --dp 2 on 8 processes)"
+    )

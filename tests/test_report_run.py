@@ -169,6 +169,32 @@ def test_comparison_against_the_prediction(package, trace_dir):
     assert {(e[0], e[1].stage) for e in events} == {(s, s) for s in range(4)}
 
 
+def test_actions_are_compared_without_their_receive_waits(package, trace_dir):
+    """A spec's receive wait (a calibrated CPU's) is part of a simulated action but not of its
+    span in a trace, which begins once the received tensors are there: each action is compared
+    with its compute alone, so the actions that receive are not all called fast."""
+    data = ReportData.load(package)
+    wait = 3e-3
+    data.__dict__["costs"] = dataclasses.replace(  # the cached costs, with the spec's waits
+        data.costs,
+        receive_forward=[0.0, wait, wait, wait],
+        receive_backward=[wait, wait, wait, 0.0],
+    )
+    comparison = RunComparison.load(data, trace_dir)
+    spans = {
+        (a.stage, a.kind, a.microbatch): end - start
+        for _, a, start, end in comparison.simulation.events
+    }
+    for deviation in comparison.actions:
+        action = deviation.action
+        key = (action.stage, action.kind, action.microbatch)
+        receives = (action.kind == "F" and action.stage > 0) or (
+            action.kind == "B" and action.stage < 3
+        )
+        assert deviation.predicted == pytest.approx(data.costs.compute(action))
+        assert spans[key] == pytest.approx(deviation.predicted + (wait if receives else 0.0))
+
+
 def test_prediction_follows_the_runs_schedule(package, tmp_path, trace_dir):
     """A run under another schedule than traced here is predicted under that schedule."""
 

@@ -306,10 +306,13 @@ class RunComparison:
     # -- actions -------------------------------------------------------------------------------
     @cached_property
     def _predicted(self) -> dict[tuple[int, str, int], float]:
-        """Each simulated action's seconds, by (stage, kind, microbatch)."""
+        """Each simulated action's compute seconds, by (stage, kind, microbatch): without the
+        wait on its receives, which the simulation charges to the action and a trace to the
+        receive (its span of the action begins once the tensors are there)."""
+        costs = self.data.costs
         return {
-            (a.stage, a.kind, a.microbatch): end - start
-            for _, a, start, end in self.simulation.events
+            (a.stage, a.kind, a.microbatch): costs.compute(a)
+            for _, a, _, _ in self.simulation.events
         }
 
     @cached_property

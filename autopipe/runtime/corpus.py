@@ -494,6 +494,7 @@ class Corpus:
                 every_rank=True,
             )
         self.format = row_format(pipeline, source, option)
+        self.microbatch_samples = pipeline.samples_per_microbatch  # the example's
         self.documents: Documents | None = None
         self.rows: PackedRows | None = None  # packed
         self.pieces: Pieces | None = None  # batched by length
@@ -590,11 +591,16 @@ class Corpus:
             self.rows = packed(documents, length)
             total, what = len(self.rows.tokens), f"packed rows of {length} tokens"
         if total < samples:
+            fewer = (
+                "or fewer --microbatches"
+                if total >= self.microbatch_samples
+                else f"a microbatch alone takes {self.microbatch_samples} (the example's)"
+            )
             raise PipelineRunError(
                 f"{self.where}: its {documents.count} documents ({len(documents.tokens)} tokens) "
                 f"give {total} {what}, fewer than a batch's {samples} rows (--microbatches x "
-                "--accumulate x --dp x --dp-shard x the example's samples): give more documents, "
-                "or fewer --microbatches"
+                f"--accumulate x --dp x --dp-shard x the example's samples): give more "
+                f"documents, {fewer}"
             )
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(

@@ -420,7 +420,6 @@ def evaluation_options(parser: argparse.ArgumentParser, pipeline: Pipeline) -> N
     group.add_argument(
         "--eval-batches",
         type=int,
-        default=1,
         metavar="K",
         help="held-out batches per evaluation, each of a step's size (default 1)",
     )
@@ -570,7 +569,7 @@ def validate(
         "pad_to_multiple",
         "eval_batches",
     ):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.pad_to_multiple > 1 and not pipeline.dimensions:
         parser.error(
@@ -585,6 +584,12 @@ def validate(
     if (args.eval_every or args.eval_only) and not args.eval_data:
         flag = "--eval-only" if args.eval_only else "--eval-every"
         parser.error(f"{flag} evaluates --eval-data FILE.py:FN; give the held-out batches")
+    if args.eval_batches is not None and not args.eval_data:
+        parser.error(
+            f"--eval-batches {args.eval_batches} counts the held-out batches of --eval-data "
+            "FILE.py:FN; give them (without, nothing is evaluated)"
+        )
+    args.eval_batches = args.eval_batches or 1
     if args.eval_split is not None and not args.eval_data:
         parser.error(
             f"--eval-split {args.eval_split} chooses the split --eval-data DIR reads; give it"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -132,6 +132,26 @@ class Batches:
                     raise PipelineRunError(
                         f"{self.option} {spec}: a function without arguments must return a "
                         f"torch.utils.data.Dataset, got {type(self.dataset).__name__}"
+                    )
+                if not isinstance(self.dataset, Sized):
+                    raise PipelineRunError(
+                        f"{self.option} {spec}: its {type(self.dataset).__name__} has no length; "
+                        "give a map-style Dataset (__getitem__ and __len__), whose samples each "
+                        "step draws from a seeded permutation, or FN(index) returning a step's "
+                        "batch"
+                    )
+                size = len(self.dataset)
+                if not held_out and 0 < size < self.samples:  # held out: coverage() says it
+                    raise PipelineRunError(
+                        f"{self.option} {spec}: its dataset holds {size} samples, fewer than a "
+                        f"step's batch of {self.samples} (--microbatches x --accumulate x --dp x "
+                        "--dp-shard x the example's samples): each step would read some twice; "
+                        "give more samples"
+                        + (
+                            ", or fewer --microbatches"
+                            if size >= self.pipeline.samples_per_microbatch
+                            else ""
+                        )
                     )
             else:
                 self.fn = fn

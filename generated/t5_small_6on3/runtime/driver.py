@@ -499,7 +499,8 @@ def prepare_together(
     is done, through ``store`` (torchrun's agent's): polled, that wait has no timeout, as a
     collective's would, so that preparing takes as long as it takes (without a store, a barrier
     waits, within the process group's timeout). A rank whose preparation fails raises its
-    error; the others stop, naming it."""
+    error, unless a lower rank failed with the same (the ranks reading the same files find the
+    same problem: it is said once); the others stop, naming it."""
     problem: Exception | None = None
     if prepare is not None:
         with doing("prepare_data"):
@@ -514,8 +515,15 @@ def prepare_together(
             dist.barrier()
         return
     keys = [f"{attempt_prefix()}prepared/{r}" for r in range(world)]
-    store.set(keys[rank], "" if problem is None else first_line(problem) or "failed")
-    if problem is not None:
+    said = "" if problem is None else first_line(problem) or "failed"
+    store.set(keys[rank], said)
+    if problem is not None:  # the ranks reading the same data fail alike: the lowest says it
+        with doing("wait_data", ranks=tuple(range(rank))):
+            while not store.check(keys[:rank]):
+                time.sleep(PREPARED_POLL)
+        for other, key in enumerate(keys[:rank]):
+            if store.get(key).decode("utf-8", "replace") == said:
+                raise RankFailedError(other, "it could not prepare the same data") from problem
         raise problem
     with doing("wait_data", ranks=tuple(range(world))):
         while not store.check(keys):
@@ -858,6 +866,7 @@ class TrainingRun:
                     self.checkpoint(step + 1)
                     if config.eval_every and (step + 1) % config.eval_every == 0:
                         self.evaluate(step + 1)
+                self.finish()  # before the last evaluation, which may fail on its data
                 if self.eval_batches is not None and not (
                     config.eval_every and config.steps % config.eval_every == 0
                 ):
@@ -866,7 +875,6 @@ class TrainingRun:
                     self.timeline.write()  # no traced step ran (all collective)
             finally:
                 self.metrics.close()
-            self.finish()
         finally:
             if self.tracker is not None and self.tracker.active:
                 self.tracker.__exit__(None, None, None)
@@ -1427,12 +1435,16 @@ def plan_note(pipeline: Pipeline, config: TrainConfig, world: int) -> str:
     planned = pipeline.num_ranks * pipeline.dp_shard * pipeline.tp
     per_step = plan.microbatches * plan.accumulate * pipeline.dp_shard
     mfu = plan.utilisation(plan.step_time, per_step, planned)
-    same = (config.microbatches, config.accumulate, config.dp, config.dp_shard) == (
-        plan.microbatches,
-        plan.accumulate,
-        1,
-        pipeline.dp_shard,
-    )
+    differs = [
+        f"{flag} {mine}"
+        for flag, mine, planned_value in (
+            ("--microbatches", config.microbatches, plan.microbatches),
+            ("--accumulate", config.accumulate, plan.accumulate),
+            ("--dp", config.dp, 1),
+            ("--dp-shard", config.dp_shard, pipeline.dp_shard),
+        )
+        if mine != planned_value
+    ]
     return (
         f"plan: {plan.step_time:.3f} s per step of {plan.microbatches} microbatches x "
         f"{plan.accumulate} accumulation x {pipeline.dp_shard} shard"
@@ -1440,7 +1452,7 @@ def plan_note(pipeline: Pipeline, config: TrainConfig, world: int) -> str:
         + (f" x tensor parallel {pipeline.tp}" if pipeline.tp > 1 else "")
         + f" on {planned} device{'s' if planned > 1 else ''}"
         + (f", MFU {mfu * 100:.3g}% of {plan.device}" if mfu is not None else "")
-        + ("" if same else f" (this run: {world} processes, another layout)")
+        + (f" (this run: {', '.join(differs)} on {world} processes)" if differs else "")
     )
 
 

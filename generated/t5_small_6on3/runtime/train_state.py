@@ -860,16 +860,22 @@ def _materialise_each(module: nn.Module, device: torch.device) -> None:
 
 def has_checkpoint(root: str | Path | None) -> bool:
     """Whether ``root`` holds a published checkpoint (its ``latest`` pointer, written only once
-    a checkpoint is complete), without reading or checking it (:func:`latest_checkpoint`)."""
-    return root is not None and (Path(root) / "latest").is_file()
+    a checkpoint is complete, or a complete checkpoint without it), without reading or
+    checking it (:func:`latest_checkpoint`)."""
+    return root is not None and (
+        (Path(root) / "latest").is_file() or bool(complete_checkpoints(Path(root)))
+    )
 
 
 def latest_checkpoint(root: Path) -> Path | None:
     """The checkpoint ``root/latest`` names, or None if there is none yet; refuses one that is
-    damaged, naming the newest intact one to resume from instead."""
-    if not has_checkpoint(root):
-        return None
+    damaged, naming the newest intact one to resume from instead. Without the pointer (a run
+    stopped between a checkpoint's completion and its pointer, or step directories copied
+    without it), the newest intact checkpoint there is: a run never starts over beside it."""
     pointer = root / "latest"
+    if not pointer.is_file():
+        intact = [path for path in complete_checkpoints(root) if damage(path) is None]
+        return intact[-1] if intact else None
     try:
         name = pointer.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
@@ -1026,10 +1032,8 @@ def checked_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:
     checked for damage, and its manifest: what :func:`merged_state` reads, known before its
     tensors are."""
     path = Path(path)
-    if not (path / MANIFEST).is_file() and (path / "latest").is_file():
-        latest = latest_checkpoint(path)
-        assert latest is not None  # its `latest` pointer is a file
-        path = latest
+    if not (path / MANIFEST).is_file() and path.is_dir() and not STEP_NAME.fullmatch(path.name):
+        path = latest_checkpoint(path) or path  # None: _not_a_checkpoint says what is there
     absent = _not_a_checkpoint(path)
     if absent:
         raise PipelineRunError(absent)

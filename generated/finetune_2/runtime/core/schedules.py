@@ -203,15 +203,27 @@ class PipelineCosts:
     def duration(self, action: Action) -> float:
         """The action's seconds: its compute, and the wait on its receives (a forward's
         activations; a full or input backward's gradients)."""
+        return self.compute(action) + self.receive_wait(action)
+
+    def compute(self, action: Action) -> float:
+        """The action's compute alone: what a trace's span of it measures (it begins once the
+        tensors it receives are there)."""
         s = action.stage
         if action.kind == "F":
-            return self.forward[s] + (self.receive_forward[s] if self.receive_forward else 0.0)
-        wait = self.receive_backward[s] if self.receive_backward else 0.0
+            return self.forward[s]
         if action.kind == "B":
-            return self.backward[s] + wait
+            return self.backward[s]
         if action.kind == "I":
-            return self.backward[s] * INPUT_GRAD_FRACTION + wait
+            return self.backward[s] * INPUT_GRAD_FRACTION
         return self.backward[s] * (1 - INPUT_GRAD_FRACTION)
+
+    def receive_wait(self, action: Action) -> float:
+        """The action's wait on its receives from another rank (none for a weight backward)."""
+        if action.kind == "F":
+            return self.receive_forward[action.stage] if self.receive_forward else 0.0
+        if action.kind == "W":
+            return 0.0
+        return self.receive_backward[action.stage] if self.receive_backward else 0.0
 
 
 def dependencies(action: Action, num_stages: int) -> list[tuple[tuple[Action, ...], str]]:
