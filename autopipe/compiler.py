@@ -31,7 +31,7 @@ from .partitioning.search import (
     unsearched_note,
 )
 from .profiling import DeviceSpec, Profile, profile, with_link
-from .partitioning.network import Network
+from .partitioning.network import Network, node_layout
 from .partitioning.tensor_parallel import TensorParallelCost, sharded_profile
 from .tensor_parallel import ShardingPlan, TensorParallelRegions, find_regions, sharding_plan
 from .profiling.calibrate import resolve_device_spec
@@ -134,7 +134,7 @@ def plan_step(
         check_tensor_parallel(graph, options.tp, sequence)
     return search(
         graph,
-        _rank_profile(prof, options),
+        rank_profile(prof, options),
         devices,
         global_batch=options.global_batch or 2 * devices,
         method=options.method,
@@ -241,12 +241,13 @@ def _partition(
         best = plans[0]
         if not best.fits:
             margin = options.memory_margin
-            prof = _rank_profile(prof, options)
-            floor = state_floor(graph, prof, optimizer=options.optimizer, margin=margin)
+            shared = rank_profile(prof, options)
+            floor = state_floor(graph, shared, optimizer=options.optimizer, margin=margin)
+            each = "per device" if shared is prof else "per process (its share of a node's)"
             raise PartitionError(
                 f"no plan for {options.devices} devices fits {prof.device.name}'s "
-                f"{format_bytes(prof.device.memory)} per device "
-                f"({format_bytes(prof.device.memory * (1 - margin))} less the {margin:.0%} "
+                f"{format_bytes(shared.device.memory)} {each} "
+                f"({format_bytes(shared.device.memory * (1 - margin))} less the {margin:.0%} "
                 f"margin):\n{plan_table([p.to_json() for p in plans[:TOP_PLANS]])}\n"
                 f"{floor[:1].upper()}{floor[1:]}. Use "
                 "more devices, a smaller --global-batch, a smaller --memory-margin or a device "
@@ -264,7 +265,7 @@ def _partition(
             memory_margin=options.memory_margin,
             plans=tuple(plan.to_json() for plan in recorded_plans(plans)),
         )
-    prof = _rank_profile(prof, options)
+    prof = rank_profile(prof, options)
     asked = SplitPoints.parse(options.split_points) if options.split_points else None
     tp = options.tp or 1
     places = max(1, options.gpus_per_node // tp)  # a node's places of tp ranks each
@@ -296,15 +297,16 @@ def _partition(
     return part.with_settings(accumulate=options.accumulate) if options.accumulate > 1 else part
 
 
-def _rank_profile(prof: Profile, options: CompileOptions) -> Profile:
+def rank_profile(prof: Profile, options: CompileOptions) -> Profile:
     """``prof`` on the device as each rank has it (:meth:`DeviceSpec.shared_by`: a CPU's ranks
-    share a node's memory) when a node of ``--gpus-per-node`` runs the plan's processes: every
-    device a search plans for, else the pipeline's ranks x ``--dp-shard`` x ``--tp``."""
-    if options.search:
-        processes = options.devices or options.stages
-    else:
-        processes = (options.devices or options.stages) * options.dp_shard * (options.tp or 1)
-    device = prof.device.shared_by(min(options.gpus_per_node, processes))
+    share a node's memory) when nodes of ``--gpus-per-node`` run the plan's processes as its
+    launch script places them (:func:`.partitioning.network.node_layout`): every device a
+    search plans for, else the pipeline's ranks x ``--dp-shard`` x ``--tp``."""
+    tp = 1 if options.search else options.tp or 1
+    processes = options.devices or options.stages
+    if not options.search:
+        processes *= options.dp_shard * tp
+    device = prof.device.shared_by(node_layout(processes, options.gpus_per_node, tp)[1])
     return prof if device is prof.device else dataclasses.replace(prof, device=device)
 
 

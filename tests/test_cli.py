@@ -45,7 +45,6 @@ def test_top_level_help_lists_every_command():
         ["profile", "graph.json", "-o"],
         ["partition", "graph.json", "profile.json", "--stages", "2", "-o"],
         ["calibrate", "-o"],
-        ["generate", "graph.json", "partition.json", "--out", "pipe", "--profile-file"],
         ["merge", "ckpt", "-o"],
     ],
 )

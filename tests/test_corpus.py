@@ -325,8 +325,8 @@ def test_a_corpus_too_small_for_one_batch(static, tmp_path):
     path.write_text("".join(json.dumps({"text": "sea calm."}) + "\n" for _ in range(5)))
     message = refused(corpus_batches(static, path))
     assert "fewer than a batch's 8 rows" in message and "give more documents" in message
-    # one packed row: fewer microbatches would not do, a microbatch alone takes the example's 2
-    assert message.endswith("give more documents, a microbatch alone takes 2 (the example's)")
+    # one packed row: fewer microbatches would not do, a batch of one microbatch takes 2 rows
+    assert message.endswith("give more documents, a batch of one microbatch takes 2")
 
 
 def test_a_tokenizer_larger_than_the_embedding(static, tmp_path, texts):

@@ -27,7 +27,12 @@ from autopipe.runtime.core.errors import PipelineRunError
 from autopipe.runtime.core.pipeline import Pipeline
 from autopipe.runtime.data import Batches
 from autopipe.runtime.driver import evaluated_checkpoint_problem
-from autopipe.runtime.evaluation import LossSums, label_tokens, random_states_kept
+from autopipe.runtime.evaluation import (
+    LossSums,
+    label_tokens,
+    no_label_tokens,
+    random_states_kept,
+)
 from autopipe.runtime.options import parse_config
 from autopipe.verify import load_pipeline
 
@@ -176,12 +181,15 @@ def test_evaluating_every_step_leaves_training_unchanged(
     )  # fmt: skip
     _, stderr = failing.communicate(timeout=300)
     assert failing.returncode != 0
-    assert (
-        "train.py: error: evaluation after step 0: the 2 held-out batches of --eval-data "
-        in (stderr.decode())
+    assert "train.py: error: evaluation after step 0: the 2 held-out batches of --eval-data " in (
+        stderr.decode()
     )
     assert "hold no label tokens: every label is the ignore index -100" in stderr.decode()
     assert torch.load(tmp_path / "failing.pt").keys() == plain[1].keys()
+    pipeline = Pipeline.from_json(load_pipeline(two_stages).PIPELINE)  # --eval-only's refusal
+    assert no_label_tokens(pipeline, 2, "x.py:f", 0).startswith(
+        "evaluation before training: the 2 held-out batches of --eval-data x.py:f hold no label"
+    )
 
     for name, added in (("evaluated", 0), ("plain", -1)):
         now = (tmp_path / f"{name}.jsonl").read_text().splitlines()

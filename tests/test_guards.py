@@ -9,6 +9,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import signal
 import stat
 import tempfile
@@ -559,9 +560,18 @@ def test_damaged_checkpoints_are_named_with_the_intact_one(gpt2_pipe, tmp_path):
     assert f"--load: {stage} is not a readable torch.save checkpoint" in str(loaded.value)
 
     # without its `latest` pointer (step directories copied without it, a run stopped before
-    # it was written), the newest intact checkpoint is the latest: --resume continues from it
-    # (it started over at step 0 beside it), merge reads it
+    # it was written), the newest checkpoint is the latest: refused as damaged, naming the
+    # intact one; once that is the newest, --resume continues from it (it started over at step
+    # 0 beside it) and merge reads it
     (ckpt / "latest").unlink()
+    with pytest.raises(PipelineRunError) as unpointed:
+        train_state.latest_checkpoint(ckpt)
+    assert (
+        f"{ckpt} has no latest pointer, and its newest checkpoint {ckpt}/step-00000004 is "
+        "damaged (__1_0.distcp has 1000 bytes"
+    ) in str(unpointed.value)
+    assert "--resume-from step-00000002" in str(unpointed.value)
+    shutil.rmtree(ckpt / "step-00000004")
     assert train_state.has_checkpoint(ckpt)
     assert train_state.latest_checkpoint(ckpt) == ckpt / "step-00000002"
     assert train_state.checked_checkpoint(ckpt)[0] == ckpt / "step-00000002"

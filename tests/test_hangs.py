@@ -263,7 +263,10 @@ def test_ranks_wait_for_the_data_preparation_without_a_timeout():
         assert str(errors[0]) == "--data corpus.jsonl: no column 'text'"
         if second == "no column 'text'":
             assert isinstance(errors[1], RankFailedError) and errors[1].failed == 0
-            assert str(errors[1]) == "it could not prepare the same data"
+            assert (
+                str(errors[1])
+                == "it could not prepare its data: --data corpus.jsonl: no column 'text'"
+            )
         else:
             assert str(errors[1]) == "--data corpus.jsonl: no such file"
     ACTIVITY.reset()

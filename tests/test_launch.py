@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from autopipe.codegen.context import node_layout
+from autopipe.partitioning.network import node_layout
 from autopipe.runtime.parallel import world_size_problem
 
 from conftest import ROOT, compile_model, torchrun_env

@@ -274,23 +274,26 @@ def test_a_cpu_plans_ranks_are_processes(gpt2_graph):
 
 def test_a_cpus_ranks_share_its_memory(gpt2_graph):
     """A CPU's memory is the node's: each of the processes a node runs plans with its share
-    (the plan's ranks x --dp-shard, a node of --gpus-per-node at most; every device a search
-    plans for), and the summary says so; a GPU's ranks each have the GPU's."""
+    (the plan's ranks x --dp-shard, placed on nodes of --gpus-per-node as the launch script
+    places them; every device a search plans for), and the summary says so; a GPU's ranks each
+    have the GPU's."""
     cpu = replace(H100, name="a test CPU", device_type="cpu")
     prof = profile(gpt2_graph, "analytic", cpu)
     for options, share in (
         (CompileOptions(stages=2, dp_shard=2), 4),
         (CompileOptions(stages=2, dp_shard=2, gpus_per_node=2), 2),
+        (CompileOptions(stages=3, dp_shard=2, gpus_per_node=4), 3),  # 2 nodes of 3, as launched
         (CompileOptions(stages=1), 1),
     ):
         part = partition_step(gpt2_graph, prof, options)
         assert part.costs is not None and part.costs.memory_capacity == cpu.memory / share
         summary = format_partition(gpt2_graph, part)
         assert (f"(a node's memory over its {share} processes)" in summary) == (share > 1)
-    (best, *_) = plan_step(gpt2_graph, prof, CompileOptions(stages=1, devices=4, search=True))
+    best, *_ = plan_step(gpt2_graph, prof, CompileOptions(stages=1, devices=4, search=True))
     assert best.partition is not None and best.partition.costs is not None
     assert best.partition.costs.memory_capacity == cpu.memory * (1 - 0.1) / 4  # less the margin
-    gpu = partition_step(gpt2_graph, profile(gpt2_graph, "analytic", H100), options)
+    sharded = CompileOptions(stages=2, dp_shard=2)
+    gpu = partition_step(gpt2_graph, profile(gpt2_graph, "analytic", H100), sharded)
     assert gpu.costs is not None and gpu.costs.memory_capacity == H100.memory
 
 

@@ -10,7 +10,6 @@ from ..compiler import generate_step, load_graph
 from ..partitioning import Partition
 from ..profiling import Profile
 from .arguments import Subparsers, package_options
-from .output_file import output_file
 
 __all__ = ["add_parser", "cmd_generate", "node_size"]
 
@@ -28,7 +27,7 @@ def add_parser(subparsers: Subparsers) -> None:
     )
     p.add_argument(
         "--profile-file",
-        type=output_file("profile.json"),
+        type=Path,
         help="profile.json to keep beside the package (optional)",
     )
     package_options(p)

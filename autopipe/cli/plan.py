@@ -6,7 +6,7 @@ import argparse
 import shlex
 import sys
 
-from ..compiler import plan_step, profile_step, trace_step
+from ..compiler import plan_step, profile_step, rank_profile, trace_step
 from ..errors import AutopipeError
 from ..options import COUNT
 from ..partitioning.search import plan_table, state_floor, unsearched_note
@@ -66,7 +66,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
         print(stopped)
     best = plans[0]
     if not best.fits:
-        floor = state_floor(graph, prof, optimizer=options.optimizer, margin=options.memory_margin)
+        shared = rank_profile(prof, options)  # each rank's memory, as the search planned it
+        floor = state_floor(
+            graph, shared, optimizer=options.optimizer, margin=options.memory_margin
+        )
         raise AutopipeError(
             f"no plan fits: {floor}. Use more devices, a smaller --global-batch or "
             "--memory-margin, or a device with more memory (--device-spec)"

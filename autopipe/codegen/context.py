@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..partitioning.network import node_layout
 from .plan import StagePlan
 
 __all__ = ["LaunchContext", "PackageContext", "StageContext", "node_layout"]
@@ -68,17 +69,6 @@ class StageContext:
         """The template variables, by name, with ``body`` standing for the forward body."""
         own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "package"}
         return self.package.variables() | own | {"body": body}
-
-
-def node_layout(processes: int, gpus_per_node: int, tp: int = 1) -> tuple[int, int]:
-    """``(nodes, processes per node)`` for ``processes`` on nodes of ``gpus_per_node`` GPUs: the
-    fewest nodes that hold them with the same number on each (torchrun starts as many on every
-    node), a multiple of ``tp`` (the tensor-parallel ranks of a place, consecutive, share a
-    node)."""
-    nodes = -(-processes // gpus_per_node)
-    while processes % nodes or (processes // nodes) % tp:
-        nodes += 1
-    return nodes, processes // nodes
 
 
 @dataclass(frozen=True)

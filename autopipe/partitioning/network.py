@@ -48,6 +48,7 @@ __all__ = [
     "Network",
     "NetworkLink",
     "RingCost",
+    "node_layout",
 ]
 
 
@@ -230,3 +231,14 @@ class Network:
     def transfer(self, nbytes: float, a: int, b: int) -> float:
         """Seconds to send ``nbytes`` from global rank ``a`` to ``b`` (nothing to itself)."""
         return 0.0 if a == b else self.link_between(a, b).transfer(nbytes)
+
+
+def node_layout(processes: int, gpus_per_node: int, tp: int = 1) -> tuple[int, int]:
+    """``(nodes, processes per node)`` for ``processes`` on nodes of ``gpus_per_node`` GPUs: the
+    fewest nodes that hold them with the same number on each (torchrun starts as many on every
+    node), a multiple of ``tp`` (the tensor-parallel ranks of a place, consecutive, share a
+    node)."""
+    nodes = -(-processes // gpus_per_node)
+    while processes % nodes or (processes // nodes) % tp:
+        nodes += 1
+    return nodes, processes // nodes

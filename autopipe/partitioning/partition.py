@@ -21,6 +21,7 @@ from ..errors import ArtifactError, PartitionError
 from ..ir import Graph
 from ..ir.ordering import order_edges
 from ..profiling.profile import graph_digest, profile_source
+from .network import node_layout
 from ..runtime.core.pipeline import (
     DETAIL_TABLES,
     MESH_DIMENSIONS,
@@ -533,11 +534,12 @@ class Partition:
 
     @property
     def processes_per_node(self) -> int:
-        """The ranks of the plan a node runs: its pipeline ranks x --dp-shard x --tp, a node of
-        ``gpus_per_node`` (8 where the partition does not say) at most."""
+        """The ranks of the plan each node runs (its pipeline ranks x --dp-shard x --tp on
+        nodes of ``gpus_per_node``, 8 where the partition does not say, as the package's launch
+        script places them: :func:`.network.node_layout`)."""
         settings = self.settings
         ranks = len(set(self.device_of_stage)) * (settings.dp_shard or 1) * (settings.tp or 1)
-        return min(settings.gpus_per_node or 8, ranks)
+        return node_layout(ranks, settings.gpus_per_node or 8, settings.tp or 1)[1]
 
     @property
     def recomputed(self) -> int:

@@ -141,8 +141,9 @@ class ReportData:
 
     @property
     def memory_capacity(self) -> float:
+        """Each rank's memory: its device's (a CPU's share of the node's, as it was planned)."""
         if self.profile is not None:
-            return float(self.profile.device.memory)
+            return float(self.profile.device.shared_by(self.partition.processes_per_node).memory)
         return float(self.costs.memory_capacity)
 
     def device_static_memory(self) -> list[float]:

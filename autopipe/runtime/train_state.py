@@ -870,12 +870,22 @@ def has_checkpoint(root: str | Path | None) -> bool:
 def latest_checkpoint(root: Path) -> Path | None:
     """The checkpoint ``root/latest`` names, or None if there is none yet; refuses one that is
     damaged, naming the newest intact one to resume from instead. Without the pointer (a run
-    stopped between a checkpoint's completion and its pointer, or step directories copied
-    without it), the newest intact checkpoint there is: a run never starts over beside it."""
+    stopped between its first checkpoint's completion and the pointer, or step directories
+    copied without it), the newest checkpoint there, refused alike when it is damaged: a run
+    never starts over beside checkpoints, nor passes one over unsaid."""
     pointer = root / "latest"
     if not pointer.is_file():
-        intact = [path for path in complete_checkpoints(root) if damage(path) is None]
-        return intact[-1] if intact else None
+        complete = complete_checkpoints(root)
+        if not complete:
+            return None
+        problem = damage(complete[-1])
+        if problem:
+            raise PipelineRunError(
+                f"{root} has no latest pointer, and its newest checkpoint {complete[-1]} is "
+                f"damaged ({problem}); {_intact_hint(root, complete[-1])}",
+                every_rank=True,
+            )
+        return complete[-1]
     try:
         name = pointer.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:

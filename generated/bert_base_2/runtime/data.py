@@ -114,6 +114,7 @@ class Batches:
                 held_out,
                 self.option,
                 config.eval_split if held_out else None,
+                self.fewest_samples,
             )
         elif held_out and config.eval_split is not None:
             raise PipelineRunError(
@@ -131,14 +132,16 @@ class Batches:
                 if not isinstance(self.dataset, torch.utils.data.Dataset):
                     raise PipelineRunError(
                         f"{self.option} {spec}: a function without arguments must return a "
-                        f"torch.utils.data.Dataset, got {type(self.dataset).__name__}"
+                        f"torch.utils.data.Dataset, got {type(self.dataset).__name__}",
+                        every_rank=True,
                     )
                 if not isinstance(self.dataset, Sized):
                     raise PipelineRunError(
                         f"{self.option} {spec}: its {type(self.dataset).__name__} has no length; "
                         "give a map-style Dataset (__getitem__ and __len__), whose samples each "
                         "step draws from a seeded permutation, or FN(index) returning a step's "
-                        "batch"
+                        "batch",
+                        every_rank=True,
                     )
                 size = len(self.dataset)
                 if not held_out and 0 < size < self.samples:  # held out: coverage() says it
@@ -147,11 +150,8 @@ class Batches:
                         f"step's batch of {self.samples} (--microbatches x --accumulate x --dp x "
                         "--dp-shard x the example's samples): each step would read some twice; "
                         "give more samples"
-                        + (
-                            ", or fewer --microbatches"
-                            if size >= self.pipeline.samples_per_microbatch
-                            else ""
-                        )
+                        + (", or fewer --microbatches" if size >= self.fewest_samples else ""),
+                        every_rank=True,
                     )
             else:
                 self.fn = fn
@@ -205,6 +205,12 @@ class Batches:
     def rows(self) -> int:
         """Example microbatches in a step's batch."""
         return self.parts * self.microbatches
+
+    @property
+    def fewest_samples(self) -> int:
+        """Samples in a step's batch of one microbatch (what fewer --microbatches come down to:
+        the accumulation rounds and data-parallel ranks stay)."""
+        return self.parts * self.pipeline.samples_per_microbatch
 
     @property
     def samples(self) -> int:

@@ -126,6 +126,9 @@ _FORWARD_ACTIONS = frozenset(
 LARGE_SCHEDULE = 4096
 #: seconds between a waiting rank's looks at whether the dataset files are prepared
 PREPARED_POLL = 0.2
+#: seconds a rank whose data preparation failed waits for lower ranks to say whether they failed
+#: alike (then the lowest says it alone); a lower rank still preparing is not waited for longer
+SAME_FAILURE_WAIT = 5.0
 #: this rank's pipeline stages and a schedule over them, for some sizes of dynamic dimensions
 Shaped = tuple[list[DataParallelStage], _PipelineSchedule]
 
@@ -485,8 +488,8 @@ def evaluated_checkpoint_problem(config: TrainConfig) -> str | None:
         return f"--eval-only --checkpoint-dir {root}: there is no such directory; {fix}"
     if config.resume_from is None and latest_checkpoint(root) is None:
         return (
-            f"--eval-only --checkpoint-dir {root}: no checkpoint found there (no 'latest' "
-            f"pointing at a step-N checkpoint), so there are no trained weights to evaluate; {fix}"
+            f"--eval-only --checkpoint-dir {root}: no checkpoint found there (no step-N "
+            f"checkpoint), so there are no trained weights to evaluate; {fix}"
         )
     return None
 
@@ -499,8 +502,9 @@ def prepare_together(
     is done, through ``store`` (torchrun's agent's): polled, that wait has no timeout, as a
     collective's would, so that preparing takes as long as it takes (without a store, a barrier
     waits, within the process group's timeout). A rank whose preparation fails raises its
-    error, unless a lower rank failed with the same (the ranks reading the same files find the
-    same problem: it is said once); the others stop, naming it."""
+    error, unless a lower rank failed with the same within :data:`SAME_FAILURE_WAIT` (the ranks
+    reading the same files find the same problem: it is said once); the others stop, naming
+    it."""
     problem: Exception | None = None
     if prepare is not None:
         with doing("prepare_data"):
@@ -518,12 +522,12 @@ def prepare_together(
     said = "" if problem is None else first_line(problem) or "failed"
     store.set(keys[rank], said)
     if problem is not None:  # the ranks reading the same data fail alike: the lowest says it
-        with doing("wait_data", ranks=tuple(range(rank))):
-            while not store.check(keys[:rank]):
-                time.sleep(PREPARED_POLL)
+        waited = time.monotonic() + SAME_FAILURE_WAIT  # a lower rank still preparing: not long
+        while rank and not store.check(keys[:rank]) and time.monotonic() < waited:
+            time.sleep(PREPARED_POLL)
         for other, key in enumerate(keys[:rank]):
-            if store.get(key).decode("utf-8", "replace") == said:
-                raise RankFailedError(other, "it could not prepare the same data") from problem
+            if store.check([key]) and store.get(key).decode("utf-8", "replace") == said:
+                raise RankFailedError(other, f"it could not prepare its data: {said}") from problem
         raise problem
     with doing("wait_data", ranks=tuple(range(world))):
         while not store.check(keys):
@@ -864,13 +868,12 @@ class TrainingRun:
                             raise
                         raise failure.at_step(step) from exc
                     self.checkpoint(step + 1)
-                    if config.eval_every and (step + 1) % config.eval_every == 0:
+                    last = step + 1 == config.steps  # evaluated after --save, below
+                    if config.eval_every and (step + 1) % config.eval_every == 0 and not last:
                         self.evaluate(step + 1)
                 self.finish()  # before the last evaluation, which may fail on its data
-                if self.eval_batches is not None and not (
-                    config.eval_every and config.steps % config.eval_every == 0
-                ):
-                    self.evaluate(config.steps)  # at the end, unless just done
+                if self.eval_batches is not None:
+                    self.evaluate(max(self.start, config.steps))  # at the end
                 if self.timeline is not None and not self.timeline.written:
                     self.timeline.write()  # no traced step ran (all collective)
             finally:

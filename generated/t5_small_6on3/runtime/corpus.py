@@ -476,10 +476,12 @@ class Corpus:
         held_out: bool,
         option: str,
         split: str | None = None,
+        fewest: int | None = None,
     ) -> None:
         """``samples``: rows of a step's batch; ``held_out``: read in order, not shuffled;
         ``split``: the split of a DatasetDict to read (``--eval-split``; None: see
-        :func:`_split`)."""
+        :func:`_split`); ``fewest``: rows of a step's batch of one microbatch (default: the
+        example microbatch's samples)."""
         self.source, self.tokenizer, self.option = source, tokenizer, option
         self.samples, self.seed, self.held_out = samples, seed, held_out
         self.split = split
@@ -494,7 +496,7 @@ class Corpus:
                 every_rank=True,
             )
         self.format = row_format(pipeline, source, option)
-        self.microbatch_samples = pipeline.samples_per_microbatch  # the example's
+        self.fewest = fewest or pipeline.samples_per_microbatch
         self.documents: Documents | None = None
         self.rows: PackedRows | None = None  # packed
         self.pieces: Pieces | None = None  # batched by length
@@ -593,8 +595,8 @@ class Corpus:
         if total < samples:
             fewer = (
                 "or fewer --microbatches"
-                if total >= self.microbatch_samples
-                else f"a microbatch alone takes {self.microbatch_samples} (the example's)"
+                if total >= self.fewest
+                else f"a batch of one microbatch takes {self.fewest}"
             )
             raise PipelineRunError(
                 f"{self.where}: its {documents.count} documents ({len(documents.tokens)} tokens) "

@@ -165,7 +165,7 @@ def output_problems(
             problems.append(
                 f"{option} {value} is a directory; give a file, e.g. {path / example}"
                 + (
-                    ", or --save-format hf for a Hugging Face model directory"
+                    ", or --save-format hf for a transformers model's directory"
                     if option == "--save"
                     else ""
                 )
