@@ -162,7 +162,7 @@ def test_recomputing_to_balance_beats_shrinking_the_stages_and_fits():
     assert part.compared.step_time > part.predicted.step_time
     assert part.stage_of_unit == balanced.stage_of_unit  # balanced: stages kept, not shrunk
     why = format_partition(graph, part).splitlines()[-1]
-    assert why.startswith("why: predicted step") and "recomputing costs less" in why
+    assert why.startswith("why: pipeline run") and "recomputing costs less" in why
     assert Partition.from_json(part.to_json()) == part
 
 

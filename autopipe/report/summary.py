@@ -302,19 +302,19 @@ def recompute_lines(graph: Graph, part: Partition) -> list[str]:
             else ""
         )
         rows.append(
-            f"why: predicted step {step * 1e3:.3f} ms recomputing to balance the stages, "
+            f"why: pipeline run {step * 1e3:.3f} ms recomputing to balance the stages, "
             f"against {slower} for the split that shrinks the stages short of memory "
             f"instead{only}: recomputing costs less than the imbalance"
         )
     elif other.recomputed > part.recomputed:
         rows.append(
-            f"why: predicted step {step * 1e3:.3f} ms, against {slower} for the split that "
+            f"why: pipeline run {step * 1e3:.3f} ms, against {slower} for the split that "
             f"recomputes {_count(other.recomputed, 'block')} to balance the stages: "
             "recomputing would cost more than the imbalance"
         )
     else:
         rows.append(
-            f"why: predicted step {step * 1e3:.3f} ms, against {slower} for the split that "
+            f"why: pipeline run {step * 1e3:.3f} ms, against {slower} for the split that "
             "shrinks the stages short of memory instead (recomputing as much)"
         )
     return rows
