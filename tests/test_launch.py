@@ -141,14 +141,21 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_the_script_trains_as_slurm_runs_it(packages, tmp_path):
-    """The one-node script of a CPU plan run the way sbatch runs it on a CPU node: from a copy in
-    a spool directory, with ``scontrol`` naming the submitted script and the node, ``srun``
-    running its command once; torchrun's c10d rendezvous then trains the package on gloo, no
-    --device given."""
+@pytest.mark.parametrize(
+    "package, extra",
+    [
+        ("cpu_node", {}),  # a CPU plan's script: no --device given, no GPU count from SLURM
+        ("one_node", {"SLURM_GPUS_ON_NODE": "2"}),  # a GPU plan's, told --device cpu here
+    ],
+)
+def test_the_script_trains_as_slurm_runs_it(packages, tmp_path, package, extra):
+    """The one-node script run the way sbatch runs it: from a copy in a spool directory, with
+    ``scontrol`` naming the submitted script and the node, ``srun`` running its command once;
+    torchrun's c10d rendezvous then trains the package on gloo (a CPU plan's script says
+    --device cpu itself; a GPU plan's starts as many processes as SLURM gives GPUs)."""
     shims = tmp_path / "bin"
     shims.mkdir()
-    submitted = packages["cpu_node"] / "launch" / "slurm.sbatch"
+    submitted = packages[package] / "launch" / "slurm.sbatch"
     (shims / "scontrol").write_text(
         "#!/bin/bash\n"
         'if [ "$2" = job ]; then echo "   Command=' + str(submitted) + ' --steps 2"; '
@@ -167,8 +174,10 @@ def test_the_script_trains_as_slurm_runs_it(packages, tmp_path):
         "SLURM_NNODES": "1",
         "SLURM_SUBMIT_DIR": str(tmp_path),
         "RDZV_PORT": str(_free_port()),
+        **extra,
     }
     args = ["--steps", "2", "--microbatches", "4"]
+    args += [] if package == "cpu_node" else ["--device", "cpu"]
     args += ["--data", "tests/models.py:mlp_batch"]
     result = subprocess.run(
         ["bash", str(spool), *args], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -182,7 +182,7 @@ def summary_rows(data: ReportData) -> list[tuple[str, str]]:
         ("schedule", f"{data.schedule}, {data.microbatches} microbatches"),
         ("cost model", data.partition.profile_source),
         ("optimizer", "?" if settings.optimizer is None else settings.optimizer),
-        ("predicted step time", f"{step_time * 1e3:.3f} ms"),
+        ("predicted pipeline run (before the optimizer)", f"{step_time * 1e3:.3f} ms"),
         (
             "bottleneck vs lower bound",
             f"{bottleneck * 1e3:.3f} ms vs {bound * 1e3:.3f} ms (+{over:.1f}%)",
