@@ -26,9 +26,7 @@ def add_parser(subparsers: Subparsers) -> None:
         "--out", required=True, type=Path, help="directory of the generated pipeline package"
     )
     p.add_argument(
-        "--profile-file",
-        type=Path,
-        help="profile.json to keep beside the package (optional)",
+        "--profile-file", type=Path, help="profile.json to keep beside the package (optional)"
     )
     package_options(p)
     p.set_defaults(func=cmd_generate)

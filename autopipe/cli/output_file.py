@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from pathlib import Path
+
+from ..runtime.core.paths import names_a_directory
 
 __all__ = ["output_file"]
 
@@ -17,8 +18,7 @@ def output_file(example: str) -> Callable[[str], Path]:
 
     def file(value: str) -> Path:
         path = Path(value)
-        separators = tuple(sep for sep in (os.sep, os.altsep) if sep)
-        if value.endswith(separators) or path.is_dir():
+        if names_a_directory(value):
             raise argparse.ArgumentTypeError(
                 f"{value} is a directory; give the file to write, e.g. {path / example}"
             )

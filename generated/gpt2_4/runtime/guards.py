@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .core.errors import PipelineRunError, first_line
 from .core.manifest import changed_files
+from .core.paths import names_a_directory
 from .failures import error_log_directory
 from .huggingface import directory_problem
 
@@ -38,9 +39,6 @@ __all__ = [
     "replace_atomically",
     "write_atomically",
 ]
-
-#: what a path naming a directory may end with
-_SEPARATORS = tuple(sep for sep in (os.sep, os.altsep) if sep)
 
 
 class RankFailedError(PipelineRunError):
@@ -161,7 +159,7 @@ def output_problems(
         if value is None:
             continue
         path = Path(value)
-        if path.is_dir() or value.endswith(_SEPARATORS):  # Path("ck/") would be a file ck
+        if names_a_directory(value):
             problems.append(
                 f"{option} {value} is a directory; give a file, e.g. {path / example}"
                 + (
