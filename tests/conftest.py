@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -67,6 +68,27 @@ def compile_model(name: str, out: Path, stages: int, *, share: bool = True, **op
         shutil.copytree(out, folder, dirs_exist_ok=True)
         _SHARED[key] = (folder, result)
     return result
+
+
+#: a CPU as --device-spec cpu measures one (one thread): figures of its kind, fixed
+CPU_SPEC = {
+    "name": "cpu (test, 1 thread)",
+    "flops": {"float32": 5e10, "default": 5e10},
+    "memory_bandwidth": 1e10,
+    "memory": 16 * 1024**3,
+    "link_bandwidth": 1.5e9,
+    "compute_efficiency": 1.0,
+    "memory_efficiency": 1.0,
+    "kernel_overhead": 5e-6,
+    "device_type": "cpu",
+}
+
+
+def cpu_spec_file(folder: Path) -> Path:
+    """:data:`CPU_SPEC` written as ``folder/cpu.json``, for ``--device-spec``."""
+    path = folder / "cpu.json"
+    path.write_text(json.dumps(CPU_SPEC))
+    return path
 
 
 def _file_stamp(model_spec: str) -> tuple[int, int] | None:

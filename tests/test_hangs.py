@@ -44,7 +44,7 @@ from autopipe.runtime.stragglers import (
     slowest,
 )
 
-from conftest import ROOT, compile_model, torchrun_command, torchrun_env
+from conftest import ROOT, compile_model, cpu_spec_file, torchrun_command, torchrun_env
 
 PLANTED = ROOT / "tests" / "planted_train.py"
 TIMEOUT = 6  # --timeout of the hang runs: small, so that the suite stays fast
@@ -423,24 +423,8 @@ def package(tmp_path_factory) -> Path:
     Planned for a CPU (a spec of CPU-like figures, named as `--device-spec cpu` names one), so
     that its runs compare their stages with the plan."""
     root = tmp_path_factory.mktemp("hangs")
-    cpu = root / "cpu.json"
-    cpu.write_text(json.dumps(CPU_SPEC))
-    compile_model("gpt2", root / "pipe", 2, device_spec=str(cpu))
+    compile_model("gpt2", root / "pipe", 2, device_spec=str(cpu_spec_file(root)))
     return root / "pipe"
-
-
-#: a CPU as --device-spec cpu measures one (one thread)
-CPU_SPEC = {
-    "name": "cpu (test, 1 thread)",
-    "flops": {"float32": 5e10, "default": 5e10},
-    "memory_bandwidth": 1e10,
-    "memory": 16 * 1024**3,
-    "link_bandwidth": 1.5e9,
-    "compute_efficiency": 1.0,
-    "memory_efficiency": 1.0,
-    "kernel_overhead": 5e-6,
-    "device_type": "cpu",
-}
 
 
 class Planted:

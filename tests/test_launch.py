@@ -7,7 +7,6 @@ names the numbers to change when torchrun starts another layout."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -20,7 +19,7 @@ import pytest
 from autopipe.partitioning.network import node_layout
 from autopipe.runtime.parallel import world_size_problem
 
-from conftest import ROOT, compile_model, torchrun_env
+from conftest import ROOT, compile_model, cpu_spec_file, torchrun_env
 
 
 def test_node_layout_takes_the_fewest_equal_nodes():
@@ -44,24 +43,11 @@ def packages(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("launch")
     compile_model("mlp_with_target", root / "one_node", 2, loss="tests/models.py:mse")
     compile_model("gpt2", root / "two_nodes", 2, dp_shard=2, gpus_per_node=2)
-    cpu = root / "cpu.json"
-    cpu.write_text(json.dumps(CPU_SPEC))
     compile_model(
         "mlp_with_target", root / "cpu_node", 2, loss="tests/models.py:mse",
-        device_spec=str(cpu), gpus_per_node=2,
+        device_spec=str(cpu_spec_file(root)), gpus_per_node=2,
     )  # fmt: skip
     return {name: root / name for name in ("one_node", "two_nodes", "cpu_node")}
-
-
-#: a CPU's figures, as --device-spec cpu measures them
-CPU_SPEC = {
-    "name": "cpu (test)",
-    "flops": {"float32": 5e10, "default": 5e10},
-    "memory_bandwidth": 1e10,
-    "memory": 16 * 1024**3,
-    "link_bandwidth": 1.5e9,
-    "device_type": "cpu",
-}
 
 
 def test_the_script_asks_for_the_plans_processes(packages):
